@@ -1,0 +1,1 @@
+//! `.npz` archives (being written).

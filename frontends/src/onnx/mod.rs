@@ -1,0 +1,1 @@
+//! ONNX importer (being written).

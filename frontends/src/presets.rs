@@ -1,0 +1,1 @@
+//! GPT / Llama / MoE presets (being written).

@@ -1,0 +1,24 @@
+//! hzp's intermediate representation.
+//!
+//! A [`Program`] is an arena of [`Value`]s and [`Node`]s addressed by typed ids
+//! ([`ValueId`], [`NodeId`]), nodes kept in topological order. Values have a dtype and a
+//! static shape. Parameters (trainable) are kept apart from constants. The op set covers
+//! compute (forward, later backward and optimizer), collectives on groups of a hierarchical
+//! [`Mesh`], memory ops and stream events.
+//!
+//! The text form ([`text`]) prints deterministically and parses back to the same program.
+
+pub mod dtype;
+pub mod mesh;
+pub mod op;
+pub mod program;
+pub mod tensor;
+pub mod verify;
+
+pub use dtype::{numel, DType, Shape, TensorType};
+pub use mesh::{Group, Mesh, MeshAxis};
+pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
+pub use program::{Const, NameSet, Node, NodeId, Param, Program, Value, ValueDef, ValueId};
+pub use tensor::{Data, Tensor};
+pub use verify::{verify, VerifyError};
+pub mod text;

@@ -1,0 +1,143 @@
+//! Hierarchical device meshes and the groups collectives run on.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// One named mesh axis (e.g. `node=16`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MeshAxis {
+    pub name: String,
+    pub size: usize,
+}
+
+/// A data-parallel world as named axes, outermost first, innermost (fastest links) last.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Mesh {
+    pub axes: Vec<MeshAxis>,
+}
+
+impl Mesh {
+    /// Parses `node=16,gpu=8`. An axis may be split: `gpu=2x4` becomes `gpu.0=2,gpu.1=4`.
+    pub fn parse(s: &str) -> Result<Mesh, String> {
+        let mut axes = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, size) = part
+                .split_once('=')
+                .ok_or_else(|| format!("mesh axis `{part}` must look like NAME=SIZE (e.g. gpu=8)"))?;
+            let name = name.trim();
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            {
+                return Err(format!("mesh axis name `{name}` must be alphanumeric"));
+            }
+            let factors: Vec<&str> = size.split('x').collect();
+            let mut parsed = Vec::new();
+            for f in &factors {
+                let n: usize = f.trim().parse().map_err(|_| {
+                    format!("mesh axis `{name}` has size `{size}`, which is not a positive integer (or AxB split)")
+                })?;
+                if n == 0 {
+                    return Err(format!("mesh axis `{name}` has size 0"));
+                }
+                parsed.push(n);
+            }
+            if parsed.len() == 1 {
+                axes.push(MeshAxis {
+                    name: name.to_string(),
+                    size: parsed[0],
+                });
+            } else {
+                for (i, n) in parsed.into_iter().enumerate() {
+                    axes.push(MeshAxis {
+                        name: format!("{name}.{i}"),
+                        size: n,
+                    });
+                }
+            }
+        }
+        if axes.is_empty() {
+            return Err("mesh is empty: give at least one axis, e.g. gpu=8".into());
+        }
+        for (i, a) in axes.iter().enumerate() {
+            if axes[..i].iter().any(|b| b.name == a.name) {
+                return Err(format!("mesh axis `{}` appears twice", a.name));
+            }
+        }
+        Ok(Mesh { axes })
+    }
+
+    /// Total number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.axes.iter().map(|a| a.size).product()
+    }
+
+    pub fn axis(&self, name: &str) -> Option<&MeshAxis> {
+        self.axes.iter().find(|a| a.name == name)
+    }
+
+    /// Size of a group: product of its axes' sizes; `None` if an axis is not in the mesh.
+    pub fn group_size(&self, group: &Group) -> Option<usize> {
+        group
+            .axes
+            .iter()
+            .map(|n| self.axis(n).map(|a| a.size))
+            .product()
+    }
+}
+
+impl fmt::Display for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, a) in self.axes.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{}={}", a.name, a.size)?;
+        }
+        Ok(())
+    }
+}
+
+/// A set of mesh axes. The ranks of a rank's group are those that differ from it only in
+/// these axes, so one SPMD program describes every rank.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Group {
+    pub axes: Vec<String>,
+}
+
+impl Group {
+    pub fn new<S: Into<String>>(axes: impl IntoIterator<Item = S>) -> Group {
+        Group {
+            axes: axes.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl fmt::Display for Group {
+    /// `[node,gpu]`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}]", self.axes.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_nested_and_split_axes() {
+        let m = Mesh::parse("node=16,gpu=2x4").unwrap();
+        assert_eq!(m.world_size(), 128);
+        assert_eq!(m.to_string(), "node=16,gpu.0=2,gpu.1=4");
+        assert_eq!(m.group_size(&Group::new(["gpu.0", "gpu.1"])), Some(8));
+        assert_eq!(m.group_size(&Group::new(["tpu"])), None);
+    }
+
+    #[test]
+    fn rejects_bad_meshes() {
+        for bad in ["", "gpu", "gpu=0", "gpu=x", "gpu=2,gpu=2", "g u=2"] {
+            assert!(Mesh::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,403 @@
+//! Programs: an arena of values and nodes with typed ids, in topological order.
+
+use crate::dtype::TensorType;
+use crate::mesh::Mesh;
+use crate::op::{Op, StreamKind};
+use crate::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+
+/// Index of a value in [`Program::values`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ValueId(pub u32);
+
+/// Index of a node in [`Program::nodes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NodeId(pub u32);
+
+impl ValueId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl NodeId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for ValueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "v{}", self.0)
+    }
+}
+
+/// Where a value comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ValueDef {
+    /// A graph input fed at run time (token ids, masks, labels).
+    Input,
+    /// A trainable parameter (its data, if any, is in [`Program::params`]).
+    Param,
+    /// A constant (data in [`Program::consts`]).
+    Const,
+    /// Output `slot` of node `node`.
+    Node { node: NodeId, slot: u32 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Value {
+    /// Unique within the program. Parameters keep their ONNX initializer names.
+    pub name: String,
+    pub ty: TensorType,
+    pub def: ValueDef,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    /// The user's name for the node (the ONNX node name where there was one).
+    pub name: String,
+    pub op: Op,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    pub stream: StreamKind,
+}
+
+/// A trainable parameter. `data` is `None` for shapes-only programs (presets).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Param {
+    pub value: ValueId,
+    pub data: Option<Tensor>,
+}
+
+/// A constant: never trained, always has data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Const {
+    pub value: ValueId,
+    pub data: Tensor,
+}
+
+/// A program: values and nodes in an arena; `nodes` is in topological order (the verifier
+/// checks it), which is also the order a single-stream executor runs them in.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    pub name: String,
+    pub mesh: Option<Mesh>,
+    pub values: Vec<Value>,
+    pub nodes: Vec<Node>,
+    pub inputs: Vec<ValueId>,
+    pub params: Vec<Param>,
+    pub consts: Vec<Const>,
+    pub outputs: Vec<ValueId>,
+}
+
+impl Program {
+    pub fn new(name: impl Into<String>) -> Program {
+        Program {
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    fn push_value(&mut self, name: String, ty: TensorType, def: ValueDef) -> ValueId {
+        let id = ValueId(self.values.len() as u32);
+        self.values.push(Value { name, ty, def });
+        id
+    }
+
+    pub fn add_input(&mut self, name: impl Into<String>, ty: TensorType) -> ValueId {
+        let id = self.push_value(name.into(), ty, ValueDef::Input);
+        self.inputs.push(id);
+        id
+    }
+
+    pub fn add_param(
+        &mut self,
+        name: impl Into<String>,
+        ty: TensorType,
+        data: Option<Tensor>,
+    ) -> ValueId {
+        let id = self.push_value(name.into(), ty, ValueDef::Param);
+        self.params.push(Param { value: id, data });
+        id
+    }
+
+    pub fn add_const(&mut self, name: impl Into<String>, data: Tensor) -> ValueId {
+        let id = self.push_value(name.into(), data.ty(), ValueDef::Const);
+        self.consts.push(Const { value: id, data });
+        id
+    }
+
+    /// Appends a node; output types come from the op's type rule. `out_names` names the
+    /// outputs (one per output); an error names the node.
+    pub fn add_node(
+        &mut self,
+        name: impl Into<String>,
+        op: Op,
+        inputs: Vec<ValueId>,
+        out_names: Vec<String>,
+    ) -> Result<Vec<ValueId>, String> {
+        let name = name.into();
+        let tys: Vec<&TensorType> = inputs.iter().map(|&v| &self.values[v.index()].ty).collect();
+        let out_tys = op
+            .infer(&tys, self.mesh.as_ref())
+            .map_err(|e| format!("node `{name}`: {e}"))?;
+        if out_names.len() != out_tys.len() {
+            return Err(format!(
+                "node `{name}`: {} has {} outputs, {} names were given",
+                op.name(),
+                out_tys.len(),
+                out_names.len()
+            ));
+        }
+        let node = NodeId(self.nodes.len() as u32);
+        let outputs = out_tys
+            .into_iter()
+            .zip(out_names)
+            .enumerate()
+            .map(|(slot, (ty, n))| {
+                self.push_value(
+                    n,
+                    ty,
+                    ValueDef::Node {
+                        node,
+                        slot: slot as u32,
+                    },
+                )
+            })
+            .collect::<Vec<_>>();
+        self.nodes.push(Node {
+            name,
+            op,
+            inputs,
+            outputs: outputs.clone(),
+            stream: StreamKind::Compute,
+        });
+        Ok(outputs)
+    }
+
+    pub fn value(&self, id: ValueId) -> &Value {
+        &self.values[id.index()]
+    }
+
+    pub fn ty(&self, id: ValueId) -> &TensorType {
+        &self.values[id.index()].ty
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.index()]
+    }
+
+    /// The node that produces `id`, if any.
+    pub fn producer(&self, id: ValueId) -> Option<NodeId> {
+        match self.values[id.index()].def {
+            ValueDef::Node { node, .. } => Some(node),
+            _ => None,
+        }
+    }
+
+    pub fn param(&self, id: ValueId) -> Option<&Param> {
+        self.params.iter().find(|p| p.value == id)
+    }
+
+    pub fn const_data(&self, id: ValueId) -> Option<&Tensor> {
+        self.consts.iter().find(|c| c.value == id).map(|c| &c.data)
+    }
+
+    /// Name -> value, for lookups by the user's names.
+    pub fn names(&self) -> HashMap<&str, ValueId> {
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.name.as_str(), ValueId(i as u32)))
+            .collect()
+    }
+
+    pub fn find_value(&self, name: &str) -> Option<ValueId> {
+        self.values
+            .iter()
+            .position(|v| v.name == name)
+            .map(|i| ValueId(i as u32))
+    }
+
+    /// For each value, the nodes that read it (in node order).
+    pub fn users(&self) -> Vec<Vec<NodeId>> {
+        let mut users = vec![Vec::new(); self.values.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            for &v in &n.inputs {
+                let u: &mut Vec<NodeId> = &mut users[v.index()];
+                if u.last() != Some(&NodeId(i as u32)) {
+                    u.push(NodeId(i as u32));
+                }
+            }
+        }
+        users
+    }
+
+    /// Total number of parameter elements.
+    pub fn num_parameters(&self) -> u64 {
+        self.params
+            .iter()
+            .map(|p| self.ty(p.value).numel() as u64)
+            .sum()
+    }
+
+    /// Removes nodes, constants and values that no output depends on, and renumbers ids
+    /// densely, keeping relative order (so printing stays deterministic). Inputs and
+    /// parameters are kept even when unused: they are part of the program's interface.
+    pub fn eliminate_dead_code(&mut self) {
+        let mut live_v = vec![false; self.values.len()];
+        let mut live_n = vec![false; self.nodes.len()];
+        for &o in &self.outputs {
+            live_v[o.index()] = true;
+        }
+        for v in self.inputs.iter().chain(self.params.iter().map(|p| &p.value)) {
+            live_v[v.index()] = true;
+        }
+        for (i, n) in self.nodes.iter().enumerate().rev() {
+            // side-effecting ops (collectives, events, frees) are kept
+            let effect = matches!(
+                n.op,
+                Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. }
+            ) || n.op.is_collective();
+            if effect || n.outputs.iter().any(|o| live_v[o.index()]) {
+                live_n[i] = true;
+                for &v in &n.inputs {
+                    live_v[v.index()] = true;
+                }
+                for &o in &n.outputs {
+                    live_v[o.index()] = true;
+                }
+            }
+        }
+        self.retain(&live_v, &live_n);
+    }
+
+    /// Keeps the marked values and nodes, renumbering densely in order.
+    fn retain(&mut self, live_v: &[bool], live_n: &[bool]) {
+        let mut vmap = vec![u32::MAX; self.values.len()];
+        let mut values = Vec::new();
+        for (i, v) in self.values.iter().enumerate() {
+            if live_v[i] {
+                vmap[i] = values.len() as u32;
+                values.push(v.clone());
+            }
+        }
+        let mut nodes = Vec::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            if live_n[i] {
+                let id = NodeId(nodes.len() as u32);
+                let mut n = n.clone();
+                for v in n.inputs.iter_mut().chain(n.outputs.iter_mut()) {
+                    *v = ValueId(vmap[v.index()]);
+                }
+                for (slot, o) in n.outputs.iter().enumerate() {
+                    values[o.index()].def = ValueDef::Node {
+                        node: id,
+                        slot: slot as u32,
+                    };
+                }
+                nodes.push(n);
+            }
+        }
+        let remap = |v: &ValueId| ValueId(vmap[v.index()]);
+        self.inputs = self.inputs.iter().map(remap).collect();
+        self.outputs = self.outputs.iter().map(remap).collect();
+        self.params = self
+            .params
+            .iter()
+            .map(|p| Param {
+                value: remap(&p.value),
+                data: p.data.clone(),
+            })
+            .collect();
+        self.consts = self
+            .consts
+            .iter()
+            .filter(|c| live_v[c.value.index()])
+            .map(|c| Const {
+                value: remap(&c.value),
+                data: c.data.clone(),
+            })
+            .collect();
+        self.values = values;
+        self.nodes = nodes;
+    }
+}
+
+/// Hands out names that do not collide with names already in use.
+#[derive(Debug, Default, Clone)]
+pub struct NameSet {
+    used: HashSet<String>,
+}
+
+impl NameSet {
+    pub fn from_program(p: &Program) -> NameSet {
+        NameSet {
+            used: p.values.iter().map(|v| v.name.clone()).collect(),
+        }
+    }
+
+    /// Marks `name` used; returns false if it already was.
+    pub fn insert(&mut self, name: &str) -> bool {
+        self.used.insert(name.to_string())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.used.contains(name)
+    }
+
+    /// `base` if free, else `base.1`, `base.2`, ...; the result is marked used.
+    pub fn fresh(&mut self, base: &str) -> String {
+        if self.used.insert(base.to_string()) {
+            return base.to_string();
+        }
+        let mut i = 1usize;
+        loop {
+            let cand = format!("{base}.{i}");
+            if self.used.insert(cand.clone()) {
+                return cand;
+            }
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::op::BinaryOp;
+
+    #[test]
+    fn dead_code_is_removed_and_ids_stay_dense() {
+        let mut p = Program::new("t");
+        let x = p.add_input("x", TensorType::new(DType::F32, vec![2]));
+        let c = p.add_const("c", Tensor::f32(vec![2], vec![1.0, 2.0]));
+        let dead = p.add_const("dead", Tensor::f32(vec![2], vec![0.0, 0.0]));
+        let d = p
+            .add_node("unused", Op::Binary(BinaryOp::Mul), vec![x, dead], vec!["d".into()])
+            .unwrap();
+        let y = p
+            .add_node("add", Op::Binary(BinaryOp::Add), vec![x, c], vec!["y".into()])
+            .unwrap();
+        p.outputs = vec![y[0]];
+        let _ = d;
+        p.eliminate_dead_code();
+        assert_eq!(p.nodes.len(), 1);
+        assert_eq!(p.consts.len(), 1);
+        assert_eq!(p.values.len(), 3);
+        assert_eq!(p.value(p.outputs[0]).name, "y");
+        crate::verify::verify(&p).unwrap();
+    }
+
+    #[test]
+    fn fresh_names_do_not_collide() {
+        let mut n = NameSet::default();
+        assert_eq!(n.fresh("a"), "a");
+        assert_eq!(n.fresh("a"), "a.1");
+        assert_eq!(n.fresh("a"), "a.2");
+    }
+}

@@ -1,0 +1,161 @@
+//! The program verifier: SSA, topological order (hence acyclicity), names, and types.
+//! Runs after import and between passes; every error names the node or value.
+
+use crate::program::{NodeId, Program, ValueDef, ValueId};
+use std::collections::HashSet;
+use std::fmt;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyError {
+    /// The node (its user-given name) or value the problem is about.
+    pub location: String,
+    pub message: String,
+}
+
+impl fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.location, self.message)
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
+fn err(location: impl Into<String>, message: impl Into<String>) -> VerifyError {
+    VerifyError {
+        location: location.into(),
+        message: message.into(),
+    }
+}
+
+/// Checks the program; returns the first problem found.
+pub fn verify(p: &Program) -> Result<(), VerifyError> {
+    let nv = p.values.len();
+    let in_range = |v: ValueId| v.index() < nv;
+
+    // Names: non-empty and unique.
+    let mut names = HashSet::new();
+    for v in &p.values {
+        if v.name.is_empty() {
+            return Err(err("value", "has an empty name"));
+        }
+        if !names.insert(v.name.as_str()) {
+            return Err(err(format!("value `{}`", v.name), "name is defined twice"));
+        }
+    }
+
+    // Every value is defined exactly once, by what its `def` says.
+    let mut defined = vec![false; nv];
+    let define = |defined: &mut Vec<bool>, v: ValueId, what: &str| -> Result<(), VerifyError> {
+        if !in_range(v) {
+            return Err(err(what.to_string(), format!("refers to missing value {v}")));
+        }
+        if std::mem::replace(&mut defined[v.index()], true) {
+            return Err(err(
+                format!("value `{}`", p.values[v.index()].name),
+                "is defined twice (not SSA)",
+            ));
+        }
+        Ok(())
+    };
+    for &v in &p.inputs {
+        define(&mut defined, v, "input list")?;
+        if p.values[v.index()].def != ValueDef::Input {
+            return Err(err(format!("input `{}`", p.value(v).name), "is not marked as an input"));
+        }
+    }
+    for prm in &p.params {
+        define(&mut defined, prm.value, "parameter list")?;
+        let val = p.value(prm.value);
+        if val.def != ValueDef::Param {
+            return Err(err(format!("parameter `{}`", val.name), "is not marked as a parameter"));
+        }
+        if let Some(d) = &prm.data {
+            if d.ty() != val.ty {
+                return Err(err(
+                    format!("parameter `{}`", val.name),
+                    format!("data is {} but the value is {}", d.ty(), val.ty),
+                ));
+            }
+        }
+    }
+    for c in &p.consts {
+        define(&mut defined, c.value, "constant list")?;
+        let val = p.value(c.value);
+        if val.def != ValueDef::Const {
+            return Err(err(format!("constant `{}`", val.name), "is not marked as a constant"));
+        }
+        if c.data.ty() != val.ty {
+            return Err(err(
+                format!("constant `{}`", val.name),
+                format!("data is {} but the value is {}", c.data.ty(), val.ty),
+            ));
+        }
+    }
+
+    // Nodes in order: inputs defined before use (this also rules out cycles), outputs
+    // defined here, types as the op's rule says.
+    for (i, n) in p.nodes.iter().enumerate() {
+        let loc = || format!("node `{}` ({})", n.name, n.op.name());
+        for &v in &n.inputs {
+            if !in_range(v) {
+                return Err(err(loc(), format!("reads missing value {v}")));
+            }
+            if !defined[v.index()] {
+                return Err(err(
+                    loc(),
+                    format!(
+                        "reads `{}` before it is defined (nodes out of order or a cycle)",
+                        p.value(v).name
+                    ),
+                ));
+            }
+        }
+        for (slot, &o) in n.outputs.iter().enumerate() {
+            define(&mut defined, o, &loc())?;
+            let want = ValueDef::Node {
+                node: NodeId(i as u32),
+                slot: slot as u32,
+            };
+            if p.value(o).def != want {
+                return Err(err(
+                    loc(),
+                    format!("output `{}` does not point back at this node", p.value(o).name),
+                ));
+            }
+        }
+        let tys: Vec<_> = n.inputs.iter().map(|&v| p.ty(v)).collect();
+        let out = n.op.infer(&tys, p.mesh.as_ref()).map_err(|e| err(loc(), e))?;
+        if out.len() != n.outputs.len() {
+            return Err(err(
+                loc(),
+                format!("has {} outputs, the op makes {}", n.outputs.len(), out.len()),
+            ));
+        }
+        for (t, &o) in out.iter().zip(&n.outputs) {
+            if *t != p.value(o).ty {
+                return Err(err(
+                    loc(),
+                    format!(
+                        "output `{}` is declared {} but the op makes {}",
+                        p.value(o).name,
+                        p.value(o).ty,
+                        t
+                    ),
+                ));
+            }
+        }
+    }
+
+    if let Some((i, _)) = defined.iter().enumerate().find(|(_, d)| !**d) {
+        return Err(err(
+            format!("value `{}`", p.values[i].name),
+            "is never defined",
+        ));
+    }
+    for &o in &p.outputs {
+        if !in_range(o) {
+            return Err(err("output list", format!("refers to missing value {o}")));
+        }
+    }
+    Ok(())
+}

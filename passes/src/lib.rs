@@ -1,0 +1,3 @@
+//! hzp's compiler passes.
+
+pub mod summary;

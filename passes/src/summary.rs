@@ -1,0 +1,1 @@
+//! Program summaries for `hzp show` (being written).

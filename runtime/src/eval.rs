@@ -1,0 +1,1 @@
+//! Program evaluation on the CPU (being written).

@@ -1,0 +1,5 @@
+//! hzp's runtime: CPU kernels and the program evaluator (later: the plan executor,
+//! communicators and the CUDA backend).
+
+pub mod cpu;
+pub mod eval;
