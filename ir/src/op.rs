@@ -35,10 +35,12 @@ pub enum UnaryOp {
     Sign,
     /// Logical not (bool only).
     Not,
+    /// Float -> bool: true where the element is NaN.
+    IsNaN,
 }
 
 impl UnaryOp {
-    pub const ALL: [UnaryOp; 20] = [
+    pub const ALL: [UnaryOp; 21] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
         UnaryOp::Exp,
@@ -59,6 +61,7 @@ impl UnaryOp {
         UnaryOp::Ceil,
         UnaryOp::Sign,
         UnaryOp::Not,
+        UnaryOp::IsNaN,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +86,7 @@ impl UnaryOp {
             UnaryOp::Ceil => "Ceil",
             UnaryOp::Sign => "Sign",
             UnaryOp::Not => "Not",
+            UnaryOp::IsNaN => "IsNaN",
         }
     }
 }
@@ -984,6 +988,9 @@ impl Op {
                     }
                     UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign => one(t.clone()),
                     UnaryOp::Not => one(t.clone()),
+                    UnaryOp::IsNaN if t.dtype.is_float() => {
+                        one(TensorType::new(DType::Bool, t.shape.clone()))
+                    }
                     _ if !t.dtype.is_float() => {
                         Err(format!("{name} needs a float input, got {}", t.dtype))
                     }
