@@ -1,1 +1,183 @@
-fn main() {}
+//! `hzp`: the command-line interface, a thin facade over the crates.
+
+mod commands;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "hzp",
+    version,
+    about = "Compile models into AsyncHZP training plans, inspect them, and run them",
+    long_about = "hzp reads a model (an ONNX file exported from PyTorch, hzp's own .hzp text IR, \
+or preset:NAME for shapes-only GPT/Llama/MoE configs) and turns it into IR that it can print, \
+summarize and evaluate on the CPU.\n\nBuilt so far: import, show, eval, bench. The training step \
+(grad, train), the AsyncHZP compiler (compile, inspect), the runtime (run, launch) and the \
+simulator (simulate, compare, scale) are not built yet: those commands say so and exit with code 2."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Flags that say how to read a model.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct ModelArgs {
+    /// The model: FILE.onnx, FILE.hzp, or preset:NAME[,key=value...] (e.g. preset:gpt3-175b,
+    /// preset:llama,layers=4,hidden=512).
+    pub model: String,
+    /// Bind symbolic input dims: NAME=AxBxC (repeat the flag or separate with commas),
+    /// e.g. --shape input_ids=8x2048.
+    #[arg(long = "shape", value_name = "NAME=AxB")]
+    pub shapes: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
+pub enum Format {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Import a model and write it as hzp text IR (to stdout, or to -o FILE.hzp with its
+    /// weights in FILE.weights.npz).
+    Import {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Take input shapes from the arrays of this .npz (keys = graph input names).
+        #[arg(long, value_name = "IN.npz")]
+        inputs: Option<PathBuf>,
+        /// Output .hzp file; its weights go beside it in <stem>.weights.npz.
+        #[arg(short, long, value_name = "OUT.hzp")]
+        output: Option<PathBuf>,
+    },
+    /// Summarize a model: parameters, per-layer table, op histogram, weight memory.
+    Show {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, value_name = "IN.npz")]
+        inputs: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+    /// Run the forward pass on the CPU and write the outputs (keyed by graph output names).
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Input arrays keyed by graph input name (extra keys are ignored).
+        #[arg(long, value_name = "IN.npz")]
+        inputs: PathBuf,
+        /// Where to write the outputs.
+        #[arg(short, long, value_name = "OUT.npz")]
+        output: Option<PathBuf>,
+        /// Compare each output with the array of the same name in this .npz (or, for a
+        /// single output, with its only array that is not an input, e.g. `torch_out`).
+        #[arg(long, value_name = "REF.npz")]
+        reference: Option<PathBuf>,
+        /// Largest allowed absolute difference from --reference (exit 1 above it).
+        #[arg(long, default_value_t = 1e-4)]
+        tolerance: f64,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+    /// Benchmarks: `hzp bench import MODEL` times reading + verifying a model and reports
+    /// peak memory.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+    /// [not built yet] Gradients of a loss (the training-step milestone).
+    Grad(NotBuilt),
+    /// [not built yet] Train on one CPU rank (the training-step milestone).
+    Train(NotBuilt),
+    /// [not built yet] Compile an AsyncHZP plan for a mesh (the compiler milestone).
+    Compile(NotBuilt),
+    /// [not built yet] Inspect a compiled plan (the compiler milestone).
+    Inspect(NotBuilt),
+    /// [not built yet] Run a compiled plan on N ranks (the runtime milestone).
+    Run(NotBuilt),
+    /// [not built yet] Launch one process per GPU (the runtime milestone).
+    Launch(NotBuilt),
+    /// [not built yet] Simulate a plan on a modeled cluster (the simulator milestone).
+    Simulate(NotBuilt),
+    /// [not built yet] Compare strategies on a model and cluster (the simulator milestone).
+    Compare(NotBuilt),
+    /// [not built yet] Weak-scaling table (the simulator milestone).
+    Scale(NotBuilt),
+}
+
+#[derive(clap::Args)]
+struct NotBuilt {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    rest: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Time and peak memory of reading and verifying a model's forward program.
+    Import {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Repetitions (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        repeat: usize,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Import {
+            model,
+            inputs,
+            output,
+        } => commands::import(&model, inputs.as_deref(), output.as_deref()),
+        Command::Show {
+            model,
+            inputs,
+            format,
+        } => commands::show(&model, inputs.as_deref(), format),
+        Command::Eval {
+            model,
+            inputs,
+            output,
+            reference,
+            tolerance,
+            format,
+        } => commands::eval(
+            &model,
+            &inputs,
+            output.as_deref(),
+            reference.as_deref(),
+            tolerance,
+            format,
+        ),
+        Command::Bench {
+            what: BenchWhat::Import { model, repeat },
+        } => commands::bench_import(&model, repeat),
+        Command::Grad(_) | Command::Train(_) => not_built("this command", "the training step"),
+        Command::Compile(_) | Command::Inspect(_) => {
+            not_built("this command", "the AsyncHZP compiler")
+        }
+        Command::Run(_) | Command::Launch(_) => not_built("this command", "the runtime"),
+        Command::Simulate(_) | Command::Compare(_) | Command::Scale(_) => {
+            not_built("this command", "the simulator")
+        }
+    };
+    if let Err(e) = result {
+        eprintln!("{e:?}");
+        std::process::exit(1);
+    }
+}
+
+fn not_built(what: &str, milestone: &str) -> miette::Result<()> {
+    let cmd = std::env::args().nth(1).unwrap_or_else(|| what.to_string());
+    eprintln!(
+        "hzp {cmd}: not built yet. It belongs to {milestone}, which is planned but not \
+implemented in this version of hzp. Built so far: import, show, eval, bench."
+    );
+    std::process::exit(2);
+}

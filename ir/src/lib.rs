@@ -18,7 +18,9 @@ pub mod verify;
 pub use dtype::{numel, DType, Shape, TensorType};
 pub use mesh::{Group, Mesh, MeshAxis};
 pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
-pub use program::{Const, NameSet, Node, NodeId, Param, Program, Value, ValueDef, ValueId};
+pub use program::{
+    Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef, ValueId,
+};
 pub use tensor::{Data, Tensor};
 pub use verify::{verify, VerifyError};
 pub mod text;

@@ -1,6 +1,6 @@
 //! Programs: an arena of values and nodes with typed ids, in topological order.
 
-use crate::dtype::TensorType;
+use crate::dtype::{DType, TensorType};
 use crate::mesh::Mesh;
 use crate::op::{Op, StreamKind};
 use crate::tensor::Tensor;
@@ -43,6 +43,9 @@ pub enum ValueDef {
     Param,
     /// A constant (data in [`Program::consts`]).
     Const,
+    /// Persistent, non-trainable state carried from step to step (optimizer moments, the
+    /// step counter); see [`Program::states`].
+    State,
     /// Output `slot` of node `node`.
     Node { node: NodeId, slot: u32 },
 }
@@ -79,6 +82,32 @@ pub struct Const {
     pub data: Tensor,
 }
 
+/// Persistent state: starts as `init` (zeros when `None`) and changes only through
+/// [`Program::updates`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub value: ValueId,
+    pub init: Option<Tensor>,
+}
+
+/// After a step, `target` (a parameter or a state) takes the value of `value`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Update {
+    pub target: ValueId,
+    pub value: ValueId,
+}
+
+/// Mixed-precision policy of a training program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Precision {
+    /// dtype of the forward/backward compute copy of parameters and activations.
+    pub compute: DType,
+    /// dtype of the parameters themselves (the master weights) and optimizer states.
+    pub master: DType,
+    /// dtype in which losses and gradients are reduced.
+    pub reduce: DType,
+}
+
 /// A program: values and nodes in an arena; `nodes` is in topological order (the verifier
 /// checks it), which is also the order a single-stream executor runs them in.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -90,7 +119,11 @@ pub struct Program {
     pub inputs: Vec<ValueId>,
     pub params: Vec<Param>,
     pub consts: Vec<Const>,
+    pub states: Vec<State>,
     pub outputs: Vec<ValueId>,
+    /// State transitions of a training step (empty for a forward program).
+    pub updates: Vec<Update>,
+    pub precision: Option<Precision>,
 }
 
 impl Program {
@@ -127,6 +160,12 @@ impl Program {
     pub fn add_const(&mut self, name: impl Into<String>, data: Tensor) -> ValueId {
         let id = self.push_value(name.into(), data.ty(), ValueDef::Const);
         self.consts.push(Const { value: id, data });
+        id
+    }
+
+    pub fn add_state(&mut self, name: impl Into<String>, ty: TensorType, init: Option<Tensor>) -> ValueId {
+        let id = self.push_value(name.into(), ty, ValueDef::State);
+        self.states.push(State { value: id, init });
         id
     }
 
@@ -253,7 +292,15 @@ impl Program {
         for &o in &self.outputs {
             live_v[o.index()] = true;
         }
-        for v in self.inputs.iter().chain(self.params.iter().map(|p| &p.value)) {
+        for u in &self.updates {
+            live_v[u.value.index()] = true;
+        }
+        for v in self
+            .inputs
+            .iter()
+            .chain(self.params.iter().map(|p| &p.value))
+            .chain(self.states.iter().map(|s| &s.value))
+        {
             live_v[v.index()] = true;
         }
         for (i, n) in self.nodes.iter().enumerate().rev() {
@@ -320,6 +367,22 @@ impl Program {
             .map(|c| Const {
                 value: remap(&c.value),
                 data: c.data.clone(),
+            })
+            .collect();
+        self.states = self
+            .states
+            .iter()
+            .map(|s| State {
+                value: remap(&s.value),
+                init: s.init.clone(),
+            })
+            .collect();
+        self.updates = self
+            .updates
+            .iter()
+            .map(|u| Update {
+                target: remap(&u.target),
+                value: remap(&u.value),
             })
             .collect();
         self.values = values;

@@ -92,6 +92,22 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         }
     }
 
+    for st in &p.states {
+        define(&mut defined, st.value, "state list")?;
+        let val = p.value(st.value);
+        if val.def != ValueDef::State {
+            return Err(err(format!("state `{}`", val.name), "is not marked as a state"));
+        }
+        if let Some(d) = &st.init {
+            if d.ty() != val.ty {
+                return Err(err(
+                    format!("state `{}`", val.name),
+                    format!("initial data is {} but the value is {}", d.ty(), val.ty),
+                ));
+            }
+        }
+    }
+
     // Nodes in order: inputs defined before use (this also rules out cycles), outputs
     // defined here, types as the op's rule says.
     for (i, n) in p.nodes.iter().enumerate() {
@@ -155,6 +171,28 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
     for &o in &p.outputs {
         if !in_range(o) {
             return Err(err("output list", format!("refers to missing value {o}")));
+        }
+    }
+    let mut updated = HashSet::new();
+    for u in &p.updates {
+        if !in_range(u.target) || !in_range(u.value) {
+            return Err(err("update list", "refers to a missing value"));
+        }
+        let t = p.value(u.target);
+        if !matches!(t.def, ValueDef::Param | ValueDef::State) {
+            return Err(err(
+                format!("update of `{}`", t.name),
+                "only parameters and states can be updated",
+            ));
+        }
+        if !updated.insert(u.target) {
+            return Err(err(format!("update of `{}`", t.name), "is updated twice"));
+        }
+        if p.value(u.value).ty != t.ty {
+            return Err(err(
+                format!("update of `{}`", t.name),
+                format!("new value `{}` is {} but the target is {}", p.value(u.value).name, p.value(u.value).ty, t.ty),
+            ));
         }
     }
     Ok(())

@@ -1,3 +1,7 @@
 //! hzp's compiler passes.
 
+pub mod autodiff;
+pub mod emit;
 pub mod summary;
+pub mod ties;
+pub mod train;

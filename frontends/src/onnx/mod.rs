@@ -1,1 +1,84 @@
-//! ONNX importer (being written).
+//! ONNX importer: reads a `.onnx` file (opsets 13 to 21 of the default domain) exported from
+//! PyTorch (TorchScript or dynamo exporter) into an [`hzp_ir::Program`].
+//!
+//! What it does, in order:
+//! 1. decodes the protobuf ([`proto`], prost messages with ONNX's field numbers);
+//! 2. checks the opsets, that every name read is defined, orders the nodes topologically
+//!    (a cycle is an error naming its nodes) and finds the nodes the outputs depend on;
+//! 3. lists every op type it cannot translate in one error;
+//! 4. binds symbolic input dims from [`ImportOptions::shapes`] (one error lists every input
+//!    still unbound);
+//! 5. translates node by node, folding constants as it goes: a node whose inputs are all
+//!    known at import time is evaluated with hzp's CPU kernels and becomes a constant, so
+//!    shape subgraphs (`Shape -> Gather -> Unsqueeze -> Concat -> Reshape`) end as one
+//!    `Reshape` with a static target;
+//! 6. removes dead code and runs hzp's verifier.
+//!
+//! Which initializers become trainable parameters is described at
+//! [`graph::classify_params`](self) (in short: float initializers whose values meet run-time
+//! data; scalars, buffers and shape arithmetic stay constants). Parameter names are the
+//! initializer names exactly; graph inputs and outputs keep their ONNX names.
+//!
+//! Dtypes: hzp has no float64, so DOUBLE tensors and casts to DOUBLE are carried out in f32
+//! (documented precision loss); narrow integer *data* (INT8, UINT8, INT16, UINT16) is read as
+//! i32 and UINT32/UINT64 as i64, but casts to those types are rejected.
+
+mod error;
+mod graph;
+mod ops;
+pub mod proto;
+mod tensor;
+mod translate;
+
+pub use error::{ImportError, ImportErrorKind};
+pub use tensor::encode_tensor;
+
+use hzp_ir::Program;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Options of an import.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// Shapes for graph inputs, by input name (from `--shape input_ids=2x16` or from the
+    /// arrays of an inputs `.npz`). Needed for inputs with symbolic dims; an input whose
+    /// symbolic dims all appear in other bound inputs (e.g. `attention_mask [batch,
+    /// sequence]` next to a bound `input_ids [batch, sequence]`) is bound from them. Names
+    /// that are not graph inputs are ignored (an inputs `.npz` may hold reference outputs).
+    pub shapes: BTreeMap<String, Vec<usize>>,
+}
+
+/// Imports an ONNX file. The program is named after the file stem; external data is read
+/// from the file's folder.
+pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Program, ImportError> {
+    let display = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| {
+        ImportError::new(
+            &display,
+            ImportErrorKind::Io,
+            format!("the file cannot be read: {e}"),
+        )
+    })?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => Path::new(".").to_path_buf(),
+    };
+    import_bytes(&bytes, Some(&dir), &display, opts)
+}
+
+/// Imports an ONNX model from memory. `model_dir` is the folder external data paths are
+/// relative to (`None`: a model with external data is rejected); `display_name` names the
+/// model in errors and gives the program its name (its file stem).
+pub fn import_bytes(
+    bytes: &[u8],
+    model_dir: Option<&Path>,
+    display_name: &str,
+    opts: &ImportOptions,
+) -> Result<Program, ImportError> {
+    let stem = Path::new(display_name)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "model".to_string());
+    translate::import(bytes, model_dir, &stem, opts).map_err(|f| f.into_error(display_name))
+}
