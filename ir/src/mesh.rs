@@ -79,11 +79,9 @@ impl Mesh {
 
     /// Size of a group: product of its axes' sizes; `None` if an axis is not in the mesh.
     pub fn group_size(&self, group: &Group) -> Option<usize> {
-        group
-            .axes
-            .iter()
-            .map(|n| self.axis(n).map(|a| a.size))
-            .product()
+        group.axes.iter().try_fold(1usize, |acc, n| {
+            self.axis(n).and_then(|a| acc.checked_mul(a.size))
+        })
     }
 }
 

@@ -259,7 +259,7 @@ pub enum Op {
     LogSoftmax {
         axis: usize,
     },
-    /// (x, scale, [bias]): normalize over axes `axis..rank`.
+    /// (x, scale, bias?): normalize over axes `axis..rank`.
     LayerNorm {
         axis: usize,
         epsilon: f32,
@@ -345,7 +345,7 @@ pub enum Op {
     ScatterND {
         add: bool,
     },
-    /// (indices, values[2] = [off, on]): one-hot along `axis` (inserted dim) of size `depth`.
+    /// (indices, values = `[off, on]`): one-hot along `axis` (inserted dim) of size `depth`.
     OneHot {
         axis: usize,
         depth: usize,
@@ -1173,13 +1173,14 @@ impl Op {
             }
             Op::Reshape { shape } => {
                 check_arity(self, ins, 1, 1)?;
-                let n: usize = shape.iter().product();
-                if n != ins[0].numel() {
+                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+                if n != Some(ins[0].numel()) {
                     return Err(format!(
-                        "Reshape from {} to {} changes the element count ({} vs {n})",
+                        "Reshape from {} to {} changes the element count ({} vs {})",
                         fmt_shape(&ins[0].shape),
                         fmt_shape(shape),
-                        ins[0].numel()
+                        ins[0].numel(),
+                        n.map_or("overflow".to_string(), |n| n.to_string())
                     ));
                 }
                 one(TensorType::new(ins[0].dtype, shape.clone()))
@@ -1216,16 +1217,28 @@ impl Op {
                     if step == 0 {
                         return Err("Slice: step 0".into());
                     }
+                    // starts/ends are clamped to the dim, so the spans below cannot overflow;
+                    // the step may be anything, so divide without adding it.
                     let len = if step > 0 {
                         if st < 0 || en > dim {
                             return Err(format!("Slice: range {st}..{en} is outside dim {dim}"));
                         }
-                        if en > st { (en - st + step - 1) / step } else { 0 }
+                        if en > st {
+                            let span = (en - st) as u64;
+                            span.div_ceil(step as u64) as i64
+                        } else {
+                            0
+                        }
                     } else {
-                        if st >= dim || en < -1 {
+                        if st >= dim || en < -1 || st < -1 {
                             return Err(format!("Slice: range {st}..{en} (step {step}) is outside dim {dim}"));
                         }
-                        if st > en { (st - en + (-step) - 1) / (-step) } else { 0 }
+                        if st > en {
+                            let span = (st - en) as u64;
+                            span.div_ceil(step.unsigned_abs()) as i64
+                        } else {
+                            0
+                        }
                     };
                     s[a] = len as usize;
                 }
@@ -1238,7 +1251,7 @@ impl Op {
                 let first = ins[0];
                 check_axis(self, *axis, first.rank())?;
                 let mut s = first.shape.clone();
-                s[*axis] = 0;
+                let mut total = 0usize;
                 for t in ins {
                     if t.dtype != first.dtype || t.rank() != first.rank() {
                         return Err("Concat inputs differ in dtype or rank".into());
@@ -1252,14 +1265,18 @@ impl Op {
                             ));
                         }
                     }
-                    s[*axis] += t.shape[*axis];
+                    total = total
+                        .checked_add(t.shape[*axis])
+                        .ok_or("Concat: the result is too large")?;
                 }
+                s[*axis] = total;
                 one(TensorType::new(first.dtype, s))
             }
             Op::Split { axis, sizes } => {
                 check_arity(self, ins, 1, 1)?;
                 check_axis(self, *axis, ins[0].rank())?;
-                if sizes.iter().sum::<usize>() != ins[0].shape[*axis] {
+                let total = sizes.iter().try_fold(0usize, |a, &d| a.checked_add(d));
+                if total != Some(ins[0].shape[*axis]) {
                     return Err(format!(
                         "Split sizes {sizes:?} do not add up to dim {}",
                         ins[0].shape[*axis]
@@ -1290,10 +1307,14 @@ impl Op {
                 if repeats.len() != ins[0].rank() {
                     return Err("Tile: repeats must have one entry per dim".into());
                 }
-                one(TensorType::new(
-                    ins[0].dtype,
-                    ins[0].shape.iter().zip(repeats).map(|(d, r)| d * r).collect::<Vec<_>>(),
-                ))
+                let s = ins[0]
+                    .shape
+                    .iter()
+                    .zip(repeats)
+                    .map(|(d, r)| d.checked_mul(*r))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or("Tile: the result is too large")?;
+                one(TensorType::new(ins[0].dtype, s))
             }
             Op::Trilu { .. } => {
                 check_arity(self, ins, 1, 1)?;
@@ -1410,9 +1431,11 @@ impl Op {
                 let n = group_size(self, group, mesh)?;
                 let mut s = ins[0].shape.clone();
                 if matches!(self, Op::AllGather { .. }) {
-                    s[*axis] *= n;
+                    s[*axis] = s[*axis]
+                        .checked_mul(n)
+                        .ok_or("AllGather: the result is too large")?;
                 } else {
-                    if s[*axis] % n != 0 {
+                    if !s[*axis].is_multiple_of(n) {
                         return Err(format!(
                             "ReduceScatter: dim {} of {} is not divisible by the group size {n} (pad first)",
                             axis,
@@ -1438,11 +1461,13 @@ impl Op {
                 check_axis(self, *concat_axis, ins[0].rank())?;
                 let n = group_size(self, group, mesh)?;
                 let mut s = ins[0].shape.clone();
-                if s[*split_axis] % n != 0 {
+                if !s[*split_axis].is_multiple_of(n) {
                     return Err(format!("AllToAll: split dim is not divisible by the group size {n}"));
                 }
                 s[*split_axis] /= n;
-                s[*concat_axis] *= n;
+                s[*concat_axis] = s[*concat_axis]
+                    .checked_mul(n)
+                    .ok_or("AllToAll: the result is too large")?;
                 one(TensorType::new(ins[0].dtype, s))
             }
             Op::Broadcast { group, root } => {

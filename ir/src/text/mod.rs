@@ -1,4 +1,4 @@
-//! The text form of programs (`*.hzp`): a deterministic printer ([`print`]) and a parser
+//! The text form of programs (`*.hzp`): a deterministic printer ([`print()`]) and a parser
 //! ([`parse`]) that reads it back, so that `parse(&print(p), ..) == p` for every valid program
 //! (names, value numbering, streams, constant data, mesh, and parameter data supplied by the
 //! lookup).
@@ -34,6 +34,10 @@
 //! param %NAME : TYPE                   data, if any, from the weights lookup
 //! const %NAME : TYPE = [V, V, ...]     row-major literal (the printer inlines <= 16 elements)
 //! const %NAME : TYPE = @data           data from the weights lookup
+//! state %NAME : TYPE                   persistent state starting at zeros
+//! state %NAME : TYPE = [V, ...] | @data  persistent state with an initial value
+//! precision compute=DT, master=DT, reduce=DT   mixed-precision policy (training programs)
+//! update %TARGET = %VALUE              after a step, a parameter or state takes VALUE
 //! %OUT, ... = OP{KEY=ATTR, ...}(%IN, ...) : TYPE, ... "NODE NAME" @STREAM
 //! OP{KEY=ATTR, ...}(%IN, ...) "NODE NAME" @STREAM      a node without outputs
 //! output %NAME, ...                    may repeat; appends
@@ -86,7 +90,7 @@ pub fn const_is_inline(t: &Tensor) -> bool {
     t.numel() <= INLINE_CONST_LIMIT
 }
 
-/// Everything the weights file must hold for [`parse`] to rebuild `p` from [`print`]`(p)`:
+/// Everything the weights file must hold for [`parse`] to rebuild `p` from `print(p)`:
 /// every parameter that has data and every constant printed as `@data`, in program order
 /// (parameters first).
 pub fn sidecar_entries(p: &Program) -> Vec<(&str, &Tensor)> {
@@ -100,7 +104,13 @@ pub fn sidecar_entries(p: &Program) -> Vec<(&str, &Tensor)> {
         .iter()
         .filter(|c| !const_is_inline(&c.data))
         .map(|c| (name(c.value), &c.data));
-    params.chain(consts).collect()
+    let states = p.states.iter().filter_map(|s| {
+        s.init
+            .as_ref()
+            .filter(|t| !const_is_inline(t))
+            .map(|t| (name(s.value), t))
+    });
+    params.chain(consts).chain(states).collect()
 }
 
 /// Whether a value name prints bare after `%` (else it is quoted).

@@ -1,0 +1,811 @@
+//! Reverse-mode automatic differentiation over the IR.
+//!
+//! [`differentiate`] appends the backward graph of a scalar `loss` to a program and returns
+//! the gradient value of each requested parameter. Only float values on a path from a
+//! requested parameter to the loss are differentiated; integer and index paths never are.
+//! A value read by several nodes (a tied embedding, a residual) accumulates its gradients.
+//! An op on such a path without a gradient rule fails with the op and the node's name.
+
+use crate::emit::Emitter;
+use hzp_ir::{BinaryOp, Node, Op, Program, ReduceOp, UnaryOp, ValueId};
+use std::collections::HashMap;
+
+#[derive(Debug, thiserror::Error)]
+#[error("autodiff: {0}")]
+pub struct AutodiffError(pub String);
+
+/// Appends the backward graph of `loss` (a scalar float value of `p`) and returns, for each
+/// of `wrt` in order, the value holding d loss / d wrt (zeros if the loss does not depend
+/// on it). The program's outputs are left unchanged; callers add what they need.
+pub fn differentiate(
+    p: &mut Program,
+    loss: ValueId,
+    wrt: &[ValueId],
+) -> Result<Vec<ValueId>, AutodiffError> {
+    let lt = p.ty(loss).clone();
+    if !lt.dtype.is_float() || lt.numel() != 1 {
+        return Err(AutodiffError(format!(
+            "the loss `{}` must be a float scalar, it is {}",
+            p.value(loss).name,
+            lt
+        )));
+    }
+    let nv = p.values.len();
+    let forward_nodes = p.nodes.len();
+
+    // Forward sweep: which values depend on a requested parameter.
+    let mut depends = vec![false; nv];
+    for &w in wrt {
+        depends[w.index()] = true;
+    }
+    for n in &p.nodes {
+        if n.inputs.iter().any(|v| depends[v.index()]) {
+            for &o in &n.outputs {
+                depends[o.index()] = p.ty(o).dtype.is_float();
+            }
+        }
+    }
+    // Backward sweep: which values the loss depends on.
+    let mut reaches = vec![false; nv];
+    reaches[loss.index()] = true;
+    for n in p.nodes.iter().rev() {
+        if n.outputs.iter().any(|o| reaches[o.index()]) {
+            for &i in &n.inputs {
+                reaches[i.index()] = true;
+            }
+        }
+    }
+    let active: Vec<bool> = (0..nv)
+        .map(|i| depends[i] && reaches[i] && p.values[i].ty.dtype.is_float())
+        .collect();
+
+    let mut e = Emitter::new(p);
+    let mut grads: HashMap<ValueId, ValueId> = HashMap::new();
+    e.scope = "loss/seed".into();
+    let one = e.scalar(1.0, lt.dtype);
+    let seed = if lt.shape.is_empty() {
+        one
+    } else {
+        e.op(
+            Op::Reshape {
+                shape: lt.shape.clone(),
+            },
+            &[one],
+        )
+        .map_err(AutodiffError)?
+    };
+    grads.insert(loss, seed);
+
+    for ni in (0..forward_nodes).rev() {
+        let node = e.p.nodes[ni].clone();
+        if !node.outputs.iter().any(|o| active[o.index()]) {
+            continue;
+        }
+        let dys: Vec<Option<ValueId>> = node.outputs.iter().map(|o| grads.get(o).copied()).collect();
+        if dys.iter().all(Option::is_none) {
+            continue;
+        }
+        let want: Vec<bool> = node.inputs.iter().map(|i| active[i.index()]).collect();
+        if !want.iter().any(|&w| w) {
+            continue;
+        }
+        e.scope = format!("{}/bwd", node.name);
+        let dxs = rule(&mut e, &node, &dys, &want).map_err(|m| {
+            AutodiffError(format!("node `{}` ({}): {m}", node.name, node.op.name()))
+        })?;
+        for ((&x, dx), &w) in node.inputs.iter().zip(dxs).zip(&want) {
+            let (Some(dx), true) = (dx, w) else { continue };
+            let acc = match grads.get(&x) {
+                Some(&prev) => e
+                    .op(Op::Binary(BinaryOp::Add), &[prev, dx])
+                    .map_err(AutodiffError)?,
+                None => dx,
+            };
+            grads.insert(x, acc);
+        }
+    }
+
+    e.scope = "grad".into();
+    let mut out = Vec::new();
+    for &w in wrt {
+        let g = match grads.get(&w) {
+            Some(&g) => g,
+            None => {
+                let ty = e.ty(w).clone();
+                e.zeros(&ty).map_err(AutodiffError)?
+            }
+        };
+        out.push(g);
+    }
+    Ok(out)
+}
+
+type R<T> = Result<T, String>;
+
+fn bin(e: &mut Emitter, op: BinaryOp, a: ValueId, b: ValueId) -> R<ValueId> {
+    e.op(Op::Binary(op), &[a, b])
+}
+
+fn un(e: &mut Emitter, op: UnaryOp, a: ValueId) -> R<ValueId> {
+    e.op(Op::Unary(op), &[a])
+}
+
+fn mul(e: &mut Emitter, a: ValueId, b: ValueId) -> R<ValueId> {
+    bin(e, BinaryOp::Mul, a, b)
+}
+
+fn mulc(e: &mut Emitter, a: ValueId, c: f64) -> R<ValueId> {
+    let s = e.scalar(c, e.ty(a).dtype);
+    mul(e, a, s)
+}
+
+fn sub(e: &mut Emitter, a: ValueId, b: ValueId) -> R<ValueId> {
+    bin(e, BinaryOp::Sub, a, b)
+}
+
+fn reshape(e: &mut Emitter, a: ValueId, shape: &[usize]) -> R<ValueId> {
+    if e.shape(a) == shape {
+        return Ok(a);
+    }
+    e.op(
+        Op::Reshape {
+            shape: shape.to_vec(),
+        },
+        &[a],
+    )
+}
+
+fn reduce_keep(e: &mut Emitter, op: ReduceOp, a: ValueId, axes: Vec<usize>) -> R<ValueId> {
+    e.op(
+        Op::Reduce {
+            op,
+            axes,
+            keep_dims: true,
+        },
+        &[a],
+    )
+}
+
+/// Sums `g` (shaped like a broadcast result) down to `target`'s shape.
+pub fn unbroadcast(e: &mut Emitter, g: ValueId, target: &[usize]) -> R<ValueId> {
+    let s = e.shape(g);
+    if s == target {
+        return Ok(g);
+    }
+    let lead = s.len() - target.len().min(s.len());
+    let axes: Vec<usize> = (0..s.len())
+        .filter(|&i| i < lead || (target[i - lead] == 1 && s[i] != 1))
+        .collect();
+    let r = if axes.is_empty() {
+        g
+    } else {
+        reduce_keep(e, ReduceOp::Sum, g, axes)?
+    };
+    reshape(e, r, target)
+}
+
+fn swap_last2(e: &mut Emitter, a: ValueId) -> R<ValueId> {
+    let r = e.ty(a).rank();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    e.op(Op::Transpose { perm }, &[a])
+}
+
+fn where_(e: &mut Emitter, c: ValueId, a: ValueId, b: ValueId) -> R<ValueId> {
+    e.op(Op::Where, &[c, a, b])
+}
+
+/// Gradient rule of one node: for each input, its gradient contribution (None = none).
+fn rule(
+    e: &mut Emitter,
+    node: &Node,
+    dys: &[Option<ValueId>],
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let outs = &node.outputs;
+    // Most ops have one output; take its gradient.
+    let dy = dys[0];
+    let in_shape = |e: &Emitter, i: usize| e.shape(ins[i]);
+    let none = |n: usize| vec![None; n];
+    let Some(dy0) = dy.or_else(|| dys.iter().flatten().next().copied()) else {
+        return Ok(none(ins.len()));
+    };
+    let r = match &node.op {
+        Op::Identity | Op::Copy => vec![Some(dy0)],
+        Op::Cast { to } => {
+            let from = e.ty(ins[0]).dtype;
+            if from.is_float() && to.is_float() {
+                vec![Some(e.op(Op::Cast { to: from }, &[dy0])?)]
+            } else {
+                none(1)
+            }
+        }
+        Op::Unary(u) => {
+            let x = ins[0];
+            let y = outs[0];
+            let dt = e.ty(x).dtype;
+            let g = match u {
+                UnaryOp::Neg => Some(un(e, UnaryOp::Neg, dy0)?),
+                UnaryOp::Abs => {
+                    let s = un(e, UnaryOp::Sign, x)?;
+                    Some(mul(e, dy0, s)?)
+                }
+                UnaryOp::Exp => Some(mul(e, dy0, y)?),
+                UnaryOp::Log => Some(bin(e, BinaryOp::Div, dy0, x)?),
+                UnaryOp::Sqrt => {
+                    let t = bin(e, BinaryOp::Div, dy0, y)?;
+                    Some(mulc(e, t, 0.5)?)
+                }
+                UnaryOp::Rsqrt => {
+                    let y2 = mul(e, y, y)?;
+                    let y3 = mul(e, y2, y)?;
+                    let t = mul(e, dy0, y3)?;
+                    Some(mulc(e, t, -0.5)?)
+                }
+                UnaryOp::Reciprocal => {
+                    let y2 = mul(e, y, y)?;
+                    let t = mul(e, dy0, y2)?;
+                    Some(un(e, UnaryOp::Neg, t)?)
+                }
+                UnaryOp::Tanh => {
+                    let y2 = mul(e, y, y)?;
+                    let one = e.scalar(1.0, dt);
+                    let d = sub(e, one, y2)?;
+                    Some(mul(e, dy0, d)?)
+                }
+                UnaryOp::Sigmoid => {
+                    let one = e.scalar(1.0, dt);
+                    let d = sub(e, one, y)?;
+                    let d = mul(e, y, d)?;
+                    Some(mul(e, dy0, d)?)
+                }
+                UnaryOp::Erf => {
+                    // 2/sqrt(pi) * exp(-x^2)
+                    let x2 = mul(e, x, x)?;
+                    let nx2 = un(e, UnaryOp::Neg, x2)?;
+                    let ex = un(e, UnaryOp::Exp, nx2)?;
+                    let d = mulc(e, ex, 2.0 / std::f64::consts::PI.sqrt())?;
+                    Some(mul(e, dy0, d)?)
+                }
+                UnaryOp::Relu => {
+                    let zero = e.scalar(0.0, dt);
+                    let pos = bin(e, BinaryOp::Greater, x, zero)?;
+                    Some(where_(e, pos, dy0, zero)?)
+                }
+                UnaryOp::Gelu => {
+                    // Phi(x) + x * phi(x)
+                    let xs = mulc(e, x, std::f64::consts::FRAC_1_SQRT_2)?;
+                    let erf = un(e, UnaryOp::Erf, xs)?;
+                    let one = e.scalar(1.0, dt);
+                    let cdf = bin(e, BinaryOp::Add, erf, one)?;
+                    let cdf = mulc(e, cdf, 0.5)?;
+                    let x2 = mul(e, x, x)?;
+                    let a = mulc(e, x2, -0.5)?;
+                    let pdf = un(e, UnaryOp::Exp, a)?;
+                    let pdf = mulc(e, pdf, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+                    let xp = mul(e, x, pdf)?;
+                    let d = bin(e, BinaryOp::Add, cdf, xp)?;
+                    Some(mul(e, dy0, d)?)
+                }
+                UnaryOp::GeluTanh => {
+                    // y = 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3)
+                    let c = (2.0 / std::f64::consts::PI).sqrt();
+                    let x2 = mul(e, x, x)?;
+                    let x3 = mul(e, x2, x)?;
+                    let k = mulc(e, x3, 0.044715)?;
+                    let inner = bin(e, BinaryOp::Add, x, k)?;
+                    let u = mulc(e, inner, c)?;
+                    let t = un(e, UnaryOp::Tanh, u)?;
+                    let one = e.scalar(1.0, dt);
+                    let opt = bin(e, BinaryOp::Add, one, t)?;
+                    let left = mulc(e, opt, 0.5)?;
+                    let t2 = mul(e, t, t)?;
+                    let omt2 = sub(e, one, t2)?;
+                    let du = mulc(e, x2, 3.0 * 0.044715)?;
+                    let du = bin(e, BinaryOp::Add, du, one)?;
+                    let du = mulc(e, du, c)?;
+                    let right = mul(e, omt2, du)?;
+                    let right = mul(e, right, x)?;
+                    let right = mulc(e, right, 0.5)?;
+                    let d = bin(e, BinaryOp::Add, left, right)?;
+                    Some(mul(e, dy0, d)?)
+                }
+                UnaryOp::Silu => {
+                    // s (1 + x (1 - s))
+                    let s = un(e, UnaryOp::Sigmoid, x)?;
+                    let one = e.scalar(1.0, dt);
+                    let oms = sub(e, one, s)?;
+                    let t = mul(e, x, oms)?;
+                    let t = bin(e, BinaryOp::Add, t, one)?;
+                    let d = mul(e, s, t)?;
+                    Some(mul(e, dy0, d)?)
+                }
+                UnaryOp::Sin => {
+                    let c = un(e, UnaryOp::Cos, x)?;
+                    Some(mul(e, dy0, c)?)
+                }
+                UnaryOp::Cos => {
+                    let s = un(e, UnaryOp::Sin, x)?;
+                    let t = mul(e, dy0, s)?;
+                    Some(un(e, UnaryOp::Neg, t)?)
+                }
+                // Piecewise constant: zero gradient almost everywhere.
+                UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Sign => None,
+                UnaryOp::Not | UnaryOp::IsNaN => None,
+            };
+            vec![g]
+        }
+        Op::Binary(b) => {
+            let (x, y, out) = (ins[0], ins[1], outs[0]);
+            let (sx, sy) = (in_shape(e, 0), in_shape(e, 1));
+            let (gx, gy) = match b {
+                BinaryOp::Add => (Some(dy0), Some(dy0)),
+                BinaryOp::Sub => (Some(dy0), Some(un(e, UnaryOp::Neg, dy0)?)),
+                BinaryOp::Mul => (
+                    if want[0] { Some(mul(e, dy0, y)?) } else { None },
+                    if want[1] { Some(mul(e, dy0, x)?) } else { None },
+                ),
+                BinaryOp::Div => {
+                    let gx = bin(e, BinaryOp::Div, dy0, y)?;
+                    let gy = if want[1] {
+                        let t = mul(e, gx, out)?;
+                        Some(un(e, UnaryOp::Neg, t)?)
+                    } else {
+                        None
+                    };
+                    (Some(gx), gy)
+                }
+                BinaryOp::Pow => {
+                    let gx = if want[0] {
+                        let one = e.scalar(1.0, e.ty(y).dtype);
+                        let ym1 = sub(e, y, one)?;
+                        let pw = bin(e, BinaryOp::Pow, x, ym1)?;
+                        let t = mul(e, pw, y)?;
+                        Some(mul(e, dy0, t)?)
+                    } else {
+                        None
+                    };
+                    let gy = if want[1] {
+                        let lx = un(e, UnaryOp::Log, x)?;
+                        let t = mul(e, out, lx)?;
+                        Some(mul(e, dy0, t)?)
+                    } else {
+                        None
+                    };
+                    (gx, gy)
+                }
+                BinaryOp::Max | BinaryOp::Min => {
+                    let cmp = if *b == BinaryOp::Max {
+                        BinaryOp::GreaterOrEqual
+                    } else {
+                        BinaryOp::LessOrEqual
+                    };
+                    let mask = bin(e, cmp, x, y)?;
+                    let zero = e.scalar(0.0, e.ty(dy0).dtype);
+                    (
+                        Some(where_(e, mask, dy0, zero)?),
+                        Some(where_(e, mask, zero, dy0)?),
+                    )
+                }
+                BinaryOp::Mod => (Some(dy0), None),
+                _ => (None, None),
+            };
+            let gx = match gx {
+                Some(g) if want[0] => Some(unbroadcast(e, g, &sx)?),
+                _ => None,
+            };
+            let gy = match gy {
+                Some(g) if want[1] => Some(unbroadcast(e, g, &sy)?),
+                _ => None,
+            };
+            vec![gx, gy]
+        }
+        Op::Where => {
+            let zero = e.scalar(0.0, e.ty(dy0).dtype);
+            let c = ins[0];
+            let gx = if want[1] {
+                let g = where_(e, c, dy0, zero)?;
+                Some(unbroadcast(e, g, &in_shape(e, 1))?)
+            } else {
+                None
+            };
+            let gy = if want[2] {
+                let g = where_(e, c, zero, dy0)?;
+                Some(unbroadcast(e, g, &in_shape(e, 2))?)
+            } else {
+                None
+            };
+            vec![None, gx, gy]
+        }
+        Op::MatMul => matmul_rule(e, ins[0], ins[1], dy0, want)?,
+        Op::Softmax { axis } => {
+            let y = outs[0];
+            let t = mul(e, dy0, y)?;
+            let s = reduce_keep(e, ReduceOp::Sum, t, vec![*axis])?;
+            let d = sub(e, dy0, s)?;
+            vec![Some(mul(e, y, d)?)]
+        }
+        Op::LogSoftmax { axis } => {
+            let y = outs[0];
+            let p = un(e, UnaryOp::Exp, y)?;
+            let s = reduce_keep(e, ReduceOp::Sum, dy0, vec![*axis])?;
+            let t = mul(e, p, s)?;
+            vec![Some(sub(e, dy0, t)?)]
+        }
+        Op::LayerNorm { axis, epsilon } => norm_rule(e, ins, dy0, *axis, *epsilon, true, want)?,
+        Op::RmsNorm { axis, epsilon } => norm_rule(e, ins, dy0, *axis, *epsilon, false, want)?,
+        Op::Reduce {
+            op,
+            axes,
+            keep_dims,
+        } => {
+            let x = ins[0];
+            let xs = e.shape(x);
+            let keep_shape: Vec<usize> = xs
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+                .collect();
+            let _ = keep_dims;
+            let dyk = reshape(e, dy0, &keep_shape)?;
+            let count: usize = axes.iter().map(|&a| xs[a]).product();
+            let g = match op {
+                ReduceOp::Sum => e.op(Op::Expand { shape: xs.clone() }, &[dyk])?,
+                ReduceOp::Mean => {
+                    let d = mulc(e, dyk, 1.0 / count as f64)?;
+                    e.op(Op::Expand { shape: xs.clone() }, &[d])?
+                }
+                ReduceOp::Max | ReduceOp::Min => {
+                    // Split evenly between tied extrema.
+                    let yk = reshape(e, outs[0], &keep_shape)?;
+                    let mask = bin(e, BinaryOp::Equal, x, yk)?;
+                    let dt = e.ty(x).dtype;
+                    let mf = e.op(Op::Cast { to: dt }, &[mask])?;
+                    let cnt = reduce_keep(e, ReduceOp::Sum, mf, axes.clone())?;
+                    let share = bin(e, BinaryOp::Div, dyk, cnt)?;
+                    mul(e, mf, share)?
+                }
+                ReduceOp::Prod => return Err("no gradient rule for Reduce prod".into()),
+            };
+            vec![Some(g)]
+        }
+        Op::Reshape { .. } => vec![Some(reshape(e, dy0, &in_shape(e, 0))?)],
+        Op::Transpose { perm } => {
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            vec![Some(e.op(Op::Transpose { perm: inv }, &[dy0])?)]
+        }
+        Op::Expand { .. } => vec![Some(unbroadcast(e, dy0, &in_shape(e, 0))?)],
+        Op::Tile { repeats } => {
+            let xs = in_shape(e, 0);
+            let mut inter = Vec::new();
+            for (&r, &d) in repeats.iter().zip(&xs) {
+                inter.push(r);
+                inter.push(d);
+            }
+            let t = reshape(e, dy0, &inter)?;
+            let axes: Vec<usize> = (0..xs.len()).map(|i| 2 * i).collect();
+            let s = e.op(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes,
+                    keep_dims: false,
+                },
+                &[t],
+            )?;
+            vec![Some(reshape(e, s, &xs)?)]
+        }
+        Op::Concat { axis } => {
+            let mut off = 0i64;
+            let mut r = Vec::new();
+            for i in 0..ins.len() {
+                let len = in_shape(e, i)[*axis] as i64;
+                if want[i] {
+                    r.push(Some(e.op(
+                        Op::Slice {
+                            axes: vec![*axis],
+                            starts: vec![off],
+                            ends: vec![off + len],
+                            steps: vec![1],
+                        },
+                        &[dy0],
+                    )?));
+                } else {
+                    r.push(None);
+                }
+                off += len;
+            }
+            r
+        }
+        Op::Split { axis, .. } => {
+            let mut parts = Vec::new();
+            for (k, &o) in outs.iter().enumerate() {
+                parts.push(match dys[k] {
+                    Some(d) => d,
+                    None => {
+                        let ty = e.ty(o).clone();
+                        e.zeros(&ty)?
+                    }
+                });
+            }
+            vec![Some(e.op(Op::Concat { axis: *axis }, &parts)?)]
+        }
+        Op::Slice {
+            axes,
+            starts,
+            ends,
+            steps,
+        } => {
+            if steps.iter().any(|&s| s != 1) {
+                return Err("no gradient rule for Slice with a step other than 1".into());
+            }
+            let xs = in_shape(e, 0);
+            let mut cur = dy0;
+            for ((&a, &st), &en) in axes.iter().zip(starts).zip(ends) {
+                let mut parts = Vec::new();
+                let cs = e.shape(cur);
+                let dt = e.ty(cur).dtype;
+                if st > 0 {
+                    let mut s = cs.clone();
+                    s[a] = st as usize;
+                    parts.push(e.zeros(&hzp_ir::TensorType::new(dt, s))?);
+                }
+                parts.push(cur);
+                if (en as usize) < xs[a] {
+                    let mut s = cs.clone();
+                    s[a] = xs[a] - en as usize;
+                    parts.push(e.zeros(&hzp_ir::TensorType::new(dt, s))?);
+                }
+                if parts.len() > 1 {
+                    cur = e.op(Op::Concat { axis: a }, &parts)?;
+                }
+            }
+            vec![Some(cur)]
+        }
+        Op::Trilu { upper, k } => vec![Some(e.op(
+            Op::Trilu {
+                upper: *upper,
+                k: *k,
+            },
+            &[dy0],
+        )?)],
+        Op::CumSum {
+            axis,
+            exclusive,
+            reverse,
+        } => vec![Some(e.op(
+            Op::CumSum {
+                axis: *axis,
+                exclusive: *exclusive,
+                reverse: !*reverse,
+            },
+            &[dy0],
+        )?)],
+        Op::Gather { axis } => {
+            if !want[0] {
+                return Ok(none(2));
+            }
+            vec![Some(gather_rule(e, ins[0], ins[1], dy0, *axis)?), None]
+        }
+        Op::GatherElements { axis } => {
+            let ty = e.ty(ins[0]).clone();
+            let z = e.zeros(&ty)?;
+            vec![
+                Some(e.op(
+                    Op::ScatterElements {
+                        axis: *axis,
+                        add: true,
+                    },
+                    &[z, ins[1], dy0],
+                )?),
+                None,
+            ]
+        }
+        Op::GatherND { batch_dims } => {
+            if *batch_dims != 0 {
+                return Err("no gradient rule for GatherND with batch_dims > 0".into());
+            }
+            let ty = e.ty(ins[0]).clone();
+            let z = e.zeros(&ty)?;
+            vec![
+                Some(e.op(Op::ScatterND { add: true }, &[z, ins[1], dy0])?),
+                None,
+            ]
+        }
+        Op::TopK { axis, .. } => {
+            let Some(dv) = dys[0] else {
+                return Ok(none(1));
+            };
+            let ty = e.ty(ins[0]).clone();
+            let z = e.zeros(&ty)?;
+            vec![Some(e.op(
+                Op::ScatterElements {
+                    axis: *axis,
+                    add: true,
+                },
+                &[z, outs[1], dv],
+            )?)]
+        }
+        Op::ScatterElements { add: true, .. } | Op::ScatterND { add: true } => {
+            // data passes through; updates' gradient gathers the output gradient
+            let gu = if want[2] {
+                Some(match &node.op {
+                    Op::ScatterElements { axis, .. } => {
+                        e.op(Op::GatherElements { axis: *axis }, &[dy0, ins[1]])?
+                    }
+                    _ => e.op(Op::GatherND { batch_dims: 0 }, &[dy0, ins[1]])?,
+                })
+            } else {
+                None
+            };
+            vec![Some(dy0), None, gu]
+        }
+        Op::AllReduce {
+            group,
+            reduce: ReduceOp::Sum,
+        } => vec![Some(e.op(
+            Op::AllReduce {
+                group: group.clone(),
+                reduce: ReduceOp::Sum,
+            },
+            &[dy0],
+        )?)],
+        Op::AllGather { group, axis } => vec![Some(e.op(
+            Op::ReduceScatter {
+                group: group.clone(),
+                axis: *axis,
+                reduce: ReduceOp::Sum,
+            },
+            &[dy0],
+        )?)],
+        Op::ReduceScatter {
+            group,
+            axis,
+            reduce: ReduceOp::Sum,
+        } => vec![Some(e.op(
+            Op::AllGather {
+                group: group.clone(),
+                axis: *axis,
+            },
+            &[dy0],
+        )?)],
+        op => return Err(format!("no gradient rule for {}", op.name())),
+    };
+    Ok(r)
+}
+
+fn matmul_rule(
+    e: &mut Emitter,
+    a: ValueId,
+    b: ValueId,
+    dy: ValueId,
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let sa = e.shape(a);
+    let sb = e.shape(b);
+    // Promote rank-1 operands the way matmul does, so both are at least rank 2.
+    let sa2 = if sa.len() == 1 { vec![1, sa[0]] } else { sa.clone() };
+    let sb2 = if sb.len() == 1 { vec![sb[0], 1] } else { sb.clone() };
+    let a2 = reshape(e, a, &sa2)?;
+    let b2 = reshape(e, b, &sb2)?;
+    let batch = hzp_ir::broadcast_shapes(&sa2[..sa2.len() - 2], &sb2[..sb2.len() - 2])
+        .ok_or("MatMul batch dims do not broadcast")?;
+    let mut sy2 = batch;
+    sy2.push(sa2[sa2.len() - 2]);
+    sy2.push(sb2[sb2.len() - 1]);
+    let dy2 = reshape(e, dy, &sy2)?;
+    let ga = if want[0] {
+        let bt = swap_last2(e, b2)?;
+        let g = e.op(Op::MatMul, &[dy2, bt])?;
+        let g = unbroadcast(e, g, &sa2)?;
+        Some(reshape(e, g, &sa)?)
+    } else {
+        None
+    };
+    let gb = if want[1] {
+        let at = swap_last2(e, a2)?;
+        let g = e.op(Op::MatMul, &[at, dy2])?;
+        let g = unbroadcast(e, g, &sb2)?;
+        Some(reshape(e, g, &sb)?)
+    } else {
+        None
+    };
+    Ok(vec![ga, gb])
+}
+
+/// LayerNorm (`centered`) and RmsNorm: gradients of x, scale and (LayerNorm) bias, from the
+/// statistics recomputed here.
+fn norm_rule(
+    e: &mut Emitter,
+    ins: &[ValueId],
+    dy: ValueId,
+    axis: usize,
+    eps: f32,
+    centered: bool,
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let x = ins[0];
+    let scale = ins[1];
+    let rank = e.ty(x).rank();
+    let dt = e.ty(x).dtype;
+    let axes: Vec<usize> = (axis..rank).collect();
+    let mean = |e: &mut Emitter, v: ValueId| reduce_keep(e, ReduceOp::Mean, v, axes.clone());
+    let xc = if centered {
+        let mu = mean(e, x)?;
+        sub(e, x, mu)?
+    } else {
+        x
+    };
+    let sq = mul(e, xc, xc)?;
+    let var = mean(e, sq)?;
+    let epsv = e.scalar(eps as f64, dt);
+    let ve = bin(e, BinaryOp::Add, var, epsv)?;
+    let rstd = un(e, UnaryOp::Rsqrt, ve)?;
+    let xhat = mul(e, xc, rstd)?;
+    let mut r = vec![None; ins.len()];
+    if want[1] {
+        let t = mul(e, dy, xhat)?;
+        let ss = e.shape(scale);
+        r[1] = Some(unbroadcast(e, t, &ss)?);
+    }
+    if ins.len() > 2 && want[2] {
+        let bs = e.shape(ins[2]);
+        r[2] = Some(unbroadcast(e, dy, &bs)?);
+    }
+    if want[0] {
+        let g = mul(e, dy, scale)?;
+        let gx = mul(e, g, xhat)?;
+        let mgx = mean(e, gx)?;
+        let t = mul(e, xhat, mgx)?;
+        let mut inner = sub(e, g, t)?;
+        if centered {
+            let mg = mean(e, g)?;
+            inner = sub(e, inner, mg)?;
+        }
+        r[0] = Some(mul(e, rstd, inner)?);
+    }
+    Ok(r)
+}
+
+/// Gather's gradient: scatter-add the output gradient into zeros shaped like the data.
+fn gather_rule(
+    e: &mut Emitter,
+    data: ValueId,
+    idx: ValueId,
+    dy: ValueId,
+    axis: usize,
+) -> R<ValueId> {
+    let ds = e.shape(data);
+    let is = e.shape(idx);
+    let dt = e.ty(data).dtype;
+    let ri = is.len();
+    let rd = ds.len();
+    // Move the index dims of dy to the front: [I..., D[:axis]..., D[axis+1..]...].
+    let dyt = if axis == 0 {
+        dy
+    } else {
+        let mut perm: Vec<usize> = (axis..axis + ri).collect();
+        perm.extend(0..axis);
+        perm.extend(axis + ri..rd - 1 + ri);
+        e.op(Op::Transpose { perm }, &[dy])?
+    };
+    let mut zshape = vec![ds[axis]];
+    zshape.extend(&ds[..axis]);
+    zshape.extend(&ds[axis + 1..]);
+    let z = e.zeros(&hzp_ir::TensorType::new(dt, zshape))?;
+    let mut ishape = is.clone();
+    ishape.push(1);
+    let idx1 = reshape(e, idx, &ishape)?;
+    let s = e.op(Op::ScatterND { add: true }, &[z, idx1, dyt])?;
+    if axis == 0 {
+        return Ok(s);
+    }
+    let mut back: Vec<usize> = (1..=axis).collect();
+    back.push(0);
+    back.extend(axis + 1..rd);
+    e.op(Op::Transpose { perm: back }, &[s])
+}
+

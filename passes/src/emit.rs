@@ -1,0 +1,99 @@
+//! A small helper for passes that append nodes to a program: fresh names, scalar constants,
+//! and one-line op emission with errors that name the pass's node.
+
+use hzp_ir::{DType, NameSet, Op, Program, Tensor, TensorType, ValueId};
+use std::collections::HashMap;
+
+pub struct Emitter<'a> {
+    pub p: &'a mut Program,
+    names: NameSet,
+    /// Prefix for the names of emitted nodes and values (e.g. the forward node's name).
+    pub scope: String,
+    scalars: HashMap<(u64, DType), ValueId>,
+}
+
+impl<'a> Emitter<'a> {
+    pub fn new(p: &'a mut Program) -> Emitter<'a> {
+        let names = NameSet::from_program(p);
+        Emitter {
+            p,
+            names,
+            scope: String::new(),
+            scalars: HashMap::new(),
+        }
+    }
+
+    pub fn ty(&self, v: ValueId) -> &TensorType {
+        self.p.ty(v)
+    }
+
+    pub fn shape(&self, v: ValueId) -> Vec<usize> {
+        self.p.ty(v).shape.clone()
+    }
+
+    pub fn fresh(&mut self, base: &str) -> String {
+        self.names.fresh(base)
+    }
+
+    /// Emits a node with several outputs.
+    pub fn ops(&mut self, op: Op, inputs: &[ValueId]) -> Result<Vec<ValueId>, String> {
+        let base = if self.scope.is_empty() {
+            op.name().to_string()
+        } else {
+            format!("{}/{}", self.scope, op.name())
+        };
+        let n_out = {
+            let tys: Vec<&TensorType> = inputs.iter().map(|&v| self.p.ty(v)).collect();
+            op.infer(&tys, self.p.mesh.as_ref())
+                .map_err(|e| format!("{base}: {e}"))?
+                .len()
+        };
+        let node_name = self.names.fresh(&base);
+        let outs: Vec<String> = (0..n_out)
+            .map(|i| {
+                if n_out == 1 {
+                    node_name.clone()
+                } else {
+                    self.names.fresh(&format!("{node_name}:{i}"))
+                }
+            })
+            .collect();
+        self.p.add_node(node_name, op, inputs.to_vec(), outs)
+    }
+
+    /// Emits a node with one output.
+    pub fn op(&mut self, op: Op, inputs: &[ValueId]) -> Result<ValueId, String> {
+        let name = op.name();
+        let outs = self.ops(op, inputs)?;
+        match outs.as_slice() {
+            [v] => Ok(*v),
+            _ => Err(format!("{name} has {} outputs, expected one", outs.len())),
+        }
+    }
+
+    /// A scalar constant of `dtype` (deduplicated).
+    pub fn scalar(&mut self, value: f64, dtype: DType) -> ValueId {
+        let key = (value.to_bits(), dtype);
+        if let Some(&v) = self.scalars.get(&key) {
+            return v;
+        }
+        let name = self.names.fresh(&format!("c:{value:?}:{}", dtype.name()));
+        let v = self
+            .p
+            .add_const(name, Tensor::from_f64(dtype, Vec::<usize>::new(), &[value]));
+        self.scalars.insert(key, v);
+        v
+    }
+
+    /// A tensor of zeros shaped like `ty`.
+    pub fn zeros(&mut self, ty: &TensorType) -> Result<ValueId, String> {
+        self.op(
+            Op::Fill {
+                value: 0.0,
+                dtype: ty.dtype,
+                shape: ty.shape.clone(),
+            },
+            &[],
+        )
+    }
+}

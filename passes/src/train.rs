@@ -1,0 +1,712 @@
+//! The training step as IR: loss attachment, backward (via [`crate::autodiff`]), gradient
+//! accumulation over micro-batches, global-norm clipping, and the optimizer update (AdamW or
+//! SGD with momentum, exactly as `torch.optim` computes them), all as ordinary ops so that
+//! later passes can shard and schedule them.
+//!
+//! A training-step program has the global batch as inputs, the trainable parameters as
+//! parameters, optimizer moments and the step counter as states, the loss as its first
+//! output, and one [`Update`] per parameter and state.
+
+use crate::autodiff::differentiate;
+use crate::emit::Emitter;
+use hzp_ir::{
+    BinaryOp, DType, Op, Precision, Program, ReduceOp, TensorType, UnaryOp, Update, ValueDef,
+    ValueId,
+};
+use std::collections::HashMap;
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TrainError(pub String);
+
+fn terr(s: impl Into<String>) -> TrainError {
+    TrainError(s.into())
+}
+
+/// What the loss is computed from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossKind {
+    /// Causal LM: mean cross-entropy of `logits[:, :-1]` against `labels[:, 1:]`, where the
+    /// labels are the input named here (default `input_ids`) — what transformers computes
+    /// with `labels=input_ids`.
+    Lm { labels: Option<String> },
+    /// Mean cross-entropy of the first output (classes on the last axis) against the integer
+    /// input `labels` (added as a graph input if the model does not have it).
+    Ce { labels: String },
+    /// Mean of the first output.
+    Mean,
+    /// Mean squared error between the first output and the float input `target`.
+    Mse { target: String },
+}
+
+impl LossKind {
+    pub fn parse(kind: &str, labels: Option<&str>, target: Option<&str>) -> Result<LossKind, TrainError> {
+        match kind {
+            "lm" => Ok(LossKind::Lm {
+                labels: labels.map(str::to_string),
+            }),
+            "ce" => Ok(LossKind::Ce {
+                labels: labels
+                    .ok_or_else(|| terr("--loss ce needs --labels NAME (an integer input of class ids)"))?
+                    .to_string(),
+            }),
+            "mean" => Ok(LossKind::Mean),
+            "mse" => Ok(LossKind::Mse {
+                target: target
+                    .ok_or_else(|| terr("--loss mse needs --target NAME (a float input shaped like the output)"))?
+                    .to_string(),
+            }),
+            other => Err(terr(format!(
+                "unknown loss `{other}` (expected lm, ce, mean or mse)"
+            ))),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Optimizer {
+    /// `torch.optim.AdamW` (decoupled weight decay, bias correction).
+    AdamW {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    /// `torch.optim.SGD` with momentum (dampening 0, not Nesterov).
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+}
+
+impl Optimizer {
+    /// torch's defaults: AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    pub fn adamw_default() -> Optimizer {
+        Optimizer::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub loss: LossKind,
+    pub optimizer: Optimizer,
+    /// Clip gradients to this global L2 norm (torch.nn.utils.clip_grad_norm_).
+    pub clip_grad_norm: Option<f64>,
+    /// Micro-batches per step; the global batch (axis 0 of every input) is split evenly.
+    pub micro_batches: usize,
+    /// Compute dtype: F32, or BF16 with fp32 master weights, states and loss.
+    pub compute: DType,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            loss: LossKind::Lm { labels: None },
+            optimizer: Optimizer::adamw_default(),
+            clip_grad_norm: None,
+            micro_batches: 1,
+            compute: DType::F32,
+        }
+    }
+}
+
+fn first_output(p: &Program) -> Result<ValueId, TrainError> {
+    p.outputs
+        .first()
+        .copied()
+        .ok_or_else(|| terr(format!("model `{}` has no outputs to compute a loss from", p.name)))
+}
+
+/// Finds input `name`, or adds it with type `ty`; checks the type either way.
+fn input_named(p: &mut Program, name: &str, ty: TensorType, what: &str) -> Result<ValueId, TrainError> {
+    match p.find_value(name) {
+        Some(v) if p.value(v).def == ValueDef::Input => {
+            let have = p.ty(v);
+            if have.shape != ty.shape || (ty.dtype.is_int() != have.dtype.is_int()) {
+                return Err(terr(format!(
+                    "{what} `{name}` is {have}, but the loss needs {ty}"
+                )));
+            }
+            Ok(v)
+        }
+        Some(_) => Err(terr(format!(
+            "{what} `{name}` is a value of the model, not an input"
+        ))),
+        None => Ok(p.add_input(name, ty)),
+    }
+}
+
+/// Returns a copy of the forward program whose only output is the scalar f32 loss.
+pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError> {
+    let mut p = fwd.clone();
+    let y = first_output(&p)?;
+    let yt = p.ty(y).clone();
+    if !yt.dtype.is_float() {
+        return Err(terr(format!(
+            "the first output `{}` is {}, not a float tensor a loss can be computed from",
+            p.value(y).name,
+            yt
+        )));
+    }
+    let loss = match kind {
+        LossKind::Lm { labels } => {
+            let name = labels.clone().unwrap_or_else(|| "input_ids".into());
+            if yt.rank() != 3 {
+                return Err(terr(format!(
+                    "--loss lm needs logits shaped [batch, seq, vocab]; the first output `{}` is {}",
+                    p.value(y).name,
+                    yt
+                )));
+            }
+            let (b, t) = (yt.shape[0], yt.shape[1]);
+            if t < 2 {
+                return Err(terr("--loss lm needs a sequence of at least 2 tokens"));
+            }
+            let lab = match p.find_value(&name) {
+                Some(v) if p.value(v).def == ValueDef::Input && p.ty(v).dtype.is_int() && p.ty(v).shape == vec![b, t] => v,
+                Some(v) => {
+                    return Err(terr(format!(
+                        "--loss lm takes labels from `{name}`, which is {} (needs an integer input shaped [{b},{t}]); name another with --labels",
+                        p.ty(v)
+                    )))
+                }
+                None => {
+                    return Err(terr(format!(
+                        "--loss lm takes labels from the input `{name}`, which the model does not have; name one with --labels"
+                    )))
+                }
+            };
+            let mut e = Emitter::new(&mut p);
+            e.scope = "loss".into();
+            (|| -> Result<ValueId, String> {
+                let y = to_f32(&mut e, y)?;
+                let lg = e.op(
+                    Op::Slice {
+                        axes: vec![1],
+                        starts: vec![0],
+                        ends: vec![t as i64 - 1],
+                        steps: vec![1],
+                    },
+                    &[y],
+                )?;
+                let lb = e.op(
+                    Op::Slice {
+                        axes: vec![1],
+                        starts: vec![1],
+                        ends: vec![t as i64],
+                        steps: vec![1],
+                    },
+                    &[lab],
+                )?;
+                cross_entropy(&mut e, lg, lb)
+            })()
+            .map_err(terr)?
+        }
+        LossKind::Ce { labels } => {
+            let lead = yt.shape[..yt.rank().saturating_sub(1)].to_vec();
+            if yt.rank() < 2 {
+                return Err(terr("--loss ce needs an output with a class axis last"));
+            }
+            let lab = input_named(&mut p, labels, TensorType::new(DType::I64, lead), "--labels")?;
+            let mut e = Emitter::new(&mut p);
+            e.scope = "loss".into();
+            (|| -> Result<ValueId, String> {
+                let y = to_f32(&mut e, y)?;
+                cross_entropy(&mut e, y, lab)
+            })()
+            .map_err(terr)?
+        }
+        LossKind::Mean => {
+            let mut e = Emitter::new(&mut p);
+            e.scope = "loss".into();
+            (|| -> Result<ValueId, String> {
+                let y = to_f32(&mut e, y)?;
+                mean_all(&mut e, y)
+            })()
+            .map_err(terr)?
+        }
+        LossKind::Mse { target } => {
+            let tv = input_named(&mut p, target, TensorType::new(DType::F32, yt.shape.clone()), "--target")?;
+            let mut e = Emitter::new(&mut p);
+            e.scope = "loss".into();
+            (|| -> Result<ValueId, String> {
+                let y = to_f32(&mut e, y)?;
+                let tv = to_f32(&mut e, tv)?;
+                let d = e.op(Op::Binary(BinaryOp::Sub), &[y, tv])?;
+                let d2 = e.op(Op::Binary(BinaryOp::Mul), &[d, d])?;
+                mean_all(&mut e, d2)
+            })()
+            .map_err(terr)?
+        }
+    };
+    // Name the loss value `loss` when that name is free, for readable programs.
+    if p.find_value("loss").is_none() {
+        p.values[loss.index()].name = "loss".into();
+    }
+    p.outputs = vec![loss];
+    p.eliminate_dead_code();
+    Ok(p)
+}
+
+fn to_f32(e: &mut Emitter, v: ValueId) -> Result<ValueId, String> {
+    if e.ty(v).dtype == DType::F32 {
+        Ok(v)
+    } else {
+        e.op(Op::Cast { to: DType::F32 }, &[v])
+    }
+}
+
+fn mean_all(e: &mut Emitter, v: ValueId) -> Result<ValueId, String> {
+    let axes: Vec<usize> = (0..e.ty(v).rank()).collect();
+    e.op(
+        Op::Reduce {
+            op: ReduceOp::Mean,
+            axes,
+            keep_dims: false,
+        },
+        &[v],
+    )
+}
+
+/// Mean over all positions of -log softmax(logits)[label]; logits [..., C], labels [...].
+fn cross_entropy(e: &mut Emitter, logits: ValueId, labels: ValueId) -> Result<ValueId, String> {
+    let r = e.ty(logits).rank();
+    let logp = e.op(Op::LogSoftmax { axis: r - 1 }, &[logits])?;
+    let mut ls = e.shape(labels);
+    ls.push(1);
+    let lab = e.op(Op::Reshape { shape: ls }, &[labels])?;
+    let picked = e.op(Op::GatherElements { axis: r - 1 }, &[logp, lab])?;
+    let m = mean_all(e, picked)?;
+    e.op(Op::Unary(UnaryOp::Neg), &[m])
+}
+
+/// Forward + loss + backward for one micro-batch: outputs `[loss, grad of each parameter]`
+/// in parameter order. This is what `hzp grad` runs.
+pub fn gradient_program(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError> {
+    let mut p = attach_loss(fwd, kind)?;
+    let loss = p.outputs[0];
+    let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
+    let grads = differentiate(&mut p, loss, &params).map_err(|e| terr(e.to_string()))?;
+    let mut names = hzp_ir::NameSet::from_program(&p);
+    for (&prm, &g) in params.iter().zip(&grads) {
+        // Give each gradient a findable name: `grad/<parameter name>`. A gradient that is
+        // itself another value (e.g. a parameter read once by Identity) keeps its name.
+        if p.value(g).def != ValueDef::Param && !p.outputs.contains(&g) {
+            let n = names.fresh(&format!("grad/{}", p.value(prm).name));
+            p.values[g.index()].name = n;
+        }
+    }
+    p.outputs = std::iter::once(loss).chain(grads).collect();
+    p.eliminate_dead_code();
+    Ok(p)
+}
+
+/// Copies the nodes of `src` into `dst`, reading `src`'s inputs from `input_map`, and its
+/// parameters, constants and states from the same-named values of `dst` (created on first
+/// use). Returns the values of `src`'s outputs in `dst`.
+fn inline(
+    dst: &mut Program,
+    src: &Program,
+    input_map: &HashMap<ValueId, ValueId>,
+    suffix: &str,
+) -> Result<Vec<ValueId>, TrainError> {
+    let mut map: HashMap<ValueId, ValueId> = input_map.clone();
+    let mut names = hzp_ir::NameSet::from_program(dst);
+    for prm in &src.params {
+        let name = &src.value(prm.value).name;
+        let v = match dst.find_value(name) {
+            Some(v) => v,
+            None => {
+                names.insert(name);
+                dst.add_param(name.clone(), src.ty(prm.value).clone(), prm.data.clone())
+            }
+        };
+        map.insert(prm.value, v);
+    }
+    for c in &src.consts {
+        let name = &src.value(c.value).name;
+        let v = match dst.find_value(name) {
+            Some(v) if dst.value(v).def == ValueDef::Const => v,
+            _ => {
+                let n = names.fresh(name);
+                dst.add_const(n, c.data.clone())
+            }
+        };
+        map.insert(c.value, v);
+    }
+    for n in &src.nodes {
+        let ins: Vec<ValueId> = n
+            .inputs
+            .iter()
+            .map(|v| {
+                map.get(v).copied().ok_or_else(|| {
+                    terr(format!("inlining: `{}` has no value", src.value(*v).name))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let outs: Vec<String> = n
+            .outputs
+            .iter()
+            .map(|&o| names.fresh(&format!("{}{suffix}", src.value(o).name)))
+            .collect();
+        let node_name = format!("{}{suffix}", n.name);
+        let new = dst
+            .add_node(node_name, n.op.clone(), ins, outs)
+            .map_err(terr)?;
+        for (&o, nv) in n.outputs.iter().zip(new) {
+            map.insert(o, nv);
+        }
+    }
+    src.outputs
+        .iter()
+        .map(|o| {
+            map.get(o)
+                .copied()
+                .ok_or_else(|| terr("inlining: an output has no value"))
+        })
+        .collect()
+}
+
+/// Rewrites a forward program to compute in `compute` (bf16/f16): parameters stay fp32
+/// (the master weights) and are cast at their uses; float constants, inputs, casts and
+/// fills produce the compute dtype.
+pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainError> {
+    if compute == DType::F32 {
+        return Ok(fwd.clone());
+    }
+    let mut p = Program::new(fwd.name.clone());
+    p.mesh = fwd.mesh.clone();
+    let mut map = HashMap::new();
+    let mut names = hzp_ir::NameSet::from_program(fwd);
+    for &i in &fwd.inputs {
+        map.insert(i, p.add_input(fwd.value(i).name.clone(), fwd.ty(i).clone()));
+    }
+    let mut cast_inputs = HashMap::new();
+    for prm in &fwd.params {
+        let v = p.add_param(
+            fwd.value(prm.value).name.clone(),
+            fwd.ty(prm.value).clone(),
+            prm.data.clone(),
+        );
+        map.insert(prm.value, v);
+    }
+    for c in &fwd.consts {
+        let data = if c.data.dtype() == DType::F32 {
+            hzp_ir::Tensor::from_f64(compute, c.data.shape.clone(), &c.data.to_f64_vec())
+        } else {
+            c.data.clone()
+        };
+        map.insert(c.value, p.add_const(fwd.value(c.value).name.clone(), data));
+    }
+    for n in &fwd.nodes {
+        let mut ins = Vec::new();
+        for &v in &n.inputs {
+            let nv = map[&v];
+            let def = fwd.value(v).def;
+            let is_f32 = p.ty(nv).dtype == DType::F32;
+            if is_f32 && matches!(def, ValueDef::Param | ValueDef::Input) {
+                let c = match cast_inputs.get(&nv) {
+                    Some(&c) => c,
+                    None => {
+                        let name = names.fresh(&format!("{}:{}", fwd.value(v).name, compute.name()));
+                        let c = p
+                            .add_node(name.clone(), Op::Cast { to: compute }, vec![nv], vec![name])
+                            .map_err(terr)?[0];
+                        cast_inputs.insert(nv, c);
+                        c
+                    }
+                };
+                ins.push(c);
+            } else {
+                ins.push(nv);
+            }
+        }
+        let op = match &n.op {
+            Op::Cast { to: DType::F32 } => Op::Cast { to: compute },
+            Op::Fill {
+                value,
+                dtype: DType::F32,
+                shape,
+            } => Op::Fill {
+                value: *value,
+                dtype: compute,
+                shape: shape.clone(),
+            },
+            op => op.clone(),
+        };
+        let outs = n.outputs.iter().map(|&o| fwd.value(o).name.clone()).collect();
+        let new = p
+            .add_node(n.name.clone(), op, ins, outs)
+            .map_err(|e| terr(format!("lowering to {}: {e}", compute.name())))?;
+        for (&o, nv) in n.outputs.iter().zip(new) {
+            map.insert(o, nv);
+        }
+    }
+    p.outputs = fwd.outputs.iter().map(|o| map[o]).collect();
+    Ok(p)
+}
+
+/// Builds the whole training step. `fwd` is the forward program at micro-batch shapes; the
+/// step's inputs hold `micro_batches` times as many rows (axis 0).
+pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainError> {
+    let m = cfg.micro_batches.max(1);
+    let fwd = lower_precision(fwd, cfg.compute)?;
+    let micro = gradient_program(&fwd, &cfg.loss)?;
+    let mut p = Program::new(format!("{}.train", fwd.name));
+    p.mesh = fwd.mesh.clone();
+    if cfg.compute != DType::F32 {
+        p.precision = Some(Precision {
+            compute: cfg.compute,
+            master: DType::F32,
+            reduce: DType::F32,
+        });
+    }
+    // Global inputs: axis 0 scaled by m.
+    let mut globals = Vec::new();
+    for &i in &micro.inputs {
+        let mut ty = micro.ty(i).clone();
+        if m > 1 {
+            if ty.rank() == 0 {
+                return Err(terr(format!(
+                    "input `{}` is a scalar; it cannot be split into {m} micro-batches",
+                    micro.value(i).name
+                )));
+            }
+            ty.shape[0] *= m;
+        }
+        globals.push((i, p.add_input(micro.value(i).name.clone(), ty)));
+    }
+    // Parameters first, in the model's order.
+    for prm in &micro.params {
+        p.add_param(
+            micro.value(prm.value).name.clone(),
+            micro.ty(prm.value).clone(),
+            prm.data.clone(),
+        );
+    }
+    let n_params = micro.params.len();
+    let mut loss_parts = Vec::new();
+    let mut grad_parts: Vec<Vec<ValueId>> = vec![Vec::new(); n_params];
+    for k in 0..m {
+        let mut input_map = HashMap::new();
+        for &(mi, gi) in &globals {
+            let v = if m == 1 {
+                gi
+            } else {
+                let rows = micro.ty(mi).shape[0] as i64;
+                let name = format!("{}/micro{k}", micro.value(mi).name);
+                p.add_node(
+                    name.clone(),
+                    Op::Slice {
+                        axes: vec![0],
+                        starts: vec![k as i64 * rows],
+                        ends: vec![(k as i64 + 1) * rows],
+                        steps: vec![1],
+                    },
+                    vec![gi],
+                    vec![name],
+                )
+                .map_err(terr)?[0]
+            };
+            input_map.insert(mi, v);
+        }
+        let suffix = if m == 1 { String::new() } else { format!("/micro{k}") };
+        let outs = inline(&mut p, &micro, &input_map, &suffix)?;
+        loss_parts.push(outs[0]);
+        for (j, &g) in outs[1..].iter().enumerate() {
+            grad_parts[j].push(g);
+        }
+    }
+    let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
+    let mut e = Emitter::new(&mut p);
+    e.scope = "step".into();
+    let inv_m = 1.0 / m as f64;
+    let mut mean_of = |e: &mut Emitter, parts: &[ValueId]| -> Result<ValueId, String> {
+        let mut acc = parts[0];
+        for &x in &parts[1..] {
+            acc = e.op(Op::Binary(BinaryOp::Add), &[acc, x])?;
+        }
+        if parts.len() > 1 {
+            let s = e.scalar(inv_m, e.ty(acc).dtype);
+            acc = e.op(Op::Binary(BinaryOp::Mul), &[acc, s])?;
+        }
+        Ok(acc)
+    };
+    e.scope = "step/accumulate".into();
+    let loss = mean_of(&mut e, &loss_parts).map_err(terr)?;
+    let mut grads = Vec::new();
+    for parts in &grad_parts {
+        let g = mean_of(&mut e, parts).map_err(terr)?;
+        grads.push(g);
+    }
+    // Gradients in fp32 from here on.
+    for g in grads.iter_mut() {
+        *g = to_f32(&mut e, *g).map_err(terr)?;
+    }
+    let mut outputs = vec![loss];
+    if let Some(max_norm) = cfg.clip_grad_norm {
+        e.scope = "step/clip".into();
+        let (norm, clipped) = clip(&mut e, &grads, max_norm).map_err(terr)?;
+        grads = clipped;
+        outputs.push(norm);
+    }
+    e.scope = "step/optimizer".into();
+    let mut updates = Vec::new();
+    optimizer(&mut e, &cfg.optimizer, &params, &grads, &mut updates).map_err(terr)?;
+    drop(e);
+    if p.find_value("loss").is_none() {
+        p.values[loss.index()].name = "loss".into();
+    }
+    p.outputs = outputs;
+    p.updates = updates;
+    p.eliminate_dead_code();
+    hzp_ir::verify(&p).map_err(|e| terr(format!("the training step failed verification: {e}")))?;
+    Ok(p)
+}
+
+/// torch.nn.utils.clip_grad_norm_: total = ||all grads||_2; g *= min(1, max/(total+1e-6)).
+fn clip(e: &mut Emitter, grads: &[ValueId], max_norm: f64) -> Result<(ValueId, Vec<ValueId>), String> {
+    let mut total: Option<ValueId> = None;
+    for &g in grads {
+        let sq = e.op(Op::Binary(BinaryOp::Mul), &[g, g])?;
+        let s = e.op(
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: (0..e.ty(g).rank()).collect(),
+                keep_dims: false,
+            },
+            &[sq],
+        )?;
+        total = Some(match total {
+            Some(t) => e.op(Op::Binary(BinaryOp::Add), &[t, s])?,
+            None => s,
+        });
+    }
+    let total = match total {
+        Some(t) => t,
+        None => e.scalar(0.0, DType::F32),
+    };
+    let norm = e.op(Op::Unary(UnaryOp::Sqrt), &[total])?;
+    let tiny = e.scalar(1e-6, DType::F32);
+    let den = e.op(Op::Binary(BinaryOp::Add), &[norm, tiny])?;
+    let mx = e.scalar(max_norm, DType::F32);
+    let coef = e.op(Op::Binary(BinaryOp::Div), &[mx, den])?;
+    let one = e.scalar(1.0, DType::F32);
+    let coef = e.op(Op::Binary(BinaryOp::Min), &[coef, one])?;
+    let mut out = Vec::new();
+    for &g in grads {
+        out.push(e.op(Op::Binary(BinaryOp::Mul), &[g, coef])?);
+    }
+    Ok((norm, out))
+}
+
+fn optimizer(
+    e: &mut Emitter,
+    opt: &Optimizer,
+    params: &[ValueId],
+    grads: &[ValueId],
+    updates: &mut Vec<Update>,
+) -> Result<(), String> {
+    let f = DType::F32;
+    let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
+    match *opt {
+        Optimizer::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let step_name = e.fresh("adamw.step");
+            let step = e.p.add_state(step_name, TensorType::scalar(f), None);
+            let one = e.scalar(1.0, f);
+            let t = b(e, BinaryOp::Add, step, one)?;
+            updates.push(Update { target: step, value: t });
+            // bias corrections: 1 - beta^t
+            let b1 = e.scalar(beta1, f);
+            let b2 = e.scalar(beta2, f);
+            let p1 = b(e, BinaryOp::Pow, b1, t)?;
+            let p2 = b(e, BinaryOp::Pow, b2, t)?;
+            let bc1 = b(e, BinaryOp::Sub, one, p1)?;
+            let bc2 = b(e, BinaryOp::Sub, one, p2)?;
+            let lrv = e.scalar(lr, f);
+            let step_size = b(e, BinaryOp::Div, lrv, bc1)?;
+            let bc2s = e.op(Op::Unary(UnaryOp::Sqrt), &[bc2])?;
+            let decay = e.scalar(1.0 - lr * weight_decay, f);
+            let one_m_b1 = e.scalar(1.0 - beta1, f);
+            let beta2v = e.scalar(beta2, f);
+            let one_m_b2 = e.scalar(1.0 - beta2, f);
+            let epsv = e.scalar(eps, f);
+            for (&w, &g) in params.iter().zip(grads) {
+                let wname = e.p.value(w).name.clone();
+                let ty = e.ty(w).clone();
+                let mn = e.fresh(&format!("adamw.m/{wname}"));
+                let vn = e.fresh(&format!("adamw.v/{wname}"));
+                let m = e.p.add_state(mn, ty.clone(), None);
+                let v = e.p.add_state(vn, ty, None);
+                e.scope = format!("step/adamw/{wname}");
+                // param *= 1 - lr * wd
+                let wd = b(e, BinaryOp::Mul, w, decay)?;
+                // m = m + (1 - b1) (g - m)   (torch's lerp)
+                let gm = b(e, BinaryOp::Sub, g, m)?;
+                let gm = b(e, BinaryOp::Mul, gm, one_m_b1)?;
+                let m2 = b(e, BinaryOp::Add, m, gm)?;
+                // v = b2 v + (1 - b2) g^2
+                let vb = b(e, BinaryOp::Mul, v, beta2v)?;
+                let g2 = b(e, BinaryOp::Mul, g, g)?;
+                let g2 = b(e, BinaryOp::Mul, g2, one_m_b2)?;
+                let v2 = b(e, BinaryOp::Add, vb, g2)?;
+                // w -= step_size * m / (sqrt(v) / sqrt(bc2) + eps)
+                let sv = e.op(Op::Unary(UnaryOp::Sqrt), &[v2])?;
+                let den = b(e, BinaryOp::Div, sv, bc2s)?;
+                let den = b(e, BinaryOp::Add, den, epsv)?;
+                let upd = b(e, BinaryOp::Div, m2, den)?;
+                let upd = b(e, BinaryOp::Mul, upd, step_size)?;
+                let w2 = b(e, BinaryOp::Sub, wd, upd)?;
+                updates.push(Update { target: w, value: w2 });
+                updates.push(Update { target: m, value: m2 });
+                updates.push(Update { target: v, value: v2 });
+            }
+        }
+        Optimizer::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => {
+            let lrv = e.scalar(lr, f);
+            let mom = e.scalar(momentum, f);
+            let wdv = e.scalar(weight_decay, f);
+            for (&w, &g) in params.iter().zip(grads) {
+                let wname = e.p.value(w).name.clone();
+                e.scope = format!("step/sgd/{wname}");
+                let mut d = g;
+                if weight_decay != 0.0 {
+                    let t = b(e, BinaryOp::Mul, w, wdv)?;
+                    d = b(e, BinaryOp::Add, d, t)?;
+                }
+                if momentum != 0.0 {
+                    // buf = momentum * buf + d (the first step's buf is d: buf starts at 0)
+                    let ty = e.ty(w).clone();
+                    let bn = e.fresh(&format!("sgd.momentum/{wname}"));
+                    let buf = e.p.add_state(bn, ty, None);
+                    let t = b(e, BinaryOp::Mul, buf, mom)?;
+                    let nb = b(e, BinaryOp::Add, t, d)?;
+                    updates.push(Update { target: buf, value: nb });
+                    d = nb;
+                }
+                let s = b(e, BinaryOp::Mul, d, lrv)?;
+                let w2 = b(e, BinaryOp::Sub, w, s)?;
+                updates.push(Update { target: w, value: w2 });
+            }
+        }
+    }
+    Ok(())
+}
