@@ -12,8 +12,7 @@ use std::path::PathBuf;
     about = "Compile models into AsyncHZP training plans, inspect them, and run them",
     long_about = "hzp reads a model (an ONNX file exported from PyTorch, hzp's own .hzp text IR, \
 or preset:NAME for shapes-only GPT/Llama/MoE configs) and turns it into IR that it can print, \
-summarize and evaluate on the CPU.\n\nBuilt so far: import, show, eval, bench. The training step \
-(grad, train), the AsyncHZP compiler (compile, inspect), the runtime (run, launch) and the \
+summarize and evaluate on the CPU.\n\nBuilt so far: import, show, eval, grad, train, bench. The AsyncHZP compiler (compile, inspect), the runtime (run, launch) and the \
 simulator (simulate, compare, scale) are not built yet: those commands say so and exit with code 2."
 )]
 struct Cli {
@@ -31,6 +30,59 @@ pub struct ModelArgs {
     /// e.g. --shape input_ids=8x2048.
     #[arg(long = "shape", value_name = "NAME=AxB")]
     pub shapes: Vec<String>,
+}
+
+/// Flags that define the training step.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Loss: lm (causal LM on --labels, default input_ids), ce (--labels NAME), mean (of the
+    /// first output), mse (--target NAME).
+    #[arg(long, default_value = "lm")]
+    pub loss: String,
+    /// The integer input holding class ids (ce) or tokens (lm; default input_ids).
+    #[arg(long)]
+    pub labels: Option<String>,
+    /// The float input the output is compared with (mse).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// adamw or sgd.
+    #[arg(long, default_value = "adamw")]
+    pub optimizer: String,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// AdamW betas, as B1,B2.
+    #[arg(long, default_value = "0.9,0.999")]
+    pub betas: String,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Weight decay (AdamW: decoupled, default 0.01; SGD: L2, default 0).
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    /// Clip gradients to this global L2 norm before the update.
+    #[arg(long)]
+    pub clip_grad_norm: Option<f64>,
+    /// Split the batch (axis 0 of every input) into this many micro-batches and accumulate.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// fp32, or bf16 (bf16 compute, fp32 master weights, states and loss).
+    #[arg(long, default_value = "fp32")]
+    pub precision: String,
+    /// Tie parameters whose values are equal up to a transpose (undoes an exporter's
+    /// untying of tied weights, e.g. GPT-2's embedding and LM head).
+    #[arg(long)]
+    pub retie: bool,
+    /// Treat these parameters as constants (not trained), e.g. buffers an exporter stored
+    /// as initializers. Comma-separated or repeated.
+    #[arg(long, value_name = "NAME")]
+    pub freeze: Vec<String>,
+    /// Print the program after this stage and go on: import, loss, autodiff, optimizer.
+    #[arg(long, value_name = "STAGE")]
+    pub print_after: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
@@ -89,10 +141,38 @@ enum Command {
         #[command(subcommand)]
         what: BenchWhat,
     },
-    /// [not built yet] Gradients of a loss (the training-step milestone).
-    Grad(NotBuilt),
-    /// [not built yet] Train on one CPU rank (the training-step milestone).
-    Train(NotBuilt),
+    /// Compute the loss and the gradient of every parameter on one batch (CPU), written
+    /// to an .npz keyed by parameter (ONNX initializer) name, with `loss`.
+    Grad {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The batch: arrays keyed by graph input name (plus labels/targets the loss needs).
+        #[arg(long, value_name = "IN.npz")]
+        inputs: PathBuf,
+        #[command(flatten)]
+        train: TrainArgs,
+        /// Where to write `loss` and the gradients.
+        #[arg(short, long, value_name = "GRADS.npz")]
+        output: PathBuf,
+    },
+    /// Train for N steps on one CPU rank, printing the loss per step.
+    Train {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The batch used at every step: arrays keyed by graph input name.
+        #[arg(long, value_name = "IN.npz")]
+        inputs: PathBuf,
+        #[command(flatten)]
+        train: TrainArgs,
+        /// Number of optimizer steps.
+        #[arg(long, default_value_t = 1)]
+        steps: usize,
+        /// Save the trained parameters (keyed by initializer name) to this .npz.
+        #[arg(long, value_name = "P.npz")]
+        save_params: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
     /// [not built yet] Compile an AsyncHZP plan for a mesh (the compiler milestone).
     Compile(NotBuilt),
     /// [not built yet] Inspect a compiled plan (the compiler milestone).
@@ -158,7 +238,20 @@ fn main() {
         Command::Bench {
             what: BenchWhat::Import { model, repeat },
         } => commands::bench_import(&model, repeat),
-        Command::Grad(_) | Command::Train(_) => not_built("this command", "the training step"),
+        Command::Grad {
+            model,
+            inputs,
+            train,
+            output,
+        } => commands::grad(&model, &inputs, &train, &output),
+        Command::Train {
+            model,
+            inputs,
+            train,
+            steps,
+            save_params,
+            format,
+        } => commands::train(&model, &inputs, &train, steps, save_params.as_deref(), format),
         Command::Compile(_) | Command::Inspect(_) => {
             not_built("this command", "the AsyncHZP compiler")
         }
@@ -177,7 +270,7 @@ fn not_built(what: &str, milestone: &str) -> miette::Result<()> {
     let cmd = std::env::args().nth(1).unwrap_or_else(|| what.to_string());
     eprintln!(
         "hzp {cmd}: not built yet. It belongs to {milestone}, which is planned but not \
-implemented in this version of hzp. Built so far: import, show, eval, bench."
+implemented in this version of hzp. Built so far: import, show, eval, grad, train, bench."
     );
     std::process::exit(2);
 }

@@ -1,9 +1,66 @@
 //! Model frontends: everything that turns a user's model into an [`hzp_ir::Program`].
 //!
 //! - [`onnx`]: ONNX files exported from PyTorch (legacy and dynamo exporters).
+//! - [`hzp_file`]: hzp's own text form (`.hzp`) with its sidecar weights.
 //! - [`presets`]: GPT / Llama / MoE programs by config, shapes only.
 //! - [`npz`]: reading and writing `.npz` tensor archives (inputs, outputs, weights).
+//!
+//! [`load_model`] picks the frontend from the model argument the user gave.
 
+pub mod hzp_file;
 pub mod npz;
 pub mod onnx;
 pub mod presets;
+
+use hzp_ir::Program;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// How to read a model: bindings for symbolic input dims (ONNX exports).
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Input name -> static shape, from `--shape NAME=AxB` or the arrays of `--inputs`.
+    pub shapes: BTreeMap<String, Vec<usize>>,
+}
+
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum LoadError {
+    #[error("{0}")]
+    Onnx(#[from] onnx::ImportError),
+    #[error(transparent)]
+    #[diagnostic(transparent)]
+    Hzp(#[from] hzp_file::HzpFileError),
+    #[error("{0}")]
+    Preset(#[from] presets::PresetError),
+    #[error("{0}")]
+    Unknown(String),
+}
+
+/// Reads a model given as `path.onnx`, `path.hzp` or `preset:NAME[,key=value...]`.
+pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> {
+    if spec.starts_with("preset:") {
+        return Ok(presets::parse_preset(spec)?);
+    }
+    let path = Path::new(spec);
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    if !path.exists() {
+        return Err(LoadError::Unknown(format!(
+            "model `{spec}` does not exist (give an .onnx file, an .hzp file, or preset:NAME; presets: {})",
+            presets::preset_names().join(", ")
+        )));
+    }
+    match ext.as_deref() {
+        Some("onnx") => {
+            let o = onnx::ImportOptions {
+                shapes: opts.shapes.clone(),
+            };
+            Ok(onnx::import_file(path, &o)?)
+        }
+        Some("hzp") => Ok(hzp_file::load(path)?),
+        _ => Err(LoadError::Unknown(format!(
+            "cannot tell what kind of model `{spec}` is: hzp reads .onnx files, .hzp files and preset:NAME"
+        ))),
+    }
+}

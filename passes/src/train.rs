@@ -97,7 +97,9 @@ impl Optimizer {
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
     pub loss: LossKind,
-    pub optimizer: Optimizer,
+    /// The update; `None` builds a gradient program instead: outputs
+    /// `[loss, (grad norm if clipping), grad of each parameter...]` and no updates.
+    pub optimizer: Option<Optimizer>,
     /// Clip gradients to this global L2 norm (torch.nn.utils.clip_grad_norm_).
     pub clip_grad_norm: Option<f64>,
     /// Micro-batches per step; the global batch (axis 0 of every input) is split evenly.
@@ -110,7 +112,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             loss: LossKind::Lm { labels: None },
-            optimizer: Optimizer::adamw_default(),
+            optimizer: Some(Optimizer::adamw_default()),
             clip_grad_norm: None,
             micro_batches: 1,
             compute: DType::F32,
@@ -529,7 +531,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     let mut e = Emitter::new(&mut p);
     e.scope = "step".into();
     let inv_m = 1.0 / m as f64;
-    let mut mean_of = |e: &mut Emitter, parts: &[ValueId]| -> Result<ValueId, String> {
+    let mean_of = |e: &mut Emitter, parts: &[ValueId]| -> Result<ValueId, String> {
         let mut acc = parts[0];
         for &x in &parts[1..] {
             acc = e.op(Op::Binary(BinaryOp::Add), &[acc, x])?;
@@ -558,9 +560,25 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
         grads = clipped;
         outputs.push(norm);
     }
-    e.scope = "step/optimizer".into();
     let mut updates = Vec::new();
-    optimizer(&mut e, &cfg.optimizer, &params, &grads, &mut updates).map_err(terr)?;
+    match &cfg.optimizer {
+        Some(opt) => {
+            e.scope = "step/optimizer".into();
+            optimizer(&mut e, opt, &params, &grads, &mut updates).map_err(terr)?;
+        }
+        None => {
+            // A gradient program: name each gradient after its parameter.
+            for (&w, &g) in params.iter().zip(&grads) {
+                let want = format!("grad/{}", e.p.value(w).name);
+                let is_node = matches!(e.p.value(g).def, ValueDef::Node { .. });
+                if is_node && e.p.value(g).name != want && !outputs.contains(&g) {
+                    let n = e.fresh(&want);
+                    e.p.values[g.index()].name = n;
+                }
+            }
+            outputs.extend(grads.iter().copied());
+        }
+    }
     drop(e);
     if p.find_value("loss").is_none() {
         p.values[loss.index()].name = "loss".into();

@@ -3,3 +3,4 @@
 
 pub mod cpu;
 pub mod eval;
+pub mod train;

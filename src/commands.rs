@@ -1,0 +1,605 @@
+//! The subcommands. Each one reads the user's files, calls into the crates, and prints.
+
+use crate::{Format, ModelArgs};
+use hzp_frontends::{hzp_file, load_model, npz, LoadOptions};
+use hzp_ir::{Program, Tensor};
+use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// Parses `--shape` values: `NAME=AxB`, repeated or comma-separated.
+fn parse_shapes(specs: &[String]) -> Result<BTreeMap<String, Vec<usize>>> {
+    let mut out = BTreeMap::new();
+    for spec in specs {
+        for part in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, dims) = part.split_once('=').ok_or_else(|| {
+                miette!("--shape `{part}` must look like NAME=AxB, e.g. input_ids=8x2048")
+            })?;
+            let dims = dims
+                .split('x')
+                .map(|d| d.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|_| {
+                    miette!("--shape `{part}`: `{dims}` is not a list of sizes like 8x2048")
+                })?;
+            if out.insert(name.trim().to_string(), dims).is_some() {
+                return Err(miette!("--shape gives input `{name}` twice"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn read_npz(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    npz::read(path).map_err(|e| miette!("{e}"))
+}
+
+/// Reads the model; input shapes come from --shape, then from the arrays of --inputs.
+fn load(args: &ModelArgs, inputs: Option<&[(String, Tensor)]>) -> Result<Program> {
+    let mut shapes = parse_shapes(&args.shapes)?;
+    if let Some(inputs) = inputs {
+        for (k, t) in inputs {
+            shapes.entry(k.clone()).or_insert_with(|| t.shape.clone());
+        }
+    }
+    let opts = LoadOptions { shapes };
+    load_model(&args.model, &opts).map_err(miette::Report::new)
+}
+
+/// Refuses to write over one of the user's input files.
+fn check_not_input(out: &Path, inputs: &[&Path]) -> Result<()> {
+    let canon = |p: &Path| std::fs::canonicalize(p).ok();
+    if let Some(o) = canon(out) {
+        for i in inputs {
+            if canon(i).as_ref() == Some(&o) {
+                return Err(miette!(
+                    "refusing to write {}: it is one of the input files",
+                    out.display()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn import(args: &ModelArgs, inputs: Option<&Path>, output: Option<&Path>) -> Result<()> {
+    let arrays = inputs.map(read_npz).transpose()?;
+    let p = load(args, arrays.as_deref())?;
+    match output {
+        None => print!("{}", hzp_ir::text::print(&p)),
+        Some(out) => {
+            let model = Path::new(&args.model);
+            let weights = hzp_file::weights_path(out);
+            let mut ins: Vec<&Path> = vec![model];
+            ins.extend(inputs);
+            check_not_input(out, &ins)?;
+            check_not_input(&weights, &ins)?;
+            hzp_file::save(out, &p).map_err(miette::Report::new)?;
+            eprintln!(
+                "wrote {} ({} nodes, {} parameters){}",
+                out.display(),
+                p.nodes.len(),
+                p.num_parameters(),
+                if hzp_file::sidecar_tensors(&p).is_empty() {
+                    String::new()
+                } else {
+                    format!(" and {}", weights.display())
+                }
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<()> {
+    let arrays = inputs.map(read_npz).transpose()?;
+    let p = load(args, arrays.as_deref())?;
+    let s = hzp_passes::summary::summarize(&p);
+    match format {
+        Format::Text => print!("{}", s.to_text()),
+        Format::Json => println!("{}", serde_json::to_string_pretty(&s).into_diagnostic()?),
+    }
+    Ok(())
+}
+
+/// Max |a - b| over elements (both converted to f64); None if shapes differ.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> Option<f64> {
+    if a.shape != b.shape {
+        return None;
+    }
+    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+    Some(
+        x.iter()
+            .zip(&y)
+            .map(|(p, q)| {
+                if p.is_nan() != q.is_nan() {
+                    f64::INFINITY
+                } else if p.is_nan() {
+                    0.0
+                } else {
+                    (p - q).abs()
+                }
+            })
+            .fold(0.0, f64::max),
+    )
+}
+
+fn shape_str(t: &Tensor) -> String {
+    t.ty().to_string()
+}
+
+pub fn eval(
+    args: &ModelArgs,
+    inputs: &Path,
+    output: Option<&Path>,
+    reference: Option<&Path>,
+    tolerance: f64,
+    format: Format,
+) -> Result<()> {
+    let arrays = read_npz(inputs)?;
+    let p = load(args, Some(&arrays))?;
+    let wanted: Vec<(String, Tensor)> = p
+        .inputs
+        .iter()
+        .map(|&v| {
+            let name = &p.value(v).name;
+            arrays
+                .iter()
+                .find(|(k, _)| k == name)
+                .cloned()
+                .ok_or_else(|| {
+                    miette!(
+                        "{} has no array `{name}`, an input of the model (it has: {})",
+                        inputs.display(),
+                        arrays
+                            .iter()
+                            .map(|(k, _)| k.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                })
+        })
+        .collect::<Result<_>>()?;
+    let start = Instant::now();
+    let outs = hzp_runtime::eval::evaluate(&p, &wanted).map_err(|e| miette!("{e}"))?;
+    let elapsed = start.elapsed();
+
+    // Compare against a reference, if given.
+    let refs = reference.map(read_npz).transpose()?;
+    let mut rows = Vec::new();
+    let mut worst: Option<f64> = None;
+    for (name, t) in &outs {
+        let r = refs.as_ref().and_then(|refs| {
+            refs.iter().find(|(k, _)| k == name).or_else(|| {
+                let non_inputs: Vec<_> = refs
+                    .iter()
+                    .filter(|(k, _)| !p.inputs.iter().any(|&v| &p.value(v).name == k))
+                    .collect();
+                (outs.len() == 1 && non_inputs.len() == 1).then(|| non_inputs[0])
+            })
+        });
+        let diff = match r {
+            Some((rk, rt)) => Some((
+                rk.clone(),
+                max_abs_diff(t, rt).ok_or_else(|| {
+                    miette!(
+                        "output `{name}` is {} but reference `{rk}` is {}",
+                        shape_str(t),
+                        shape_str(rt)
+                    )
+                })?,
+            )),
+            None => None,
+        };
+        if let Some((_, d)) = &diff {
+            worst = Some(worst.map_or(*d, |w: f64| w.max(*d)));
+        }
+        rows.push((name.clone(), t, diff));
+    }
+    if let Some(out) = output {
+        let mut ins: Vec<&Path> = vec![inputs, Path::new(&args.model)];
+        ins.extend(reference);
+        check_not_input(out, &ins)?;
+        npz::write(out, &outs).map_err(|e| miette!("{e}"))?;
+    }
+    match format {
+        Format::Json => {
+            let list: Vec<serde_json::Value> = rows
+                .iter()
+                .map(|(name, t, diff)| {
+                    let stats = stats(t);
+                    serde_json::json!({
+                        "name": name,
+                        "dtype": t.dtype().name(),
+                        "shape": t.shape,
+                        "min": stats.0, "max": stats.1, "mean": stats.2,
+                        "reference": diff.as_ref().map(|(k, _)| k),
+                        "max_abs_diff": diff.as_ref().map(|(_, d)| d),
+                    })
+                })
+                .collect();
+            let v = serde_json::json!({
+                "model": p.name,
+                "seconds": elapsed.as_secs_f64(),
+                "outputs": list,
+                "within_tolerance": worst.map(|w| w <= tolerance),
+            });
+            println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        }
+        Format::Text => {
+            println!(
+                "evaluated {} on the CPU in {:.1} ms",
+                p.name,
+                elapsed.as_secs_f64() * 1e3
+            );
+            for (name, t, diff) in &rows {
+                let (mn, mx, mean) = stats(t);
+                print!(
+                    "  {name}: {}  min {mn:.4}  max {mx:.4}  mean {mean:.4}",
+                    shape_str(t)
+                );
+                if let Some((rk, d)) = diff {
+                    print!("  max |diff| vs {rk}: {d:.3e}");
+                }
+                println!();
+            }
+            if let Some(out) = output {
+                println!("wrote {}", out.display());
+            }
+        }
+    }
+    if let Some(w) = worst {
+        if w > tolerance {
+            return Err(miette!(
+                "outputs differ from the reference by up to {w:.3e}, more than the tolerance {tolerance:e}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn stats(t: &Tensor) -> (f64, f64, f64) {
+    let v = t.to_f64_vec();
+    if v.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    let mn = v.iter().cloned().fold(f64::INFINITY, f64::min);
+    let mx = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    (mn, mx, v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// Peak resident memory of this process so far (Linux), in bytes.
+fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn bench_import(args: &ModelArgs, repeat: usize) -> Result<()> {
+    let repeat = repeat.max(1);
+    let mut times = Vec::new();
+    let mut last = None;
+    for _ in 0..repeat {
+        let start = Instant::now();
+        let p = load(args, None)?;
+        hzp_ir::verify(&p)
+            .map_err(|e| miette!("{e}"))
+            .wrap_err("verifying the imported program")?;
+        times.push(start.elapsed().as_secs_f64());
+        last = Some(p);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let p = last.expect("repeat >= 1");
+    println!(
+        "import + verify {}: {} nodes, {} parameters",
+        args.model,
+        p.nodes.len(),
+        p.num_parameters()
+    );
+    println!(
+        "  median {:.3} s over {} runs (min {:.3} s, max {:.3} s)",
+        median,
+        times.len(),
+        times[0],
+        times[times.len() - 1]
+    );
+    match peak_rss_bytes() {
+        Some(b) => println!("  peak resident memory {:.1} MiB", b as f64 / (1 << 20) as f64),
+        None => println!("  peak resident memory: not available on this OS"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- training
+
+use crate::TrainArgs;
+use hzp_passes::ties::{self, Tie};
+use hzp_passes::train::{self as tr, LossKind, Optimizer, TrainConfig};
+
+/// What `grad` and `train` share: the step program, the batch, and the ties made.
+struct Prepared {
+    step: Program,
+    batch: Vec<(String, Tensor)>,
+    ties: Vec<Tie>,
+}
+
+fn parse_pair(s: &str, what: &str) -> Result<(f64, f64)> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    match parts.as_slice() {
+        [a, b] => Ok((
+            a.parse().map_err(|_| miette!("{what} `{s}`: `{a}` is not a number"))?,
+            b.parse().map_err(|_| miette!("{what} `{s}`: `{b}` is not a number"))?,
+        )),
+        _ => Err(miette!("{what} must be two numbers like 0.9,0.999, got `{s}`")),
+    }
+}
+
+fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
+    let loss = LossKind::parse(&t.loss, t.labels.as_deref(), t.target.as_deref())
+        .map_err(|e| miette!("{e}"))?;
+    let optimizer = if !with_optimizer {
+        None
+    } else {
+        Some(match t.optimizer.as_str() {
+            "adamw" => {
+                let (beta1, beta2) = parse_pair(&t.betas, "--betas")?;
+                Optimizer::AdamW {
+                    lr: t.lr,
+                    beta1,
+                    beta2,
+                    eps: t.eps,
+                    weight_decay: t.weight_decay.unwrap_or(0.01),
+                }
+            }
+            "sgd" => Optimizer::Sgd {
+                lr: t.lr,
+                momentum: t.momentum,
+                weight_decay: t.weight_decay.unwrap_or(0.0),
+            },
+            other => return Err(miette!("unknown optimizer `{other}` (expected adamw or sgd)")),
+        })
+    };
+    let compute = match t.precision.as_str() {
+        "fp32" | "f32" => hzp_ir::DType::F32,
+        "bf16" => hzp_ir::DType::BF16,
+        other => return Err(miette!("unknown precision `{other}` (expected fp32 or bf16)")),
+    };
+    if t.micro_batches == 0 {
+        return Err(miette!("--micro-batches must be at least 1"));
+    }
+    for stage in &t.print_after {
+        if !["import", "loss", "autodiff", "optimizer"].contains(&stage.as_str()) {
+            return Err(miette!(
+                "--print-after `{stage}`: the stages are import, loss, autodiff, optimizer"
+            ));
+        }
+    }
+    Ok(TrainConfig {
+        loss,
+        optimizer,
+        clip_grad_norm: t.clip_grad_norm,
+        micro_batches: t.micro_batches,
+        compute,
+    })
+}
+
+fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool) -> Result<Prepared> {
+    let cfg = train_config(t, with_optimizer)?;
+    let arrays = read_npz(inputs)?;
+    let m = cfg.micro_batches;
+    // The model is imported at micro-batch shapes: axis 0 of every array divided by m.
+    let mut micro = Vec::new();
+    for (k, a) in &arrays {
+        let mut shape = a.shape.clone();
+        if m > 1 {
+            match shape.first_mut() {
+                Some(d) if *d % m == 0 => *d /= m,
+                _ => {
+                    return Err(miette!(
+                        "--micro-batches {m}: `{k}` in {} is {}; its first dim must divide by {m}",
+                        inputs.display(),
+                        a.ty()
+                    ))
+                }
+            }
+        }
+        micro.push((k.clone(), Tensor::zeros(&hzp_ir::TensorType::new(a.dtype(), shape))));
+    }
+    let mut fwd = load(args, Some(&micro))?;
+    let freeze: Vec<String> = t
+        .freeze
+        .iter()
+        .flat_map(|s| s.split(','))
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    ties::freeze(&mut fwd, &freeze).map_err(|e| miette!("{e}"))?;
+    let found = ties::find_ties(&fwd);
+    let made = if t.retie {
+        ties::retie(&mut fwd, &found).map_err(|e| miette!("{e}"))?;
+        for tie in &found {
+            eprintln!(
+                "retie: `{}` is {}`{}`; training them as one parameter",
+                tie.copy,
+                if tie.transposed { "the transpose of " } else { "a copy of " },
+                tie.canonical
+            );
+        }
+        found
+    } else {
+        if !found.is_empty() {
+            eprintln!(
+                "note: {} parameter(s) equal another up to a transpose (e.g. `{}` and `{}`); they train separately unless you pass --retie",
+                found.len(),
+                found[0].copy,
+                found[0].canonical
+            );
+        }
+        Vec::new()
+    };
+    let show = |stage: &str, p: &Program| {
+        if t.print_after.iter().any(|s| s == stage) {
+            println!("# --print-after {stage}\n{}", hzp_ir::text::print(p));
+        }
+    };
+    show("import", &fwd);
+    let fwd_c = tr::lower_precision(&fwd, cfg.compute).map_err(|e| miette!("{e}"))?;
+    if t.print_after.iter().any(|s| s == "loss") {
+        show("loss", &tr::attach_loss(&fwd_c, &cfg.loss).map_err(|e| miette!("{e}"))?);
+    }
+    if t.print_after.iter().any(|s| s == "autodiff") {
+        show(
+            "autodiff",
+            &tr::gradient_program(&fwd_c, &cfg.loss).map_err(|e| miette!("{e}"))?,
+        );
+    }
+    let step = tr::training_step(&fwd, &cfg).map_err(|e| miette!("{e}"))?;
+    show("optimizer", &step);
+    let batch = program_inputs(&step, &arrays, inputs)?;
+    Ok(Prepared {
+        step,
+        batch,
+        ties: made,
+    })
+}
+
+/// The arrays of `arrays` that `p` takes as inputs, checked by name, dtype and shape.
+fn program_inputs(p: &Program, arrays: &[(String, Tensor)], file: &Path) -> Result<Vec<(String, Tensor)>> {
+    p.inputs
+        .iter()
+        .map(|&v| {
+            let val = p.value(v);
+            let (_, t) = arrays.iter().find(|(k, _)| *k == val.name).ok_or_else(|| {
+                miette!(
+                    "{} has no array `{}`, which the training step needs as {}",
+                    file.display(),
+                    val.name,
+                    val.ty
+                )
+            })?;
+            if t.ty() != val.ty {
+                return Err(miette!(
+                    "`{}` in {} is {}, but the training step needs {}",
+                    val.name,
+                    file.display(),
+                    t.ty(),
+                    val.ty
+                ));
+            }
+            Ok((val.name.clone(), t.clone()))
+        })
+        .collect()
+}
+
+/// Adds entries for retied copies (transposed back where needed), so that every original
+/// initializer name has a value.
+fn with_tied_copies(mut named: Vec<(String, Tensor)>, ties: &[Tie], prefix: &str) -> Vec<(String, Tensor)> {
+    for tie in ties {
+        let key = format!("{prefix}{}", tie.canonical);
+        if let Some((_, t)) = named.iter().find(|(k, _)| *k == key) {
+            let t = if tie.transposed { transpose_last2(t) } else { t.clone() };
+            named.push((format!("{prefix}{}", tie.copy), t));
+        }
+    }
+    named
+}
+
+fn transpose_last2(t: &Tensor) -> Tensor {
+    let r = t.shape.len();
+    let (m, n) = (t.shape[r - 2], t.shape[r - 1]);
+    let v = t.to_f32_vec();
+    let mut out = vec![0.0f32; v.len()];
+    let batch = v.len() / (m * n).max(1);
+    for b in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                out[b * m * n + j * m + i] = v[b * m * n + i * n + j];
+            }
+        }
+    }
+    let mut shape = t.shape.clone();
+    shape.swap(r - 2, r - 1);
+    Tensor::from_f64(
+        t.dtype(),
+        shape,
+        &out.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+    )
+}
+
+pub fn grad(args: &ModelArgs, inputs: &Path, t: &TrainArgs, output: &Path) -> Result<()> {
+    let prep = prepare(args, inputs, t, false)?;
+    check_not_input(output, &[inputs, Path::new(&args.model)])?;
+    let start = Instant::now();
+    let outs = hzp_runtime::eval::evaluate(&prep.step, &prep.batch).map_err(|e| miette!("{e}"))?;
+    let n_params = prep.step.params.len();
+    let grads_from = outs.len() - n_params;
+    let mut named = vec![("loss".to_string(), outs[0].1.clone())];
+    if t.clip_grad_norm.is_some() {
+        named.push(("grad_norm".to_string(), outs[1].1.clone()));
+    }
+    let grads: Vec<(String, Tensor)> = prep
+        .step
+        .params
+        .iter()
+        .zip(&outs[grads_from..])
+        .map(|(prm, (_, g))| (prep.step.value(prm.value).name.clone(), g.clone()))
+        .collect();
+    named.extend(with_tied_copies(grads, &prep.ties, ""));
+    npz::write(output, &named).map_err(|e| miette!("{e}"))?;
+    println!(
+        "loss {:.6}; {} gradients written to {} ({:.1} ms)",
+        outs[0].1.to_f64_vec()[0],
+        named.len() - 1,
+        output.display(),
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+pub fn train(
+    args: &ModelArgs,
+    inputs: &Path,
+    t: &TrainArgs,
+    steps: usize,
+    save_params: Option<&Path>,
+    format: Format,
+) -> Result<()> {
+    let prep = prepare(args, inputs, t, true)?;
+    if let Some(out) = save_params {
+        check_not_input(out, &[inputs, Path::new(&args.model)])?;
+    }
+    let mut trainer = hzp_runtime::train::Trainer::new(&prep.step).map_err(|e| miette!("{e}"))?;
+    let mut losses = Vec::new();
+    let mut times = Vec::new();
+    for s in 0..steps {
+        let start = Instant::now();
+        let outs = trainer.step(&prep.batch).map_err(|e| miette!("step {}: {e}", s + 1))?;
+        let dt = start.elapsed().as_secs_f64();
+        let loss = outs[0].1.to_f64_vec()[0];
+        if format == Format::Text {
+            println!("step {:>4}  loss {loss:.6}  ({:.1} ms)", s + 1, dt * 1e3);
+        }
+        losses.push(loss);
+        times.push(dt);
+    }
+    if let Some(out) = save_params {
+        let params = with_tied_copies(trainer.parameters(), &prep.ties, "");
+        npz::write(out, &params).map_err(|e| miette!("{e}"))?;
+        if format == Format::Text {
+            println!("saved {} parameters to {}", params.len(), out.display());
+        }
+    }
+    if format == Format::Json {
+        let v = serde_json::json!({
+            "model": args.model,
+            "steps": steps,
+            "losses": losses,
+            "step_seconds": times,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    }
+    Ok(())
+}

@@ -1,0 +1,174 @@
+//! The CLI as a user runs it: exit codes, messages, JSON keys, files written.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn hzp(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(hzp_bin()).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn params_of(spec: &str) -> u64 {
+    let (code, out, err) = hzp(&["show", spec, "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["parameters"].as_u64().unwrap()
+}
+
+#[test]
+fn preset_parameter_counts() {
+    let gpt3 = params_of("preset:gpt3-175b");
+    assert!((174_000_000_000..=176_000_000_000).contains(&gpt3), "{gpt3}");
+    let llama = params_of("preset:llama3-70b") as f64;
+    assert!((llama / 70.6e9 - 1.0).abs() < 0.01, "{llama}");
+    let mixtral = params_of("preset:mixtral-8x7b") as f64;
+    assert!((mixtral / 46.7e9 - 1.0).abs() < 0.01, "{mixtral}");
+}
+
+#[test]
+fn eval_matches_torch_and_writes_outputs() {
+    let dir = tempdir();
+    let out = dir.join("out.npz");
+    let model = own_models_dir().join("gpt2_tiny.legacy.op17.onnx");
+    let io = own_models_dir().join("gpt2_tiny.io.npz");
+    let (code, stdout, err) = hzp(&[
+        "eval",
+        model.to_str().unwrap(),
+        "--inputs",
+        io.to_str().unwrap(),
+        "--reference",
+        io.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stdout}{err}");
+    assert!(stdout.contains("max |diff| vs torch_out"), "{stdout}");
+    let outs = read_npz(&out);
+    assert_eq!(outs[0].0, "logits");
+    assert_eq!(outs[0].1.shape, vec![2, 16, 256]);
+}
+
+#[test]
+fn import_writes_hzp_that_loads_back_and_evaluates_the_same() {
+    let dir = tempdir();
+    let hzp_path = dir.join("llama.hzp");
+    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
+    let io = own_models_dir().join("llama_tiny.io.npz");
+    let (code, _, err) = hzp(&[
+        "import",
+        model.to_str().unwrap(),
+        "--shape",
+        "input_ids=2x16",
+        "-o",
+        hzp_path.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(dir.join("llama.weights.npz").exists());
+    let (code, stdout, err) = hzp(&[
+        "eval",
+        hzp_path.to_str().unwrap(),
+        "--inputs",
+        io.to_str().unwrap(),
+        "--reference",
+        io.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stdout}{err}");
+}
+
+#[test]
+fn show_json_has_stable_keys() {
+    let model = own_models_dir().join("bert_tiny.legacy.op17.onnx");
+    let io = own_models_dir().join("bert_tiny.io.npz");
+    let (code, out, err) = hzp(&[
+        "show",
+        model.to_str().unwrap(),
+        "--inputs",
+        io.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for key in ["parameters", "op_histogram", "layers", "inputs", "outputs"] {
+        assert!(v.get(key).is_some(), "show --format json lacks `{key}`: {out}");
+    }
+}
+
+#[test]
+fn bad_inputs_fail_with_a_message_and_no_panic() {
+    let dir = tempdir();
+    let empty = dir.join("empty.onnx");
+    std::fs::write(&empty, b"").unwrap();
+    let junk = dir.join("junk.onnx");
+    std::fs::write(&junk, (0..4096u32).map(|i| (i * 2654435761u32 >> 24) as u8).collect::<Vec<_>>()).unwrap();
+    let bad_text = dir.join("bad.hzp");
+    std::fs::write(&bad_text, "program \"x\"\ninput %a : f32[2]\n%b = Frobnicate(%a) : f32[2] \"n\"\noutput %b\n").unwrap();
+    let model = own_models_dir().join("gpt2_tiny.dynamo.op18.onnx");
+    let cases: Vec<Vec<String>> = vec![
+        vec!["show".into(), empty.display().to_string()],
+        vec!["show".into(), junk.display().to_string()],
+        vec!["show".into(), bad_text.display().to_string()],
+        vec!["show".into(), "does-not-exist.onnx".into()],
+        vec!["show".into(), "preset:nonsense".into()],
+        // symbolic dims left unbound
+        vec!["show".into(), model.display().to_string()],
+        vec!["show".into(), model.display().to_string(), "--shape".into(), "input_ids=2".into()],
+        vec!["show".into(), model.display().to_string(), "--shape".into(), "input_ids=axb".into()],
+    ];
+    for args in cases {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = hzp(&a);
+        assert_eq!(code, 1, "{a:?} should fail with exit 1: {out}{err}");
+        assert!(!err.contains("panicked"), "{a:?} panicked: {err}");
+        assert!(!err.trim().is_empty(), "{a:?} printed no error");
+    }
+    // the unknown op is named, with its line
+    let (_, _, err) = hzp(&["show", bad_text.to_str().unwrap()]);
+    assert!(err.contains("Frobnicate") && err.contains(":3:"), "{err}");
+}
+
+#[test]
+fn refuses_to_overwrite_its_input() {
+    let dir = tempdir();
+    let io = dir.join("io.npz");
+    std::fs::copy(own_models_dir().join("gpt2_tiny.io.npz"), &io).unwrap();
+    let before = std::fs::read(&io).unwrap();
+    let model = own_models_dir().join("gpt2_tiny.dynamo.op18.onnx");
+    let (code, _, err) = hzp(&[
+        "eval",
+        model.to_str().unwrap(),
+        "--inputs",
+        io.to_str().unwrap(),
+        "-o",
+        io.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("input"), "{err}");
+    assert_eq!(std::fs::read(&io).unwrap(), before);
+}
+
+#[test]
+fn commands_not_built_say_so() {
+    for cmd in ["grad", "train", "compile", "run", "simulate"] {
+        let (code, _, err) = hzp(&[cmd, "x"]);
+        assert_eq!(code, 2, "{cmd}");
+        assert!(err.contains("not built yet"), "{cmd}: {err}");
+    }
+}
+
+fn tempdir() -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "hzp-cli-test-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

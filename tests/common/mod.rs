@@ -1,0 +1,91 @@
+//! Shared helpers for the end-to-end tests.
+#![allow(dead_code)]
+
+use hzp_frontends::{load_model, npz, LoadOptions};
+use hzp_ir::{Program, Tensor};
+use std::path::{Path, PathBuf};
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The project's own test models (always present).
+pub fn own_models_dir() -> PathBuf {
+    repo().join("tests/models")
+}
+
+/// `../shared/onnx` beside the checkout, when present.
+pub fn shared_models_dir() -> Option<PathBuf> {
+    let d = repo().join("../shared/onnx");
+    d.is_dir().then_some(d)
+}
+
+/// Every test model: (path to .onnx, path to its .io.npz).
+pub fn all_models() -> Vec<(PathBuf, PathBuf)> {
+    let mut dirs = vec![own_models_dir()];
+    match shared_models_dir() {
+        Some(d) => dirs.push(d),
+        None => eprintln!("note: ../shared/onnx is absent; testing the project's own models only"),
+    }
+    let mut out = Vec::new();
+    for d in dirs {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "onnx"))
+            .collect();
+        files.sort();
+        for f in files {
+            let stem = f.file_name().unwrap().to_string_lossy().to_string();
+            let model = stem.split('.').next().unwrap().to_string();
+            let io = d.join(format!("{model}.io.npz"));
+            assert!(io.exists(), "{} has no {}", f.display(), io.display());
+            out.push((f, io));
+        }
+    }
+    out
+}
+
+/// Inputs of `io.npz` that are graph inputs of `p`, in the program's input order.
+pub fn program_inputs(p: &Program, io: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    p.inputs
+        .iter()
+        .map(|&v| {
+            let name = &p.value(v).name;
+            io.iter()
+                .find(|(k, _)| k == name)
+                .cloned()
+                .unwrap_or_else(|| panic!("io file lacks input {name}"))
+        })
+        .collect()
+}
+
+/// Imports `model` with input shapes bound from `io`.
+pub fn import(model: &Path, io: &[(String, Tensor)]) -> Program {
+    let opts = LoadOptions {
+        shapes: io
+            .iter()
+            .filter(|(k, _)| k != "torch_out")
+            .map(|(k, t)| (k.clone(), t.shape.clone()))
+            .collect(),
+    };
+    load_model(model.to_str().unwrap(), &opts)
+        .unwrap_or_else(|e| panic!("importing {}: {e}", model.display()))
+}
+
+pub fn read_npz(p: &Path) -> Vec<(String, Tensor)> {
+    npz::read(p).unwrap_or_else(|e| panic!("{e}"))
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.shape, b.shape);
+    a.to_f64_vec()
+        .iter()
+        .zip(b.to_f64_vec())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+pub fn hzp_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_hzp"))
+}
