@@ -416,7 +416,13 @@ fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool)
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .collect();
-    ties::freeze(&mut fwd, &freeze).map_err(|e| miette!("{e}"))?;
+    let skipped = ties::freeze(&mut fwd, &freeze).map_err(|e| miette!("{e}"))?;
+    if !skipped.is_empty() {
+        eprintln!(
+            "note: --freeze: not parameters of this program (constants, or folded away at import): {}",
+            skipped.join(", ")
+        );
+    }
     let found = ties::find_ties(&fwd);
     let made = if t.retie {
         ties::retie(&mut fwd, &found).map_err(|e| miette!("{e}"))?;

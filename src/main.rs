@@ -208,6 +208,13 @@ enum BenchWhat {
 }
 
 fn main() {
+    // Exit quietly when the reader of our output goes away (`hzp show ... | head`), as
+    // command-line tools do, instead of panicking on a broken pipe.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Import {

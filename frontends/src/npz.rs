@@ -30,7 +30,7 @@
 //! leaves a half-written file at the user's path.
 
 use half::{bf16, f16};
-use hzp_ir::{Data, DType, Tensor};
+use hzp_ir::{DType, Data, Tensor};
 use std::collections::HashSet;
 use std::fmt;
 use std::fs::File;
@@ -147,7 +147,12 @@ fn check_zip_magic(head: &[u8], file: &str) -> Result<(), NpzError> {
     Ok(())
 }
 
-fn read_zip<R: Read + Seek>(reader: R, file: &str) -> Result<Vec<(String, Tensor)>, NpzError> {
+fn read_zip<R: Read + Seek>(mut reader: R, file: &str) -> Result<Vec<(String, Tensor)>, NpzError> {
+    // Bounds how much memory an entry's claimed size may reserve up front.
+    let archive_len = reader
+        .seek(io::SeekFrom::End(0))
+        .and_then(|n| reader.rewind().map(|_| n))
+        .map_err(|e| file_err(file, format!("cannot read: {e}")))?;
     let mut zip = zip::ZipArchive::new(reader)
         .map_err(|e| file_err(file, format!("not a readable .npz archive (zip): {e}")))?;
     let mut out: Vec<(String, Tensor)> = Vec::with_capacity(zip.len().min(1 << 16));
@@ -170,7 +175,13 @@ fn read_zip<R: Read + Seek>(reader: R, file: &str) -> Result<Vec<(String, Tensor
                 ))
             }
         };
+        // Deflate expands at most ~1032x; a stored entry is no larger than the archive.
+        let bound = match entry.compression() {
+            zip::CompressionMethod::Stored => archive_len,
+            _ => archive_len.saturating_mul(1032),
+        };
         let mut bytes = Vec::new();
+        let _ = bytes.try_reserve(entry.size().min(bound).min(1 << 40) as usize);
         entry
             .read_to_end(&mut bytes)
             .map_err(|e| entry_err(file, &key, format!("cannot read the entry: {e}")))?;
@@ -377,7 +388,12 @@ impl LitParser<'_> {
             match self.peek() {
                 Some(b',') => self.i += 1,
                 Some(c) if c == close => {}
-                _ => return Err(format!("expected `,` or `{}` at byte {}", close as char, self.i)),
+                _ => {
+                    return Err(format!(
+                        "expected `,` or `{}` at byte {}",
+                        close as char, self.i
+                    ))
+                }
             }
         }
     }
@@ -396,7 +412,10 @@ fn parse_header(text: &[u8]) -> Result<NpyHeader, String> {
     let mut p = LitParser { s: text, i: 0 };
     let lit = p.value(0).map_err(bad)?;
     if p.peek().is_some() {
-        return Err(bad(format!("unexpected text after the header dict at byte {}", p.i)));
+        return Err(bad(format!(
+            "unexpected text after the header dict at byte {}",
+            p.i
+        )));
     }
     let PyLit::Dict(items) = lit else {
         return Err(bad("it is not a dict".into()));
@@ -430,7 +449,9 @@ fn parse_header(text: &[u8]) -> Result<NpyHeader, String> {
         PyLit::Tuple(dims) => dims
             .iter()
             .map(|d| match d {
-                PyLit::Int(n) => usize::try_from(*n).map_err(|_| bad(format!("dimension {n} is too large"))),
+                PyLit::Int(n) => {
+                    usize::try_from(*n).map_err(|_| bad(format!("dimension {n} is too large")))
+                }
                 other => Err(bad(format!("shape holds {other:?}, not a size"))),
             })
             .collect::<Result<Vec<_>, _>>()?,
@@ -448,7 +469,10 @@ fn parse_header(text: &[u8]) -> Result<NpyHeader, String> {
 fn fmt_shape(s: &[usize]) -> String {
     format!(
         "[{}]",
-        s.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+        s.iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     )
 }
 
@@ -458,7 +482,7 @@ fn parse_npy(b: &[u8]) -> Result<Tensor, String> {
         return Err("not an .npy array (it does not start with \\x93NUMPY)".into());
     }
     let (major, minor) = (b[6], b[7]);
-    let (hlen, start) = match major {
+    let (hlen, start): (usize, usize) = match major {
         1 => {
             if b.len() < 10 {
                 return Err("truncated .npy header".into());
@@ -530,14 +554,30 @@ fn elems<const N: usize>(data: &[u8], big: bool) -> impl Iterator<Item = [u8; N]
 
 fn decode(data: &[u8], kind: NpyKind, big: bool) -> Data {
     match kind {
-        NpyKind::F8 => Data::F32(elems::<8>(data, big).map(|a| f64::from_le_bytes(a) as f32).collect()),
+        NpyKind::F8 => Data::F32(
+            elems::<8>(data, big)
+                .map(|a| f64::from_le_bytes(a) as f32)
+                .collect(),
+        ),
         NpyKind::F4 => Data::F32(elems::<4>(data, big).map(f32::from_le_bytes).collect()),
         NpyKind::F2 => Data::F16(elems::<2>(data, big).map(f16::from_le_bytes).collect()),
         NpyKind::I8 => Data::I64(elems::<8>(data, big).map(i64::from_le_bytes).collect()),
         NpyKind::I4 => Data::I32(elems::<4>(data, big).map(i32::from_le_bytes).collect()),
-        NpyKind::U4 => Data::I64(elems::<4>(data, big).map(|a| u32::from_le_bytes(a) as i64).collect()),
-        NpyKind::I2 => Data::I32(elems::<2>(data, big).map(|a| i16::from_le_bytes(a) as i32).collect()),
-        NpyKind::U2 => Data::I32(elems::<2>(data, big).map(|a| u16::from_le_bytes(a) as i32).collect()),
+        NpyKind::U4 => Data::I64(
+            elems::<4>(data, big)
+                .map(|a| u32::from_le_bytes(a) as i64)
+                .collect(),
+        ),
+        NpyKind::I2 => Data::I32(
+            elems::<2>(data, big)
+                .map(|a| i16::from_le_bytes(a) as i32)
+                .collect(),
+        ),
+        NpyKind::U2 => Data::I32(
+            elems::<2>(data, big)
+                .map(|a| u16::from_le_bytes(a) as i32)
+                .collect(),
+        ),
         NpyKind::I1 => Data::I32(data.iter().map(|&x| x as i8 as i32).collect()),
         NpyKind::U1 => Data::I32(data.iter().map(|&x| x as i32).collect()),
         NpyKind::B1 => Data::Bool(data.iter().map(|&x| x != 0).collect()),
@@ -565,7 +605,11 @@ fn npy_header(t: &Tensor) -> Vec<u8> {
         1 => format!("({},)", t.shape[0]),
         _ => format!(
             "({})",
-            t.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+            t.shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
     };
     let dict = format!(
@@ -573,7 +617,7 @@ fn npy_header(t: &Tensor) -> Vec<u8> {
         descr_of(t.dtype())
     );
     // numpy pads with spaces and ends with '\n' so the data starts 64-byte aligned.
-    let v1 = 10 + dict.len() + 1 <= 64 * 1024 - 64;
+    let v1 = 10 + dict.len() < 64 * 1024 - 64;
     let prefix = if v1 { 10 } else { 12 };
     let total = (prefix + dict.len() + 1).div_ceil(64) * 64;
     let hlen = total - prefix;
@@ -714,19 +758,37 @@ mod tests {
         vec![
             (
                 "f32".into(),
-                Tensor::f32(vec![2, 3], vec![1.5, -2.0, 0.0, f32::MAX, f32::MIN_POSITIVE, -0.25]),
+                Tensor::f32(
+                    vec![2, 3],
+                    vec![1.5, -2.0, 0.0, f32::MAX, f32::MIN_POSITIVE, -0.25],
+                ),
             ),
             (
                 "bf16".into(),
-                Tensor::new(vec![3], Data::BF16(vec![bf16::from_f32(1.0), bf16::from_f32(-3.5), bf16::MAX])),
+                Tensor::new(
+                    vec![3],
+                    Data::BF16(vec![bf16::from_f32(1.0), bf16::from_f32(-3.5), bf16::MAX]),
+                ),
             ),
             (
                 "f16".into(),
-                Tensor::new(vec![2, 1], Data::F16(vec![f16::from_f32(0.5), f16::from_f32(-65504.0)])),
+                Tensor::new(
+                    vec![2, 1],
+                    Data::F16(vec![f16::from_f32(0.5), f16::from_f32(-65504.0)]),
+                ),
             ),
-            ("i64".into(), Tensor::i64(vec![4], vec![0, -1, i64::MAX, i64::MIN])),
-            ("i32".into(), Tensor::new(vec![1, 2], Data::I32(vec![i32::MIN, 7]))),
-            ("bool".into(), Tensor::new(vec![3], Data::Bool(vec![true, false, true]))),
+            (
+                "i64".into(),
+                Tensor::i64(vec![4], vec![0, -1, i64::MAX, i64::MIN]),
+            ),
+            (
+                "i32".into(),
+                Tensor::new(vec![1, 2], Data::I32(vec![i32::MIN, 7])),
+            ),
+            (
+                "bool".into(),
+                Tensor::new(vec![3], Data::Bool(vec![true, false, true])),
+            ),
             ("scalar".into(), Tensor::scalar_f32(3.25)),
             ("empty".into(), Tensor::new(vec![0, 5], Data::I64(vec![]))),
             ("nested/name.with.dots".into(), Tensor::scalar_i64(-9)),
@@ -759,7 +821,10 @@ mod tests {
             }
         }
         // No temp file is left behind.
-        let left: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let left: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(left, vec![std::ffi::OsString::from("all.npz")]);
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -770,7 +835,8 @@ mod tests {
             let h = npy_header(&t);
             assert_eq!(h.len() % 64, 0);
             assert_eq!(*h.last().unwrap(), b'\n');
-            let parsed = parse_npy(&[h.clone(), vec![0u8; data_len(&t) as usize]].concat()).unwrap();
+            let parsed =
+                parse_npy(&[h.clone(), vec![0u8; data_len(&t) as usize]].concat()).unwrap();
             assert_eq!(parsed.shape, t.shape);
         }
         let h = npy_header(&Tensor::f32(vec![2, 16], vec![0.0; 32]));
@@ -792,18 +858,47 @@ mod tests {
     #[test]
     fn reads_other_dtypes_and_versions() {
         // f8 -> f32, big-endian, small ints widened, version 2.0 and 3.0 headers.
-        let f8: Vec<u8> = [1.5f64, -2.25].iter().flat_map(|x| x.to_le_bytes()).collect();
-        let t = parse_npy(&npy("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\n", &f8)).unwrap();
+        let f8: Vec<u8> = [1.5f64, -2.25]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let t = parse_npy(&npy(
+            "{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\n",
+            &f8,
+        ))
+        .unwrap();
         assert_eq!(t.data, Data::F32(vec![1.5, -2.25]));
         let be: Vec<u8> = [1i32, -3].iter().flat_map(|x| x.to_be_bytes()).collect();
-        let t = parse_npy(&npy("{'shape': (1, 2), 'fortran_order': False, 'descr': '>i4'}", &be)).unwrap();
-        assert_eq!((t.shape.clone(), t.data), (vec![1, 2], Data::I32(vec![1, -3])));
-        let t = parse_npy(&npy("{'descr': '|u1', 'fortran_order': False, 'shape': (3,)}", &[0, 200, 255])).unwrap();
+        let t = parse_npy(&npy(
+            "{'shape': (1, 2), 'fortran_order': False, 'descr': '>i4'}",
+            &be,
+        ))
+        .unwrap();
+        assert_eq!(
+            (t.shape.clone(), t.data),
+            (vec![1, 2], Data::I32(vec![1, -3]))
+        );
+        let t = parse_npy(&npy(
+            "{'descr': '|u1', 'fortran_order': False, 'shape': (3,)}",
+            &[0, 200, 255],
+        ))
+        .unwrap();
         assert_eq!(t.data, Data::I32(vec![0, 200, 255]));
-        let t = parse_npy(&npy("{'descr': '|i1', 'fortran_order': False, 'shape': (2,)}", &[0xff, 5])).unwrap();
+        let t = parse_npy(&npy(
+            "{'descr': '|i1', 'fortran_order': False, 'shape': (2,)}",
+            &[0xff, 5],
+        ))
+        .unwrap();
         assert_eq!(t.data, Data::I32(vec![-1, 5]));
-        let t = parse_npy(&npy("{'descr': '<u4', 'fortran_order': False, 'shape': ()}", &u32::MAX.to_le_bytes())).unwrap();
-        assert_eq!((t.shape.clone(), t.data), (vec![], Data::I64(vec![u32::MAX as i64])));
+        let t = parse_npy(&npy(
+            "{'descr': '<u4', 'fortran_order': False, 'shape': ()}",
+            &u32::MAX.to_le_bytes(),
+        ))
+        .unwrap();
+        assert_eq!(
+            (t.shape.clone(), t.data),
+            (vec![], Data::I64(vec![u32::MAX as i64]))
+        );
         for major in [2u8, 3] {
             let h = "{'descr': '<i8', 'fortran_order': False, 'shape': (1,), }\n";
             let mut v = NPY_MAGIC.to_vec();
@@ -817,15 +912,34 @@ mod tests {
 
     #[test]
     fn errors_name_the_problem() {
-        let e = parse_npy(&npy("{'descr': '<c8', 'fortran_order': False, 'shape': (1,)}", &[0; 8])).unwrap_err();
+        let e = parse_npy(&npy(
+            "{'descr': '<c8', 'fortran_order': False, 'shape': (1,)}",
+            &[0; 8],
+        ))
+        .unwrap_err();
         assert!(e.contains("unsupported dtype `<c8`"), "{e}");
-        let e = parse_npy(&npy("{'descr': '<f4', 'fortran_order': True, 'shape': (1,)}", &[0; 4])).unwrap_err();
+        let e = parse_npy(&npy(
+            "{'descr': '<f4', 'fortran_order': True, 'shape': (1,)}",
+            &[0; 4],
+        ))
+        .unwrap_err();
         assert!(e.contains("Fortran order"), "{e}");
-        let e = parse_npy(&npy("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}", &[0; 20])).unwrap_err();
-        assert!(e.contains("data is 20 bytes") && e.contains("needs 24"), "{e}");
+        let e = parse_npy(&npy(
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}",
+            &[0; 20],
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("data is 20 bytes") && e.contains("needs 24"),
+            "{e}"
+        );
         let e = parse_npy(&npy("{'descr': '<f4', 'shape': (2,)}", &[0; 8])).unwrap_err();
         assert!(e.contains("fortran_order"), "{e}");
-        let e = parse_npy(&npy("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,)}", &[0; 8])).unwrap_err();
+        let e = parse_npy(&npy(
+            "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,)}",
+            &[0; 8],
+        ))
+        .unwrap_err();
         assert!(e.contains("structured"), "{e}");
         let e = parse_npy(&npy(
             "{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999, 99999999999, 99999999999)}",
@@ -848,14 +962,22 @@ mod tests {
         let mut cur = io::Cursor::new(Vec::new());
         {
             let mut z = zip::ZipWriter::new(&mut cur);
-            z.start_file("weird.npy", zip::write::SimpleFileOptions::default()).unwrap();
-            z.write_all(&npy("{'descr': '<c8', 'fortran_order': False, 'shape': (1,)}", &[0; 8]))
+            z.start_file("weird.npy", zip::write::SimpleFileOptions::default())
                 .unwrap();
+            z.write_all(&npy(
+                "{'descr': '<c8', 'fortran_order': False, 'shape': (1,)}",
+                &[0; 8],
+            ))
+            .unwrap();
             z.finish().unwrap();
         }
         let e = read_bytes(cur.get_ref(), "c.npz").unwrap_err();
         assert_eq!(e.entry.as_deref(), Some("weird"));
-        assert!(e.to_string().starts_with("c.npz: array `weird`: unsupported dtype `<c8`"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("c.npz: array `weird`: unsupported dtype `<c8`"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -876,7 +998,10 @@ mod tests {
         }
         let back = read_bytes(cur.get_ref(), "d.npz").unwrap();
         // archive order, not sorted
-        assert_eq!(back.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["b", "a"]);
+        assert_eq!(
+            back.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+            ["b", "a"]
+        );
         assert_eq!(back[1].1, t);
         let single = read_bytes(&body, "dir/w.npy").unwrap();
         assert_eq!(single, vec![("w".to_string(), t)]);
@@ -887,13 +1012,25 @@ mod tests {
         let d = tmpdir("bad");
         let p = d.join("keep.npz");
         std::fs::write(&p, b"old").unwrap();
-        let bad = vec![("x".to_string(), Tensor { shape: vec![3], data: Data::F32(vec![1.0]) })];
-        assert!(write(&p, &bad).unwrap_err().to_string().contains("has 1 elements"));
+        let bad = vec![(
+            "x".to_string(),
+            Tensor {
+                shape: vec![3],
+                data: Data::F32(vec![1.0]),
+            },
+        )];
+        assert!(write(&p, &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("has 1 elements"));
         let dup = vec![
             ("x".to_string(), Tensor::scalar_f32(1.0)),
             ("x".to_string(), Tensor::scalar_f32(2.0)),
         ];
-        assert!(write(&p, &dup).unwrap_err().to_string().contains("given twice"));
+        assert!(write(&p, &dup)
+            .unwrap_err()
+            .to_string()
+            .contains("given twice"));
         assert_eq!(std::fs::read(&p).unwrap(), b"old");
         // A directory that does not exist: an error, nothing created.
         let e = write(&d.join("no/such/dir/x.npz"), &every_dtype()).unwrap_err();

@@ -199,12 +199,24 @@ fn remove_values(p: &mut Program, dead: &[ValueId]) {
 
 /// Turns the named parameters into constants (they keep their data and are not trained),
 /// e.g. buffers such as rotary frequency tables that an exporter stored as initializers.
-pub fn freeze(p: &mut Program, names: &[String]) -> Result<(), String> {
+///
+/// Returns the names that are not parameters of the program: constants already, or
+/// initializers the importer folded away (callers say so to the user).
+pub fn freeze(p: &mut Program, names: &[String]) -> Result<Vec<String>, String> {
+    let mut not_params = Vec::new();
     for name in names {
-        let v = p
-            .find_value(name)
-            .filter(|&v| p.value(v).def == ValueDef::Param)
-            .ok_or_else(|| format!("--freeze: the model has no parameter `{name}`"))?;
+        let Some(v) = p.find_value(name) else {
+            not_params.push(name.clone());
+            continue;
+        };
+        match p.value(v).def {
+            ValueDef::Param => {}
+            ValueDef::Const => {
+                not_params.push(name.clone());
+                continue;
+            }
+            _ => return Err(format!("--freeze: `{name}` is not a parameter")),
+        }
         let prm = p.params.iter().position(|x| x.value == v).expect("is a param");
         let prm = p.params.remove(prm);
         let data = prm.data.ok_or_else(|| {
@@ -213,7 +225,8 @@ pub fn freeze(p: &mut Program, names: &[String]) -> Result<(), String> {
         p.values[v.index()].def = ValueDef::Const;
         p.consts.push(hzp_ir::Const { value: v, data });
     }
-    hzp_ir::verify(p).map_err(|e| format!("freeze produced an invalid program: {e}"))
+    hzp_ir::verify(p).map_err(|e| format!("freeze produced an invalid program: {e}"))?;
+    Ok(not_params)
 }
 
 /// Parameters read by nodes of more than one layer (layers from [`crate::summary`]'s

@@ -14,10 +14,27 @@
 //!    `Reshape` with a static target;
 //! 6. removes dead code and runs hzp's verifier.
 //!
-//! Which initializers become trainable parameters is described at
-//! [`graph::classify_params`](self) (in short: float initializers whose values meet run-time
-//! data; scalars, buffers and shape arithmetic stay constants). Parameter names are the
-//! initializer names exactly; graph inputs and outputs keep their ONNX names.
+//! Only nodes some graph output depends on are translated (dead nodes may use any op).
+//!
+//! **Parameters.** An initializer becomes a trainable parameter when it holds floats and its
+//! values meet run-time data, i.e. it flows (through any chain of ops) into a node that also
+//! reads a value computed from the graph inputs. Everything else is a constant, folded where
+//! possible:
+//! - integer and bool initializers;
+//! - rank-0 float initializers: exporters store literals such as `0.5`, `1e-6` or `sqrt(2)`
+//!   that way (the dynamo exporter does); one that the exporter's graph signature
+//!   (`pkg.torch.export.ExportedProgram.graph_signature` metadata) names as a PARAMETER stays
+//!   a parameter;
+//! - initializers that graph signature names as a BUFFER or CONSTANT_TENSOR (e.g.
+//!   `model.rotary_emb.inv_freq`);
+//! - float initializers consumed only as shape/index arithmetic (they reach only Reshape
+//!   targets, Slice bounds and the like, or nothing that depends on the inputs);
+//! - float initializers nothing (live) reads are dropped.
+//!
+//! Parameter names are the initializer names exactly, in initializer order; graph inputs and
+//! outputs keep their ONNX names (an output whose value has another name gets an `Identity`).
+//! Tied weights that the exporter stored twice (e.g. a transposed copy of an embedding)
+//! become two parameters.
 //!
 //! Dtypes: hzp has no float64, so DOUBLE tensors and casts to DOUBLE are carried out in f32
 //! (documented precision loss); narrow integer *data* (INT8, UINT8, INT16, UINT16) is read as

@@ -1,0 +1,909 @@
+//! The import driver and the translation context: the map from ONNX names to IR values or
+//! import-time constants, constant folding, and the program being built.
+
+use super::error::{graph_err, node_err, FResult, Fail, ImportErrorKind};
+use super::graph::{classify_params, node_label, Def, GraphInfo, Signature};
+use super::ops;
+use super::proto::{
+    data_type as dt, tensor_shape_proto::dimension, type_proto, AttributeProto, ModelProto,
+    NodeProto, ValueInfoProto,
+};
+use super::tensor::{decode_tensor, dtype_of};
+use super::ImportOptions;
+use hzp_ir::{numel, DType, NameSet, Op, Program, Tensor, TensorType, ValueId};
+use prost::Message;
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::rc::Rc;
+
+pub(crate) const MIN_OPSET: i64 = 13;
+pub(crate) const MAX_OPSET: i64 = 21;
+
+/// Results up to this many elements are always folded into constants.
+const FOLD_ALWAYS: usize = 1 << 22;
+/// Above this, folding never happens (the op stays in the program); between the two limits a
+/// result is folded only when it is not larger than its inputs together (so broadcasts of big
+/// masks stay run-time ops instead of bloating the program).
+const FOLD_MAX: usize = 1 << 28;
+
+/// A constant known at import time.
+pub(crate) struct ConstVal {
+    pub t: Tensor,
+    /// The name it gets if it has to become an IR constant (reserved, so never taken).
+    pub name: String,
+    /// The IR constant once made.
+    pub id: Cell<Option<ValueId>>,
+}
+
+/// What an ONNX name stands for.
+#[derive(Clone)]
+pub(crate) enum Slot {
+    /// An IR value: an input, a parameter, a node output.
+    Val(ValueId),
+    /// A constant known at import time.
+    Const(Rc<ConstVal>),
+}
+
+impl Slot {
+    pub fn as_const(&self) -> Option<&Tensor> {
+        match self {
+            Slot::Const(c) => Some(&c.t),
+            Slot::Val(_) => None,
+        }
+    }
+}
+
+/// One ONNX node being translated.
+pub(crate) struct NodeCx<'a> {
+    pub p: &'a NodeProto,
+    /// The name IR nodes made from it get.
+    pub ir_name: String,
+    /// Inputs; `None` for omitted optional inputs (empty names).
+    pub ins: Vec<Option<Slot>>,
+}
+
+impl<'a> NodeCx<'a> {
+    pub fn attr(&self, name: &str) -> Option<&'a AttributeProto> {
+        self.p.attribute.iter().find(|a| a.name == name)
+    }
+
+    pub fn attr_i(&self, name: &str, default: i64) -> FResult<i64> {
+        match self.attr(name) {
+            None => Ok(default),
+            Some(a) => {
+                a.i.ok_or_else(|| node_err(format!("attribute `{name}` must be an integer")))
+            }
+        }
+    }
+
+    pub fn attr_f(&self, name: &str, default: f32) -> FResult<f32> {
+        match self.attr(name) {
+            None => Ok(default),
+            Some(a) => {
+                a.f.or(a.i.map(|i| i as f32))
+                    .ok_or_else(|| node_err(format!("attribute `{name}` must be a float")))
+            }
+        }
+    }
+
+    pub fn attr_ints(&self, name: &str) -> Option<Vec<i64>> {
+        self.attr(name).map(|a| a.ints.clone())
+    }
+
+    pub fn attr_s(&self, name: &str) -> FResult<Option<String>> {
+        match self.attr(name) {
+            None => Ok(None),
+            Some(a) => match &a.s {
+                Some(s) => Ok(Some(String::from_utf8_lossy(s).into_owned())),
+                None => Err(node_err(format!("attribute `{name}` must be a string"))),
+            },
+        }
+    }
+
+    pub fn input(&self, k: usize) -> Option<&Slot> {
+        self.ins.get(k).and_then(|s| s.as_ref())
+    }
+
+    /// A required input.
+    pub fn req(&self, k: usize) -> FResult<&Slot> {
+        self.input(k).ok_or_else(|| {
+            node_err(format!(
+                "input {k} is missing ({} has {} inputs)",
+                self.p.op_type,
+                self.p.input.len()
+            ))
+        })
+    }
+
+    /// The ONNX name of input `k` (for messages).
+    pub fn in_name(&self, k: usize) -> &str {
+        self.p.input.get(k).map(|s| s.as_str()).unwrap_or("")
+    }
+
+    pub fn n_outputs(&self) -> usize {
+        self.p.output.len()
+    }
+}
+
+pub(crate) struct Ctx<'g> {
+    pub prog: Program,
+    pub names: NameSet,
+    env: HashMap<String, Slot>,
+    info: &'g GraphInfo<'g>,
+    model_dir: Option<&'g Path>,
+}
+
+impl<'g> Ctx<'g> {
+    pub fn ty(&self, s: &Slot) -> TensorType {
+        match s {
+            Slot::Val(v) => self.prog.ty(*v).clone(),
+            Slot::Const(c) => c.t.ty(),
+        }
+    }
+
+    pub fn shape(&self, s: &Slot) -> Vec<usize> {
+        match s {
+            Slot::Val(v) => self.prog.ty(*v).shape.clone(),
+            Slot::Const(c) => c.t.shape.clone(),
+        }
+    }
+
+    pub fn dtype(&self, s: &Slot) -> DType {
+        match s {
+            Slot::Val(v) => self.prog.ty(*v).dtype,
+            Slot::Const(c) => c.t.dtype(),
+        }
+    }
+
+    /// A constant under a name that is already reserved (an ONNX name or a fresh one).
+    pub fn named_const(&mut self, t: Tensor, name: String) -> Slot {
+        Slot::Const(Rc::new(ConstVal {
+            t,
+            name,
+            id: Cell::new(None),
+        }))
+    }
+
+    /// A new constant named after `base`.
+    pub fn konst(&mut self, t: Tensor, base: &str) -> Slot {
+        let name = self.names.fresh(base);
+        self.named_const(t, name)
+    }
+
+    /// A scalar constant of `dtype`.
+    pub fn scalar(&mut self, dtype: DType, v: f64, base: &str) -> Slot {
+        self.konst(Tensor::from_f64(dtype, vec![], &[v]), base)
+    }
+
+    /// The IR value of a slot (constants become IR constants on first use).
+    pub fn materialize(&mut self, s: &Slot) -> ValueId {
+        match s {
+            Slot::Val(v) => *v,
+            Slot::Const(c) => {
+                if let Some(id) = c.id.get() {
+                    return id;
+                }
+                let id = self.prog.add_const(c.name.clone(), c.t.clone());
+                c.id.set(Some(id));
+                id
+            }
+        }
+    }
+
+    /// Decodes a tensor of the model (external data is read from the model's folder).
+    pub fn decode(&self, t: &super::proto::TensorProto, what: &str) -> FResult<Tensor> {
+        decode_tensor(t, what, self.model_dir)
+    }
+
+    /// A fresh value name derived from `base`.
+    pub fn fresh(&mut self, base: &str) -> String {
+        self.names.fresh(base)
+    }
+
+    /// Adds `op` over `ins`, or evaluates it right away when every input is a constant.
+    /// `outs` are the names of the results (reserved or fresh).
+    pub fn emit(
+        &mut self,
+        node: &str,
+        op: Op,
+        ins: &[Slot],
+        outs: Vec<String>,
+    ) -> FResult<Vec<Slot>> {
+        let tys: Vec<TensorType> = ins.iter().map(|s| self.ty(s)).collect();
+        let refs: Vec<&TensorType> = tys.iter().collect();
+        let out_tys = op.infer(&refs, None).map_err(node_err)?;
+        for t in &out_tys {
+            if !size_ok(&t.shape) {
+                return Err(node_err(format!(
+                    "{} would make a tensor of shape {:?}, which is too large",
+                    op.name(),
+                    t.shape
+                )));
+            }
+        }
+        if out_tys.len() != outs.len() {
+            return Err(node_err(format!(
+                "internal: {} makes {} results, {} names given",
+                op.name(),
+                out_tys.len(),
+                outs.len()
+            )));
+        }
+        let consts: Option<Vec<&Tensor>> = ins.iter().map(|s| s.as_const()).collect();
+        if let Some(ts) = consts {
+            let out_n: usize = out_tys.iter().map(|t| t.numel()).sum();
+            let in_n: usize = ts.iter().map(|t| t.numel()).sum();
+            let fold = out_n <= FOLD_ALWAYS || (out_n <= FOLD_MAX && out_n <= in_n);
+            if fold && !ts.is_empty() {
+                let results = fold_op(&op, &ts)?;
+                if results.len() != out_tys.len()
+                    || results.iter().zip(&out_tys).any(|(r, t)| r.ty() != *t)
+                {
+                    let got: Vec<String> = results.iter().map(|r| r.ty().to_string()).collect();
+                    let want: Vec<String> = out_tys.iter().map(|t| t.to_string()).collect();
+                    return Err(node_err(format!(
+                        "constant folding of {} gave [{}], expected [{}]",
+                        op.name(),
+                        got.join(", "),
+                        want.join(", ")
+                    )));
+                }
+                return Ok(results
+                    .into_iter()
+                    .zip(outs)
+                    .map(|(t, name)| self.named_const(t, name))
+                    .collect());
+            }
+        }
+        let ids: Vec<ValueId> = ins.iter().map(|s| self.materialize(s)).collect();
+        let vs = self.prog.add_node(node, op, ids, outs).map_err(node_err)?;
+        Ok(vs.into_iter().map(Slot::Val).collect())
+    }
+
+    /// A tensor computed at import time, stored as a constant or, when it is too big to keep
+    /// as data, as a run-time `Fill` (only for uniform tensors).
+    pub fn fill(
+        &mut self,
+        node: &str,
+        value: f64,
+        dtype: DType,
+        shape: Vec<usize>,
+        out: String,
+    ) -> FResult<Slot> {
+        let n = checked_numel(&shape)?;
+        if n <= FOLD_ALWAYS {
+            let t = Tensor::from_f64(dtype, shape, &vec![value; n]);
+            return Ok(self.named_const(t, out));
+        }
+        let vs = self
+            .prog
+            .add_node(
+                node,
+                Op::Fill {
+                    value,
+                    dtype,
+                    shape,
+                },
+                vec![],
+                vec![out],
+            )
+            .map_err(node_err)?;
+        Ok(Slot::Val(vs[0]))
+    }
+
+    /// Input `k` of `n` as an import-time constant; the error says what it is for (`what`,
+    /// e.g. "the target shape") and where the run-time value comes from.
+    pub fn static_input<'s>(&self, n: &'s NodeCx, k: usize, what: &str) -> FResult<&'s Tensor> {
+        let s = n.req(k)?;
+        match s {
+            Slot::Const(c) => Ok(&c.t),
+            Slot::Val(_) => {
+                let name = n.in_name(k);
+                let origin = match self.info.defs.get(name) {
+                    Some(Def::Input(_)) => format!(" (it is the graph input `{name}`)"),
+                    Some(Def::Init(_)) => format!(" (it is the trainable parameter `{name}`)"),
+                    Some(&Def::Node(i, _)) => match self.info.graph.node.get(i) {
+                        Some(p) => format!(" by {}", node_label(p)),
+                        None => String::new(),
+                    },
+                    None => String::new(),
+                };
+                Err(node_err(format!(
+                    "{what} (input `{name}`) is computed at run time{origin}; hzp needs static \
+                     shapes, so it must be computable from constants and input shapes"
+                )))
+            }
+        }
+    }
+
+    /// The slot for an ONNX name (initializers that are constants are decoded on first use).
+    fn lookup(&mut self, name: &str) -> FResult<Slot> {
+        if let Some(s) = self.env.get(name) {
+            return Ok(s.clone());
+        }
+        match self.info.defs.get(name) {
+            Some(Def::Init(_)) => {
+                let t = self
+                    .info
+                    .init(name)
+                    .ok_or_else(|| graph_err(format!("initializer `{name}` vanished")))?;
+                let data = decode_tensor(t, &format!("initializer `{name}`"), self.model_dir)?;
+                let s = self.named_const(data, name.to_string());
+                self.env.insert(name.to_string(), s.clone());
+                Ok(s)
+            }
+            _ => Err(graph_err(format!(
+                "`{name}` is read before anything defines it"
+            ))),
+        }
+    }
+}
+
+/// Most elements a value may have (keeps every later size computation from overflowing).
+pub(crate) const MAX_ELEMENTS: usize = 1 << 48;
+
+/// Whether a shape's element count is computable and at most [`MAX_ELEMENTS`].
+pub(crate) fn size_ok(shape: &[usize]) -> bool {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .is_some_and(|n| n <= MAX_ELEMENTS)
+}
+
+fn checked_numel(shape: &[usize]) -> FResult<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .filter(|&n| n <= FOLD_MAX * 8)
+        .ok_or_else(|| node_err(format!("a tensor of shape {shape:?} is too large")))
+}
+
+/// Evaluates an op on constants.
+fn fold_op(op: &Op, ts: &[&Tensor]) -> FResult<Vec<Tensor>> {
+    match (op, ts) {
+        (Op::Identity, [t]) => Ok(vec![(*t).clone()]),
+        (Op::Reshape { shape }, [t]) if numel(shape) == t.numel() => Ok(vec![Tensor {
+            shape: shape.clone(),
+            data: t.data.clone(),
+        }]),
+        _ => hzp_runtime::cpu::eval_op(op, ts).map_err(|e| {
+            node_err(format!(
+                "evaluating {} on constants at import time failed: {e}",
+                op.name()
+            ))
+        }),
+    }
+}
+
+fn check_opsets(m: &ModelProto) -> FResult<()> {
+    let mut default = None;
+    for o in &m.opset_import {
+        if o.domain.is_empty() || o.domain == "ai.onnx" {
+            default = Some(o.version);
+        }
+    }
+    match default {
+        Some(v) if (MIN_OPSET..=MAX_OPSET).contains(&v) => Ok(()),
+        Some(v) => Err(Fail::new(
+            ImportErrorKind::Opset,
+            format!(
+                "unsupported opset {v} (hzp reads opsets {MIN_OPSET}-{MAX_OPSET} of the default \
+                 ONNX domain; re-export with e.g. `opset_version=18`, or convert the model with \
+                 onnx.version_converter)"
+            ),
+        )),
+        None => Err(Fail::new(
+            ImportErrorKind::Opset,
+            format!(
+                "the model imports no opset of the default ONNX domain (opset_import lists: {}); \
+                 hzp reads opsets {MIN_OPSET}-{MAX_OPSET}",
+                if m.opset_import.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    m.opset_import
+                        .iter()
+                        .map(|o| format!("`{}` {}", o.domain, o.version))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            ),
+        )),
+    }
+}
+
+/// Lists every op type of a live node that hzp cannot translate, in one error.
+fn check_supported(info: &GraphInfo, m: &ModelProto) -> FResult<()> {
+    let mut bad: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for ni in info.live_order() {
+        let n = &info.graph.node[ni];
+        if ops::is_supported(&n.domain, &n.op_type) {
+            continue;
+        }
+        let mut key = if n.domain.is_empty() || n.domain == "ai.onnx" {
+            n.op_type.clone()
+        } else {
+            format!("{}.{}", n.domain, n.op_type)
+        };
+        if m.functions
+            .iter()
+            .any(|f| f.name == n.op_type && f.domain == n.domain)
+        {
+            key.push_str(" (a model-local function)");
+        }
+        let who = if n.name.is_empty() {
+            match n.output.iter().find(|o| !o.is_empty()) {
+                Some(o) => format!("unnamed, writes `{o}`"),
+                None => "unnamed".to_string(),
+            }
+        } else {
+            n.name.clone()
+        };
+        bad.entry(key).or_default().push(who);
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    let parts: Vec<String> = bad
+        .iter()
+        .map(|(op, nodes)| {
+            let shown: Vec<&str> = nodes.iter().take(6).map(|s| s.as_str()).collect();
+            let more = if nodes.len() > 6 {
+                format!(", and {} more", nodes.len() - 6)
+            } else {
+                String::new()
+            };
+            format!("{op} (nodes: {}{more})", shown.join(", "))
+        })
+        .collect();
+    let n = bad.len();
+    Err(Fail::new(
+        ImportErrorKind::Unsupported,
+        format!(
+            "the model uses {n} op type{} hzp does not support: {}",
+            if n == 1 { "" } else { "s" },
+            parts.join(", ")
+        ),
+    ))
+}
+
+fn signature(m: &ModelProto) -> Signature {
+    const KEY: &str = "pkg.torch.export.ExportedProgram.graph_signature";
+    let from_graph = m
+        .graph
+        .as_ref()
+        .into_iter()
+        .flat_map(|g| g.metadata_props.iter());
+    from_graph
+        .chain(m.metadata_props.iter())
+        .find(|p| p.key == KEY)
+        .map(|p| Signature::parse(&p.value))
+        .unwrap_or_default()
+}
+
+/// A declared dim.
+#[derive(Clone, Debug, PartialEq)]
+enum Dim {
+    Fixed(usize),
+    Sym(String),
+    Unknown,
+}
+
+fn fmt_dims(d: &[Dim]) -> String {
+    let parts: Vec<String> = d
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(n) => n.to_string(),
+            Dim::Sym(s) => s.clone(),
+            Dim::Unknown => "?".to_string(),
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// Element type and declared dims (`None`: rank unknown) of a value info.
+fn declared(v: &ValueInfoProto, what: &str) -> FResult<(i32, Option<Vec<Dim>>)> {
+    let shape_err = |m: String| Fail::new(ImportErrorKind::Shapes, m);
+    let t = match v.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+        Some(type_proto::Value::TensorType(t)) => t,
+        Some(_) => {
+            return Err(Fail::new(
+                ImportErrorKind::Unsupported,
+                format!(
+                    "{what} `{}` is not a tensor (sequences, maps and optionals are not supported)",
+                    v.name
+                ),
+            ))
+        }
+        None => return Err(shape_err(format!("{what} `{}` has no type", v.name))),
+    };
+    let dims = match &t.shape {
+        None => None,
+        Some(s) => {
+            let mut out = Vec::new();
+            for d in &s.dim {
+                out.push(match &d.value {
+                    Some(dimension::Value::DimValue(x)) => {
+                        Dim::Fixed(usize::try_from(*x).map_err(|_| {
+                            shape_err(format!("{what} `{}` declares a negative dim {x}", v.name))
+                        })?)
+                    }
+                    Some(dimension::Value::DimParam(p)) if !p.is_empty() => Dim::Sym(p.clone()),
+                    _ => Dim::Unknown,
+                });
+            }
+            Some(out)
+        }
+    };
+    Ok((t.elem_type, dims))
+}
+
+/// Static types for the graph inputs, from the declared shapes and the bindings.
+fn bind_inputs(
+    info: &GraphInfo,
+    opts: &ImportOptions,
+) -> FResult<(Vec<TensorType>, BTreeMap<String, usize>)> {
+    let shape_err = |m: String| Fail::new(ImportErrorKind::Shapes, m);
+    let mut decls = Vec::new();
+    for v in &info.inputs {
+        let (et, dims) = declared(v, "graph input")?;
+        // Same mapping as for tensor data (and as hzp's .npz reader): DOUBLE inputs are fed
+        // as f32, narrow integers widened.
+        let dtype = dtype_of(et).ok_or_else(|| {
+            Fail::new(
+                ImportErrorKind::Unsupported,
+                format!(
+                    "graph input `{}` has element type {}, which hzp does not support",
+                    v.name,
+                    dt::name(et)
+                ),
+            )
+        })?;
+        decls.push((v.name.as_str(), dtype, dims));
+    }
+    // Symbols from explicit bindings.
+    let mut symbols: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    let mut shapes: Vec<Option<Vec<usize>>> = vec![None; decls.len()];
+    for (i, (name, _, dims)) in decls.iter().enumerate() {
+        let Some(b) = opts.shapes.get(*name) else {
+            continue;
+        };
+        if let Some(dims) = dims {
+            if dims.len() != b.len() {
+                return Err(shape_err(format!(
+                    "the shape given for input `{name}` ({}) has rank {}, but the model declares \
+                     `{name}` with rank {} {}",
+                    fmt_shape(b),
+                    b.len(),
+                    dims.len(),
+                    fmt_dims(dims)
+                )));
+            }
+            for (k, (d, &x)) in dims.iter().zip(b).enumerate() {
+                match d {
+                    Dim::Fixed(n) if *n != x => {
+                        return Err(shape_err(format!(
+                            "the shape given for input `{name}` ({}) has {x} in dim {k}, but the \
+                             model fixes that dim to {n} (declared {})",
+                            fmt_shape(b),
+                            fmt_dims(dims)
+                        )))
+                    }
+                    Dim::Sym(s) => match symbols.get(s) {
+                        Some((prev, from)) if *prev != x => {
+                            return Err(shape_err(format!(
+                                "symbolic dim `{s}` is {prev} in the shape given for input \
+                                 `{from}` but {x} in the one given for `{name}`"
+                            )))
+                        }
+                        Some(_) => {}
+                        None => {
+                            symbols.insert(s.clone(), (x, name.to_string()));
+                        }
+                    },
+                    _ => {}
+                }
+            }
+        }
+        if !size_ok(b) {
+            return Err(shape_err(format!(
+                "the shape given for input `{name}` ({}) has too many elements",
+                fmt_shape(b)
+            )));
+        }
+        shapes[i] = Some(b.clone());
+    }
+    // Inputs without a binding: fixed dims and symbols bound elsewhere.
+    let mut missing = Vec::new();
+    for (i, (name, _, dims)) in decls.iter().enumerate() {
+        if shapes[i].is_some() {
+            continue;
+        }
+        let derived: Option<Vec<usize>> = dims.as_ref().and_then(|dims| {
+            dims.iter()
+                .map(|d| match d {
+                    Dim::Fixed(n) => Some(*n),
+                    Dim::Sym(s) => symbols.get(s).map(|(x, _)| *x),
+                    Dim::Unknown => None,
+                })
+                .collect()
+        });
+        match derived {
+            Some(s) => shapes[i] = Some(s),
+            None => missing.push(match dims {
+                Some(d) => format!("`{name}` {}", fmt_dims(d)),
+                None => format!("`{name}` (rank not declared)"),
+            }),
+        }
+    }
+    if !missing.is_empty() {
+        let example = decls
+            .iter()
+            .zip(&shapes)
+            .find(|(_, s)| s.is_none())
+            .map(|((n, _, d), _)| {
+                let ex: Vec<String> = match d {
+                    Some(d) => d
+                        .iter()
+                        .enumerate()
+                        .map(|(k, d)| match d {
+                            Dim::Fixed(x) => x.to_string(),
+                            _ if k == 0 => "2".to_string(),
+                            _ => "16".to_string(),
+                        })
+                        .collect(),
+                    None => vec!["2".into(), "16".into()],
+                };
+                format!("{n}={}", ex.join("x"))
+            })
+            .unwrap_or_default();
+        let unknown: Vec<&str> = opts
+            .shapes
+            .keys()
+            .filter(|k| !decls.iter().any(|(n, _, _)| n == k))
+            .map(|k| k.as_str())
+            .collect();
+        let hint = if unknown.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (shapes were given for {}, which {} not a graph input; the inputs are {})",
+                unknown
+                    .iter()
+                    .map(|u| format!("`{u}`"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if unknown.len() == 1 { "is" } else { "are" },
+                decls
+                    .iter()
+                    .map(|(n, _, _)| format!("`{n}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        return Err(shape_err(format!(
+            "hzp needs static shapes, and {} with symbolic dims {} no shape: {}. Pass one \
+             `--shape NAME=AxB` per input (e.g. `--shape {example}`), or `--inputs FILE.npz` with \
+             example inputs{hint}",
+            if missing.len() == 1 {
+                "this input"
+            } else {
+                "these inputs"
+            },
+            if missing.len() == 1 { "has" } else { "have" },
+            missing.join(", ")
+        )));
+    }
+    let tys = decls
+        .iter()
+        .zip(shapes)
+        .map(|((_, d, _), s)| TensorType::new(*d, s.unwrap_or_default()))
+        .collect();
+    Ok((tys, symbols.into_iter().map(|(k, (v, _))| (k, v)).collect()))
+}
+
+fn fmt_shape(s: &[usize]) -> String {
+    s.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("x")
+}
+
+/// Checks a graph output's declared type against what hzp computed.
+fn check_output(
+    v: &ValueInfoProto,
+    got: &TensorType,
+    symbols: &BTreeMap<String, usize>,
+) -> FResult<()> {
+    if v.r#type.is_none() {
+        return Ok(());
+    }
+    let (et, dims) = declared(v, "graph output")?;
+    let mismatch = |why: String| {
+        Fail::new(
+            ImportErrorKind::Node,
+            format!(
+                "graph output `{}` is declared as {} {} but hzp computes {got} ({why}); the \
+                 model or hzp's translation is wrong",
+                v.name,
+                dt::name(et),
+                dims.as_ref()
+                    .map(|d| fmt_dims(d))
+                    .unwrap_or_else(|| "[?]".into())
+            ),
+        )
+    };
+    if et != dt::UNDEFINED && dtype_of(et) != Some(got.dtype) {
+        return Err(mismatch("element types differ".into()));
+    }
+    if let Some(dims) = &dims {
+        if dims.len() != got.shape.len() {
+            return Err(mismatch("ranks differ".into()));
+        }
+        for (k, (d, &x)) in dims.iter().zip(&got.shape).enumerate() {
+            let want = match d {
+                Dim::Fixed(n) => Some(*n),
+                Dim::Sym(s) => symbols.get(s).copied(),
+                Dim::Unknown => None,
+            };
+            if let Some(w) = want {
+                if w != x {
+                    return Err(mismatch(format!("dim {k} is {x}, expected {w}")));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The whole import.
+pub(crate) fn import(
+    bytes: &[u8],
+    model_dir: Option<&Path>,
+    name: &str,
+    opts: &ImportOptions,
+) -> FResult<Program> {
+    let decode = |m: String| Fail::new(ImportErrorKind::Decode, m);
+    if bytes.is_empty() {
+        return Err(decode(
+            "the file is empty (0 bytes), not an ONNX model".into(),
+        ));
+    }
+    let model = ModelProto::decode(bytes).map_err(|e| {
+        decode(format!(
+            "the file is not a valid ONNX model: protobuf decoding failed ({e}); is it truncated \
+             or another kind of file?"
+        ))
+    })?;
+    let g = model.graph.as_ref().ok_or_else(|| {
+        decode("the file decodes as protobuf but holds no ONNX graph; is it an ONNX model?".into())
+    })?;
+    check_opsets(&model)?;
+    let info = GraphInfo::new(g)?;
+    check_supported(&info, &model)?;
+    let sig = signature(&model);
+    let is_param = classify_params(&info, &sig);
+    let (input_tys, symbols) = bind_inputs(&info, opts)?;
+
+    let mut names = NameSet::default();
+    for v in &info.inputs {
+        names.insert(&v.name);
+    }
+    for t in &g.initializer {
+        names.insert(&t.name);
+    }
+    for n in &g.node {
+        for o in &n.output {
+            if !o.is_empty() {
+                names.insert(o);
+            }
+        }
+    }
+    for o in &g.output {
+        names.insert(&o.name);
+    }
+    let mut cx = Ctx {
+        prog: Program::new(name),
+        names,
+        env: HashMap::new(),
+        info: &info,
+        model_dir,
+    };
+    for (v, ty) in info.inputs.iter().zip(input_tys) {
+        let id = cx.prog.add_input(v.name.clone(), ty);
+        cx.env.insert(v.name.clone(), Slot::Val(id));
+    }
+    for (i, t) in g.initializer.iter().enumerate() {
+        if !is_param[i] {
+            continue;
+        }
+        let data = decode_tensor(t, &format!("initializer `{}`", t.name), model_dir)?;
+        let id = cx.prog.add_param(t.name.clone(), data.ty(), Some(data));
+        cx.env.insert(t.name.clone(), Slot::Val(id));
+    }
+
+    for ni in info.live_order() {
+        let p = &g.node[ni];
+        let label = node_label(p);
+        let prefix = |f: Fail| Fail {
+            kind: f.kind,
+            message: format!("{label}: {}", f.message),
+        };
+        let mut ins = Vec::with_capacity(p.input.len());
+        for i in &p.input {
+            ins.push(if i.is_empty() {
+                None
+            } else {
+                Some(cx.lookup(i).map_err(prefix)?)
+            });
+        }
+        let ir_name = if !p.name.is_empty() {
+            p.name.clone()
+        } else {
+            p.output
+                .iter()
+                .find(|o| !o.is_empty())
+                .cloned()
+                .unwrap_or_else(|| p.op_type.clone())
+        };
+        let n = NodeCx { p, ir_name, ins };
+        let outs = ops::translate(&mut cx, &n).map_err(prefix)?;
+        for (k, o) in p.output.iter().enumerate() {
+            if o.is_empty() {
+                continue;
+            }
+            match outs.get(k).cloned().flatten() {
+                Some(s) => {
+                    cx.env.insert(o.clone(), s);
+                }
+                None if info.used.contains(o.as_str()) => {
+                    return Err(node_err(format!(
+                        "{label}: output {k} (`{o}`) is used, but hzp does not compute it for {}",
+                        p.op_type
+                    )));
+                }
+                None => {}
+            }
+        }
+    }
+
+    let mut outputs = Vec::new();
+    for o in &g.output {
+        let s = cx.lookup(&o.name)?;
+        let id = match &s {
+            Slot::Val(v) if cx.prog.value(*v).name == o.name => *v,
+            Slot::Const(c) if c.name == o.name => cx.materialize(&s),
+            _ => {
+                // The output's ONNX name belongs to no IR value (aliases like Identity):
+                // give it one.
+                let v = cx.materialize(&s);
+                if cx.prog.find_value(&o.name).is_some() {
+                    return Err(graph_err(format!(
+                        "graph output `{}` cannot keep its name",
+                        o.name
+                    )));
+                }
+                let r = cx
+                    .prog
+                    .add_node(o.name.clone(), Op::Identity, vec![v], vec![o.name.clone()])
+                    .map_err(node_err)?;
+                r[0]
+            }
+        };
+        check_output(o, cx.prog.ty(id), &symbols)?;
+        outputs.push(id);
+    }
+    let mut prog = cx.prog;
+    prog.outputs = outputs;
+    prog.eliminate_dead_code();
+    hzp_ir::verify(&prog).map_err(|e| {
+        Fail::new(
+            ImportErrorKind::Verify,
+            format!(
+                "internal error: the imported program does not verify ({e}); please report this \
+                 with the model"
+            ),
+        )
+    })?;
+    Ok(prog)
+}
