@@ -1,0 +1,279 @@
+//! The training step against PyTorch: for every test model (own and ../shared/onnx) and both
+//! exporters, loss and gradients equal torch.autograd's, and AdamW / SGD / clipping steps
+//! equal torch.optim's. References come from tests/models/make_refs.py (committed outputs
+//! in tests/models/ref/, keyed by ONNX initializer name).
+
+mod common;
+use common::*;
+use hzp_ir::Tensor;
+use std::path::PathBuf;
+use std::process::Command;
+
+struct Ref {
+    onnx: PathBuf,
+    io: PathBuf,
+    npz: Vec<(String, Tensor)>,
+    loss: String,
+    unmapped: Vec<String>,
+    stem: String,
+}
+
+fn refs() -> Vec<Ref> {
+    let mut out = Vec::new();
+    let mut sets = vec![(own_models_dir().join("ref"), own_models_dir())];
+    if let Some(shared) = shared_models_dir() {
+        sets.push((own_models_dir().join("ref/shared"), shared));
+    }
+    for (refdir, modeldir) in sets {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&refdir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".ref.json"))
+            .collect();
+        files.sort();
+        for json in files {
+            let stem = json
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .trim_end_matches(".ref.json")
+                .to_string();
+            let meta: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+            let model = stem.split('.').next().unwrap().to_string();
+            out.push(Ref {
+                onnx: modeldir.join(format!("{stem}.onnx")),
+                io: modeldir.join(format!("{model}.io.npz")),
+                npz: read_npz(&json.with_file_name(format!("{stem}.ref.npz"))),
+                loss: meta["loss"].as_str().unwrap().to_string(),
+                unmapped: meta["unmapped"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_str().unwrap().to_string())
+                    .collect(),
+                stem: format!("{}/{stem}", refdir.file_name().unwrap().to_string_lossy()),
+            });
+        }
+    }
+    assert!(out.len() >= 8);
+    out
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hzp-training-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name.replace('/', "_"))
+}
+
+/// Runs `hzp` with the model, its batch, the loss and the flags every comparison with
+/// PyTorch needs (--retie: one parameter per torch parameter; --freeze: buffers).
+fn hzp(r: &Ref, cmd: &str, extra: &[&str]) -> String {
+    let mut c = Command::new(hzp_bin());
+    c.arg(cmd)
+        .arg(&r.onnx)
+        .arg("--inputs")
+        .arg(&r.io)
+        .args(["--loss", &r.loss, "--retie"]);
+    if !r.unmapped.is_empty() {
+        c.args(["--freeze", &r.unmapped.join(",")]);
+    }
+    let out = c.args(extra).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{} {cmd} {extra:?}: {}{}",
+        r.stem,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The per-step losses of `hzp train --format json`.
+fn json_losses(stdout: &str) -> Vec<f64> {
+    let v: serde_json::Value = serde_json::from_str(stdout).unwrap();
+    v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn get<'a>(npz: &'a [(String, Tensor)], key: &str) -> Option<&'a Tensor> {
+    npz.iter().find(|(k, _)| k == key).map(|(_, t)| t)
+}
+
+fn norm(v: &[f64]) -> f64 {
+    v.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+fn diff_norm(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    assert_eq!(a.shape, b.shape);
+    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+    let d: Vec<f64> = x.iter().zip(&y).map(|(p, q)| p - q).collect();
+    (norm(&d), norm(&y))
+}
+
+/// Compares every `prefix/NAME` of the reference with `NAME` of `got`; returns the relative
+/// L2 error of each parameter and of all parameters together.
+fn compare(r: &Ref, got: &[(String, Tensor)], prefix: &str) -> (Vec<(String, f64, f64)>, f64) {
+    let mut rows = Vec::new();
+    let (mut dd, mut rr) = (0.0, 0.0);
+    for (k, want) in &r.npz {
+        let Some(name) = k.strip_prefix(prefix) else {
+            continue;
+        };
+        let have = get(got, name).unwrap_or_else(|| panic!("{}: hzp wrote no `{name}`", r.stem));
+        let (d, n) = diff_norm(have, want);
+        dd += d * d;
+        rr += n * n;
+        rows.push((name.to_string(), d, n));
+    }
+    assert!(!rows.is_empty(), "{}: no `{prefix}` entries", r.stem);
+    (rows, (dd / rr.max(1e-300)).sqrt())
+}
+
+#[test]
+fn loss_and_gradients_match_torch_autograd() {
+    for r in refs() {
+        let out = tmp(&format!("{}.grads.npz", r.stem));
+        hzp(&r, "grad", &["-o", out.to_str().unwrap()]);
+        let got = read_npz(&out);
+        let (l, lr) = (
+            get(&got, "loss").unwrap().to_f64_vec()[0],
+            get(&r.npz, "loss").unwrap().to_f64_vec()[0],
+        );
+        assert!((l - lr).abs() <= 1e-5 * lr.abs().max(1e-3), "{}: loss {l} vs torch {lr}", r.stem);
+        let (rows, total) = compare(&r, &got, "grad/");
+        let global = norm(&rows.iter().map(|x| x.2).collect::<Vec<_>>());
+        for (name, d, n) in rows {
+            // Relative L2 error per parameter; a gradient that is zero in exact arithmetic
+            // (e.g. an attention key bias: softmax ignores a per-row constant) is round-off
+            // on both sides, so it is compared against the global gradient norm instead.
+            let ok = d <= 1e-4 * n || (n <= 1e-6 * global && d <= 1e-6 * global);
+            assert!(ok, "{}: grad `{name}`: |diff| {d:.3e}, |torch| {n:.3e}", r.stem);
+        }
+        eprintln!("{}: loss {l:.6}, gradients rel err {total:.2e}", r.stem);
+    }
+}
+
+#[test]
+fn five_adamw_steps_match_torch_optim() {
+    for r in refs() {
+        let out = tmp(&format!("{}.adamw.npz", r.stem));
+        let text = hzp(
+            &r,
+            "train",
+            &["--steps", "5", "--format", "json", "--save-params", out.to_str().unwrap()],
+        );
+        let got = read_npz(&out);
+        let (rows, total) = compare(&r, &got, "adamw5/");
+        assert!(total < 1e-5, "{}: AdamW params rel err {total:.3e}", r.stem);
+        // Per parameter, within 1e-5 relative over the elements whose gradient is not
+        // round-off. AdamW divides each gradient by its own running RMS, so an element whose
+        // gradient is zero in exact arithmetic (an attention key bias: softmax ignores a
+        // per-row constant) moves by O(lr * roundoff / eps) on both sides, differently;
+        // those elements are held only by the whole-model check above.
+        for (name, _, _) in rows {
+            let grad = get(&r.npz, &format!("grad/{name}")).unwrap().to_f64_vec();
+            let gmax = grad.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let keep: Vec<bool> = grad.iter().map(|g| g.abs() >= 1e-6 * gmax).collect();
+            let a = get(&got, &name).unwrap().to_f64_vec();
+            let b = get(&r.npz, &format!("adamw5/{name}")).unwrap().to_f64_vec();
+            let d: Vec<f64> = (0..a.len()).filter(|&i| keep[i]).map(|i| a[i] - b[i]).collect();
+            let n: Vec<f64> = (0..a.len()).filter(|&i| keep[i]).map(|i| b[i]).collect();
+            let rel = norm(&d) / norm(&n).max(1e-12);
+            assert!(rel < 1e-5, "{}: `{name}` after 5 AdamW steps: rel err {rel:.3e}", r.stem);
+        }
+        // the printed losses are torch's losses before each step
+        let want = get(&r.npz, "adamw5_loss").unwrap().to_f64_vec();
+        let losses = json_losses(&text);
+        assert_eq!(losses.len(), 5, "{text}");
+        for (a, b) in losses.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-3), "{}: losses {losses:?} vs {want:?}", r.stem);
+        }
+    }
+}
+
+#[test]
+fn sgd_momentum_and_clipping_match_torch() {
+    for r in refs().into_iter().filter(|r| get(&r.npz, "sgd3_loss").is_some()) {
+        let out = tmp(&format!("{}.sgd.npz", r.stem));
+        hzp(
+            &r,
+            "train",
+            &["--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--save-params", out.to_str().unwrap()],
+        );
+        let (_, total) = compare(&r, &read_npz(&out), "sgd3/");
+        assert!(total < 1e-5, "{}: SGD rel err {total:.3e}", r.stem);
+
+        let out = tmp(&format!("{}.clip.npz", r.stem));
+        hzp(&r, "train", &["--steps", "1", "--clip-grad-norm", "0.5", "--save-params", out.to_str().unwrap()]);
+        let (_, total) = compare(&r, &read_npz(&out), "clip/");
+        assert!(total < 1e-5, "{}: clipped AdamW rel err {total:.3e}", r.stem);
+
+        let out = tmp(&format!("{}.norm.npz", r.stem));
+        hzp(&r, "grad", &["--clip-grad-norm", "0.5", "-o", out.to_str().unwrap()]);
+        let n = get(&read_npz(&out), "grad_norm").unwrap().to_f64_vec()[0];
+        let want = get(&r.npz, "clip_total_norm").unwrap().to_f64_vec()[0];
+        assert!((n - want).abs() <= 1e-5 * want, "{}: grad norm {n} vs torch {want}", r.stem);
+    }
+}
+
+#[test]
+fn micro_batches_give_the_gradients_of_one_big_batch() {
+    for r in refs().into_iter().filter(|r| r.stem.starts_with("ref/") && r.stem.contains("legacy")) {
+        let one = tmp(&format!("{}.m1.npz", r.stem));
+        let two = tmp(&format!("{}.m2.npz", r.stem));
+        hzp(&r, "grad", &["-o", one.to_str().unwrap()]);
+        hzp(&r, "grad", &["--micro-batches", "2", "-o", two.to_str().unwrap()]);
+        let (a, b) = (read_npz(&one), read_npz(&two));
+        assert_eq!(a.len(), b.len());
+        for (k, t) in &a {
+            let (d, n) = diff_norm(get(&b, k).unwrap(), t);
+            assert!(d <= 1e-5 * n.max(1e-9) || n < 1e-9, "{}: `{k}` differs by {:.3e} relative with 2 micro-batches", r.stem, d / n);
+        }
+    }
+}
+
+#[test]
+fn loss_falls_monotonically_on_a_repeated_batch() {
+    let r = refs().into_iter().find(|r| r.stem == "ref/gpt2_tiny.legacy.op17").unwrap();
+    let losses = json_losses(&hzp(&r, "train", &["--steps", "20", "--format", "json"]));
+    assert_eq!(losses.len(), 20);
+    for w in losses.windows(2) {
+        assert!(w[1] < w[0], "loss did not fall: {losses:?}");
+    }
+}
+
+#[test]
+fn without_retie_the_untied_copies_train_apart() {
+    // The legacy GPT-2 export stores the tied embedding twice; without --retie each copy
+    // gets only its own use's gradient, and their sum is torch's tied gradient.
+    let r = refs().into_iter().find(|r| r.stem == "ref/gpt2_tiny.legacy.op17").unwrap();
+    let out = tmp("untied.npz");
+    let o = Command::new(hzp_bin())
+        .arg("grad")
+        .arg(&r.onnx)
+        .arg("--inputs")
+        .arg(&r.io)
+        .args(["-o", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("--retie"), "the untied copy should be pointed out: {err}");
+    let got = read_npz(&out);
+    let wte = get(&got, "transformer.wte.weight").unwrap();
+    let copy_name = got.iter().map(|(k, _)| k).find(|k| k.starts_with("onnx::MatMul")).unwrap();
+    let copy = get(&got, copy_name).unwrap();
+    // sum = wte grad + transpose(copy grad)
+    let (v, h) = (wte.shape[0], wte.shape[1]);
+    let (a, c) = (wte.to_f64_vec(), copy.to_f64_vec());
+    let sum: Vec<f64> = (0..v * h).map(|i| a[i] + c[(i % h) * v + i / h]).collect();
+    let want = get(&r.npz, "grad/transformer.wte.weight").unwrap().to_f64_vec();
+    let d: Vec<f64> = sum.iter().zip(&want).map(|(x, y)| x - y).collect();
+    assert!(norm(&d) <= 1e-4 * norm(&want));
+}
+
