@@ -409,6 +409,23 @@ fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool)
         micro.push((k.clone(), Tensor::zeros(&hzp_ir::TensorType::new(a.dtype(), shape))));
     }
     let mut fwd = load(args, Some(&micro))?;
+    // Models with fixed shapes (.hzp, presets) must already be at micro-batch shape.
+    for &v in &fwd.inputs {
+        let val = fwd.value(v);
+        if let Some((_, t)) = micro.iter().find(|(k, _)| *k == val.name) {
+            if t.shape != val.ty.shape {
+                return Err(miette!(
+                    "input `{}` of the model is fixed at {}, but {} gives {} rows{}: the model must take one micro-batch ({})",
+                    val.name,
+                    val.ty,
+                    inputs.display(),
+                    t.shape.first().map_or(0, |d| d * m),
+                    if m > 1 { format!(" split into {m} micro-batches") } else { String::new() },
+                    hzp_ir::TensorType::new(val.ty.dtype, t.shape.clone())
+                ));
+            }
+        }
+    }
     let freeze: Vec<String> = t
         .freeze
         .iter()
