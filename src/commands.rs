@@ -96,9 +96,40 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
     let arrays = inputs.map(read_npz).transpose()?;
     let p = load(args, arrays.as_deref())?;
     let s = hzp_passes::summary::summarize(&p);
+    let equal = hzp_passes::ties::find_ties(&p);
+    let shared = hzp_passes::ties::shared_parameters(&p);
     match format {
-        Format::Text => print!("{}", s.to_text()),
-        Format::Json => println!("{}", serde_json::to_string_pretty(&s).into_diagnostic()?),
+        Format::Text => {
+            print!("{}", s.to_text());
+            println!("\nweight sharing");
+            if equal.is_empty() && shared.is_empty() {
+                println!("  none found (no two parameters are equal up to a transpose; none is read by two layers)");
+            }
+            for t in &equal {
+                println!(
+                    "  `{}` equals {}`{}`: the exporter stored one weight twice (untied); --retie trains them as one",
+                    t.copy,
+                    if t.transposed { "the transpose of " } else { "" },
+                    t.canonical
+                );
+            }
+            for sp in &shared {
+                println!(
+                    "  `{}` is read by {} layers ({}): a tied weight, or identical initializers the exporter merged",
+                    sp.name,
+                    sp.layers.len(),
+                    sp.layers.join(", ")
+                );
+            }
+        }
+        Format::Json => {
+            let mut v = serde_json::to_value(&s).into_diagnostic()?;
+            v["weight_sharing"] = serde_json::json!({
+                "equal_parameters": equal,
+                "shared_across_layers": shared,
+            });
+            println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?)
+        }
     }
     Ok(())
 }

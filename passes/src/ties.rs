@@ -229,20 +229,32 @@ pub fn freeze(p: &mut Program, names: &[String]) -> Result<Vec<String>, String> 
     Ok(not_params)
 }
 
-/// Parameters read by nodes of more than one layer (layers from [`crate::summary`]'s
-/// grouping by parameter names): the sign of an exporter merging identical initializers.
-pub fn shared_parameters(p: &Program, layer_of_node: &[String]) -> Vec<(String, Vec<String>)> {
+/// A parameter that nodes of several layers read.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SharedParameter {
+    pub name: String,
+    pub layers: Vec<String>,
+}
+
+/// Parameters read by nodes of more than one layer (layers from
+/// [`crate::summary::layer_of_params`]): how an exporter's merge of identical initializers,
+/// or a deliberately tied weight, shows.
+pub fn shared_parameters(p: &Program) -> Vec<SharedParameter> {
+    let grouping = crate::summary::layer_of_params(p);
     let users = p.users();
     let mut out = Vec::new();
     for prm in &p.params {
-        let mut layers: Vec<String> = users[prm.value.index()]
+        let mut layers: Vec<usize> = users[prm.value.index()]
             .iter()
-            .filter_map(|n| layer_of_node.get(n.index()).cloned())
+            .filter_map(|n| grouping.of_node.get(n.index()).copied().flatten())
             .collect();
         layers.sort();
         layers.dedup();
         if layers.len() > 1 {
-            out.push((p.value(prm.value).name.clone(), layers));
+            out.push(SharedParameter {
+                name: p.value(prm.value).name.clone(),
+                layers: layers.iter().map(|&l| grouping.names[l].clone()).collect(),
+            });
         }
     }
     out
