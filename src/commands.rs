@@ -338,7 +338,10 @@ pub fn bench_import(args: &ModelArgs, repeat: usize) -> Result<()> {
         times[times.len() - 1]
     );
     match peak_rss_bytes() {
-        Some(b) => println!("  peak resident memory {:.1} MiB", b as f64 / (1 << 20) as f64),
+        Some(b) => println!(
+            "  peak resident memory {:.1} MiB",
+            b as f64 / (1 << 20) as f64
+        ),
         None => println!("  peak resident memory: not available on this OS"),
     }
     Ok(())
@@ -361,10 +364,14 @@ fn parse_pair(s: &str, what: &str) -> Result<(f64, f64)> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
     match parts.as_slice() {
         [a, b] => Ok((
-            a.parse().map_err(|_| miette!("{what} `{s}`: `{a}` is not a number"))?,
-            b.parse().map_err(|_| miette!("{what} `{s}`: `{b}` is not a number"))?,
+            a.parse()
+                .map_err(|_| miette!("{what} `{s}`: `{a}` is not a number"))?,
+            b.parse()
+                .map_err(|_| miette!("{what} `{s}`: `{b}` is not a number"))?,
         )),
-        _ => Err(miette!("{what} must be two numbers like 0.9,0.999, got `{s}`")),
+        _ => Err(miette!(
+            "{what} must be two numbers like 0.9,0.999, got `{s}`"
+        )),
     }
 }
 
@@ -390,13 +397,21 @@ fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
                 momentum: t.momentum,
                 weight_decay: t.weight_decay.unwrap_or(0.0),
             },
-            other => return Err(miette!("unknown optimizer `{other}` (expected adamw or sgd)")),
+            other => {
+                return Err(miette!(
+                    "unknown optimizer `{other}` (expected adamw or sgd)"
+                ))
+            }
         })
     };
     let compute = match t.precision.as_str() {
         "fp32" | "f32" => hzp_ir::DType::F32,
         "bf16" => hzp_ir::DType::BF16,
-        other => return Err(miette!("unknown precision `{other}` (expected fp32 or bf16)")),
+        other => {
+            return Err(miette!(
+                "unknown precision `{other}` (expected fp32 or bf16)"
+            ))
+        }
     };
     if t.micro_batches == 0 {
         return Err(miette!("--micro-batches must be at least 1"));
@@ -417,7 +432,12 @@ fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
     })
 }
 
-fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool) -> Result<Prepared> {
+fn prepare(
+    args: &ModelArgs,
+    inputs: &Path,
+    t: &TrainArgs,
+    with_optimizer: bool,
+) -> Result<Prepared> {
     let cfg = train_config(t, with_optimizer)?;
     let arrays = read_npz(inputs)?;
     let m = cfg.micro_batches;
@@ -437,7 +457,10 @@ fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool)
                 }
             }
         }
-        micro.push((k.clone(), Tensor::zeros(&hzp_ir::TensorType::new(a.dtype(), shape))));
+        micro.push((
+            k.clone(),
+            Tensor::zeros(&hzp_ir::TensorType::new(a.dtype(), shape)),
+        ));
     }
     let mut fwd = load(args, Some(&micro))?;
     // Models with fixed shapes (.hzp, presets) must already be at micro-batch shape.
@@ -478,7 +501,11 @@ fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool)
             eprintln!(
                 "retie: `{}` is {}`{}`; training them as one parameter",
                 tie.copy,
-                if tie.transposed { "the transpose of " } else { "a copy of " },
+                if tie.transposed {
+                    "the transpose of "
+                } else {
+                    "a copy of "
+                },
                 tie.canonical
             );
         }
@@ -502,7 +529,10 @@ fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool)
     show("import", &fwd);
     let fwd_c = tr::lower_precision(&fwd, cfg.compute).map_err(|e| miette!("{e}"))?;
     if t.print_after.iter().any(|s| s == "loss") {
-        show("loss", &tr::attach_loss(&fwd_c, &cfg.loss).map_err(|e| miette!("{e}"))?);
+        show(
+            "loss",
+            &tr::attach_loss(&fwd_c, &cfg.loss).map_err(|e| miette!("{e}"))?,
+        );
     }
     if t.print_after.iter().any(|s| s == "autodiff") {
         show(
@@ -521,7 +551,11 @@ fn prepare(args: &ModelArgs, inputs: &Path, t: &TrainArgs, with_optimizer: bool)
 }
 
 /// The arrays of `arrays` that `p` takes as inputs, checked by name, dtype and shape.
-fn program_inputs(p: &Program, arrays: &[(String, Tensor)], file: &Path) -> Result<Vec<(String, Tensor)>> {
+fn program_inputs(
+    p: &Program,
+    arrays: &[(String, Tensor)],
+    file: &Path,
+) -> Result<Vec<(String, Tensor)>> {
     p.inputs
         .iter()
         .map(|&v| {
@@ -550,11 +584,19 @@ fn program_inputs(p: &Program, arrays: &[(String, Tensor)], file: &Path) -> Resu
 
 /// Adds entries for retied copies (transposed back where needed), so that every original
 /// initializer name has a value.
-fn with_tied_copies(mut named: Vec<(String, Tensor)>, ties: &[Tie], prefix: &str) -> Vec<(String, Tensor)> {
+fn with_tied_copies(
+    mut named: Vec<(String, Tensor)>,
+    ties: &[Tie],
+    prefix: &str,
+) -> Vec<(String, Tensor)> {
     for tie in ties {
         let key = format!("{prefix}{}", tie.canonical);
         if let Some((_, t)) = named.iter().find(|(k, _)| *k == key) {
-            let t = if tie.transposed { transpose_last2(t) } else { t.clone() };
+            let t = if tie.transposed {
+                transpose_last2(t)
+            } else {
+                t.clone()
+            };
             named.push((format!("{prefix}{}", tie.copy), t));
         }
     }
@@ -630,7 +672,9 @@ pub fn train(
     let mut times = Vec::new();
     for s in 0..steps {
         let start = Instant::now();
-        let outs = trainer.step(&prep.batch).map_err(|e| miette!("step {}: {e}", s + 1))?;
+        let outs = trainer
+            .step(&prep.batch)
+            .map_err(|e| miette!("step {}: {e}", s + 1))?;
         let dt = start.elapsed().as_secs_f64();
         let loss = outs[0].1.to_f64_vec()[0];
         if format == Format::Text {

@@ -258,7 +258,14 @@ fn main() {
             steps,
             save_params,
             format,
-        } => commands::train(&model, &inputs, &train, steps, save_params.as_deref(), format),
+        } => commands::train(
+            &model,
+            &inputs,
+            &train,
+            steps,
+            save_params.as_deref(),
+            format,
+        ),
         Command::Compile(_) | Command::Inspect(_) => {
             not_built("this command", "the AsyncHZP compiler")
         }

@@ -8,7 +8,11 @@ use hzp_ir::{text, verify};
 #[test]
 fn every_model_imports_round_trips_and_matches_pytorch() {
     let models = all_models();
-    assert!(models.len() >= 8, "expected the 8 own models, found {}", models.len());
+    assert!(
+        models.len() >= 8,
+        "expected the 8 own models, found {}",
+        models.len()
+    );
     for (model, io_path) in models {
         let io = read_npz(&io_path);
         let p = import(&model, &io);
@@ -31,7 +35,12 @@ fn every_model_imports_round_trips_and_matches_pytorch() {
         let back = text::parse(&printed, "roundtrip.hzp", &lookup)
             .unwrap_or_else(|e| panic!("{}: reparse failed: {e}", model.display()));
         assert!(back == p, "{}: parse(print(p)) != p", model.display());
-        assert_eq!(text::print(&back), printed, "{}: printing is not stable", model.display());
+        assert_eq!(
+            text::print(&back),
+            printed,
+            "{}: printing is not stable",
+            model.display()
+        );
 
         // Forward pass vs PyTorch.
         let inputs = program_inputs(&p, &io);

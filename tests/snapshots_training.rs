@@ -42,7 +42,11 @@ fn whole_step() {
     let fwd = reshape_batch(fwd);
     let p = train::training_step(&fwd, &cfg).unwrap();
     let a = hzp_ir::text::print(&p);
-    assert_eq!(a, hzp_ir::text::print(&train::training_step(&fwd, &cfg).unwrap()), "not deterministic");
+    assert_eq!(
+        a,
+        hzp_ir::text::print(&train::training_step(&fwd, &cfg).unwrap()),
+        "not deterministic"
+    );
     insta::assert_snapshot!(a);
 }
 
@@ -54,7 +58,14 @@ fn reshape_batch(p: hzp_ir::Program) -> hzp_ir::Program {
         map.insert(i, q.add_input(p.value(i).name.clone(), p.ty(i).clone()));
     }
     for prm in &p.params {
-        map.insert(prm.value, q.add_param(p.value(prm.value).name.clone(), p.ty(prm.value).clone(), prm.data.clone()));
+        map.insert(
+            prm.value,
+            q.add_param(
+                p.value(prm.value).name.clone(),
+                p.ty(prm.value).clone(),
+                prm.data.clone(),
+            ),
+        );
     }
     for n in &p.nodes {
         let ins = n.inputs.iter().map(|v| map[v]).collect();

@@ -144,7 +144,11 @@ fn loss_and_gradients_match_torch_autograd() {
             get(&got, "loss").unwrap().to_f64_vec()[0],
             get(&r.npz, "loss").unwrap().to_f64_vec()[0],
         );
-        assert!((l - lr).abs() <= 1e-5 * lr.abs().max(1e-3), "{}: loss {l} vs torch {lr}", r.stem);
+        assert!(
+            (l - lr).abs() <= 1e-5 * lr.abs().max(1e-3),
+            "{}: loss {l} vs torch {lr}",
+            r.stem
+        );
         let (rows, total) = compare(&r, &got, "grad/");
         let global = norm(&rows.iter().map(|x| x.2).collect::<Vec<_>>());
         for (name, d, n) in rows {
@@ -152,7 +156,11 @@ fn loss_and_gradients_match_torch_autograd() {
             // (e.g. an attention key bias: softmax ignores a per-row constant) is round-off
             // on both sides, so it is compared against the global gradient norm instead.
             let ok = d <= 1e-4 * n || (n <= 1e-6 * global && d <= 1e-6 * global);
-            assert!(ok, "{}: grad `{name}`: |diff| {d:.3e}, |torch| {n:.3e}", r.stem);
+            assert!(
+                ok,
+                "{}: grad `{name}`: |diff| {d:.3e}, |torch| {n:.3e}",
+                r.stem
+            );
         }
         eprintln!("{}: loss {l:.6}, gradients rel err {total:.2e}", r.stem);
     }
@@ -165,7 +173,14 @@ fn five_adamw_steps_match_torch_optim() {
         let text = hzp(
             &r,
             "train",
-            &["--steps", "5", "--format", "json", "--save-params", out.to_str().unwrap()],
+            &[
+                "--steps",
+                "5",
+                "--format",
+                "json",
+                "--save-params",
+                out.to_str().unwrap(),
+            ],
         );
         let got = read_npz(&out);
         let (rows, total) = compare(&r, &got, "adamw5/");
@@ -181,65 +196,128 @@ fn five_adamw_steps_match_torch_optim() {
             let keep: Vec<bool> = grad.iter().map(|g| g.abs() >= 1e-6 * gmax).collect();
             let a = get(&got, &name).unwrap().to_f64_vec();
             let b = get(&r.npz, &format!("adamw5/{name}")).unwrap().to_f64_vec();
-            let d: Vec<f64> = (0..a.len()).filter(|&i| keep[i]).map(|i| a[i] - b[i]).collect();
+            let d: Vec<f64> = (0..a.len())
+                .filter(|&i| keep[i])
+                .map(|i| a[i] - b[i])
+                .collect();
             let n: Vec<f64> = (0..a.len()).filter(|&i| keep[i]).map(|i| b[i]).collect();
             let rel = norm(&d) / norm(&n).max(1e-12);
-            assert!(rel < 1e-5, "{}: `{name}` after 5 AdamW steps: rel err {rel:.3e}", r.stem);
+            assert!(
+                rel < 1e-5,
+                "{}: `{name}` after 5 AdamW steps: rel err {rel:.3e}",
+                r.stem
+            );
         }
         // the printed losses are torch's losses before each step
         let want = get(&r.npz, "adamw5_loss").unwrap().to_f64_vec();
         let losses = json_losses(&text);
         assert_eq!(losses.len(), 5, "{text}");
         for (a, b) in losses.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-3), "{}: losses {losses:?} vs {want:?}", r.stem);
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1e-3),
+                "{}: losses {losses:?} vs {want:?}",
+                r.stem
+            );
         }
     }
 }
 
 #[test]
 fn sgd_momentum_and_clipping_match_torch() {
-    for r in refs().into_iter().filter(|r| get(&r.npz, "sgd3_loss").is_some()) {
+    for r in refs()
+        .into_iter()
+        .filter(|r| get(&r.npz, "sgd3_loss").is_some())
+    {
         let out = tmp(&format!("{}.sgd.npz", r.stem));
         hzp(
             &r,
             "train",
-            &["--steps", "3", "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--save-params", out.to_str().unwrap()],
+            &[
+                "--steps",
+                "3",
+                "--optimizer",
+                "sgd",
+                "--lr",
+                "0.1",
+                "--momentum",
+                "0.9",
+                "--save-params",
+                out.to_str().unwrap(),
+            ],
         );
         let (_, total) = compare(&r, &read_npz(&out), "sgd3/");
         assert!(total < 1e-5, "{}: SGD rel err {total:.3e}", r.stem);
 
         let out = tmp(&format!("{}.clip.npz", r.stem));
-        hzp(&r, "train", &["--steps", "1", "--clip-grad-norm", "0.5", "--save-params", out.to_str().unwrap()]);
+        hzp(
+            &r,
+            "train",
+            &[
+                "--steps",
+                "1",
+                "--clip-grad-norm",
+                "0.5",
+                "--save-params",
+                out.to_str().unwrap(),
+            ],
+        );
         let (_, total) = compare(&r, &read_npz(&out), "clip/");
-        assert!(total < 1e-5, "{}: clipped AdamW rel err {total:.3e}", r.stem);
+        assert!(
+            total < 1e-5,
+            "{}: clipped AdamW rel err {total:.3e}",
+            r.stem
+        );
 
         let out = tmp(&format!("{}.norm.npz", r.stem));
-        hzp(&r, "grad", &["--clip-grad-norm", "0.5", "-o", out.to_str().unwrap()]);
+        hzp(
+            &r,
+            "grad",
+            &["--clip-grad-norm", "0.5", "-o", out.to_str().unwrap()],
+        );
         let n = get(&read_npz(&out), "grad_norm").unwrap().to_f64_vec()[0];
         let want = get(&r.npz, "clip_total_norm").unwrap().to_f64_vec()[0];
-        assert!((n - want).abs() <= 1e-5 * want, "{}: grad norm {n} vs torch {want}", r.stem);
+        assert!(
+            (n - want).abs() <= 1e-5 * want,
+            "{}: grad norm {n} vs torch {want}",
+            r.stem
+        );
     }
 }
 
 #[test]
 fn micro_batches_give_the_gradients_of_one_big_batch() {
-    for r in refs().into_iter().filter(|r| r.stem.starts_with("ref/") && r.stem.contains("legacy")) {
+    for r in refs()
+        .into_iter()
+        .filter(|r| r.stem.starts_with("ref/") && r.stem.contains("legacy"))
+    {
         let one = tmp(&format!("{}.m1.npz", r.stem));
         let two = tmp(&format!("{}.m2.npz", r.stem));
         hzp(&r, "grad", &["-o", one.to_str().unwrap()]);
-        hzp(&r, "grad", &["--micro-batches", "2", "-o", two.to_str().unwrap()]);
+        hzp(
+            &r,
+            "grad",
+            &["--micro-batches", "2", "-o", two.to_str().unwrap()],
+        );
         let (a, b) = (read_npz(&one), read_npz(&two));
         assert_eq!(a.len(), b.len());
         for (k, t) in &a {
             let (d, n) = diff_norm(get(&b, k).unwrap(), t);
-            assert!(d <= 1e-5 * n.max(1e-9) || n < 1e-9, "{}: `{k}` differs by {:.3e} relative with 2 micro-batches", r.stem, d / n);
+            assert!(
+                d <= 1e-5 * n.max(1e-9) || n < 1e-9,
+                "{}: `{k}` differs by {:.3e} relative with 2 micro-batches",
+                r.stem,
+                d / n
+            );
         }
     }
 }
 
 #[test]
 fn loss_falls_monotonically_on_a_repeated_batch() {
-    let r = refs().into_iter().find(|r| r.stem == "ref/gpt2_tiny.legacy.op17").unwrap();
+    let r = refs()
+        .into_iter()
+        .find(|r| r.stem == "ref/gpt2_tiny.legacy.op17")
+        .unwrap();
     let losses = json_losses(&hzp(&r, "train", &["--steps", "20", "--format", "json"]));
     assert_eq!(losses.len(), 20);
     for w in losses.windows(2) {
@@ -251,7 +329,10 @@ fn loss_falls_monotonically_on_a_repeated_batch() {
 fn without_retie_the_untied_copies_train_apart() {
     // The legacy GPT-2 export stores the tied embedding twice; without --retie each copy
     // gets only its own use's gradient, and their sum is torch's tied gradient.
-    let r = refs().into_iter().find(|r| r.stem == "ref/gpt2_tiny.legacy.op17").unwrap();
+    let r = refs()
+        .into_iter()
+        .find(|r| r.stem == "ref/gpt2_tiny.legacy.op17")
+        .unwrap();
     let out = tmp("untied.npz");
     let o = Command::new(hzp_bin())
         .arg("grad")
@@ -263,17 +344,25 @@ fn without_retie_the_untied_copies_train_apart() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("--retie"), "the untied copy should be pointed out: {err}");
+    assert!(
+        err.contains("--retie"),
+        "the untied copy should be pointed out: {err}"
+    );
     let got = read_npz(&out);
     let wte = get(&got, "transformer.wte.weight").unwrap();
-    let copy_name = got.iter().map(|(k, _)| k).find(|k| k.starts_with("onnx::MatMul")).unwrap();
+    let copy_name = got
+        .iter()
+        .map(|(k, _)| k)
+        .find(|k| k.starts_with("onnx::MatMul"))
+        .unwrap();
     let copy = get(&got, copy_name).unwrap();
     // sum = wte grad + transpose(copy grad)
     let (v, h) = (wte.shape[0], wte.shape[1]);
     let (a, c) = (wte.to_f64_vec(), copy.to_f64_vec());
     let sum: Vec<f64> = (0..v * h).map(|i| a[i] + c[(i % h) * v + i / h]).collect();
-    let want = get(&r.npz, "grad/transformer.wte.weight").unwrap().to_f64_vec();
+    let want = get(&r.npz, "grad/transformer.wte.weight")
+        .unwrap()
+        .to_f64_vec();
     let d: Vec<f64> = sum.iter().zip(&want).map(|(x, y)| x - y).collect();
     assert!(norm(&d) <= 1e-4 * norm(&want));
 }
-

@@ -19,7 +19,8 @@ pub use dtype::{numel, DType, Shape, TensorType};
 pub use mesh::{Group, Mesh, MeshAxis};
 pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
 pub use program::{
-    Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef, ValueId,
+    Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef,
+    ValueId,
 };
 pub use tensor::{Data, Tensor};
 pub use verify::{verify, VerifyError};

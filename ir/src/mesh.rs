@@ -21,9 +21,9 @@ impl Mesh {
     pub fn parse(s: &str) -> Result<Mesh, String> {
         let mut axes = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (name, size) = part
-                .split_once('=')
-                .ok_or_else(|| format!("mesh axis `{part}` must look like NAME=SIZE (e.g. gpu=8)"))?;
+            let (name, size) = part.split_once('=').ok_or_else(|| {
+                format!("mesh axis `{part}` must look like NAME=SIZE (e.g. gpu=8)")
+            })?;
             let name = name.trim();
             if name.is_empty()
                 || !name

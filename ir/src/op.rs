@@ -207,7 +207,9 @@ impl ReduceOp {
 }
 
 /// Which stream of a rank runs an op. The compute stream is the default.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub enum StreamKind {
     #[default]
     Compute,
@@ -425,7 +427,11 @@ pub enum Attr {
 }
 
 fn ints<T: Copy + TryInto<i64>>(v: &[T]) -> Attr {
-    Attr::Ints(v.iter().map(|&x| x.try_into().unwrap_or(i64::MAX)).collect())
+    Attr::Ints(
+        v.iter()
+            .map(|&x| x.try_into().unwrap_or(i64::MAX))
+            .collect(),
+    )
 }
 
 /// Attribute lookup for [`Op::from_parts`].
@@ -673,10 +679,9 @@ impl Op {
                 ("axes", ints(axes)),
                 ("keep_dims", Bool(*keep_dims)),
             ],
-            Op::ArgMax { axis, keep_dims } => vec![
-                ("axis", Int(*axis as i64)),
-                ("keep_dims", Bool(*keep_dims)),
-            ],
+            Op::ArgMax { axis, keep_dims } => {
+                vec![("axis", Int(*axis as i64)), ("keep_dims", Bool(*keep_dims))]
+            }
             Op::CumSum {
                 axis,
                 exclusive,
@@ -714,10 +719,9 @@ impl Op {
                 vec![("axis", Int(*axis as i64)), ("add", Bool(*add))]
             }
             Op::ScatterND { add } => vec![("add", Bool(*add))],
-            Op::OneHot { axis, depth } => vec![
-                ("axis", Int(*axis as i64)),
-                ("depth", Int(*depth as i64)),
-            ],
+            Op::OneHot { axis, depth } => {
+                vec![("axis", Int(*axis as i64)), ("depth", Int(*depth as i64))]
+            }
             Op::TopK {
                 axis,
                 k,
@@ -858,7 +862,9 @@ impl Op {
                 axis: a.usize("axis")?,
                 add: a.bool("add")?,
             },
-            "ScatterND" => Op::ScatterND { add: a.bool("add")? },
+            "ScatterND" => Op::ScatterND {
+                add: a.bool("add")?,
+            },
             "OneHot" => Op::OneHot {
                 axis: a.usize("axis")?,
                 depth: a.usize("depth")?,
@@ -925,8 +931,16 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Shape> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
         out[i] = if da == db {
             da
         } else if da == 1 {
@@ -943,7 +957,10 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Shape> {
 fn fmt_shape(s: &[usize]) -> String {
     format!(
         "[{}]",
-        s.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+        s.iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     )
 }
 
@@ -975,7 +992,11 @@ fn check_axis(op: &Op, axis: usize, rank: usize) -> Result<(), String> {
 
 impl Op {
     /// The type rule: output types from input types. `mesh` gives group sizes for collectives.
-    pub fn infer(&self, ins: &[&TensorType], mesh: Option<&Mesh>) -> Result<Vec<TensorType>, String> {
+    pub fn infer(
+        &self,
+        ins: &[&TensorType],
+        mesh: Option<&Mesh>,
+    ) -> Result<Vec<TensorType>, String> {
         let name = self.name();
         let one = |t: TensorType| Ok(vec![t]);
         match self {
@@ -1016,13 +1037,20 @@ impl Op {
                         fmt_shape(&y.shape)
                     )
                 })?;
-                let dtype = if b.is_predicate() { DType::Bool } else { x.dtype };
+                let dtype = if b.is_predicate() {
+                    DType::Bool
+                } else {
+                    x.dtype
+                };
                 one(TensorType::new(dtype, shape))
             }
             Op::Where => {
                 check_arity(self, ins, 3, 3)?;
                 if ins[0].dtype != DType::Bool {
-                    return Err(format!("Where condition must be bool, got {}", ins[0].dtype));
+                    return Err(format!(
+                        "Where condition must be bool, got {}",
+                        ins[0].dtype
+                    ));
                 }
                 if ins[1].dtype != ins[2].dtype {
                     return Err(format!(
@@ -1110,17 +1138,28 @@ impl Op {
                 one(ins[0].clone())
             }
             Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => {
-                let max = if matches!(self, Op::LayerNorm { .. }) { 3 } else { 2 };
+                let max = if matches!(self, Op::LayerNorm { .. }) {
+                    3
+                } else {
+                    2
+                };
                 check_arity(self, ins, 2, max)?;
                 let x = ins[0];
                 check_axis(self, *axis, x.rank())?;
                 let norm = &x.shape[*axis..];
                 for (i, p) in ins[1..].iter().enumerate() {
                     if p.dtype != x.dtype {
-                        return Err(format!("{name}: parameter {} has dtype {}, input has {}", i + 1, p.dtype, x.dtype));
+                        return Err(format!(
+                            "{name}: parameter {} has dtype {}, input has {}",
+                            i + 1,
+                            p.dtype,
+                            x.dtype
+                        ));
                     }
                     // scale and bias broadcast against the normalized dims
-                    if p.rank() > norm.len() || broadcast_shapes(&p.shape, norm).as_deref() != Some(norm) {
+                    if p.rank() > norm.len()
+                        || broadcast_shapes(&p.shape, norm).as_deref() != Some(norm)
+                    {
                         return Err(format!(
                             "{name}: parameter shape {} does not fit normalized dims {}",
                             fmt_shape(&p.shape),
@@ -1189,8 +1228,14 @@ impl Op {
                 check_arity(self, ins, 1, 1)?;
                 let r = ins[0].rank();
                 let mut seen = vec![false; r];
-                if perm.len() != r || perm.iter().any(|&p| p >= r || std::mem::replace(&mut seen[p], true)) {
-                    return Err(format!("Transpose: perm {perm:?} is not a permutation of rank {r}"));
+                if perm.len() != r
+                    || perm
+                        .iter()
+                        .any(|&p| p >= r || std::mem::replace(&mut seen[p], true))
+                {
+                    return Err(format!(
+                        "Transpose: perm {perm:?} is not a permutation of rank {r}"
+                    ));
                 }
                 one(TensorType::new(
                     ins[0].dtype,
@@ -1205,7 +1250,10 @@ impl Op {
             } => {
                 check_arity(self, ins, 1, 1)?;
                 let x = ins[0];
-                if axes.len() != starts.len() || axes.len() != ends.len() || axes.len() != steps.len() {
+                if axes.len() != starts.len()
+                    || axes.len() != ends.len()
+                    || axes.len() != steps.len()
+                {
                     return Err("Slice: axes, starts, ends and steps differ in length".into());
                 }
                 let mut s = x.shape.clone();
@@ -1231,7 +1279,9 @@ impl Op {
                         }
                     } else {
                         if st >= dim || en < -1 || st < -1 {
-                            return Err(format!("Slice: range {st}..{en} (step {step}) is outside dim {dim}"));
+                            return Err(format!(
+                                "Slice: range {st}..{en} (step {step}) is outside dim {dim}"
+                            ));
                         }
                         if st > en {
                             let span = (st - en) as u64;
@@ -1328,7 +1378,10 @@ impl Op {
                 let (d, i) = (ins[0], ins[1]);
                 check_axis(self, *axis, d.rank())?;
                 if !i.dtype.is_int() {
-                    return Err(format!("Gather indices must be i64 or i32, got {}", i.dtype));
+                    return Err(format!(
+                        "Gather indices must be i64 or i32, got {}",
+                        i.dtype
+                    ));
                 }
                 let mut s = d.shape[..*axis].to_vec();
                 s.extend(&i.shape);
@@ -1339,7 +1392,9 @@ impl Op {
                 check_arity(self, ins, 2, 2)?;
                 check_axis(self, *axis, ins[0].rank())?;
                 if !ins[1].dtype.is_int() || ins[1].rank() != ins[0].rank() {
-                    return Err("GatherElements: indices must be integer with the data's rank".into());
+                    return Err(
+                        "GatherElements: indices must be integer with the data's rank".into(),
+                    );
                 }
                 one(TensorType::new(ins[0].dtype, ins[1].shape.clone()))
             }
@@ -1365,7 +1420,10 @@ impl Op {
             Op::ScatterElements { axis, .. } => {
                 check_arity(self, ins, 3, 3)?;
                 check_axis(self, *axis, ins[0].rank())?;
-                if ins[1].shape != ins[2].shape || ins[2].dtype != ins[0].dtype || !ins[1].dtype.is_int() {
+                if ins[1].shape != ins[2].shape
+                    || ins[2].dtype != ins[0].dtype
+                    || !ins[1].dtype.is_int()
+                {
                     return Err("ScatterElements: indices and updates must match in shape; updates the data's dtype".into());
                 }
                 one(ins[0].clone())
@@ -1374,7 +1432,10 @@ impl Op {
                 check_arity(self, ins, 3, 3)?;
                 let (d, i, u) = (ins[0], ins[1], ins[2]);
                 if !i.dtype.is_int() || i.rank() < 1 || u.dtype != d.dtype {
-                    return Err("ScatterND: integer indices of rank >= 1 and updates of the data's dtype".into());
+                    return Err(
+                        "ScatterND: integer indices of rank >= 1 and updates of the data's dtype"
+                            .into(),
+                    );
                 }
                 let last = i.shape[i.rank() - 1];
                 let mut want = i.shape[..i.rank() - 1].to_vec();
@@ -1394,7 +1455,9 @@ impl Op {
             Op::OneHot { axis, depth } => {
                 check_arity(self, ins, 2, 2)?;
                 if !ins[0].dtype.is_int() || ins[1].numel() != 2 {
-                    return Err("OneHot: integer indices and a 2-element [off, on] values tensor".into());
+                    return Err(
+                        "OneHot: integer indices and a 2-element [off, on] values tensor".into(),
+                    );
                 }
                 if *axis > ins[0].rank() {
                     return Err(format!("OneHot: axis {axis} out of range"));
@@ -1424,8 +1487,7 @@ impl Op {
                 check_arity(self, ins, 0, 0)?;
                 Ok(vec![])
             }
-            Op::AllGather { group, axis }
-            | Op::ReduceScatter { group, axis, .. } => {
+            Op::AllGather { group, axis } | Op::ReduceScatter { group, axis, .. } => {
                 check_arity(self, ins, 1, 1)?;
                 check_axis(self, *axis, ins[0].rank())?;
                 let n = group_size(self, group, mesh)?;
@@ -1462,7 +1524,9 @@ impl Op {
                 let n = group_size(self, group, mesh)?;
                 let mut s = ins[0].shape.clone();
                 if !s[*split_axis].is_multiple_of(n) {
-                    return Err(format!("AllToAll: split dim is not divisible by the group size {n}"));
+                    return Err(format!(
+                        "AllToAll: split dim is not divisible by the group size {n}"
+                    ));
                 }
                 s[*split_axis] /= n;
                 s[*concat_axis] = s[*concat_axis]
@@ -1474,7 +1538,9 @@ impl Op {
                 check_arity(self, ins, 1, 1)?;
                 let n = group_size(self, group, mesh)?;
                 if *root >= n {
-                    return Err(format!("Broadcast: root {root} is outside the group of {n}"));
+                    return Err(format!(
+                        "Broadcast: root {root} is outside the group of {n}"
+                    ));
                 }
                 one(ins[0].clone())
             }
@@ -1483,9 +1549,13 @@ impl Op {
 }
 
 fn group_size(op: &Op, group: &Group, mesh: Option<&Mesh>) -> Result<usize, String> {
-    let mesh = mesh.ok_or_else(|| format!("{} needs a mesh, and the program has none", op.name()))?;
+    let mesh =
+        mesh.ok_or_else(|| format!("{} needs a mesh, and the program has none", op.name()))?;
     mesh.group_size(group).ok_or_else(|| {
-        format!("{}: group {group} names an axis that is not in the mesh {mesh}", op.name())
+        format!(
+            "{}: group {group} names an axis that is not in the mesh {mesh}",
+            op.name()
+        )
     })
 }
 
@@ -1507,11 +1577,17 @@ mod tests {
     #[test]
     fn matmul_shapes() {
         let f = DType::F32;
-        let r = Op::MatMul.infer(&[&t(f, &[2, 16, 64]), &t(f, &[64, 32])], None).unwrap();
+        let r = Op::MatMul
+            .infer(&[&t(f, &[2, 16, 64]), &t(f, &[64, 32])], None)
+            .unwrap();
         assert_eq!(r[0].shape, vec![2, 16, 32]);
-        let r = Op::MatMul.infer(&[&t(f, &[64]), &t(f, &[64, 32])], None).unwrap();
+        let r = Op::MatMul
+            .infer(&[&t(f, &[64]), &t(f, &[64, 32])], None)
+            .unwrap();
         assert_eq!(r[0].shape, vec![32]);
-        assert!(Op::MatMul.infer(&[&t(f, &[2, 3]), &t(f, &[4, 5])], None).is_err());
+        assert!(Op::MatMul
+            .infer(&[&t(f, &[2, 3]), &t(f, &[4, 5])], None)
+            .is_err());
     }
 
     #[test]
@@ -1519,24 +1595,58 @@ mod tests {
         let g = Group::new(["gpu"]);
         let ops = vec![
             Op::Cast { to: DType::BF16 },
-            Op::LayerNorm { axis: 2, epsilon: 1e-5 },
-            Op::Reduce { op: ReduceOp::Mean, axes: vec![1, 2], keep_dims: true },
-            Op::Slice { axes: vec![1], starts: vec![3], ends: vec![-1], steps: vec![-1] },
-            Op::Fill { value: -0.5, dtype: DType::F32, shape: vec![2, 2] },
-            Op::ReduceScatter { group: g.clone(), axis: 0, reduce: ReduceOp::Sum },
-            Op::AllToAll { group: g, split_axis: 0, concat_axis: 1 },
-            Op::TopK { axis: 1, k: 2, largest: true, sorted: true },
+            Op::LayerNorm {
+                axis: 2,
+                epsilon: 1e-5,
+            },
+            Op::Reduce {
+                op: ReduceOp::Mean,
+                axes: vec![1, 2],
+                keep_dims: true,
+            },
+            Op::Slice {
+                axes: vec![1],
+                starts: vec![3],
+                ends: vec![-1],
+                steps: vec![-1],
+            },
+            Op::Fill {
+                value: -0.5,
+                dtype: DType::F32,
+                shape: vec![2, 2],
+            },
+            Op::ReduceScatter {
+                group: g.clone(),
+                axis: 0,
+                reduce: ReduceOp::Sum,
+            },
+            Op::AllToAll {
+                group: g,
+                split_axis: 0,
+                concat_axis: 1,
+            },
+            Op::TopK {
+                axis: 1,
+                k: 2,
+                largest: true,
+                sorted: true,
+            },
             Op::Unary(UnaryOp::GeluTanh),
             Op::Binary(BinaryOp::GreaterOrEqual),
             Op::WaitEvent { event: 7 },
         ];
         for op in ops {
-            let map: BTreeMap<String, Attr> =
-                op.attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+            let map: BTreeMap<String, Attr> = op
+                .attrs()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
             assert_eq!(Op::from_parts(op.name(), &map).unwrap(), op);
         }
         let mut bad = BTreeMap::new();
         bad.insert("axs".to_string(), Attr::Int(1));
-        assert!(Op::from_parts("Softmax", &bad).unwrap_err().contains("axis"));
+        assert!(Op::from_parts("Softmax", &bad)
+            .unwrap_err()
+            .contains("axis"));
     }
 }

@@ -163,7 +163,12 @@ impl Program {
         id
     }
 
-    pub fn add_state(&mut self, name: impl Into<String>, ty: TensorType, init: Option<Tensor>) -> ValueId {
+    pub fn add_state(
+        &mut self,
+        name: impl Into<String>,
+        ty: TensorType,
+        init: Option<Tensor>,
+    ) -> ValueId {
         let id = self.push_value(name.into(), ty, ValueDef::State);
         self.states.push(State { value: id, init });
         id
@@ -441,10 +446,20 @@ mod tests {
         let c = p.add_const("c", Tensor::f32(vec![2], vec![1.0, 2.0]));
         let dead = p.add_const("dead", Tensor::f32(vec![2], vec![0.0, 0.0]));
         let d = p
-            .add_node("unused", Op::Binary(BinaryOp::Mul), vec![x, dead], vec!["d".into()])
+            .add_node(
+                "unused",
+                Op::Binary(BinaryOp::Mul),
+                vec![x, dead],
+                vec!["d".into()],
+            )
             .unwrap();
         let y = p
-            .add_node("add", Op::Binary(BinaryOp::Add), vec![x, c], vec!["y".into()])
+            .add_node(
+                "add",
+                Op::Binary(BinaryOp::Add),
+                vec![x, c],
+                vec!["y".into()],
+            )
             .unwrap();
         p.outputs = vec![y[0]];
         let _ = d;

@@ -47,7 +47,10 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
     let mut defined = vec![false; nv];
     let define = |defined: &mut Vec<bool>, v: ValueId, what: &str| -> Result<(), VerifyError> {
         if !in_range(v) {
-            return Err(err(what.to_string(), format!("refers to missing value {v}")));
+            return Err(err(
+                what.to_string(),
+                format!("refers to missing value {v}"),
+            ));
         }
         if std::mem::replace(&mut defined[v.index()], true) {
             return Err(err(
@@ -60,14 +63,20 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
     for &v in &p.inputs {
         define(&mut defined, v, "input list")?;
         if p.values[v.index()].def != ValueDef::Input {
-            return Err(err(format!("input `{}`", p.value(v).name), "is not marked as an input"));
+            return Err(err(
+                format!("input `{}`", p.value(v).name),
+                "is not marked as an input",
+            ));
         }
     }
     for prm in &p.params {
         define(&mut defined, prm.value, "parameter list")?;
         let val = p.value(prm.value);
         if val.def != ValueDef::Param {
-            return Err(err(format!("parameter `{}`", val.name), "is not marked as a parameter"));
+            return Err(err(
+                format!("parameter `{}`", val.name),
+                "is not marked as a parameter",
+            ));
         }
         if let Some(d) = &prm.data {
             if d.ty() != val.ty {
@@ -82,7 +91,10 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         define(&mut defined, c.value, "constant list")?;
         let val = p.value(c.value);
         if val.def != ValueDef::Const {
-            return Err(err(format!("constant `{}`", val.name), "is not marked as a constant"));
+            return Err(err(
+                format!("constant `{}`", val.name),
+                "is not marked as a constant",
+            ));
         }
         if c.data.ty() != val.ty {
             return Err(err(
@@ -96,7 +108,10 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         define(&mut defined, st.value, "state list")?;
         let val = p.value(st.value);
         if val.def != ValueDef::State {
-            return Err(err(format!("state `{}`", val.name), "is not marked as a state"));
+            return Err(err(
+                format!("state `{}`", val.name),
+                "is not marked as a state",
+            ));
         }
         if let Some(d) = &st.init {
             if d.ty() != val.ty {
@@ -135,16 +150,25 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
             if p.value(o).def != want {
                 return Err(err(
                     loc(),
-                    format!("output `{}` does not point back at this node", p.value(o).name),
+                    format!(
+                        "output `{}` does not point back at this node",
+                        p.value(o).name
+                    ),
                 ));
             }
         }
         let tys: Vec<_> = n.inputs.iter().map(|&v| p.ty(v)).collect();
-        let out = n.op.infer(&tys, p.mesh.as_ref()).map_err(|e| err(loc(), e))?;
+        let out =
+            n.op.infer(&tys, p.mesh.as_ref())
+                .map_err(|e| err(loc(), e))?;
         if out.len() != n.outputs.len() {
             return Err(err(
                 loc(),
-                format!("has {} outputs, the op makes {}", n.outputs.len(), out.len()),
+                format!(
+                    "has {} outputs, the op makes {}",
+                    n.outputs.len(),
+                    out.len()
+                ),
             ));
         }
         for (t, &o) in out.iter().zip(&n.outputs) {
@@ -191,7 +215,12 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         if p.value(u.value).ty != t.ty {
             return Err(err(
                 format!("update of `{}`", t.name),
-                format!("new value `{}` is {} but the target is {}", p.value(u.value).name, p.value(u.value).ty, t.ty),
+                format!(
+                    "new value `{}` is {} but the target is {}",
+                    p.value(u.value).name,
+                    p.value(u.value).ty,
+                    t.ty
+                ),
             ));
         }
     }

@@ -454,15 +454,31 @@ fn training_programs_round_trip_states_updates_and_precision() {
         Some(Tensor::scalar_f32(4.0)),
     );
     let m2 = p
-        .add_node("m2", Op::Binary(BinaryOp::Add), vec![m, w], vec!["m2".into()])
+        .add_node(
+            "m2",
+            Op::Binary(BinaryOp::Add),
+            vec![m, w],
+            vec!["m2".into()],
+        )
         .unwrap()[0];
     let w2 = p
-        .add_node("w2", Op::Binary(BinaryOp::Sub), vec![w, m2], vec!["w2".into()])
+        .add_node(
+            "w2",
+            Op::Binary(BinaryOp::Sub),
+            vec![w, m2],
+            vec!["w2".into()],
+        )
         .unwrap()[0];
     p.outputs = vec![w2];
     p.updates = vec![
-        Update { target: w, value: w2 },
-        Update { target: m, value: m2 },
+        Update {
+            target: w,
+            value: w2,
+        },
+        Update {
+            target: m,
+            value: m2,
+        },
     ];
     p.precision = Some(Precision {
         compute: DType::BF16,
@@ -474,7 +490,10 @@ fn training_programs_round_trip_states_updates_and_precision() {
     let text = hzp_ir::text::print(&p);
     assert!(text.contains("state %adamw.m/w : f32[3]\n"), "{text}");
     assert!(text.contains("update %w = %w2"), "{text}");
-    assert!(text.contains("precision compute=bf16, master=f32, reduce=f32"), "{text}");
+    assert!(
+        text.contains("precision compute=bf16, master=f32, reduce=f32"),
+        "{text}"
+    );
     let lookup = |name: &str| {
         hzp_ir::text::sidecar_entries(&p)
             .into_iter()

@@ -81,7 +81,8 @@ pub fn differentiate(
         if !node.outputs.iter().any(|o| active[o.index()]) {
             continue;
         }
-        let dys: Vec<Option<ValueId>> = node.outputs.iter().map(|o| grads.get(o).copied()).collect();
+        let dys: Vec<Option<ValueId>> =
+            node.outputs.iter().map(|o| grads.get(o).copied()).collect();
         if dys.iter().all(Option::is_none) {
             continue;
         }
@@ -501,9 +502,9 @@ fn rule(
         Op::Concat { axis } => {
             let mut off = 0i64;
             let mut r = Vec::new();
-            for i in 0..ins.len() {
+            for (i, &wanted) in want.iter().enumerate() {
                 let len = in_shape(e, i)[*axis] as i64;
-                if want[i] {
+                if wanted {
                     r.push(Some(e.op(
                         Op::Slice {
                             axes: vec![*axis],
@@ -687,8 +688,16 @@ fn matmul_rule(
     let sa = e.shape(a);
     let sb = e.shape(b);
     // Promote rank-1 operands the way matmul does, so both are at least rank 2.
-    let sa2 = if sa.len() == 1 { vec![1, sa[0]] } else { sa.clone() };
-    let sb2 = if sb.len() == 1 { vec![sb[0], 1] } else { sb.clone() };
+    let sa2 = if sa.len() == 1 {
+        vec![1, sa[0]]
+    } else {
+        sa.clone()
+    };
+    let sb2 = if sb.len() == 1 {
+        vec![sb[0], 1]
+    } else {
+        sb.clone()
+    };
     let a2 = reshape(e, a, &sa2)?;
     let b2 = reshape(e, b, &sb2)?;
     let batch = hzp_ir::broadcast_shapes(&sa2[..sa2.len() - 2], &sb2[..sb2.len() - 2])
@@ -808,4 +817,3 @@ fn gather_rule(
     back.extend(axis + 1..rd);
     e.op(Op::Transpose { perm: back }, &[s])
 }
-

@@ -127,7 +127,12 @@ pub fn retie(p: &mut Program, ties: &[Tie]) -> Result<(), String> {
             let mut perm: Vec<usize> = (0..r).collect();
             perm.swap(r - 2, r - 1);
             let name = hzp_ir::NameSet::from_program(p).fresh(&format!("{}.T", t.canonical));
-            let v = p.add_node(name.clone(), Op::Transpose { perm }, vec![canon], vec![name])?[0];
+            let v = p.add_node(
+                name.clone(),
+                Op::Transpose { perm },
+                vec![canon],
+                vec![name],
+            )?[0];
             // The new node is at the end; it must come before the copy's users.
             let node = p.nodes.pop().expect("just added");
             p.nodes.insert(0, node);
@@ -217,11 +222,15 @@ pub fn freeze(p: &mut Program, names: &[String]) -> Result<Vec<String>, String> 
             }
             _ => return Err(format!("--freeze: `{name}` is not a parameter")),
         }
-        let prm = p.params.iter().position(|x| x.value == v).expect("is a param");
+        let prm = p
+            .params
+            .iter()
+            .position(|x| x.value == v)
+            .expect("is a param");
         let prm = p.params.remove(prm);
-        let data = prm.data.ok_or_else(|| {
-            format!("--freeze: parameter `{name}` has no data to freeze")
-        })?;
+        let data = prm
+            .data
+            .ok_or_else(|| format!("--freeze: parameter `{name}` has no data to freeze"))?;
         p.values[v.index()].def = ValueDef::Const;
         p.consts.push(hzp_ir::Const { value: v, data });
     }

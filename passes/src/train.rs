@@ -40,20 +40,30 @@ pub enum LossKind {
 }
 
 impl LossKind {
-    pub fn parse(kind: &str, labels: Option<&str>, target: Option<&str>) -> Result<LossKind, TrainError> {
+    pub fn parse(
+        kind: &str,
+        labels: Option<&str>,
+        target: Option<&str>,
+    ) -> Result<LossKind, TrainError> {
         match kind {
             "lm" => Ok(LossKind::Lm {
                 labels: labels.map(str::to_string),
             }),
             "ce" => Ok(LossKind::Ce {
                 labels: labels
-                    .ok_or_else(|| terr("--loss ce needs --labels NAME (an integer input of class ids)"))?
+                    .ok_or_else(|| {
+                        terr("--loss ce needs --labels NAME (an integer input of class ids)")
+                    })?
                     .to_string(),
             }),
             "mean" => Ok(LossKind::Mean),
             "mse" => Ok(LossKind::Mse {
                 target: target
-                    .ok_or_else(|| terr("--loss mse needs --target NAME (a float input shaped like the output)"))?
+                    .ok_or_else(|| {
+                        terr(
+                            "--loss mse needs --target NAME (a float input shaped like the output)",
+                        )
+                    })?
                     .to_string(),
             }),
             other => Err(terr(format!(
@@ -121,14 +131,21 @@ impl Default for TrainConfig {
 }
 
 fn first_output(p: &Program) -> Result<ValueId, TrainError> {
-    p.outputs
-        .first()
-        .copied()
-        .ok_or_else(|| terr(format!("model `{}` has no outputs to compute a loss from", p.name)))
+    p.outputs.first().copied().ok_or_else(|| {
+        terr(format!(
+            "model `{}` has no outputs to compute a loss from",
+            p.name
+        ))
+    })
 }
 
 /// Finds input `name`, or adds it with type `ty`; checks the type either way.
-fn input_named(p: &mut Program, name: &str, ty: TensorType, what: &str) -> Result<ValueId, TrainError> {
+fn input_named(
+    p: &mut Program,
+    name: &str,
+    ty: TensorType,
+    what: &str,
+) -> Result<ValueId, TrainError> {
     match p.find_value(name) {
         Some(v) if p.value(v).def == ValueDef::Input => {
             let have = p.ty(v);
@@ -217,7 +234,12 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
             if yt.rank() < 2 {
                 return Err(terr("--loss ce needs an output with a class axis last"));
             }
-            let lab = input_named(&mut p, labels, TensorType::new(DType::I64, lead), "--labels")?;
+            let lab = input_named(
+                &mut p,
+                labels,
+                TensorType::new(DType::I64, lead),
+                "--labels",
+            )?;
             let mut e = Emitter::new(&mut p);
             e.scope = "loss".into();
             (|| -> Result<ValueId, String> {
@@ -236,7 +258,12 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
             .map_err(terr)?
         }
         LossKind::Mse { target } => {
-            let tv = input_named(&mut p, target, TensorType::new(DType::F32, yt.shape.clone()), "--target")?;
+            let tv = input_named(
+                &mut p,
+                target,
+                TensorType::new(DType::F32, yt.shape.clone()),
+                "--target",
+            )?;
             let mut e = Emitter::new(&mut p);
             e.scope = "loss".into();
             (|| -> Result<ValueId, String> {
@@ -349,9 +376,9 @@ fn inline(
             .inputs
             .iter()
             .map(|v| {
-                map.get(v).copied().ok_or_else(|| {
-                    terr(format!("inlining: `{}` has no value", src.value(*v).name))
-                })
+                map.get(v)
+                    .copied()
+                    .ok_or_else(|| terr(format!("inlining: `{}` has no value", src.value(*v).name)))
             })
             .collect::<Result<_, _>>()?;
         let outs: Vec<String> = n
@@ -418,7 +445,8 @@ pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainEr
                 let c = match cast_inputs.get(&nv) {
                     Some(&c) => c,
                     None => {
-                        let name = names.fresh(&format!("{}:{}", fwd.value(v).name, compute.name()));
+                        let name =
+                            names.fresh(&format!("{}:{}", fwd.value(v).name, compute.name()));
                         let c = p
                             .add_node(name.clone(), Op::Cast { to: compute }, vec![nv], vec![name])
                             .map_err(terr)?[0];
@@ -444,7 +472,11 @@ pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainEr
             },
             op => op.clone(),
         };
-        let outs = n.outputs.iter().map(|&o| fwd.value(o).name.clone()).collect();
+        let outs = n
+            .outputs
+            .iter()
+            .map(|&o| fwd.value(o).name.clone())
+            .collect();
         let new = p
             .add_node(n.name.clone(), op, ins, outs)
             .map_err(|e| terr(format!("lowering to {}: {e}", compute.name())))?;
@@ -520,7 +552,11 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
             };
             input_map.insert(mi, v);
         }
-        let suffix = if m == 1 { String::new() } else { format!("/micro{k}") };
+        let suffix = if m == 1 {
+            String::new()
+        } else {
+            format!("/micro{k}")
+        };
         let outs = inline(&mut p, &micro, &input_map, &suffix)?;
         loss_parts.push(outs[0]);
         for (j, &g) in outs[1..].iter().enumerate() {
@@ -591,7 +627,11 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
 }
 
 /// torch.nn.utils.clip_grad_norm_: total = ||all grads||_2; g *= min(1, max/(total+1e-6)).
-fn clip(e: &mut Emitter, grads: &[ValueId], max_norm: f64) -> Result<(ValueId, Vec<ValueId>), String> {
+fn clip(
+    e: &mut Emitter,
+    grads: &[ValueId],
+    max_norm: f64,
+) -> Result<(ValueId, Vec<ValueId>), String> {
     let mut total: Option<ValueId> = None;
     for &g in grads {
         let sq = e.op(Op::Binary(BinaryOp::Mul), &[g, g])?;
@@ -647,7 +687,10 @@ fn optimizer(
             let step = e.p.add_state(step_name, TensorType::scalar(f), None);
             let one = e.scalar(1.0, f);
             let t = b(e, BinaryOp::Add, step, one)?;
-            updates.push(Update { target: step, value: t });
+            updates.push(Update {
+                target: step,
+                value: t,
+            });
             // bias corrections: 1 - beta^t
             let b1 = e.scalar(beta1, f);
             let b2 = e.scalar(beta2, f);
@@ -689,9 +732,18 @@ fn optimizer(
                 let upd = b(e, BinaryOp::Div, m2, den)?;
                 let upd = b(e, BinaryOp::Mul, upd, step_size)?;
                 let w2 = b(e, BinaryOp::Sub, wd, upd)?;
-                updates.push(Update { target: w, value: w2 });
-                updates.push(Update { target: m, value: m2 });
-                updates.push(Update { target: v, value: v2 });
+                updates.push(Update {
+                    target: w,
+                    value: w2,
+                });
+                updates.push(Update {
+                    target: m,
+                    value: m2,
+                });
+                updates.push(Update {
+                    target: v,
+                    value: v2,
+                });
             }
         }
         Optimizer::Sgd {
@@ -717,12 +769,18 @@ fn optimizer(
                     let buf = e.p.add_state(bn, ty, None);
                     let t = b(e, BinaryOp::Mul, buf, mom)?;
                     let nb = b(e, BinaryOp::Add, t, d)?;
-                    updates.push(Update { target: buf, value: nb });
+                    updates.push(Update {
+                        target: buf,
+                        value: nb,
+                    });
                     d = nb;
                 }
                 let s = b(e, BinaryOp::Mul, d, lrv)?;
                 let w2 = b(e, BinaryOp::Sub, w, s)?;
-                updates.push(Update { target: w, value: w2 });
+                updates.push(Update {
+                    target: w,
+                    value: w2,
+                });
             }
         }
     }

@@ -8,10 +8,14 @@ use hzp_runtime::eval::evaluate;
 
 /// Deterministic pseudo-random numbers in [-1, 1).
 fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -56,19 +60,33 @@ fn build(op: &Op, ins: &[In], out: usize) -> (Program, Vec<ValueId>, ValueId) {
         op.infer(&tys, None).unwrap().len()
     };
     let outs = p
-        .add_node("op", op.clone(), args, (0..n_out).map(|i| format!("y{i}")).collect())
+        .add_node(
+            "op",
+            op.clone(),
+            args,
+            (0..n_out).map(|i| format!("y{i}")).collect(),
+        )
         .unwrap();
     let y = outs[out];
     let yt = p.ty(y).clone();
     let w = p.add_const("w", Tensor::f32(yt.shape.clone(), rand_vec(yt.numel(), 99)));
     let prod = p
-        .add_node("prod", Op::Binary(BinaryOp::Mul), vec![y, w], vec!["prod".into()])
+        .add_node(
+            "prod",
+            Op::Binary(BinaryOp::Mul),
+            vec![y, w],
+            vec!["prod".into()],
+        )
         .unwrap()[0];
     let axes: Vec<usize> = (0..yt.rank()).collect();
     let loss = p
         .add_node(
             "loss",
-            Op::Reduce { op: ReduceOp::Sum, axes, keep_dims: false },
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes,
+                keep_dims: false,
+            },
             vec![prod],
             vec!["loss".into()],
         )
@@ -86,7 +104,8 @@ fn check(op: Op, ins: Vec<In>, out: usize) {
     let fwd = p.clone();
     let mut fwd = fwd;
     fwd.outputs = vec![loss];
-    let grads = differentiate(&mut p, loss, &params).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+    let grads =
+        differentiate(&mut p, loss, &params).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
     p.outputs = grads.clone();
     hzp_ir::verify(&p).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
     let got = evaluate(&p, &[]).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
@@ -108,7 +127,12 @@ fn check(op: Op, ins: Vec<In>, out: usize) {
             let lm = loss_of(&q);
             fd.push((lp - lm) / (2.0 * h as f64));
         }
-        let num: f64 = g.iter().zip(&fd).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+        let num: f64 = g
+            .iter()
+            .zip(&fd)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
         let den: f64 = fd.iter().map(|b| b * b).sum::<f64>().sqrt().max(1e-3);
         assert!(
             num / den < 2e-2,
@@ -139,19 +163,41 @@ fn elementwise_unary() {
     ] {
         check(Op::Unary(u), vec![F(vec![2, 3])], 0);
     }
-    for u in [UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Rsqrt, UnaryOp::Reciprocal] {
+    for u in [
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Reciprocal,
+    ] {
         check(Op::Unary(u), vec![Pos(vec![2, 3])], 0);
     }
 }
 
 #[test]
 fn elementwise_binary_with_broadcasting() {
-    for b in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Max, BinaryOp::Min] {
+    for b in [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Max,
+        BinaryOp::Min,
+    ] {
         check(Op::Binary(b), vec![F(vec![2, 3, 4]), F(vec![3, 1])], 0);
     }
-    check(Op::Binary(BinaryOp::Div), vec![F(vec![2, 3]), Pos(vec![3])], 0);
-    check(Op::Binary(BinaryOp::Pow), vec![Pos(vec![2, 3]), F(vec![2, 3])], 0);
-    let cond = Tensor::new(vec![2, 3], hzp_ir::Data::Bool(vec![true, false, true, false, false, true]));
+    check(
+        Op::Binary(BinaryOp::Div),
+        vec![F(vec![2, 3]), Pos(vec![3])],
+        0,
+    );
+    check(
+        Op::Binary(BinaryOp::Pow),
+        vec![Pos(vec![2, 3]), F(vec![2, 3])],
+        0,
+    );
+    let cond = Tensor::new(
+        vec![2, 3],
+        hzp_ir::Data::Bool(vec![true, false, true, false, false, true]),
+    );
     check(Op::Where, vec![Fixed(cond), F(vec![2, 3]), F(vec![3])], 0);
 }
 
@@ -167,30 +213,110 @@ fn matmul_shapes() {
 fn normalizations_and_softmax() {
     check(Op::Softmax { axis: 1 }, vec![F(vec![2, 5])], 0);
     check(Op::LogSoftmax { axis: 2 }, vec![F(vec![2, 2, 5])], 0);
-    check(Op::LayerNorm { axis: 1, epsilon: 1e-5 }, vec![F(vec![3, 6]), F(vec![6]), F(vec![6])], 0);
-    check(Op::RmsNorm { axis: 2, epsilon: 1e-6 }, vec![F(vec![2, 2, 4]), F(vec![4])], 0);
+    check(
+        Op::LayerNorm {
+            axis: 1,
+            epsilon: 1e-5,
+        },
+        vec![F(vec![3, 6]), F(vec![6]), F(vec![6])],
+        0,
+    );
+    check(
+        Op::RmsNorm {
+            axis: 2,
+            epsilon: 1e-6,
+        },
+        vec![F(vec![2, 2, 4]), F(vec![4])],
+        0,
+    );
 }
 
 #[test]
 fn reductions() {
     for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
-        check(Op::Reduce { op, axes: vec![1], keep_dims: false }, vec![F(vec![2, 3, 2])], 0);
-        check(Op::Reduce { op, axes: vec![0, 2], keep_dims: true }, vec![F(vec![2, 3, 2])], 0);
+        check(
+            Op::Reduce {
+                op,
+                axes: vec![1],
+                keep_dims: false,
+            },
+            vec![F(vec![2, 3, 2])],
+            0,
+        );
+        check(
+            Op::Reduce {
+                op,
+                axes: vec![0, 2],
+                keep_dims: true,
+            },
+            vec![F(vec![2, 3, 2])],
+            0,
+        );
     }
-    check(Op::CumSum { axis: 1, exclusive: false, reverse: false }, vec![F(vec![2, 4])], 0);
-    check(Op::CumSum { axis: 1, exclusive: true, reverse: true }, vec![F(vec![2, 4])], 0);
+    check(
+        Op::CumSum {
+            axis: 1,
+            exclusive: false,
+            reverse: false,
+        },
+        vec![F(vec![2, 4])],
+        0,
+    );
+    check(
+        Op::CumSum {
+            axis: 1,
+            exclusive: true,
+            reverse: true,
+        },
+        vec![F(vec![2, 4])],
+        0,
+    );
 }
 
 #[test]
 fn data_movement() {
     check(Op::Reshape { shape: vec![3, 4] }, vec![F(vec![2, 6])], 0);
-    check(Op::Transpose { perm: vec![2, 0, 1] }, vec![F(vec![2, 3, 4])], 0);
-    check(Op::Expand { shape: vec![2, 3, 4] }, vec![F(vec![3, 1])], 0);
-    check(Op::Tile { repeats: vec![2, 3] }, vec![F(vec![2, 2])], 0);
-    check(Op::Concat { axis: 1 }, vec![F(vec![2, 2]), F(vec![2, 3])], 0);
-    check(Op::Split { axis: 1, sizes: vec![1, 3] }, vec![F(vec![2, 4])], 1);
     check(
-        Op::Slice { axes: vec![0, 1], starts: vec![1, 1], ends: vec![3, 3], steps: vec![1, 1] },
+        Op::Transpose {
+            perm: vec![2, 0, 1],
+        },
+        vec![F(vec![2, 3, 4])],
+        0,
+    );
+    check(
+        Op::Expand {
+            shape: vec![2, 3, 4],
+        },
+        vec![F(vec![3, 1])],
+        0,
+    );
+    check(
+        Op::Tile {
+            repeats: vec![2, 3],
+        },
+        vec![F(vec![2, 2])],
+        0,
+    );
+    check(
+        Op::Concat { axis: 1 },
+        vec![F(vec![2, 2]), F(vec![2, 3])],
+        0,
+    );
+    check(
+        Op::Split {
+            axis: 1,
+            sizes: vec![1, 3],
+        },
+        vec![F(vec![2, 4])],
+        1,
+    );
+    check(
+        Op::Slice {
+            axes: vec![0, 1],
+            starts: vec![1, 1],
+            ends: vec![3, 3],
+            steps: vec![1, 1],
+        },
         vec![F(vec![3, 4])],
         0,
     );
@@ -201,22 +327,53 @@ fn data_movement() {
 #[test]
 fn indexing() {
     let idx = Tensor::i64(vec![2, 3], vec![0, 4, 1, 1, -1, 2]);
-    check(Op::Gather { axis: 0 }, vec![F(vec![5, 3]), Fixed(idx.clone())], 0);
-    check(Op::Gather { axis: 1 }, vec![F(vec![2, 5, 2]), Fixed(idx)], 0);
+    check(
+        Op::Gather { axis: 0 },
+        vec![F(vec![5, 3]), Fixed(idx.clone())],
+        0,
+    );
+    check(
+        Op::Gather { axis: 1 },
+        vec![F(vec![2, 5, 2]), Fixed(idx)],
+        0,
+    );
     let ie = Tensor::i64(vec![2, 2], vec![0, 2, 1, 1]);
-    check(Op::GatherElements { axis: 1 }, vec![F(vec![2, 3]), Fixed(ie)], 0);
+    check(
+        Op::GatherElements { axis: 1 },
+        vec![F(vec![2, 3]), Fixed(ie)],
+        0,
+    );
     let ind = Tensor::i64(vec![2, 2], vec![0, 1, 1, 2]);
-    check(Op::GatherND { batch_dims: 0 }, vec![F(vec![2, 3, 2]), Fixed(ind)], 0);
-    check(Op::TopK { axis: 1, k: 2, largest: true, sorted: true }, vec![F(vec![2, 5])], 0);
+    check(
+        Op::GatherND { batch_dims: 0 },
+        vec![F(vec![2, 3, 2]), Fixed(ind)],
+        0,
+    );
+    check(
+        Op::TopK {
+            axis: 1,
+            k: 2,
+            largest: true,
+            sorted: true,
+        },
+        vec![F(vec![2, 5])],
+        0,
+    );
 }
 
 #[test]
 fn a_missing_rule_names_the_op_and_node() {
     let (mut p, params, loss) = build(
-        &Op::Reduce { op: ReduceOp::Prod, axes: vec![0], keep_dims: false },
+        &Op::Reduce {
+            op: ReduceOp::Prod,
+            axes: vec![0],
+            keep_dims: false,
+        },
         &[F(vec![3])],
         0,
     );
-    let e = differentiate(&mut p, loss, &params).unwrap_err().to_string();
+    let e = differentiate(&mut p, loss, &params)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("Reduce") && e.contains("`op`"), "{e}");
 }

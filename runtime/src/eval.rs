@@ -79,7 +79,10 @@ fn consistent(t: &Tensor) -> bool {
 /// order; each intermediate is dropped right after its last reader, so peak memory is the
 /// largest live set, not the sum of all activations. Memory and stream ops (`Free`,
 /// `RecordEvent`, `WaitEvent`) are no-ops here; collectives are errors.
-pub fn evaluate(p: &Program, inputs: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>, EvalError> {
+pub fn evaluate(
+    p: &Program,
+    inputs: &[(String, Tensor)],
+) -> Result<Vec<(String, Tensor)>, EvalError> {
     evaluate_with_stats(p, inputs).map(|(outs, _)| outs)
 }
 
@@ -101,7 +104,9 @@ pub fn evaluate_with_stats(
         if v.index() < nv {
             Ok(v)
         } else {
-            Err(EvalError::Malformed(format!("reference to missing value {v}")))
+            Err(EvalError::Malformed(format!(
+                "reference to missing value {v}"
+            )))
         }
     };
     let mut slots: Vec<Option<Cow<'_, Tensor>>> = vec![None; nv];
@@ -152,9 +157,12 @@ pub fn evaluate_with_stats(
     for prm in &p.params {
         let v = in_range(prm.value)?;
         let value = p.value(v);
-        let t = prm.data.as_ref().ok_or_else(|| EvalError::ParamWithoutData {
-            name: value.name.clone(),
-        })?;
+        let t = prm
+            .data
+            .as_ref()
+            .ok_or_else(|| EvalError::ParamWithoutData {
+                name: value.name.clone(),
+            })?;
         if t.ty() != value.ty || !consistent(t) {
             return Err(EvalError::DataType {
                 kind: "parameter",
@@ -218,8 +226,28 @@ pub fn evaluate_with_stats(
                 })
             })
             .collect::<Result<_, _>>()?;
-        let results = eval_op(&node.op, &args).map_err(node_err)?;
-        drop(args);
+        // a reshape or identity of a dying intermediate reuses its buffer
+        let reuse = matches!(node.op, Op::Reshape { .. } | Op::Identity)
+            && node.inputs.len() == 1
+            && node.outputs.len() == 1
+            && last_use[node.inputs[0].index()] == Some(i)
+            && !is_output[node.inputs[0].index()]
+            && matches!(slots[node.inputs[0].index()], Some(Cow::Owned(_)))
+            && args[0].numel() == p.value(in_range(node.outputs[0])?).ty.numel();
+        let results = if reuse {
+            drop(args);
+            let v = node.inputs[0].index();
+            let Some(Cow::Owned(mut t)) = slots[v].take() else {
+                return Err(node_err("internal: reused input vanished".into()));
+            };
+            live_bytes -= t.size_bytes();
+            t.shape = p.value(node.outputs[0]).ty.shape.clone();
+            vec![t]
+        } else {
+            let r = eval_op(&node.op, &args).map_err(node_err)?;
+            drop(args);
+            r
+        };
         if results.len() != node.outputs.len() {
             return Err(node_err(format!(
                 "produced {} outputs, the node declares {}",
@@ -292,8 +320,15 @@ mod tests {
         p.outputs = y;
         let e = evaluate(&p, &[("z".into(), Tensor::f32(vec![2], vec![1.0, 2.0]))]).unwrap_err();
         let s = e.to_string();
-        assert!(s.contains("missing `x`") && s.contains("unexpected `z`"), "{s}");
-        let e = evaluate(&p, &[("x".into(), Tensor::f32(vec![3], vec![1.0, 2.0, 3.0]))]).unwrap_err();
+        assert!(
+            s.contains("missing `x`") && s.contains("unexpected `z`"),
+            "{s}"
+        );
+        let e = evaluate(
+            &p,
+            &[("x".into(), Tensor::f32(vec![3], vec![1.0, 2.0, 3.0]))],
+        )
+        .unwrap_err();
         assert_eq!(e.to_string(), "input `x` is f32[3], expected f32[2]");
         let r = evaluate(&p, &[("x".into(), Tensor::f32(vec![2], vec![1.0, -2.0]))]).unwrap();
         assert_eq!(r[0].0, "y");
@@ -306,7 +341,12 @@ mod tests {
         let x = p.add_input("x", TensorType::new(DType::I64, vec![2]));
         let z = p.add_const("z", Tensor::i64(vec![2], vec![1, 0]));
         let y = p
-            .add_node("/h.0/div", Op::Binary(BinaryOp::Div), vec![x, z], vec!["y".into()])
+            .add_node(
+                "/h.0/div",
+                Op::Binary(BinaryOp::Div),
+                vec![x, z],
+                vec!["y".into()],
+            )
             .unwrap();
         p.outputs = y;
         let e = evaluate(&p, &[("x".into(), Tensor::i64(vec![2], vec![4, 5]))]).unwrap_err();

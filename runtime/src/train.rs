@@ -65,7 +65,10 @@ impl Trainer {
 
     /// Runs one step on `inputs` (the global batch, by input name); returns the program's
     /// outputs (the loss first) and applies the updates.
-    pub fn step(&mut self, inputs: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>, EvalError> {
+    pub fn step(
+        &mut self,
+        inputs: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, EvalError> {
         let mut outs = evaluate(&self.program, inputs)?;
         let updates = outs.split_off(self.n_outputs);
         for (&idx, (_, t)) in self.targets.iter().zip(updates) {

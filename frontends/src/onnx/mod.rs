@@ -36,9 +36,16 @@
 //! Tied weights that the exporter stored twice (e.g. a transposed copy of an embedding)
 //! become two parameters.
 //!
-//! Dtypes: hzp has no float64, so DOUBLE tensors and casts to DOUBLE are carried out in f32
-//! (documented precision loss); narrow integer *data* (INT8, UINT8, INT16, UINT16) is read as
-//! i32 and UINT32/UINT64 as i64, but casts to those types are rejected.
+//! **Dtypes.** hzp has no float64, so DOUBLE initializers, constants, graph inputs and casts
+//! to DOUBLE are carried out in f32 (documented precision loss, the same rule as hzp's `.npz`
+//! reader); narrow integer data and inputs (INT8, UINT8, INT16, UINT16) are read as i32 and
+//! UINT32/UINT64 as i64 (values kept exactly), but casts *to* those types are rejected
+//! (their wrap-around would be lost).
+//!
+//! **Ops.** [`supported_op_types`] lists the default-domain ops; `com.microsoft`'s
+//! `SimplifiedLayerNormalization` is read as RMSNorm. Ops whose ONNX inputs are really
+//! attributes (Reshape's shape, Slice's bounds, reduce axes, TopK's k, ...) need those inputs
+//! to be computable at import time; the error names the node that computes them otherwise.
 
 mod error;
 mod graph;
@@ -64,6 +71,14 @@ pub struct ImportOptions {
     /// that are not graph inputs are ignored (an inputs `.npz` may hold reference outputs).
     pub shapes: BTreeMap<String, Vec<usize>>,
 }
+
+/// The op types of the default ONNX domain the importer translates, sorted.
+pub fn supported_op_types() -> Vec<&'static str> {
+    ops::DEFAULT_DOMAIN_OPS.to_vec()
+}
+
+/// The opsets of the default ONNX domain the importer reads.
+pub const OPSETS: std::ops::RangeInclusive<i64> = translate::MIN_OPSET..=translate::MAX_OPSET;
 
 /// Imports an ONNX file. The program is named after the file stem; external data is read
 /// from the file's folder.

@@ -8,7 +8,7 @@ use hzp_ir::{broadcast_shapes, BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
 
 /// Op types of the default domain hzp translates.
 #[rustfmt::skip]
-const DEFAULT_DOMAIN_OPS: &[&str] = &[
+pub(crate) const DEFAULT_DOMAIN_OPS: &[&str] = &[
     "Abs", "Add", "And", "ArgMax", "ArgMin", "Cast", "CastLike", "Ceil", "Celu", "Clip",
     "Concat", "Constant", "ConstantOfShape", "Cos", "CumSum", "Div", "Dropout", "Einsum", "Elu",
     "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor", "Gather", "GatherElements", "GatherND",
@@ -760,7 +760,13 @@ fn layer_norm(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         keep_dims: true,
     };
     let mean_name = out_name(b.cx, n, 1);
-    let mean = emit1(b.cx, &name, mean_op.clone(), &[xf.clone()], mean_name)?;
+    let mean = emit1(
+        b.cx,
+        &name,
+        mean_op.clone(),
+        std::slice::from_ref(&xf),
+        mean_name,
+    )?;
     let d = b.bin(BinaryOp::Sub, &xf, &mean, "centered")?;
     let sq = b.bin(BinaryOp::Mul, &d, &d, "squared")?;
     let var = b.tmp(mean_op, &[sq], "variance")?;
@@ -877,7 +883,7 @@ fn log_sum_exp(
         keep_dims: true,
     };
     let t = tmp(cx, n, "max");
-    let m = emit1(cx, &name, keep(ReduceOp::Max), &[x.clone()], t)?;
+    let m = emit1(cx, &name, keep(ReduceOp::Max), std::slice::from_ref(&x), t)?;
     let t = tmp(cx, n, "shifted");
     let d = emit1(cx, &name, Op::Binary(BinaryOp::Sub), &[x, m.clone()], t)?;
     let t = tmp(cx, n, "exp");
@@ -963,7 +969,10 @@ fn activation(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             let (alpha, beta) = if op_type == "HardSwish" {
                 (1.0 / 6.0, 0.5)
             } else {
-                (n.attr_f("alpha", 0.2)? as f64, n.attr_f("beta", 0.5)? as f64)
+                (
+                    n.attr_f("alpha", 0.2)? as f64,
+                    n.attr_f("beta", 0.5)? as f64,
+                )
             };
             let (a, c, zero, one_) = (b.k(alpha), b.k(beta), b.k(0.0), b.k(1.0));
             let ax = b.bin(BinaryOp::Mul, &x, &a, "scaled")?;
@@ -1054,7 +1063,7 @@ impl Builder<'_, '_, '_, '_> {
         self.tmp(Op::Binary(op), &[a.clone(), b.clone()], what)
     }
     fn un(&mut self, op: UnaryOp, a: &Slot, what: &str) -> FResult<Slot> {
-        self.tmp(Op::Unary(op), &[a.clone()], what)
+        self.tmp(Op::Unary(op), std::slice::from_ref(a), what)
     }
     fn last(&mut self, op: Op, ins: &[Slot]) -> FResult<Slot> {
         let out = out_name(self.cx, self.n, 0);
@@ -1171,13 +1180,25 @@ fn argmax(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
     }
     if !(last && dim > 1) {
         let out = out_name(cx, n, 0);
-        return one(emit1(cx, &n.ir_name, Op::ArgMax { axis, keep_dims }, &[x], out)?);
+        return one(emit1(
+            cx,
+            &n.ir_name,
+            Op::ArgMax { axis, keep_dims },
+            &[x],
+            out,
+        )?);
     }
     let t = tmp(cx, n, "reversed_index");
     let i = emit1(cx, &n.ir_name, Op::ArgMax { axis, keep_dims }, &[x], t)?;
     let top = cx.scalar(DType::I64, dim as f64 - 1.0, &format!("{}/last", n.ir_name));
     let out = out_name(cx, n, 0);
-    one(emit1(cx, &n.ir_name, Op::Binary(BinaryOp::Sub), &[top, i], out)?)
+    one(emit1(
+        cx,
+        &n.ir_name,
+        Op::Binary(BinaryOp::Sub),
+        &[top, i],
+        out,
+    )?)
 }
 
 /// The static shape of an ONNX Reshape (`0` copies the input dim unless `allowzero`, one
@@ -1496,12 +1517,17 @@ fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
                     e
                 }
             };
-            t.replace("...", &e.iter().collect::<String>()).chars().collect()
+            t.replace("...", &e.iter().collect::<String>())
+                .chars()
+                .collect()
         } else {
             letters
         };
         if v.len() != rank {
-            return err(format!("`{t}` has {} letters, but the operand has rank {rank}", v.len()));
+            return err(format!(
+                "`{t}` has {} letters, but the operand has rank {rank}",
+                v.len()
+            ));
         }
         if v.iter().enumerate().any(|(i, c)| v[..i].contains(c)) {
             return bad("a repeated letter (diagonal)");
@@ -1539,14 +1565,21 @@ fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         for (c, d) in o.iter().zip(cx.shape(s)) {
             match size.iter().find(|(l, _)| l == c) {
                 Some((_, x)) if *x != d => {
-                    return err(format!("letter `{c}` is {x} in one operand and {d} in another"))
+                    return err(format!(
+                        "letter `{c}` is {x} in one operand and {d} in another"
+                    ))
                 }
                 Some(_) => {}
                 None => size.push((*c, d)),
             }
         }
     }
-    let dim = |c: char| size.iter().find(|(l, _)| *l == c).map(|(_, d)| *d).unwrap_or(1);
+    let dim = |c: char| {
+        size.iter()
+            .find(|(l, _)| *l == c)
+            .map(|(_, d)| *d)
+            .unwrap_or(1)
+    };
     let name = n.ir_name.clone();
 
     // Sum away letters only one operand has and the output lacks.
@@ -1592,10 +1625,18 @@ fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         (vals[0].clone(), ops[0].clone())
     } else {
         let (l, r) = (&ops[0], &ops[1]);
-        let batch: Vec<char> = l.iter().copied().filter(|c| r.contains(c) && out.contains(c)).collect();
+        let batch: Vec<char> = l
+            .iter()
+            .copied()
+            .filter(|c| r.contains(c) && out.contains(c))
+            .collect();
         let ms: Vec<char> = l.iter().copied().filter(|c| !r.contains(c)).collect();
         let ns: Vec<char> = r.iter().copied().filter(|c| !l.contains(c)).collect();
-        let ks: Vec<char> = l.iter().copied().filter(|c| r.contains(c) && !out.contains(c)).collect();
+        let ks: Vec<char> = l
+            .iter()
+            .copied()
+            .filter(|c| r.contains(c) && !out.contains(c))
+            .collect();
         let prod = |v: &[char]| v.iter().map(|&c| dim(c)).product::<usize>();
         let bshape: Vec<usize> = batch.iter().map(|&c| dim(c)).collect();
         let order = |a: &[char], b: &[char], c: &[char]| -> Vec<char> {

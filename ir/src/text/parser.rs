@@ -18,7 +18,16 @@ use std::collections::{BTreeMap, HashMap};
 const MAX_SIZE: usize = 1 << 62;
 
 const KEYWORDS: [&str; 10] = [
-    "program", "mesh", "input", "param", "const", "state", "output", "update", "precision", "order",
+    "program",
+    "mesh",
+    "input",
+    "param",
+    "const",
+    "state",
+    "output",
+    "update",
+    "precision",
+    "order",
 ];
 
 /// Parses the text form (see the [module docs](super)).
@@ -482,7 +491,9 @@ impl<'a> Parser<'a, '_> {
                 Tok::Word(d) => DType::from_name(d),
                 _ => None,
             }
-            .ok_or_else(|| self.error_at(dspan, "expected a dtype like bf16".into(), "not a dtype"))?;
+            .ok_or_else(|| {
+                self.error_at(dspan, "expected a dtype like bf16".into(), "not a dtype")
+            })?;
             self.bump();
             fields[k] = Some(dt);
             if !self.eat_punct(',') {
@@ -552,7 +563,10 @@ impl<'a> Parser<'a, '_> {
             }
             "state" if !self.at_punct('=') => {
                 let id = self.define(name, nspan, ty, ValueDef::State)?;
-                self.prog.states.push(State { value: id, init: None });
+                self.prog.states.push(State {
+                    value: id,
+                    init: None,
+                });
             }
             _ => {
                 self.expect_punct('=')?;

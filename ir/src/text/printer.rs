@@ -34,7 +34,8 @@ pub fn print(p: &Program) -> String {
     }
     out.push('\n');
 
-    let mut consts: HashMap<ValueId, &Tensor> = p.consts.iter().map(|c| (c.value, &c.data)).collect();
+    let mut consts: HashMap<ValueId, &Tensor> =
+        p.consts.iter().map(|c| (c.value, &c.data)).collect();
     for st in &p.states {
         if let Some(t) = &st.init {
             consts.insert(st.value, t);
@@ -112,8 +113,7 @@ fn interleaved(p: &Program) -> Option<Vec<Item>> {
     let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
     let consts: Vec<ValueId> = p.consts.iter().map(|x| x.value).collect();
     let states: Vec<ValueId> = p.states.iter().map(|x| x.value).collect();
-    if !ascending(&p.inputs) || !ascending(&params) || !ascending(&consts) || !ascending(&states)
-    {
+    if !ascending(&p.inputs) || !ascending(&params) || !ascending(&consts) || !ascending(&states) {
         return None;
     }
     // Each declaration list must be exactly the values of its kind, else fall back.

@@ -9,6 +9,7 @@ pub mod elem;
 pub mod elementwise;
 pub mod index;
 pub mod layout;
+pub mod math;
 pub mod matmul;
 pub mod movement;
 pub mod norm;
@@ -108,7 +109,13 @@ fn add_bool(a: bool, b: bool) -> bool {
 }
 
 /// Scatter with an optional add, dispatched on the data's dtype.
-fn scatter(x: &Tensor, idx: &Tensor, upd: &Tensor, add: bool, axis: Option<usize>) -> Result<Data, String> {
+fn scatter(
+    x: &Tensor,
+    idx: &Tensor,
+    upd: &Tensor,
+    add: bool,
+    axis: Option<usize>,
+) -> Result<Data, String> {
     macro_rules! go {
         ($t:ty, $f:ident) => {{
             let f: Option<fn($t, $t) -> $t> = if add { Some($f) } else { None };

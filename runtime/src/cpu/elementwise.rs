@@ -1,0 +1,386 @@
+//! Elementwise kernels: unary ops, binary ops with numpy broadcasting, Where and Cast.
+//! Floats compute in f32 (bf16/f16 widened, rounded back on store); integers wrap on
+//! overflow; integer Div truncates toward zero and Mod takes the divisor's sign.
+
+use super::elem::{floats, from_f32, typed, Elem};
+use super::layout::{zip3_broadcast, zip_broadcast};
+use super::math;
+use half::{bf16, f16};
+use hzp_ir::{BinaryOp, DType, Data, Tensor, UnaryOp};
+
+// ---------------------------------------------------------------- special functions
+
+/// Reference erfc in f64 (for tests of the f32 versions in `math`), relative error below ~1.2e-7 everywhere (Chebyshev-fitted exponential
+/// form), which keeps the far tails of erf/GELU accurate.
+pub fn erfc_f64(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let r = t * poly.exp();
+    if x >= 0.0 {
+        r
+    } else {
+        2.0 - r
+    }
+}
+
+/// erf in f64: a Maclaurin series near 0 (where 1 - erfc would lose relative accuracy),
+/// erfc elsewhere.
+pub fn erf_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return f64::NAN;
+    }
+    if x.abs() < 0.5 {
+        // erf x = 2/sqrt(pi) * sum (-1)^n x^(2n+1) / (n! (2n+1))
+        let x2 = x * x;
+        let mut term = x; // (-1)^n x^(2n+1) / n!
+        let mut sum = x;
+        for n in 1..20 {
+            term *= -x2 / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        sum * std::f64::consts::FRAC_2_SQRT_PI
+    } else {
+        1.0 - erfc_f64(x)
+    }
+}
+
+fn float_unary(u: UnaryOp, x: &[f32]) -> Vec<f32> {
+    use math::map_f32 as map;
+    match u {
+        UnaryOp::Neg => map(x, |v| -v),
+        UnaryOp::Abs => map(x, f32::abs),
+        UnaryOp::Exp => map(x, math::exp),
+        UnaryOp::Log => map(x, f32::ln),
+        UnaryOp::Sqrt => map(x, f32::sqrt),
+        UnaryOp::Rsqrt => map(x, |v| 1.0 / v.sqrt()),
+        UnaryOp::Reciprocal => map(x, |v| 1.0 / v),
+        UnaryOp::Tanh => map(x, math::tanh),
+        UnaryOp::Erf => map(x, math::erf),
+        UnaryOp::Sigmoid => map(x, math::sigmoid),
+        UnaryOp::Relu => map(x, |v| if v > 0.0 || v.is_nan() { v } else { 0.0 }),
+        UnaryOp::Gelu => map(x, math::gelu),
+        UnaryOp::GeluTanh => map(x, math::gelu_tanh),
+        UnaryOp::Silu => map(x, |v| v * math::sigmoid(v)),
+        UnaryOp::Sin => map(x, f32::sin),
+        UnaryOp::Cos => map(x, f32::cos),
+        UnaryOp::Floor => map(x, f32::floor),
+        UnaryOp::Ceil => map(x, f32::ceil),
+        UnaryOp::Sign => map(x, |v| {
+            if v > 0.0 {
+                1.0
+            } else if v < 0.0 {
+                -1.0
+            } else {
+                v // 0, -0 and NaN stay
+            }
+        }),
+        // rejected by the type rule; kept total
+        UnaryOp::Not | UnaryOp::IsNaN => x.to_vec(),
+    }
+}
+
+/// Integer element types with the wrapping arithmetic the kernels use.
+pub trait IntElem: Elem + Ord {
+    const ZERO: Self;
+    const ONE: Self;
+    const MIN: Self;
+    const MAX: Self;
+    fn wadd(self, o: Self) -> Self;
+    fn wsub(self, o: Self) -> Self;
+    fn wmul(self, o: Self) -> Self;
+    fn wneg(self) -> Self;
+    fn wabs(self) -> Self;
+    /// Truncating division; the caller rules out a zero divisor.
+    fn wdiv(self, o: Self) -> Self;
+    fn wrem(self, o: Self) -> Self;
+    fn to_i64(self) -> i64;
+    fn from_i64(v: i64) -> Self;
+}
+
+macro_rules! impl_int {
+    ($t:ty) => {
+        impl IntElem for $t {
+            const ZERO: Self = 0;
+            const ONE: Self = 1;
+            const MIN: Self = <$t>::MIN;
+            const MAX: Self = <$t>::MAX;
+            fn wadd(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            fn wsub(self, o: Self) -> Self {
+                self.wrapping_sub(o)
+            }
+            fn wmul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            fn wneg(self) -> Self {
+                self.wrapping_neg()
+            }
+            fn wabs(self) -> Self {
+                self.wrapping_abs()
+            }
+            fn wdiv(self, o: Self) -> Self {
+                self.wrapping_div(o)
+            }
+            fn wrem(self, o: Self) -> Self {
+                self.wrapping_rem(o)
+            }
+            fn to_i64(self) -> i64 {
+                self as i64
+            }
+            fn from_i64(v: i64) -> Self {
+                v as $t
+            }
+        }
+    };
+}
+impl_int!(i64);
+impl_int!(i32);
+
+fn int_unary<T: IntElem>(u: UnaryOp, t: &Tensor) -> Result<Data, String> {
+    let x = typed::<T>(t)?;
+    let v: Vec<T> = match u {
+        UnaryOp::Neg => x.iter().map(|&v| v.wneg()).collect(),
+        UnaryOp::Abs => x.iter().map(|&v| v.wabs()).collect(),
+        UnaryOp::Sign => x
+            .iter()
+            .map(|&v| T::from_i64(v.to_i64().signum()))
+            .collect(),
+        _ => {
+            return Err(format!(
+                "{} needs a float input, got {}",
+                u.name(),
+                T::DTYPE
+            ))
+        }
+    };
+    Ok(T::wrap(v))
+}
+
+pub fn unary(u: UnaryOp, t: &Tensor) -> Result<Data, String> {
+    match (&t.data, u) {
+        (Data::Bool(x), UnaryOp::Not) => Ok(Data::Bool(x.iter().map(|&b| !b).collect())),
+        (Data::Bool(x), UnaryOp::Abs) => Ok(Data::Bool(x.clone())),
+        (Data::Bool(x), UnaryOp::Sign) => Ok(Data::Bool(x.clone())),
+        (Data::Bool(_), _) => Err(format!("{} is not defined for bool", u.name())),
+        (_, UnaryOp::Not) => Err(format!("Not needs bool input, got {}", t.dtype())),
+        (Data::I64(_), _) => int_unary::<i64>(u, t),
+        (Data::I32(_), _) => int_unary::<i32>(u, t),
+        (_, UnaryOp::IsNaN) => Ok(Data::Bool(floats(t).iter().map(|v| v.is_nan()).collect())),
+        _ => Ok(from_f32(t.dtype(), float_unary(u, &floats(t)))),
+    }
+}
+
+// ---------------------------------------------------------------- binary
+
+enum Out<T> {
+    Num(Vec<T>),
+    Pred(Vec<bool>),
+}
+
+fn float_binary(
+    op: BinaryOp,
+    a: &[f32],
+    sa: &[usize],
+    b: &[f32],
+    sb: &[usize],
+    out: &[usize],
+) -> Result<Out<f32>, String> {
+    let num = |f: fn(f32, f32) -> f32| Out::Num(zip_broadcast(a, sa, b, sb, out, f));
+    let pred = |f: fn(f32, f32) -> bool| Out::Pred(zip_broadcast(a, sa, b, sb, out, f));
+    Ok(match op {
+        BinaryOp::Add => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x + y)),
+        BinaryOp::Sub => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x - y)),
+        BinaryOp::Mul => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x * y)),
+        BinaryOp::Div => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x / y)),
+        BinaryOp::Pow => num(f32::powf),
+        BinaryOp::Max => num(|x, y| {
+            if x.is_nan() || y.is_nan() {
+                f32::NAN
+            } else {
+                x.max(y)
+            }
+        }),
+        BinaryOp::Min => num(|x, y| {
+            if x.is_nan() || y.is_nan() {
+                f32::NAN
+            } else {
+                x.min(y)
+            }
+        }),
+        BinaryOp::Mod => num(|x, y| x % y),
+        BinaryOp::Equal => pred(|x, y| x == y),
+        BinaryOp::Less => pred(|x, y| x < y),
+        BinaryOp::LessOrEqual => pred(|x, y| x <= y),
+        BinaryOp::Greater => pred(|x, y| x > y),
+        BinaryOp::GreaterOrEqual => pred(|x, y| x >= y),
+        BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
+            return Err(format!("{} needs bool operands", op.name()))
+        }
+    })
+}
+
+/// Integer power by squaring, wrapping on overflow. A negative exponent truncates 1/b^-e
+/// toward zero like C (so only |b| = 1 gives a nonzero result); 0 to a negative power is an
+/// error.
+fn int_pow<T: IntElem>(b: T, e: T) -> Result<T, String> {
+    let e = e.to_i64();
+    if e < 0 {
+        return match b.to_i64() {
+            0 => Err("Pow: 0 raised to a negative integer power".into()),
+            1 => Ok(T::ONE),
+            -1 => Ok(if e % 2 == 0 { T::ONE } else { T::ONE.wneg() }),
+            _ => Ok(T::ZERO),
+        };
+    }
+    let mut e = e as u64;
+    let mut base = b;
+    let mut acc = T::ONE;
+    while e > 0 {
+        if e & 1 == 1 {
+            acc = acc.wmul(base);
+        }
+        base = base.wmul(base);
+        e >>= 1;
+    }
+    Ok(acc)
+}
+
+fn int_binary<T: IntElem>(
+    op: BinaryOp,
+    x: &Tensor,
+    y: &Tensor,
+    out: &[usize],
+) -> Result<Data, String> {
+    let (a, b) = (typed::<T>(x)?, typed::<T>(y)?);
+    let (sa, sb) = (&x.shape[..], &y.shape[..]);
+    let num = |f: fn(T, T) -> T| Ok(T::wrap(zip_broadcast(a, sa, b, sb, out, f)));
+    let pred = |f: fn(T, T) -> bool| Ok(Data::Bool(zip_broadcast(a, sa, b, sb, out, f)));
+    if matches!(op, BinaryOp::Div | BinaryOp::Mod) && b.contains(&T::ZERO) {
+        return Err(format!("{}: integer division by zero", op.name()));
+    }
+    match op {
+        BinaryOp::Add => num(|x, y| x.wadd(y)),
+        BinaryOp::Sub => num(|x, y| x.wsub(y)),
+        BinaryOp::Mul => num(|x, y| x.wmul(y)),
+        BinaryOp::Div => num(|x, y| x.wdiv(y)),
+        BinaryOp::Mod => num(|x, y| {
+            let r = x.wrem(y);
+            if r != T::ZERO && ((r < T::ZERO) != (y < T::ZERO)) {
+                r.wadd(y)
+            } else {
+                r
+            }
+        }),
+        BinaryOp::Pow => {
+            let r: Result<Vec<T>, String> = zip_broadcast(a, sa, b, sb, out, int_pow)
+                .into_iter()
+                .collect();
+            Ok(T::wrap(r?))
+        }
+        BinaryOp::Max => num(|x, y| x.max(y)),
+        BinaryOp::Min => num(|x, y| x.min(y)),
+        BinaryOp::Equal => pred(|x, y| x == y),
+        BinaryOp::Less => pred(|x, y| x < y),
+        BinaryOp::LessOrEqual => pred(|x, y| x <= y),
+        BinaryOp::Greater => pred(|x, y| x > y),
+        BinaryOp::GreaterOrEqual => pred(|x, y| x >= y),
+        BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
+            Err(format!("{} needs bool operands", op.name()))
+        }
+    }
+}
+
+fn bool_binary(op: BinaryOp, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+    let (a, b) = (typed::<bool>(x)?, typed::<bool>(y)?);
+    let f: fn(bool, bool) -> bool = match op {
+        BinaryOp::And | BinaryOp::Mul | BinaryOp::Min => |x, y| x & y,
+        BinaryOp::Or | BinaryOp::Add | BinaryOp::Max => |x, y| x | y,
+        BinaryOp::Xor => |x, y| x ^ y,
+        BinaryOp::Equal => |x, y| x == y,
+        BinaryOp::Less => |x, y| !x & y,
+        BinaryOp::LessOrEqual => |x, y| x <= y,
+        BinaryOp::Greater => |x, y| x & !y,
+        BinaryOp::GreaterOrEqual => |x, y| x >= y,
+        BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow | BinaryOp::Mod => {
+            return Err(format!("{} is not defined for bool operands", op.name()))
+        }
+    };
+    Ok(Data::Bool(zip_broadcast(a, &x.shape, b, &y.shape, out, f)))
+}
+
+/// A binary op with numpy broadcasting to `out` (the inferred output shape).
+pub fn binary(op: BinaryOp, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+    match x.dtype() {
+        DType::I64 => int_binary::<i64>(op, x, y, out),
+        DType::I32 => int_binary::<i32>(op, x, y, out),
+        DType::Bool => bool_binary(op, x, y, out),
+        dt => {
+            let (a, b) = (floats(x), floats(y));
+            Ok(match float_binary(op, &a, &x.shape, &b, &y.shape, out)? {
+                Out::Num(v) => from_f32(dt, v),
+                Out::Pred(v) => Data::Bool(v),
+            })
+        }
+    }
+}
+
+// ---------------------------------------------------------------- where
+
+fn where_typed<T: Elem>(c: &Tensor, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+    let cond = typed::<bool>(c)?;
+    let (a, b) = (typed::<T>(x)?, typed::<T>(y)?);
+    Ok(T::wrap(zip3_broadcast(
+        (cond, &c.shape),
+        (a, &x.shape),
+        (b, &y.shape),
+        out,
+        |c, a, b| if c { a } else { b },
+    )))
+}
+
+pub fn where_(c: &Tensor, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+    super::elem::by_dtype!(x.dtype(), where_typed(c, x, y, out))
+}
+
+// ---------------------------------------------------------------- cast
+
+/// Converts `t` to `to`. Float to int truncates toward zero (saturating at the int range,
+/// NaN -> 0); numbers to bool test != 0; bool to numbers gives 0/1; ints to floats round to
+/// nearest.
+pub fn cast(t: &Tensor, to: DType) -> Data {
+    let from = t.dtype();
+    if from == to {
+        return t.data.clone();
+    }
+    match (&t.data, to) {
+        // ints and bools -> any
+        (Data::I64(_) | Data::I32(_) | Data::Bool(_), _) => {
+            let v = t.to_i64_vec().unwrap_or_default();
+            match to {
+                DType::F32 => Data::F32(v.iter().map(|&x| x as f32).collect()),
+                DType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f64(x as f64)).collect()),
+                DType::F16 => Data::F16(v.iter().map(|&x| f16::from_f64(x as f64)).collect()),
+                DType::I64 => Data::I64(v),
+                DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
+                DType::Bool => Data::Bool(v.iter().map(|&x| x != 0).collect()),
+            }
+        }
+        // floats -> any: via f32 (exact for bf16/f16)
+        _ => {
+            let v = floats(t);
+            match to {
+                DType::Bool => Data::Bool(v.iter().map(|&x| x != 0.0).collect()),
+                _ => from_f32(to, v.into_owned()),
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Normalizations over an axis: Softmax, LogSoftmax (max-subtracted), LayerNorm (biased
+//! variance, like ONNX LayerNormalization) and RmsNorm. Computed in f32 with f64 sums;
+//! contiguous rows (the usual last-axis case) are processed in place without gathers.
+
+use super::elem::{floats, from_f32};
+use super::layout::{around_axis, expand};
+use super::math;
+use hzp_ir::{Data, Tensor};
+
+/// Applies `f` to every lane along `axis` of `v` (shape `shape`), in place.
+fn for_each_lane(v: &mut [f32], shape: &[usize], axis: usize, mut f: impl FnMut(&mut [f32])) {
+    let (outer, dim, inner) = around_axis(shape, axis);
+    if dim == 0 {
+        return;
+    }
+    if inner == 1 {
+        v.chunks_exact_mut(dim).for_each(f);
+        return;
+    }
+    let mut buf = vec![0f32; dim];
+    for o in 0..outer {
+        for i in 0..inner {
+            let base = o * dim * inner + i;
+            for d in 0..dim {
+                buf[d] = v[base + d * inner];
+            }
+            f(&mut buf);
+            for d in 0..dim {
+                v[base + d * inner] = buf[d];
+            }
+        }
+    }
+}
+
+fn row_max(row: &[f32]) -> f32 {
+    row.iter().fold(
+        f32::NEG_INFINITY,
+        |m, &x| if x > m || x.is_nan() { x } else { m },
+    )
+}
+
+/// Sum in f64 with four independent accumulators (keeps the adds pipelined).
+pub fn sum_f64(v: &[f32]) -> f64 {
+    let mut acc = [0f64; 4];
+    let mut chunks = v.chunks_exact(4);
+    for c in &mut chunks {
+        for k in 0..4 {
+            acc[k] += c[k] as f64;
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+}
+
+fn softmax_row(row: &mut [f32]) {
+    let m = row_max(row);
+    row.iter_mut().for_each(|x| *x = math::exp(*x - m));
+    let inv = (1.0 / sum_f64(row)) as f32;
+    row.iter_mut().for_each(|x| *x *= inv);
+}
+
+fn log_softmax_row(row: &mut [f32]) {
+    let m = row_max(row);
+    let mut sum = 0f64;
+    for c in row.chunks(256) {
+        let mut e = [0f32; 256];
+        for (e, &x) in e.iter_mut().zip(c) {
+            *e = math::exp(x - m);
+        }
+        sum += sum_f64(&e[..c.len()]);
+    }
+    let lse = sum.ln() as f32;
+    row.iter_mut().for_each(|x| *x = (*x - m) - lse);
+}
+
+pub fn softmax(x: &Tensor, axis: usize, log: bool) -> Data {
+    let mut v = floats(x).into_owned();
+    if log {
+        for_each_lane(&mut v, &x.shape, axis, log_softmax_row);
+    } else {
+        for_each_lane(&mut v, &x.shape, axis, softmax_row);
+    }
+    from_f32(x.dtype(), v)
+}
+
+/// A scale or bias broadcast to the full normalized dims, flattened.
+fn param_row(p: &Tensor, norm: &[usize]) -> Vec<f32> {
+    expand(&floats(p), &p.shape, norm)
+}
+
+/// LayerNorm (`rms == false`: (x - mean) / sqrt(var + eps) * scale + bias) or RmsNorm
+/// (x / sqrt(mean(x^2) + eps) * scale) over dims `axis..`.
+pub fn norm(
+    x: &Tensor,
+    scale: &Tensor,
+    bias: Option<&Tensor>,
+    axis: usize,
+    eps: f32,
+    rms: bool,
+) -> Data {
+    let norm_dims = &x.shape[axis..];
+    let d: usize = norm_dims.iter().product();
+    let mut v = floats(x).into_owned();
+    if d == 0 {
+        return from_f32(x.dtype(), v);
+    }
+    let s = param_row(scale, norm_dims);
+    let b = bias.map(|b| param_row(b, norm_dims));
+    for row in v.chunks_exact_mut(d) {
+        let mean = if rms {
+            0.0
+        } else {
+            (sum_f64(row) / d as f64) as f32
+        };
+        let var = row
+            .iter()
+            .map(|&x| {
+                let c = (x - mean) as f64;
+                c * c
+            })
+            .sum::<f64>()
+            / d as f64;
+        let rstd = (1.0 / (var + eps as f64).sqrt()) as f32;
+        match &b {
+            Some(b) => {
+                for ((x, &s), &b) in row.iter_mut().zip(&s).zip(b) {
+                    *x = (*x - mean) * rstd * s + b;
+                }
+            }
+            None => {
+                for (x, &s) in row.iter_mut().zip(&s) {
+                    *x = (*x - mean) * rstd * s;
+                }
+            }
+        }
+    }
+    from_f32(x.dtype(), v)
+}
