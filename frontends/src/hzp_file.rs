@@ -17,23 +17,20 @@ pub fn weights_path(hzp: &Path) -> PathBuf {
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum HzpFileError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot read {path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error(transparent)]
     #[diagnostic(transparent)]
     Parse(#[from] text::ParseError),
-    #[error("{0}")]
+    #[error(transparent)]
     Npz(#[from] npz::NpzError),
 }
 
 /// Loads `path` and, if present, its sidecar weights.
 pub fn load(path: &Path) -> Result<Program, HzpFileError> {
-    let src = std::fs::read_to_string(path).map_err(|source| HzpFileError::Io {
+    let src = std::fs::read_to_string(path).map_err(|cause| HzpFileError::Io {
         path: path.display().to_string(),
-        source,
+        cause,
     })?;
     let wpath = weights_path(path);
     let weights: HashMap<String, Tensor> = if wpath.exists() {
@@ -56,9 +53,9 @@ pub fn sidecar_tensors(p: &Program) -> Vec<(String, Tensor)> {
 /// Writes `path` (text) and its sidecar (if there is any data). Both are written to a
 /// temporary file first and renamed, so a failure never leaves a half-written file.
 pub fn save(path: &Path, p: &Program) -> Result<(), HzpFileError> {
-    let io = |source| HzpFileError::Io {
+    let io = |cause| HzpFileError::Io {
         path: path.display().to_string(),
-        source,
+        cause,
     };
     let tensors = sidecar_tensors(p);
     if !tensors.is_empty() {

@@ -25,12 +25,12 @@ pub struct LoadOptions {
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum LoadError {
-    #[error("{0}")]
+    #[error(transparent)]
     Onnx(#[from] onnx::ImportError),
     #[error(transparent)]
     #[diagnostic(transparent)]
     Hzp(#[from] hzp_file::HzpFileError),
-    #[error("{0}")]
+    #[error(transparent)]
     Preset(#[from] presets::PresetError),
     #[error("{0}")]
     Unknown(String),

@@ -668,11 +668,15 @@ fn bind_inputs(
         } else {
             format!(
                 " (shapes were given for {}, which {} not a graph input; the inputs are {})",
-                unknown
-                    .iter()
-                    .map(|u| format!("`{u}`"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                {
+                    // name a few; an inputs file for another model can hold hundreds
+                    let mut shown: Vec<String> =
+                        unknown.iter().take(6).map(|u| format!("`{u}`")).collect();
+                    if unknown.len() > 6 {
+                        shown.push(format!("and {} more", unknown.len() - 6));
+                    }
+                    shown.join(", ")
+                },
                 if unknown.len() == 1 { "is" } else { "are" },
                 decls
                     .iter()
