@@ -10,13 +10,19 @@
 
 pub mod dtype;
 pub mod mesh;
+pub mod layout;
 pub mod op;
+pub mod plan;
 pub mod program;
 pub mod tensor;
 pub mod verify;
 
 pub use dtype::{numel, DType, Shape, TensorType};
+pub use layout::ParamLayout;
 pub use mesh::{Group, Mesh, MeshAxis};
+pub use plan::{
+    content_hash_of, format_bytes, Buffer, BufferKind, Plan, PlanError, ShardGroups, PLAN_VERSION,
+};
 pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
 pub use program::{
     Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef,

@@ -85,6 +85,61 @@ impl Mesh {
     }
 }
 
+impl Mesh {
+    /// A rank's coordinate on each axis; ranks are numbered row-major, outermost axis first.
+    pub fn coords(&self, rank: usize) -> Vec<usize> {
+        let mut c = vec![0; self.axes.len()];
+        let mut r = rank;
+        for (i, a) in self.axes.iter().enumerate().rev() {
+            c[i] = r % a.size;
+            r /= a.size;
+        }
+        c
+    }
+
+    /// The rank with these coordinates.
+    pub fn rank_of(&self, coords: &[usize]) -> usize {
+        self.axes
+            .iter()
+            .zip(coords)
+            .fold(0, |acc, (a, &c)| acc * a.size + c)
+    }
+
+    /// A rank's index within `group`: mixed radix over the group's axes in the order the
+    /// group lists them (the first listed is the most significant). This order is the
+    /// order in which collectives concatenate and split shards.
+    pub fn group_index(&self, group: &Group, rank: usize) -> Option<usize> {
+        let c = self.coords(rank);
+        group.axes.iter().try_fold(0usize, |acc, name| {
+            let i = self.axes.iter().position(|a| &a.name == name)?;
+            Some(acc * self.axes[i].size + c[i])
+        })
+    }
+
+    /// The ranks of `rank`'s group (those that differ from it only on the group's axes),
+    /// ordered by [`Mesh::group_index`].
+    pub fn group_members(&self, group: &Group, rank: usize) -> Option<Vec<usize>> {
+        let n = self.group_size(group)?;
+        let idx: Vec<usize> = group
+            .axes
+            .iter()
+            .map(|name| self.axes.iter().position(|a| &a.name == name))
+            .collect::<Option<_>>()?;
+        let base = self.coords(rank);
+        let mut out = Vec::with_capacity(n);
+        for k in 0..n {
+            let mut c = base.clone();
+            let mut rem = k;
+            for &i in idx.iter().rev() {
+                c[i] = rem % self.axes[i].size;
+                rem /= self.axes[i].size;
+            }
+            out.push(self.rank_of(&c));
+        }
+        Some(out)
+    }
+}
+
 impl fmt::Display for Mesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (i, a) in self.axes.iter().enumerate() {
@@ -130,6 +185,29 @@ mod tests {
         assert_eq!(m.to_string(), "node=16,gpu.0=2,gpu.1=4");
         assert_eq!(m.group_size(&Group::new(["gpu.0", "gpu.1"])), Some(8));
         assert_eq!(m.group_size(&Group::new(["tpu"])), None);
+    }
+
+    #[test]
+    fn group_members_follow_the_listed_axis_order() {
+        let m = Mesh::parse("node=2,gpu=4").unwrap();
+        assert_eq!(m.coords(6), vec![1, 2]);
+        assert_eq!(m.rank_of(&[1, 2]), 6);
+        // gpu-major order over [gpu, node]: index = gpu * 2 + node
+        let g = Group::new(["gpu", "node"]);
+        assert_eq!(m.group_index(&g, 6), Some(5));
+        assert_eq!(
+            m.group_members(&g, 6).unwrap(),
+            vec![0, 4, 1, 5, 2, 6, 3, 7]
+        );
+        assert_eq!(
+            m.group_members(&Group::new(["gpu"]), 5).unwrap(),
+            vec![4, 5, 6, 7]
+        );
+        assert_eq!(
+            m.group_members(&Group::new(Vec::<String>::new()), 5)
+                .unwrap(),
+            vec![5]
+        );
     }
 
     #[test]

@@ -338,10 +338,10 @@ pub fn gradient_program(fwd: &Program, kind: &LossKind) -> Result<Program, Train
     Ok(p)
 }
 
-/// Copies the nodes of `src` into `dst`, reading `src`'s inputs from `input_map`, and its
-/// parameters, constants and states from the same-named values of `dst` (created on first
-/// use). Returns the values of `src`'s outputs in `dst`.
-fn inline(
+/// Copies the nodes of `src` into `dst`, reading `src`'s inputs (and any parameter listed
+/// there) from `input_map`, and its other parameters and constants from the same-named
+/// values of `dst` (created on first use). Returns the values of `src`'s outputs in `dst`.
+pub(crate) fn inline(
     dst: &mut Program,
     src: &Program,
     input_map: &HashMap<ValueId, ValueId>,
@@ -350,6 +350,9 @@ fn inline(
     let mut map: HashMap<ValueId, ValueId> = input_map.clone();
     let mut names = hzp_ir::NameSet::from_program(dst);
     for prm in &src.params {
+        if map.contains_key(&prm.value) {
+            continue; // the caller supplies this parameter's value
+        }
         let name = &src.value(prm.value).name;
         let v = match dst.find_value(name) {
             Some(v) => v,
@@ -627,7 +630,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
 }
 
 /// torch.nn.utils.clip_grad_norm_: total = ||all grads||_2; g *= min(1, max/(total+1e-6)).
-fn clip(
+pub(crate) fn clip(
     e: &mut Emitter,
     grads: &[ValueId],
     max_norm: f64,
@@ -666,7 +669,7 @@ fn clip(
     Ok((norm, out))
 }
 
-fn optimizer(
+pub(crate) fn optimizer(
     e: &mut Emitter,
     opt: &Optimizer,
     params: &[ValueId],

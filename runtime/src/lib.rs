@@ -4,3 +4,4 @@
 pub mod cpu;
 pub mod eval;
 pub mod train;
+pub mod spmd;

@@ -1,0 +1,24 @@
+//! How a parameter of a sharded (SPMD) program is laid out across ranks: what the runtime
+//! needs to cut full parameters into per-rank shards and to put them back together.
+
+use crate::dtype::DType;
+use crate::mesh::Group;
+use serde::{Deserialize, Serialize};
+
+/// One parameter's layout. The full tensor is flattened, padded with zeros to `padded`
+/// elements and cut into equal chunks: a rank's fp32 master shard is chunk
+/// `Mesh::group_index(optim_group)` of `size(optim_group)`; its compute shard (the state
+/// named `compute_shard`, in `compute_dtype`) is chunk `group_index(params_group)` of
+/// `size(params_group)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamLayout {
+    /// The parameter's name: also the name of the rank's master shard in the program.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub numel: usize,
+    pub padded: usize,
+    pub optim_group: Group,
+    pub params_group: Group,
+    pub compute_shard: String,
+    pub compute_dtype: DType,
+}

@@ -1,0 +1,321 @@
+//! A lockstep reference runner for per-rank (SPMD) programs: every rank of the mesh runs
+//! the same program, node by node, in one thread; each collective is a real exchange of the
+//! ranks' tensors in a fixed order. Streams and events do not matter here (issue order is a
+//! topological order). This is the oracle that distributed plans are checked against
+//! (sharded on N ranks == unsharded on one), not the fast executor.
+
+use crate::cpu::eval_op;
+use crate::eval::EvalError;
+use hzp_ir::{BinaryOp, Mesh, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId};
+
+fn malformed(s: impl Into<String>) -> EvalError {
+    EvalError::Malformed(s.into())
+}
+
+/// The ranks' persistent tensors and how to run a step.
+pub struct SpmdRunner {
+    program: Program,
+    mesh: Mesh,
+    layouts: Vec<ParamLayout>,
+    /// `persistent[rank][k]`: the tensor of `slots[k]` (parameters and states) on `rank`.
+    persistent: Vec<Vec<Tensor>>,
+    slots: Vec<ValueId>,
+}
+
+fn flat_padded(t: &Tensor, padded: usize) -> Vec<f32> {
+    let mut v = t.to_f32_vec();
+    v.resize(padded, 0.0);
+    v
+}
+
+fn chunk(v: &[f32], n: usize, i: usize) -> Vec<f32> {
+    let len = v.len() / n;
+    v[i * len..(i + 1) * len].to_vec()
+}
+
+impl SpmdRunner {
+    /// Cuts `full_params` (by name) into each rank's shards as `layouts` say; other states
+    /// start at their initial value (zeros when none).
+    pub fn new(
+        program: &Program,
+        layouts: &[ParamLayout],
+        full_params: &[(String, Tensor)],
+    ) -> Result<SpmdRunner, EvalError> {
+        let mesh = program
+            .mesh
+            .clone()
+            .ok_or_else(|| malformed("an SPMD program needs a mesh"))?;
+        let w = mesh.world_size();
+        let mut slots = Vec::new();
+        let mut persistent: Vec<Vec<Tensor>> = vec![Vec::new(); w];
+        let layout_of_param = |name: &str| layouts.iter().find(|l| l.name == name);
+        let layout_of_shard = |name: &str| layouts.iter().find(|l| l.compute_shard == name);
+        let full = |name: &str| -> Result<&Tensor, EvalError> {
+            full_params
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, t)| t)
+                .ok_or_else(|| EvalError::ParamWithoutData {
+                    name: name.to_string(),
+                })
+        };
+        for prm in &program.params {
+            let name = &program.value(prm.value).name;
+            let l = layout_of_param(name)
+                .ok_or_else(|| malformed(format!("parameter `{name}` has no layout")))?;
+            let t = full(name)?;
+            if t.shape != l.shape {
+                return Err(EvalError::DataType {
+                    kind: "parameter",
+                    name: name.clone(),
+                    expected: hzp_ir::TensorType::new(t.dtype(), l.shape.clone()),
+                    got: t.ty(),
+                });
+            }
+            let flat = flat_padded(t, l.padded);
+            let o = mesh.group_size(&l.optim_group).unwrap_or(1);
+            for (r, dst) in persistent.iter_mut().enumerate() {
+                let i = mesh.group_index(&l.optim_group, r).unwrap_or(0);
+                let c = chunk(&flat, o, i);
+                dst.push(Tensor::f32(vec![c.len()], c));
+            }
+            slots.push(prm.value);
+        }
+        for st in &program.states {
+            let name = &program.value(st.value).name;
+            let ty = program.ty(st.value).clone();
+            if let Some(l) = layout_of_shard(name) {
+                let flat = flat_padded(full(&l.name)?, l.padded);
+                let p = mesh.group_size(&l.params_group).unwrap_or(1);
+                for (r, dst) in persistent.iter_mut().enumerate() {
+                    let i = mesh.group_index(&l.params_group, r).unwrap_or(0);
+                    let c: Vec<f64> = chunk(&flat, p, i).iter().map(|&x| x as f64).collect();
+                    dst.push(Tensor::from_f64(ty.dtype, ty.shape.clone(), &c));
+                }
+            } else {
+                let init = st.init.clone().unwrap_or_else(|| Tensor::zeros(&ty));
+                for dst in persistent.iter_mut() {
+                    dst.push(init.clone());
+                }
+            }
+            slots.push(st.value);
+        }
+        Ok(SpmdRunner {
+            program: program.clone(),
+            mesh,
+            layouts: layouts.to_vec(),
+            persistent,
+            slots,
+        })
+    }
+
+    /// Runs one step on the global batch: rank r takes rows `[r*b, (r+1)*b)` of axis 0 of
+    /// every input. Returns rank 0's outputs (all ranks agree on the loss).
+    pub fn step(
+        &mut self,
+        global: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>, EvalError> {
+        let p = &self.program;
+        let w = self.mesh.world_size();
+        let nv = p.values.len();
+        let mut vals: Vec<Vec<Option<Tensor>>> = vec![vec![None; nv]; w];
+        for &i in &p.inputs {
+            let v = p.value(i);
+            let (_, t) =
+                global
+                    .iter()
+                    .find(|(k, _)| *k == v.name)
+                    .ok_or_else(|| EvalError::InputNames {
+                        missing: vec![v.name.clone()],
+                        unexpected: vec![],
+                        duplicate: vec![],
+                    })?;
+            let b = v.ty.shape.first().copied().unwrap_or(1);
+            if t.shape.first().copied() != Some(b * w) || t.shape[1..] != v.ty.shape[1..] {
+                let mut want = v.ty.shape.clone();
+                if let Some(d) = want.first_mut() {
+                    *d *= w;
+                }
+                return Err(EvalError::InputType {
+                    name: v.name.clone(),
+                    expected: hzp_ir::TensorType::new(v.ty.dtype, want),
+                    got: t.ty(),
+                });
+            }
+            for (r, rv) in vals.iter_mut().enumerate() {
+                let sl = Op::Slice {
+                    axes: vec![0],
+                    starts: vec![(r * b) as i64],
+                    ends: vec![((r + 1) * b) as i64],
+                    steps: vec![1],
+                };
+                let part = eval_op(&sl, &[t]).map_err(malformed)?.remove(0);
+                rv[i.index()] = Some(part);
+            }
+        }
+        for (r, rv) in vals.iter_mut().enumerate() {
+            for (k, &v) in self.slots.iter().enumerate() {
+                rv[v.index()] = Some(self.persistent[r][k].clone());
+            }
+            for c in &p.consts {
+                rv[c.value.index()] = Some(c.data.clone());
+            }
+        }
+        for n in &p.nodes {
+            let node_err = |m: String| EvalError::Node {
+                node: n.name.clone(),
+                op: n.op.name(),
+                message: m,
+            };
+            if matches!(
+                n.op,
+                Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. }
+            ) {
+                continue;
+            }
+            let results: Vec<Vec<Tensor>> = if let Some(group) = n.op.group() {
+                let x = n.inputs[0];
+                (0..w)
+                    .map(|r| {
+                        let members = self
+                            .mesh
+                            .group_members(group, r)
+                            .ok_or_else(|| node_err(format!("group {group} is not in the mesh")))?;
+                        let ins: Vec<&Tensor> = members
+                            .iter()
+                            .map(|&m| vals[m][x.index()].as_ref().expect("computed"))
+                            .collect();
+                        let idx = self.mesh.group_index(group, r).unwrap_or(0);
+                        collective(&n.op, &ins, idx)
+                            .map(|t| vec![t])
+                            .map_err(node_err)
+                    })
+                    .collect::<Result<_, _>>()?
+            } else {
+                (0..w)
+                    .map(|r| {
+                        let ins: Vec<&Tensor> = n
+                            .inputs
+                            .iter()
+                            .map(|v| vals[r][v.index()].as_ref().expect("computed"))
+                            .collect();
+                        eval_op(&n.op, &ins).map_err(node_err)
+                    })
+                    .collect::<Result<_, _>>()?
+            };
+            for (r, outs) in results.into_iter().enumerate() {
+                for (&o, t) in n.outputs.iter().zip(outs) {
+                    vals[r][o.index()] = Some(t);
+                }
+            }
+        }
+        let outs = p
+            .outputs
+            .iter()
+            .map(|&o| {
+                (
+                    p.value(o).name.clone(),
+                    vals[0][o.index()].clone().expect("computed"),
+                )
+            })
+            .collect();
+        for (r, rv) in vals.iter_mut().enumerate() {
+            for u in &p.updates {
+                let k = self
+                    .slots
+                    .iter()
+                    .position(|&s| s == u.target)
+                    .ok_or_else(|| malformed("update of a value that is not persistent"))?;
+                self.persistent[r][k] = rv[u.value.index()].take().expect("computed");
+                // an update value read again by another update stays available
+                rv[u.value.index()] = Some(self.persistent[r][k].clone());
+            }
+        }
+        Ok(outs)
+    }
+
+    /// The full parameters, put back together from the ranks' master shards.
+    pub fn full_parameters(&self) -> Vec<(String, Tensor)> {
+        self.layouts
+            .iter()
+            .filter_map(|l| {
+                let k = self
+                    .slots
+                    .iter()
+                    .position(|&s| self.program.value(s).name == l.name)?;
+                debug_assert_eq!(self.program.value(self.slots[k]).def, ValueDef::Param);
+                let members = self.mesh.group_members(&l.optim_group, 0)?;
+                let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
+                for m in members {
+                    flat.extend(self.persistent[m][k].to_f32_vec());
+                }
+                flat.truncate(l.numel);
+                Some((l.name.clone(), Tensor::f32(l.shape.clone(), flat)))
+            })
+            .collect()
+    }
+}
+
+fn add(a: &Tensor, b: &Tensor) -> Result<Tensor, String> {
+    Ok(eval_op(&Op::Binary(BinaryOp::Add), &[a, b])?.remove(0))
+}
+
+/// One rank's result of a collective, given its group's inputs in group order and its index.
+fn collective(op: &Op, ins: &[&Tensor], idx: usize) -> Result<Tensor, String> {
+    let n = ins.len();
+    let reduce = |how: ReduceOp| -> Result<Tensor, String> {
+        let bop = match how {
+            ReduceOp::Sum | ReduceOp::Mean => BinaryOp::Add,
+            ReduceOp::Max => BinaryOp::Max,
+            ReduceOp::Min => BinaryOp::Min,
+            ReduceOp::Prod => BinaryOp::Mul,
+        };
+        let mut acc = ins[0].clone();
+        for t in &ins[1..] {
+            acc = if bop == BinaryOp::Add {
+                add(&acc, t)?
+            } else {
+                eval_op(&Op::Binary(bop), &[&acc, t])?.remove(0)
+            };
+        }
+        if how == ReduceOp::Mean {
+            let s = Tensor::from_f64(acc.dtype(), Vec::<usize>::new(), &[1.0 / n as f64]);
+            acc = eval_op(&Op::Binary(BinaryOp::Mul), &[&acc, &s])?.remove(0);
+        }
+        Ok(acc)
+    };
+    let piece = |t: &Tensor, axis: usize, parts: usize, i: usize| -> Result<Tensor, String> {
+        let len = t.shape[axis] / parts;
+        Ok(eval_op(
+            &Op::Slice {
+                axes: vec![axis],
+                starts: vec![(i * len) as i64],
+                ends: vec![((i + 1) * len) as i64],
+                steps: vec![1],
+            },
+            &[t],
+        )?
+        .remove(0))
+    };
+    match op {
+        Op::AllGather { axis, .. } => Ok(eval_op(&Op::Concat { axis: *axis }, ins)?.remove(0)),
+        Op::ReduceScatter {
+            axis, reduce: how, ..
+        } => piece(&reduce(*how)?, *axis, n, idx),
+        Op::AllReduce { reduce: how, .. } => reduce(*how),
+        Op::AllToAll {
+            split_axis,
+            concat_axis,
+            ..
+        } => {
+            let parts: Vec<Tensor> = ins
+                .iter()
+                .map(|t| piece(t, *split_axis, n, idx))
+                .collect::<Result<_, _>>()?;
+            let refs: Vec<&Tensor> = parts.iter().collect();
+            Ok(eval_op(&Op::Concat { axis: *concat_axis }, &refs)?.remove(0))
+        }
+        Op::Broadcast { root, .. } => Ok(ins[*root].clone()),
+        other => Err(format!("{} is not a collective", other.name())),
+    }
+}
