@@ -48,7 +48,7 @@ fn load(args: &ModelArgs, inputs: Option<&[(String, Tensor)]>) -> Result<Program
 }
 
 /// Refuses to write over one of the user's input files.
-fn check_not_input(out: &Path, inputs: &[&Path]) -> Result<()> {
+pub(crate) fn check_not_input(out: &Path, inputs: &[&Path]) -> Result<()> {
     let canon = |p: &Path| std::fs::canonicalize(p).ok();
     if let Some(o) = canon(out) {
         for i in inputs {
@@ -375,7 +375,7 @@ fn parse_pair(s: &str, what: &str) -> Result<(f64, f64)> {
     }
 }
 
-fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
+pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
     let loss = LossKind::parse(&t.loss, t.labels.as_deref(), t.target.as_deref())
         .map_err(|e| miette!("{e}"))?;
     let optimizer = if !with_optimizer {
@@ -700,4 +700,36 @@ pub fn train(
         println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
+}
+
+/// Reads the model for `hzp compile` at the per-rank micro-batch shape: the global batch
+/// (from --shape or --inputs) with axis 0 divided by `divisor` (ranks x micro-batches).
+/// Presets are already per-rank micro-batches (their `batch`).
+pub(crate) fn load_for_compile(args: &ModelArgs, inputs: Option<&Path>, divisor: usize) -> Result<Program> {
+    if args.model.starts_with("preset:") {
+        if !args.shapes.is_empty() || inputs.is_some() {
+            return Err(miette!(
+                "a preset's batch is set in the preset itself (e.g. preset:llama3-70b,batch=2,seq=4096): it is the micro-batch of one rank; --shape and --inputs do not apply"
+            ));
+        }
+        return load(args, None);
+    }
+    let mut shapes = parse_shapes(&args.shapes)?;
+    if let Some(path) = inputs {
+        for (k, t) in read_npz(path)? {
+            shapes.entry(k).or_insert(t.shape);
+        }
+    }
+    for (name, shape) in shapes.iter_mut() {
+        match shape.first_mut() {
+            Some(d) if *d % divisor == 0 && *d >= divisor => *d /= divisor,
+            _ => {
+                return Err(miette!(
+                    "the global batch of `{name}` ({shape:?}) must split evenly over {divisor} (ranks x micro-batches) along its first dim"
+                ))
+            }
+        }
+    }
+    let opts = LoadOptions { shapes };
+    load_model(&args.model, &opts).map_err(miette::Report::new)
 }

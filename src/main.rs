@@ -1,6 +1,7 @@
 //! `hzp`: the command-line interface, a thin facade over the crates.
 
 mod commands;
+mod compile;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -12,8 +13,8 @@ use std::path::PathBuf;
     about = "Compile models into AsyncHZP training plans, inspect them, and run them",
     long_about = "hzp reads a model (an ONNX file exported from PyTorch, hzp's own .hzp text IR, \
 or preset:NAME for shapes-only GPT/Llama/MoE configs) and turns it into IR that it can print, \
-summarize and evaluate on the CPU.\n\nBuilt so far: import, show, eval, grad, train, bench. The AsyncHZP compiler (compile, inspect), the runtime (run, launch) and the \
-simulator (simulate, compare, scale) are not built yet: those commands say so and exit with code 2."
+summarize, evaluate and train on the CPU, and compile into a per-rank AsyncHZP plan.\n\nBuilt so far: import, show, eval, grad, train, compile, inspect, bench. The multi-rank runtime \
+(run, launch) and the simulator (simulate, compare, scale) are not built yet: those commands say so and exit with code 2."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -173,10 +174,28 @@ enum Command {
         #[arg(long, value_enum, default_value_t)]
         format: Format,
     },
-    /// [not built yet] Compile an AsyncHZP plan for a mesh (the compiler milestone).
-    Compile(NotBuilt),
-    /// [not built yet] Inspect a compiled plan (the compiler milestone).
-    Inspect(NotBuilt),
+    /// Compile a training plan for a mesh of ranks (choose shard groups, insert collectives,
+    /// put them on comm streams, plan memory, verify) and write plan.json.
+    Compile {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The global batch: arrays keyed by input name (their shapes are what matters).
+        #[arg(long, value_name = "IN.npz")]
+        inputs: Option<PathBuf>,
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        compile: compile::CompileArgs,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+    /// Print a compiled plan: groups, memory per kind, collectives, per-stream op lists.
+    Inspect {
+        /// A plan written by `hzp compile -o`.
+        plan: PathBuf,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
     /// [not built yet] Run a compiled plan on N ranks (the runtime milestone).
     Run(NotBuilt),
     /// [not built yet] Launch one process per GPU (the runtime milestone).
@@ -214,6 +233,15 @@ fn main() {
     // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    // The evaluator allocates and frees tensors of a few MB to tens of MB at every node.
+    // glibc serves such sizes with fresh mmaps (and trims freed heap) by default, so every
+    // tensor would pay a page fault per 4 KiB; keep them in the heap and reuse the memory.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only tunes thresholds; called before any allocation-heavy work.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
     let cli = Cli::parse();
     let result = match cli.command {
@@ -266,9 +294,14 @@ fn main() {
             save_params.as_deref(),
             format,
         ),
-        Command::Compile(_) | Command::Inspect(_) => {
-            not_built("this command", "the AsyncHZP compiler")
-        }
+        Command::Compile {
+            model,
+            inputs,
+            train,
+            compile: c,
+            format,
+        } => compile::compile(&model, inputs.as_deref(), &train, &c, format),
+        Command::Inspect { plan, format } => compile::inspect(&plan, format),
         Command::Run(_) | Command::Launch(_) => not_built("this command", "the runtime"),
         Command::Simulate(_) | Command::Compare(_) | Command::Scale(_) => {
             not_built("this command", "the simulator")
@@ -284,7 +317,7 @@ fn not_built(what: &str, milestone: &str) -> miette::Result<()> {
     let cmd = std::env::args().nth(1).unwrap_or_else(|| what.to_string());
     eprintln!(
         "hzp {cmd}: not built yet. It belongs to {milestone}, which is planned but not \
-implemented in this version of hzp. Built so far: import, show, eval, grad, train, bench."
+implemented in this version of hzp. Built so far: import, show, eval, grad, train, compile, inspect, bench."
     );
     std::process::exit(2);
 }

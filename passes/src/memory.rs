@@ -1,0 +1,544 @@
+//! Memory planning: every value that needs storage gets an offset in one per-rank arena,
+//! planned ahead of time so that the runtime never allocates during a step.
+//!
+//! # Streams, events and lifetimes
+//!
+//! A per-rank program runs its nodes in one issue order; each stream runs its own nodes in that
+//! order, one at a time, and streams run concurrently. The only cross-stream ordering is by
+//! events: `RecordEvent{e}` on stream S completes when every earlier node of S has completed,
+//! and `WaitEvent{e}` on stream T holds T's later nodes until `e` was recorded. Node `a`
+//! *happens before* node `b` when that follows from stream order and record -> wait edges
+//! ([`HappensBefore`], vector clocks per stream).
+//!
+//! A value's bytes are in use from its producer to its last reader. Two values may share bytes
+//! only if every use of the first (its producer and all its readers) happens before the
+//! producer of the second: issue order alone is not enough across streams. A `Free(%x)` is an
+//! explicit last use: readers after it do not extend the life of `%x` (the plan verifier
+//! rejects them). Persistent values (parameters, states, constants, inputs, and whatever the
+//! caller marks) live for the whole step and share bytes with nothing; program outputs live
+//! from their producer to the end of the step.
+//!
+//! # Placement
+//!
+//! Persistent buffers come first, at the bottom of the arena, in value order. The others are
+//! placed greedily, largest first (then earliest producer, then value id), each at the lowest
+//! 64-byte-aligned offset that overlaps no placed buffer it may be live together with. The
+//! result depends only on the program, so the same input gives the same plan byte for byte.
+
+use hzp_ir::{Buffer, BufferKind, NodeId, Op, Program, StreamKind, ValueDef, ValueId};
+use std::collections::{BTreeMap, HashMap};
+
+/// Alignment of every buffer offset (and of the space a buffer takes), in bytes.
+pub const ALIGN: u64 = 64;
+
+/// Number of streams of a rank.
+pub const NUM_STREAMS: usize = 3;
+
+/// The streams, in the order of [`stream_index`].
+pub const STREAMS: [StreamKind; NUM_STREAMS] = [
+    StreamKind::Compute,
+    StreamKind::AllGather,
+    StreamKind::ReduceScatter,
+];
+
+/// Index of a stream in vector clocks.
+pub fn stream_index(s: StreamKind) -> usize {
+    match s {
+        StreamKind::Compute => 0,
+        StreamKind::AllGather => 1,
+        StreamKind::ReduceScatter => 2,
+    }
+}
+
+/// A misuse of events found while building [`HappensBefore`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventProblem {
+    /// A wait on an event that no node records.
+    Unrecorded { wait: NodeId, event: u32 },
+    /// A wait issued before the record of its event: a deadlock.
+    WaitBeforeRecord {
+        wait: NodeId,
+        record: NodeId,
+        event: u32,
+    },
+    /// An event recorded more than once in a step.
+    RecordedTwice {
+        first: NodeId,
+        second: NodeId,
+        event: u32,
+    },
+}
+
+/// The happens-before relation of a multi-stream program, as vector clocks.
+///
+/// `clock[n][s]` is the number of nodes of stream `s` that happen before `n` or are `n`. A
+/// wait joins the clock of its event's record (the first record, issued before the wait); a
+/// wait without a usable record adds no ordering and is reported in [`HappensBefore::problems`].
+#[derive(Clone, Debug)]
+pub struct HappensBefore {
+    stream: Vec<u8>,
+    pos: Vec<u32>,
+    clock: Vec<[u32; NUM_STREAMS]>,
+    by_stream: [Vec<u32>; NUM_STREAMS],
+    /// Event misuses, in issue order.
+    pub problems: Vec<EventProblem>,
+}
+
+impl HappensBefore {
+    pub fn new(p: &Program) -> HappensBefore {
+        let n = p.nodes.len();
+        let mut problems = Vec::new();
+        let mut record_of: HashMap<u32, usize> = HashMap::new();
+        for (i, node) in p.nodes.iter().enumerate() {
+            if let Op::RecordEvent { event } = node.op {
+                if let Some(&first) = record_of.get(&event) {
+                    problems.push(EventProblem::RecordedTwice {
+                        first: NodeId(first as u32),
+                        second: NodeId(i as u32),
+                        event,
+                    });
+                } else {
+                    record_of.insert(event, i);
+                }
+            }
+        }
+        let mut hb = HappensBefore {
+            stream: Vec::with_capacity(n),
+            pos: Vec::with_capacity(n),
+            clock: Vec::with_capacity(n),
+            by_stream: Default::default(),
+            problems: Vec::new(),
+        };
+        let mut last: [Option<usize>; NUM_STREAMS] = [None; NUM_STREAMS];
+        for (i, node) in p.nodes.iter().enumerate() {
+            let s = stream_index(node.stream);
+            let mut c = last[s].map_or([0; NUM_STREAMS], |j| hb.clock[j]);
+            if let Op::WaitEvent { event } = node.op {
+                match record_of.get(&event) {
+                    None => problems.push(EventProblem::Unrecorded {
+                        wait: NodeId(i as u32),
+                        event,
+                    }),
+                    Some(&r) if r < i => {
+                        for (x, y) in c.iter_mut().zip(hb.clock[r]) {
+                            *x = (*x).max(y);
+                        }
+                    }
+                    Some(&r) => problems.push(EventProblem::WaitBeforeRecord {
+                        wait: NodeId(i as u32),
+                        record: NodeId(r as u32),
+                        event,
+                    }),
+                }
+            }
+            let position = hb.by_stream[s].len() as u32 + 1;
+            c[s] = position;
+            hb.stream.push(s as u8);
+            hb.pos.push(position);
+            hb.clock.push(c);
+            hb.by_stream[s].push(i as u32);
+            last[s] = Some(i);
+        }
+        problems.sort_by_key(|e| match e {
+            EventProblem::Unrecorded { wait, .. } | EventProblem::WaitBeforeRecord { wait, .. } => {
+                *wait
+            }
+            EventProblem::RecordedTwice { second, .. } => *second,
+        });
+        hb.problems = problems;
+        hb
+    }
+
+    /// Whether node `a` completes before node `b` starts, on every rank and every run.
+    pub fn happens_before(&self, a: NodeId, b: NodeId) -> bool {
+        let (a, b) = (a.index(), b.index());
+        a != b
+            && a < self.pos.len()
+            && b < self.pos.len()
+            && self.clock[b][self.stream[a] as usize] >= self.pos[a]
+    }
+
+    /// Index (see [`stream_index`]) of the stream node `n` runs on.
+    pub fn stream_of(&self, n: NodeId) -> usize {
+        self.stream[n.index()] as usize
+    }
+
+    /// 1-based position of node `n` among the nodes of its stream.
+    pub fn position(&self, n: NodeId) -> u32 {
+        self.pos[n.index()]
+    }
+
+    /// For each stream, how many of its nodes happen before `n` (strictly).
+    pub fn seen_before(&self, n: NodeId) -> [u32; NUM_STREAMS] {
+        let mut c = self.clock[n.index()];
+        c[self.stream[n.index()] as usize] -= 1;
+        c
+    }
+
+    /// The nodes of stream `s`, in issue order.
+    pub fn nodes_on(&self, s: usize) -> &[u32] {
+        &self.by_stream[s]
+    }
+}
+
+/// A value's life, as seen by the memory planner and the plan verifier.
+#[derive(Clone, Debug)]
+pub(crate) struct Life {
+    /// Index of the producing node; `None`: materialized before the step starts.
+    pub def: Option<usize>,
+    /// Per stream, the highest position (1-based) of a use; 0: no use on that stream.
+    pub last: [u32; NUM_STREAMS],
+    /// Highest issue index of a use, if any.
+    pub last_issue: Option<usize>,
+    /// Lives for the whole step (and across steps): shares bytes with nothing.
+    pub whole_step: bool,
+    /// Lives from its producer to the end of the step (program outputs, update values).
+    pub to_end: bool,
+}
+
+impl Life {
+    /// Whether every use of `self` happens before the producer of `other`, so `other` may
+    /// take over `self`'s bytes.
+    pub fn ends_before(&self, other: &Life, hb: &HappensBefore) -> bool {
+        if self.whole_step || self.to_end || other.whole_step {
+            return false;
+        }
+        let Some(d) = other.def else { return false };
+        let seen = hb.seen_before(NodeId(d as u32));
+        self.last.iter().zip(seen).all(|(&l, s)| l <= s)
+    }
+
+    /// Whether the two values may be live at the same time (so must not share bytes).
+    pub fn conflicts(&self, other: &Life, hb: &HappensBefore) -> bool {
+        !self.ends_before(other, hb) && !other.ends_before(self, hb)
+    }
+}
+
+/// Lives of all values. `whole_step(v)` marks persistent values. With `bound_by_free`, a
+/// value's uses stop at its first `Free` (the planner trusts it); without, every reader counts
+/// (the verifier checks readers after a `Free` separately).
+pub(crate) fn lives(
+    p: &Program,
+    hb: &HappensBefore,
+    whole_step: &dyn Fn(ValueId) -> bool,
+    bound_by_free: bool,
+) -> Vec<Life> {
+    let mut lives: Vec<Life> = (0..p.values.len())
+        .map(|i| {
+            let v = ValueId(i as u32);
+            let def = match p.values[i].def {
+                ValueDef::Node { node, .. } if node.index() < p.nodes.len() => Some(node.index()),
+                _ => None,
+            };
+            let mut l = Life {
+                def,
+                last: [0; NUM_STREAMS],
+                last_issue: def,
+                whole_step: whole_step(v),
+                to_end: false,
+            };
+            if let Some(d) = def {
+                l.last[hb.stream[d] as usize] = hb.pos[d];
+            }
+            l
+        })
+        .collect();
+    for &o in &p.outputs {
+        if let Some(l) = lives.get_mut(o.index()) {
+            l.to_end = true;
+        }
+    }
+    for u in &p.updates {
+        if let Some(l) = lives.get_mut(u.value.index()) {
+            l.to_end = true;
+        }
+    }
+    let mut freed = vec![false; p.values.len()];
+    for (i, node) in p.nodes.iter().enumerate() {
+        let s = hb.stream[i] as usize;
+        for &v in &node.inputs {
+            let Some(l) = lives.get_mut(v.index()) else {
+                continue;
+            };
+            if bound_by_free && freed[v.index()] {
+                continue;
+            }
+            l.last[s] = l.last[s].max(hb.pos[i]);
+            l.last_issue = Some(l.last_issue.map_or(i, |x| x.max(i)));
+        }
+        if bound_by_free && matches!(node.op, Op::Free) {
+            for &v in &node.inputs {
+                if let Some(f) = freed.get_mut(v.index()) {
+                    *f = true;
+                }
+            }
+        }
+    }
+    lives
+}
+
+/// Bytes of a value as stored (saturating; a verified program's sizes fit).
+pub fn value_bytes(p: &Program, v: ValueId) -> u64 {
+    let ty = p.ty(v);
+    ty.shape
+        .iter()
+        .try_fold(ty.dtype.size_bytes() as u64, |a, &d| {
+            a.checked_mul(d as u64)
+        })
+        .unwrap_or(u64::MAX)
+}
+
+/// A value's life packed for the placement loop (see [`Life`]).
+#[derive(Clone, Copy)]
+struct Slot {
+    /// Producer's issue index, -1: before the step.
+    start: i64,
+    /// No node at or after this issue index can conflict with the value (see `plan_memory`).
+    span_end: i64,
+    last: [u32; NUM_STREAMS],
+    /// What the producer has seen (strictly before it).
+    seen: [u32; NUM_STREAMS],
+    may_end: bool,
+    has_def: bool,
+}
+
+impl Slot {
+    fn ends_before(&self, other: &Slot) -> bool {
+        self.may_end
+            && other.has_def
+            && other.start >= 0
+            && self.last.iter().zip(&other.seen).all(|(a, b)| a <= b)
+    }
+
+    fn conflicts(&self, other: &Slot) -> bool {
+        // A conflict needs the later producer inside the earlier value's span.
+        let (a, b) = (self, other);
+        let overlap = a.start == b.start
+            || (a.start < b.start && b.start < a.span_end)
+            || (b.start < a.start && a.start < b.span_end);
+        overlap && !self.ends_before(other) && !other.ends_before(self)
+    }
+}
+
+fn align_up(b: u64) -> u64 {
+    b.div_ceil(ALIGN).saturating_mul(ALIGN)
+}
+
+/// The result of [`plan_memory`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// One buffer per value with a nonzero size, in value order.
+    pub buffers: Vec<Buffer>,
+    /// Size of the arena: the highest end of a buffer (buffers take whole 64-byte lines).
+    pub arena_bytes: u64,
+    /// Bytes live at the peak of [`MemoryPlan::timeline`] (<= `arena_bytes`).
+    pub peak_bytes: u64,
+    /// Issue index of the (first) peak; `None` for a program without nodes.
+    pub peak_index: Option<usize>,
+    /// Bytes of each kind live at the peak (kinds with none are left out).
+    pub peak_by_kind: BTreeMap<BufferKind, u64>,
+    /// For each node in issue order: (its index, bytes live while it runs).
+    pub timeline: Vec<(usize, u64)>,
+}
+
+/// Plans the arena of a (scheduled) program. `kinds` labels each buffer; `persistent` marks
+/// values that live for the whole step (see [`default_persistent`]). Deterministic; never
+/// panics on a verified program.
+pub fn plan_memory(
+    p: &Program,
+    kinds: &dyn Fn(ValueId) -> BufferKind,
+    persistent: &dyn Fn(ValueId) -> bool,
+) -> MemoryPlan {
+    let n = p.nodes.len();
+    let hb = HappensBefore::new(p);
+    let lives = lives(p, &hb, persistent, true);
+    let sizes: Vec<u64> = (0..p.values.len())
+        .map(|i| value_bytes(p, ValueId(i as u32)))
+        .collect();
+    let mut offset: Vec<u64> = vec![0; p.values.len()];
+
+    // Persistent buffers at the bottom, in value order.
+    let mut base: u64 = 0;
+    for (i, l) in lives.iter().enumerate() {
+        if l.whole_step && sizes[i] > 0 {
+            offset[i] = base;
+            base = base.saturating_add(align_up(sizes[i]));
+        }
+    }
+
+    // The others, greedily. On each stream t, the first node whose producer could take over a
+    // value's bytes is the first whose clock has seen every use (clocks grow along a stream);
+    // the latest of these over the streams (n: never) ends the issue range `span_end` in which
+    // a later producer can conflict with the value.
+    let transient: Vec<usize> = (0..p.values.len())
+        .filter(|&i| !lives[i].whole_step && sizes[i] > 0)
+        .collect();
+    let start = |i: usize| lives[i].def.map_or(-1, |d| d as i64);
+    let mut span_end: Vec<i64> = vec![0; p.values.len()];
+    for &i in &transient {
+        let l = &lives[i];
+        let end = if l.to_end {
+            n
+        } else {
+            (0..NUM_STREAMS)
+                .filter(|&t| !hb.nodes_on(t).is_empty())
+                .map(|t| {
+                    let on = hb.nodes_on(t);
+                    let k = on.partition_point(|&x| {
+                        let seen = hb.seen_before(NodeId(x));
+                        !l.last.iter().zip(seen).all(|(&a, b)| a <= b)
+                    });
+                    on.get(k).map_or(n, |&x| x as usize)
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        span_end[i] = end as i64;
+    }
+    let mut order = transient.clone();
+    order.sort_by_key(|&i| (std::cmp::Reverse(align_up(sizes[i])), start(i), i));
+    // What the inner loop needs of each value, packed.
+    let slot = |i: usize| -> Slot {
+        let l = &lives[i];
+        Slot {
+            start: start(i),
+            span_end: span_end[i],
+            last: l.last,
+            seen: l
+                .def
+                .map_or([0; NUM_STREAMS], |d| hb.seen_before(NodeId(d as u32))),
+            may_end: !l.whole_step && !l.to_end,
+            has_def: l.def.is_some(),
+        }
+    };
+    // `placed`: (offset, end, slot) in offset order, so first fit is one pass.
+    let mut placed: Vec<(u64, u64, Slot)> = Vec::with_capacity(order.len());
+    for &b in &order {
+        let sb = slot(b);
+        let need = align_up(sizes[b]);
+        let mut at = base;
+        for (o, e, sa) in &placed {
+            if *o >= at.saturating_add(need) {
+                break;
+            }
+            if *e > at && sa.conflicts(&sb) {
+                at = *e;
+            }
+        }
+        offset[b] = at;
+        let end = at.saturating_add(need);
+        let k = placed.partition_point(|&(o, e, _)| (o, e) <= (at, end));
+        placed.insert(k, (at, end, sb));
+    }
+
+    let buffers: Vec<Buffer> = (0..p.values.len())
+        .filter(|&i| sizes[i] > 0)
+        .map(|i| Buffer {
+            value: ValueId(i as u32),
+            offset: offset[i],
+            bytes: sizes[i],
+            kind: kinds(ValueId(i as u32)),
+        })
+        .collect();
+    let arena_bytes = buffers
+        .iter()
+        .map(|b| b.offset.saturating_add(align_up(b.bytes)))
+        .max()
+        .unwrap_or(0);
+
+    // Live bytes per issue position: a buffer is live from its producer (or the start) to its
+    // last use (or the end of the step).
+    let interval = |i: usize| -> Option<(usize, usize)> {
+        let l = &lives[i];
+        if n == 0 {
+            return None;
+        }
+        if l.whole_step {
+            return Some((0, n - 1));
+        }
+        match l.def {
+            Some(d) if l.to_end => Some((d, n - 1)),
+            Some(d) => Some((d, l.last_issue.unwrap_or(d).max(d))),
+            None if l.to_end => Some((0, n - 1)),
+            None => l.last_issue.map(|e| (0, e)),
+        }
+    };
+    let mut delta = vec![0i128; n + 1];
+    for b in &buffers {
+        if let Some((s, e)) = interval(b.value.index()) {
+            delta[s] += b.bytes as i128;
+            delta[e + 1] -= b.bytes as i128;
+        }
+    }
+    let mut live: i128 = 0;
+    let timeline: Vec<(usize, u64)> = (0..n)
+        .map(|i| {
+            live += delta[i];
+            (i, live.clamp(0, u64::MAX as i128) as u64)
+        })
+        .collect();
+    let mut peak_index = None;
+    let mut peak_bytes = 0;
+    for &(i, b) in &timeline {
+        if peak_index.is_none() || b > peak_bytes {
+            peak_index = Some(i);
+            peak_bytes = b;
+        }
+    }
+    let mut peak_by_kind = BTreeMap::new();
+    for b in &buffers {
+        let at_peak = match peak_index {
+            Some(k) => interval(b.value.index()).is_some_and(|(s, e)| s <= k && k <= e),
+            None => true,
+        };
+        if at_peak {
+            *peak_by_kind.entry(b.kind).or_insert(0u64) += b.bytes;
+        }
+    }
+    if peak_index.is_none() {
+        peak_bytes = peak_by_kind
+            .values()
+            .fold(0u64, |a, &b| a.saturating_add(b));
+    }
+    MemoryPlan {
+        buffers,
+        arena_bytes,
+        peak_bytes,
+        peak_index,
+        peak_by_kind,
+        timeline,
+    }
+}
+
+/// The usual persistence: parameters, constants, states and inputs (materialized before the
+/// step), and the new values of updates (they alias nothing until the step ends).
+pub fn default_persistent(p: &Program) -> impl Fn(ValueId) -> bool + '_ {
+    let mut updated = vec![false; p.values.len()];
+    for u in &p.updates {
+        if let Some(x) = updated.get_mut(u.value.index()) {
+            *x = true;
+        }
+    }
+    move |v| {
+        matches!(
+            p.values.get(v.index()).map(|x| x.def),
+            Some(ValueDef::Input | ValueDef::Param | ValueDef::Const | ValueDef::State)
+        ) || updated.get(v.index()).copied().unwrap_or(false)
+    }
+}
+
+/// A kind from what the program says: parameters, inputs, states (optimizer states),
+/// collective results (communication buffers), other node outputs (activations), constants
+/// (other). Passes that know more (gradients) pass their own.
+pub fn default_kind(p: &Program) -> impl Fn(ValueId) -> BufferKind + '_ {
+    move |v| match p.values.get(v.index()).map(|x| x.def) {
+        Some(ValueDef::Param) => BufferKind::Param,
+        Some(ValueDef::Input) => BufferKind::Input,
+        Some(ValueDef::State) => BufferKind::OptimState,
+        Some(ValueDef::Node { node, .. }) => match p.nodes.get(node.index()) {
+            Some(n) if n.op.is_collective() => BufferKind::CommBuffer,
+            _ => BufferKind::Activation,
+        },
+        _ => BufferKind::Other,
+    }
+}

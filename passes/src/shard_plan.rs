@@ -1,0 +1,1754 @@
+//! The sharding planner: picks the shard groups P ⊆ G ⊆ O (parameters, gradients, optimizer
+//! states) of a mesh for a model on a cluster, by memory and predicted step time.
+//!
+//! # Candidates
+//!
+//! Groups nest from the innermost (fastest) mesh axis out: the candidate groups are the
+//! suffixes of the mesh's axis list ([`nested_groups`]: `[]`, `[gpu]`, `[node,gpu]` for
+//! `node=128,gpu=8`; a split axis `gpu=2x4` gives the finer `[gpu.1]`, `[gpu.0,gpu.1]`).
+//! [`Strategy::AsyncHzp`] weighs every nested triple P ⊆ G ⊆ O; the baselines are fixed
+//! triples ([`Strategy::groups`]); a user's `--shard` override ([`ShardOverride`]) fixes the
+//! groups it names and wins over the strategy.
+//!
+//! # Memory per rank
+//!
+//! With Ψ the parameter elements (each parameter padded to a multiple of o, as
+//! [`crate::spmd`] lays shards out), `c` the compute dtype's bytes and `r` the gradient
+//! dtype's ([`ShardOptions::grad_dtype`], fp32 by default: gradients are accumulated and
+//! reduced in fp32, as [`crate::spmd`] does):
+//!
+//! | kind | bytes |
+//! |---|---|
+//! | parameters (compute-dtype shard) | `c Ψ / p` |
+//! | master weights (fp32) | `4 Ψ / o` |
+//! | gradients | `r Ψ / g` when reduce-scattered per micro-batch (or m = 1); `r Ψ` when accumulated unsharded for a per-step reduction, or when g = 1 |
+//! | optimizer states (Adam m, v, fp32) | `8 Ψ / o` |
+//! | activations | forward values the backward reads, for one micro-batch (below) |
+//! | buffers | gathered parameters in flight + gradient buckets (below) |
+//!
+//! Activations come from the program itself: the forward program is lowered to the compute
+//! dtype ([`crate::train::lower_precision`]), the loss attached, the backward appended
+//! ([`crate::autodiff::differentiate`]); every forward value a backward node reads is saved,
+//! except parameters, constants and values computed from parameters alone (casts and
+//! transposes of weights: those are the gathered buffers). Graph inputs the backward reads
+//! count. With `recompute`, only the inputs of every layer (values a layer reads that another
+//! layer or no layer produced), the saved values outside every layer, and the largest one
+//! layer's other saved values are kept. If the backward cannot be derived (an op without a
+//! gradient rule), the planner falls back to the forward alone: the inputs of every forward op
+//! other than additions, views and data movement are taken as saved, the backward is charged
+//! twice the forward's compute, and the report says so in `notes`.
+//!
+//! Buffers: when p > 1, the gathered (full, compute-dtype) parameters of the
+//! `prefetch_depth + 1` largest layers, or of every layer when parameters are kept gathered
+//! from forward to backward (`reshard_after_forward = false`); when gradients are
+//! reduce-scattered per layer (g > 1), two gradient buckets of the largest layers (one being
+//! produced, one in flight).
+//!
+//! # Step time
+//!
+//! Compute: the roofline time ([`crate::cost::roofline`]) of every forward and backward node of
+//! one micro-batch (in the lowered program's dtypes), times m, plus one more forward of the
+//! layers per micro-batch with `recompute`, plus the AdamW update on the 1/o shard (memory
+//! bound: fp32 master, m and v read and written, the gradient read, the compute copy written).
+//!
+//! Communication, with the fastest algorithm of the cost model ([`CostModel::best_collective`])
+//! on each group's link classes:
+//! - per layer and micro-batch: all-gather over P in forward, again in backward when
+//!   parameters are resharded after forward (p > 1 only);
+//! - per layer: reduce-scatter of the gradient over G, every micro-batch or only in the last
+//!   micro-batch's backward for a per-step reduction (g > 1 only);
+//! - once per step, after the last backward: reduce-scatter of the G-shard over O\G,
+//!   all-reduce of the O-shard over the rest of the world (W\O), the optimizer, then the
+//!   all-gather of the updated compute-dtype shard over O\P.
+//!
+//! Overlap: a small event simulation of the step. The compute stream runs the layers in order
+//! (forward, then backward in reverse, per micro-batch); the all-gather stream gathers a
+//! layer's parameters ahead of its compute, at most `prefetch_depth + 1` gathered layers in
+//! flight; the reduce-scatter stream reduces a layer's gradient after its backward. A layer
+//! waits for its gather; the step-end collectives and the optimizer run after the last
+//! reduce-scatter, exposed. In backward, a layer's re-gather and reduce-scatter share the link
+//! classes both groups use: each is charged the smaller of the two bandwidth terms on those
+//! links once more (fair sharing of two transfers started together); otherwise the streams are
+//! independent. Predicted step time = the simulated end; exposed communication = step time
+//! minus compute.
+//!
+//! # Choice
+//!
+//! The fastest candidate whose memory fits the budget; ties (within 1e-9 relative) go to less
+//! memory, then fewer cross-node bytes, then the earlier candidate. If none fits, the error
+//! names the candidate needing the least memory and breaks its need down.
+
+use crate::autodiff::differentiate;
+use crate::cluster::{ClusterError, ClusterSpec};
+use crate::cost::{roofline, CollectiveCost, CollectiveKind, CostError, CostModel};
+use crate::summary::{human_bytes, human_count, layer_of_params};
+use crate::train::{attach_loss, lower_precision, LossKind};
+use hzp_ir::{BinaryOp, DType, Group, Mesh, Op, Program, ShardGroups, ValueDef, ValueId};
+use serde::{Serialize, Serializer};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::{self, Write as _};
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+/// How shard groups are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Strategy {
+    /// Search every nested (P, G, O) by cost.
+    AsyncHzp,
+    /// Optimizer states sharded over the world: (none, none, world).
+    Zero1,
+    /// Gradients and optimizer states sharded over the world: (none, world, world).
+    Zero2,
+    /// Everything sharded over the world (FSDP FULL_SHARD): (world, world, world).
+    Zero3,
+    /// Everything sharded inside a node, replicated across nodes: (local, local, local).
+    Hsdp,
+    /// Nothing sharded; gradients all-reduced over the world: (none, none, none).
+    Ddp,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 6] = [
+        Strategy::AsyncHzp,
+        Strategy::Zero1,
+        Strategy::Zero2,
+        Strategy::Zero3,
+        Strategy::Hsdp,
+        Strategy::Ddp,
+    ];
+
+    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::AsyncHzp => "asynchzp",
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Zero3 => "zero3",
+            Strategy::Hsdp => "hsdp",
+            Strategy::Ddp => "ddp",
+        }
+    }
+
+    /// A strategy by name; also `async-hzp`, `hzp` and `fsdp` (= zero3). Case-insensitive.
+    pub fn parse(s: &str) -> Result<Strategy, String> {
+        let l = s.trim().to_ascii_lowercase();
+        let found = match l.as_str() {
+            "async-hzp" | "async_hzp" | "hzp" => Some(Strategy::AsyncHzp),
+            "fsdp" | "zero-3" => Some(Strategy::Zero3),
+            "zero-1" => Some(Strategy::Zero1),
+            "zero-2" => Some(Strategy::Zero2),
+            _ => Strategy::ALL.into_iter().find(|st| st.name() == l),
+        };
+        found.ok_or_else(|| {
+            format!(
+                "unknown strategy `{s}` (expected {})",
+                Strategy::ALL.map(Strategy::name).join(", ")
+            )
+        })
+    }
+
+    /// The fixed groups of a baseline; `None` for [`Strategy::AsyncHzp`], which searches.
+    /// HSDP shards over the node-local axes ([`node_local_group`]).
+    pub fn groups(self, mesh: &Mesh, cluster: &ClusterSpec) -> Option<ShardGroups> {
+        let none = Group::new(Vec::<String>::new());
+        let world = world_group(mesh);
+        let (p, g, o) = match self {
+            Strategy::AsyncHzp => return None,
+            Strategy::Ddp => (none.clone(), none.clone(), none),
+            Strategy::Zero1 => (none.clone(), none, world),
+            Strategy::Zero2 => (none, world.clone(), world),
+            Strategy::Zero3 => (world.clone(), world.clone(), world),
+            Strategy::Hsdp => {
+                let l = node_local_group(mesh, cluster);
+                (l.clone(), l.clone(), l)
+            }
+        };
+        Some(ShardGroups {
+            params: p,
+            grads: g,
+            optim: o,
+        })
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for Strategy {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// When gradients are reduce-scattered over G.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceGrads {
+    /// Once per step, after accumulating all micro-batches unsharded (less traffic, a full
+    /// gradient buffer).
+    PerStep,
+    /// After every micro-batch's backward, layer by layer, into a 1/g accumulator.
+    PerMicrobatch,
+}
+
+impl ReduceGrads {
+    /// `step` or `microbatch`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceGrads::PerStep => "step",
+            ReduceGrads::PerMicrobatch => "microbatch",
+        }
+    }
+
+    /// `step` / `per-step`, `microbatch` / `per-microbatch` (also `micro-batch`).
+    pub fn parse(s: &str) -> Result<ReduceGrads, String> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "step" | "per-step" => Ok(ReduceGrads::PerStep),
+            "microbatch" | "micro-batch" | "per-microbatch" | "per-micro-batch" => {
+                Ok(ReduceGrads::PerMicrobatch)
+            }
+            _ => Err(format!(
+                "unknown gradient reduction `{s}` (expected step or microbatch)"
+            )),
+        }
+    }
+}
+
+impl Serialize for ReduceGrads {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// What the planner plans for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardOptions {
+    pub strategy: Strategy,
+    /// Bytes per rank; `None` = the cluster's device memory.
+    pub memory_budget: Option<u64>,
+    /// Micro-batches per step (m >= 1).
+    pub micro_batches: usize,
+    /// Compute dtype (bf16, f16 or f32); master weights and Adam states are fp32.
+    pub compute: DType,
+    /// Dtype gradients are held, accumulated and reduced in (fp32 by default, as the
+    /// collective-insertion pass does; bf16/f16 halves gradient memory and traffic).
+    pub grad_dtype: DType,
+    pub reduce_grads: ReduceGrads,
+    /// Layers gathered ahead of the one computing.
+    pub prefetch_depth: usize,
+    /// Free gathered parameters after a layer's forward (and gather again in backward).
+    pub reshard_after_forward: bool,
+    /// Activation checkpointing per layer.
+    pub recompute: bool,
+    /// The user's `--shard` groups; they win over the strategy.
+    pub overrides: ShardOverride,
+    /// The loss used to derive the backward; `None` tries `lm`, then `mean`.
+    pub loss: Option<LossKind>,
+}
+
+impl Default for ShardOptions {
+    fn default() -> Self {
+        ShardOptions {
+            strategy: Strategy::AsyncHzp,
+            memory_budget: None,
+            micro_batches: 1,
+            compute: DType::BF16,
+            grad_dtype: DType::F32,
+            reduce_grads: ReduceGrads::PerMicrobatch,
+            prefetch_depth: 1,
+            reshard_after_forward: true,
+            recompute: false,
+            overrides: ShardOverride::default(),
+            loss: None,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Groups
+
+/// Every axis of the mesh, outermost first.
+pub fn world_group(mesh: &Mesh) -> Group {
+    Group::new(mesh.axes.iter().map(|a| a.name.clone()))
+}
+
+/// The candidate groups: suffixes of the mesh's axes, from `[]` to the whole world.
+pub fn nested_groups(mesh: &Mesh) -> Vec<Group> {
+    let n = mesh.axes.len();
+    (0..=n)
+        .rev()
+        .map(|k| Group::new(mesh.axes[k..].iter().map(|a| a.name.clone())))
+        .collect()
+}
+
+/// The innermost axes that stay inside one node: the longest suffix of the mesh whose size
+/// is at most the cluster's devices per node.
+pub fn node_local_group(mesh: &Mesh, cluster: &ClusterSpec) -> Group {
+    let mut size = 1usize;
+    let mut start = mesh.axes.len();
+    for (i, a) in mesh.axes.iter().enumerate().rev() {
+        match size.checked_mul(a.size) {
+            Some(s) if s <= cluster.devices_per_node.max(1) => {
+                size = s;
+                start = i;
+            }
+            _ => break,
+        }
+    }
+    Group::new(mesh.axes[start..].iter().map(|a| a.name.clone()))
+}
+
+/// `axes` in mesh order (outermost first), deduplicated; axes not in the mesh are dropped.
+fn canonical<'a>(mesh: &Mesh, axes: impl IntoIterator<Item = &'a String>) -> Group {
+    let set: Vec<&String> = axes.into_iter().collect();
+    Group::new(
+        mesh.axes
+            .iter()
+            .filter(|a| set.contains(&&a.name))
+            .map(|a| a.name.clone()),
+    )
+}
+
+fn subset(a: &Group, b: &Group) -> bool {
+    a.axes.iter().all(|x| b.axes.contains(x))
+}
+
+fn minus(a: &Group, b: &Group) -> Group {
+    Group::new(a.axes.iter().filter(|x| !b.axes.contains(x)).cloned())
+}
+
+fn gsize(mesh: &Mesh, g: &Group) -> usize {
+    mesh.group_size(g).unwrap_or(1)
+}
+
+/// The user's `--shard params=gpu,grads=gpu,optim=node.gpu`: groups it names are fixed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ShardOverride {
+    pub params: Option<Group>,
+    pub grads: Option<Group>,
+    pub optim: Option<Group>,
+}
+
+impl ShardOverride {
+    /// Parses `params=gpu,grads=gpu,optim=node.gpu` against `mesh`.
+    ///
+    /// Keys: `params` (`p`), `grads` (`g`), `optim` (`o`, `states`); each at most once. A
+    /// group is mesh axes joined with `.` (`node.gpu`; a split axis keeps its own dot:
+    /// `node.gpu.1`; the name of an axis that was split stands for all its parts), `none`
+    /// for no axis, `world` for all. Groups given must nest: params ⊆ grads ⊆ optim. Errors
+    /// name the bad entry and list the mesh's axes.
+    pub fn parse(s: &str, mesh: &Mesh) -> Result<ShardOverride, String> {
+        let axes_list = || {
+            mesh.axes
+                .iter()
+                .map(|a| a.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut o = ShardOverride::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, val) = part.split_once('=').ok_or_else(|| {
+                format!(
+                    "--shard entry `{part}` must look like KEY=GROUP, e.g. params=gpu \
+                     (keys: params, grads, optim)"
+                )
+            })?;
+            let slot = match key.trim().to_ascii_lowercase().as_str() {
+                "params" | "param" | "parameters" | "p" => &mut o.params,
+                "grads" | "grad" | "gradients" | "g" => &mut o.grads,
+                "optim" | "optimizer" | "states" | "o" => &mut o.optim,
+                k => {
+                    return Err(format!(
+                    "--shard entry `{part}`: unknown key `{k}` (expected params, grads or optim)"
+                ))
+                }
+            };
+            if slot.is_some() {
+                return Err(format!(
+                    "--shard entry `{part}`: `{}` is given twice",
+                    key.trim()
+                ));
+            }
+            let val = val.trim();
+            let group = match val.to_ascii_lowercase().as_str() {
+                "none" | "" | "-" => Group::new(Vec::<String>::new()),
+                "world" | "all" => world_group(mesh),
+                _ => {
+                    let tokens: Vec<&str> = val.split('.').collect();
+                    let mut axes: Vec<String> = Vec::new();
+                    let mut i = 0;
+                    while i < tokens.len() {
+                        // Longest run of tokens that names an axis (split axes contain dots).
+                        let found = (i + 1..=tokens.len())
+                            .rev()
+                            .map(|j| (j, tokens[i..j].join(".")))
+                            .find(|(_, name)| mesh.axis(name).is_some());
+                        if let Some((j, name)) = found {
+                            axes.push(name);
+                            i = j;
+                            continue;
+                        }
+                        let base = tokens[i];
+                        let parts: Vec<String> = mesh
+                            .axes
+                            .iter()
+                            .filter(|a| {
+                                a.name
+                                    .strip_prefix(base)
+                                    .and_then(|r| r.strip_prefix('.'))
+                                    .is_some_and(|r| {
+                                        !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())
+                                    })
+                            })
+                            .map(|a| a.name.clone())
+                            .collect();
+                        if base.is_empty() || parts.is_empty() {
+                            return Err(format!(
+                                "--shard entry `{part}`: `{base}` is not an axis of the mesh \
+                                 {mesh} (axes: {}; join axes with `.`, or say none or world)",
+                                axes_list()
+                            ));
+                        }
+                        axes.extend(parts);
+                        i += 1;
+                    }
+                    for (k, a) in axes.iter().enumerate() {
+                        if axes[..k].contains(a) {
+                            return Err(format!(
+                                "--shard entry `{part}`: axis `{a}` is named twice"
+                            ));
+                        }
+                    }
+                    canonical(mesh, &axes)
+                }
+            };
+            *slot = Some(group);
+        }
+        let pairs = [
+            ("params", &o.params, "grads", &o.grads),
+            ("grads", &o.grads, "optim", &o.optim),
+            ("params", &o.params, "optim", &o.optim),
+        ];
+        for (an, a, bn, b) in pairs {
+            if let (Some(a), Some(b)) = (a, b) {
+                if !subset(a, b) {
+                    return Err(format!(
+                        "--shard: groups must nest (params ⊆ grads ⊆ optim), but {an} {a} is \
+                         not inside {bn} {b}"
+                    ));
+                }
+            }
+        }
+        Ok(o)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.params.is_none() && self.grads.is_none() && self.optim.is_none()
+    }
+}
+
+impl fmt::Display for ShardOverride {
+    /// `params=gpu,optim=node.gpu` (what [`ShardOverride::parse`] reads back).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        for (k, g) in [
+            ("params", &self.params),
+            ("grads", &self.grads),
+            ("optim", &self.optim),
+        ] {
+            if let Some(g) = g {
+                let v = if g.axes.is_empty() {
+                    "none".to_string()
+                } else {
+                    g.axes.join(".")
+                };
+                parts.push(format!("{k}={v}"));
+            }
+        }
+        f.write_str(&parts.join(","))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Results
+
+/// Bytes per rank, by kind (see the module docs for the formulas).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryBreakdown {
+    /// The compute-dtype parameter shard, `c Ψ / p`.
+    pub params: u64,
+    /// The fp32 master shard, `4 Ψ / o`.
+    pub master: u64,
+    /// Gradient shard (or the unsharded accumulator).
+    pub grads: u64,
+    /// Adam m and v, `8 Ψ / o`.
+    pub optim_states: u64,
+    /// Saved forward values of one micro-batch.
+    pub activations: u64,
+    /// `gathered + grad_buckets`.
+    pub buffers: u64,
+    /// Gathered parameters in flight.
+    pub gathered: u64,
+    /// Full-layer gradients waiting for their reduce-scatter.
+    pub grad_buckets: u64,
+    pub total: u64,
+}
+
+impl MemoryBreakdown {
+    /// `parameters 1.0 GiB + master weights ... = total`.
+    pub fn describe(&self) -> String {
+        format!(
+            "parameters {} + master weights {} + gradients {} + optimizer states {} + \
+             activations {} + buffers {} = {}",
+            human_bytes(self.params),
+            human_bytes(self.master),
+            human_bytes(self.grads),
+            human_bytes(self.optim_states),
+            human_bytes(self.activations),
+            human_bytes(self.buffers),
+            human_bytes(self.total)
+        )
+    }
+}
+
+/// One (P, G, O) weighed by the planner.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    /// Groups in mesh order, outermost axis first.
+    pub params: Group,
+    pub grads: Group,
+    pub optim: Group,
+    pub p: usize,
+    pub g: usize,
+    pub o: usize,
+    /// The baselines with exactly these groups (`zero3`, `hsdp`, ...), joined by `/`.
+    pub baseline: Option<String>,
+    pub memory: MemoryBreakdown,
+    /// `memory.total <= budget`.
+    pub fits: bool,
+    /// Seconds of compute per step (forward, backward, recompute, optimizer).
+    pub compute_s: f64,
+    /// Seconds of all collectives of a step, as if run back to back.
+    pub comm_s: f64,
+    /// The part of the communication not hidden behind compute.
+    pub exposed_comm_s: f64,
+    /// Predicted step time: compute + exposed communication.
+    pub step_s: f64,
+    /// Bytes one rank sends per step over each link class.
+    pub bytes_per_link: BTreeMap<String, f64>,
+    /// Bytes one rank sends per step over link classes that leave the node.
+    pub cross_node_bytes: f64,
+}
+
+impl Candidate {
+    pub fn groups(&self) -> ShardGroups {
+        ShardGroups {
+            params: self.params.clone(),
+            grads: self.grads.clone(),
+            optim: self.optim.clone(),
+        }
+    }
+
+    /// `P=[gpu] G=[gpu] O=[node,gpu]`
+    pub fn label(&self) -> String {
+        format!("P={} G={} O={}", self.params, self.grads, self.optim)
+    }
+}
+
+/// What the planner weighed and what it chose.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PlanReport {
+    pub model: String,
+    pub cluster: String,
+    pub mesh: String,
+    pub world_size: usize,
+    pub strategy: Strategy,
+    pub overrides: ShardOverride,
+    pub budget_bytes: u64,
+    pub micro_batches: usize,
+    pub compute_dtype: String,
+    pub grad_dtype: String,
+    pub reduce_grads: ReduceGrads,
+    pub prefetch_depth: usize,
+    pub reshard_after_forward: bool,
+    pub recompute: bool,
+    /// Trainable elements.
+    pub parameters: u64,
+    pub layers: usize,
+    /// Saved activations of one micro-batch without recompute, and with it.
+    pub activation_bytes: u64,
+    pub activation_bytes_recompute: u64,
+    /// The node-local axes and the link classes that leave a node.
+    pub node_local: Group,
+    pub cross_node_links: Vec<String>,
+    /// What the planner had to estimate rather than derive from the program.
+    pub notes: Vec<String>,
+    pub chosen: Candidate,
+    /// Every candidate weighed, in enumeration order (P, then G, then O, narrow to wide).
+    pub candidates: Vec<Candidate>,
+}
+
+/// Why no plan came out.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ShardPlanError {
+    #[error("{0}")]
+    Options(String),
+    #[error("{0}")]
+    Override(String),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    #[error(transparent)]
+    Cost(#[from] CostError),
+    #[error("cannot analyze model `{model}` for sharding: {message}")]
+    Model { model: String, message: String },
+    #[error("{}", no_fit_message(.model, .strategy, .budget, .weighed, .candidate))]
+    DoesNotFit {
+        model: String,
+        strategy: Strategy,
+        budget: u64,
+        /// Candidates weighed.
+        weighed: usize,
+        /// The candidate needing the least memory.
+        candidate: Box<Candidate>,
+    },
+}
+
+fn no_fit_message(
+    model: &str,
+    strategy: &Strategy,
+    budget: &u64,
+    weighed: &usize,
+    c: &Candidate,
+) -> String {
+    let m = &c.memory;
+    format!(
+        "no sharding of `{model}` fits the memory budget of {} per rank (strategy {strategy}, \
+         {weighed} candidate{} weighed). The smallest, {}, needs {} per rank: parameters {}, \
+         master weights {}, gradients {}, optimizer states {}, activations {}, buffers {} \
+         ({} gathered parameters, {} gradient buckets). Try activation recompute, a smaller \
+         micro-batch, wider shard groups or more ranks.",
+        human_bytes(*budget),
+        if *weighed == 1 { "" } else { "s" },
+        c.label(),
+        human_bytes(m.total),
+        human_bytes(m.params),
+        human_bytes(m.master),
+        human_bytes(m.grads),
+        human_bytes(m.optim_states),
+        human_bytes(m.activations),
+        human_bytes(m.buffers),
+        human_bytes(m.gathered),
+        human_bytes(m.grad_buckets),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model profile: what the planner needs from the program, independent of the groups.
+
+/// Per layer (in execution order): name and parameter bytes in their declared dtypes.
+/// Layers are [`layer_of_params`]'s.
+pub fn layer_params(fwd: &Program) -> Vec<(String, u64)> {
+    let g = layer_of_params(fwd);
+    let mut out: Vec<(String, u64)> = g.names.iter().map(|n| (n.clone(), 0)).collect();
+    for (prm, &l) in fwd.params.iter().zip(&g.of_param) {
+        out[l].1 += fwd.ty(prm.value).size_bytes() as u64;
+    }
+    out
+}
+
+struct Profile {
+    /// What was estimated rather than derived.
+    notes: Vec<String>,
+    /// Elements of each parameter and its layer.
+    param_numel: Vec<u64>,
+    param_layer: Vec<usize>,
+    layers: usize,
+    /// Compute seconds of one micro-batch per layer; `other` = nodes outside every layer.
+    fwd_s: Vec<f64>,
+    bwd_s: Vec<f64>,
+    other_fwd_s: f64,
+    other_bwd_s: f64,
+    act_bytes: u64,
+    act_recompute_bytes: u64,
+}
+
+fn model_err(fwd: &Program, message: impl Into<String>) -> ShardPlanError {
+    ShardPlanError::Model {
+        model: fwd.name.clone(),
+        message: message.into(),
+    }
+}
+
+fn profile(
+    fwd: &Program,
+    cluster: &ClusterSpec,
+    opts: &ShardOptions,
+) -> Result<Profile, ShardPlanError> {
+    let low = lower_precision(fwd, opts.compute).map_err(|e| model_err(fwd, e.0))?;
+    let mut p = match &opts.loss {
+        Some(k) => attach_loss(&low, k),
+        None => attach_loss(&low, &LossKind::Lm { labels: None })
+            .or_else(|_| attach_loss(&low, &LossKind::Mean)),
+    }
+    .map_err(|e| model_err(fwd, e.0))?;
+    let n_fwd = p.nodes.len();
+    let n_fwd_values = p.values.len();
+    let grouping = layer_of_params(&p);
+    let loss = p.outputs[0];
+    let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
+    // Without a backward (an op with no gradient rule), estimate from the forward alone.
+    let fallback = differentiate(&mut p, loss, &params).err().map(|e| {
+        format!(
+            "the backward could not be derived ({}); activations are estimated as the inputs of \
+             the forward's compute ops and the backward as twice the forward's compute",
+            e.0.trim_start_matches("autodiff: ")
+        )
+    });
+
+    // Which forward values depend on an input, which on a parameter.
+    let mut dep_in = vec![false; n_fwd_values];
+    let mut dep_par = vec![false; n_fwd_values];
+    for &i in &p.inputs {
+        dep_in[i.index()] = true;
+    }
+    for prm in &p.params {
+        dep_par[prm.value.index()] = true;
+    }
+    for n in &p.nodes[..n_fwd] {
+        let a = n.inputs.iter().any(|v| dep_in[v.index()]);
+        let b = n.inputs.iter().any(|v| dep_par[v.index()]);
+        for &o in &n.outputs {
+            dep_in[o.index()] = a;
+            dep_par[o.index()] = b;
+        }
+    }
+    let is_activation = |v: ValueId| -> bool {
+        let i = v.index();
+        i < n_fwd_values
+            && !matches!(p.values[i].def, ValueDef::Param | ValueDef::Const)
+            && (dep_in[i] || !dep_par[i])
+    };
+    let value_layer = |v: ValueId| -> Option<usize> {
+        p.producer(v)
+            .filter(|n| n.index() < n_fwd)
+            .and_then(|n| grouping.of_node[n.index()])
+    };
+    let nl = grouping.names.len();
+
+    // Saved values: forward values the backward reads (or, without a backward, the inputs
+    // of forward ops other than additions, views and data movement).
+    let mut saved = vec![false; n_fwd_values];
+    let readers: Vec<&hzp_ir::Node> = if fallback.is_none() {
+        p.nodes[n_fwd..].iter().collect()
+    } else {
+        p.nodes[..n_fwd]
+            .iter()
+            .filter(|n| {
+                !matches!(
+                    n.op,
+                    Op::Identity
+                        | Op::Reshape { .. }
+                        | Op::Transpose { .. }
+                        | Op::Slice { .. }
+                        | Op::Concat { .. }
+                        | Op::Split { .. }
+                        | Op::Expand { .. }
+                        | Op::Cast { .. }
+                        | Op::Binary(BinaryOp::Add | BinaryOp::Sub)
+                )
+            })
+            .collect()
+    };
+    for n in readers {
+        for &v in &n.inputs {
+            if is_activation(v) {
+                saved[v.index()] = true;
+            }
+        }
+    }
+    let bytes_of = |i: usize| p.values[i].ty.size_bytes() as u64;
+    let act_bytes: u64 = (0..n_fwd_values).filter(|&i| saved[i]).map(bytes_of).sum();
+    // Recompute: keep layer inputs and saved values outside layers, plus one layer's rest.
+    let mut kept = vec![false; n_fwd_values];
+    for (i, &s) in saved.iter().enumerate() {
+        if s && value_layer(ValueId(i as u32)).is_none() {
+            kept[i] = true;
+        }
+    }
+    for (ni, n) in p.nodes[..n_fwd].iter().enumerate() {
+        let Some(l) = grouping.of_node[ni] else {
+            continue;
+        };
+        for &v in &n.inputs {
+            if is_activation(v) && value_layer(v) != Some(l) {
+                kept[v.index()] = true;
+            }
+        }
+    }
+    let mut per_layer = vec![0u64; nl];
+    for i in 0..n_fwd_values {
+        if saved[i] && !kept[i] {
+            if let Some(l) = value_layer(ValueId(i as u32)) {
+                per_layer[l] += bytes_of(i);
+            }
+        }
+    }
+    let kept_bytes: u64 = (0..n_fwd_values).filter(|&i| kept[i]).map(bytes_of).sum();
+    let act_recompute_bytes = kept_bytes + per_layer.iter().copied().max().unwrap_or(0);
+
+    // Compute per node, assigned to layers. Backward nodes: the layer of a parameter they
+    // read, else of the forward value produced last they read, else of their backward input
+    // produced last.
+    let mut param_layer_of_value: HashMap<ValueId, usize> = HashMap::new();
+    for (prm, &l) in p.params.iter().zip(&grouping.of_param) {
+        param_layer_of_value.insert(prm.value, l);
+    }
+    let mut node_layer: Vec<Option<usize>> = grouping.of_node.clone();
+    let mut fwd_s = vec![0.0; nl];
+    let mut bwd_s = vec![0.0; nl];
+    let (mut other_fwd_s, mut other_bwd_s) = (0.0, 0.0);
+    let timed = if fallback.is_none() {
+        p.nodes.len()
+    } else {
+        n_fwd
+    };
+    for (i, n) in p.nodes[..timed].iter().enumerate() {
+        let ins: Vec<&hzp_ir::TensorType> = n.inputs.iter().map(|&v| p.ty(v)).collect();
+        let outs: Vec<&hzp_ir::TensorType> = n.outputs.iter().map(|&v| p.ty(v)).collect();
+        let dtype = ins
+            .iter()
+            .map(|t| t.dtype)
+            .find(|d| d.is_float())
+            .unwrap_or(opts.compute);
+        // Casts of parameters to the compute dtype do not run in a sharded step: the gathered
+        // parameters already are in the compute dtype.
+        let weight_cast = matches!(n.op, Op::Cast { .. })
+            && n.inputs
+                .iter()
+                .all(|v| p.values[v.index()].def == ValueDef::Param);
+        let secs = if weight_cast {
+            0.0
+        } else {
+            roofline(&n.op, &ins, &outs, cluster, dtype).seconds
+        };
+        if i < n_fwd {
+            match node_layer[i] {
+                Some(l) => fwd_s[l] += secs,
+                None => other_fwd_s += secs,
+            }
+            continue;
+        }
+        let direct = n
+            .inputs
+            .iter()
+            .find_map(|v| param_layer_of_value.get(v).copied());
+        let by_producer = |forward: bool| {
+            n.inputs
+                .iter()
+                .filter_map(|&v| {
+                    let prod = p.producer(v)?;
+                    if (prod.index() < n_fwd) != forward || prod.index() >= i {
+                        return None;
+                    }
+                    node_layer[prod.index()].map(|l| (prod, l))
+                })
+                .max_by_key(|(prod, _)| *prod)
+                .map(|(_, l)| l)
+        };
+        let layer = direct
+            .or_else(|| by_producer(true))
+            .or_else(|| by_producer(false));
+        node_layer.push(layer);
+        match layer {
+            Some(l) => bwd_s[l] += secs,
+            None => other_bwd_s += secs,
+        }
+    }
+    if fallback.is_some() {
+        bwd_s = fwd_s.iter().map(|f| 2.0 * f).collect();
+        other_bwd_s = 2.0 * other_fwd_s;
+    }
+    Ok(Profile {
+        notes: fallback.into_iter().collect(),
+        param_numel: p
+            .params
+            .iter()
+            .map(|q| p.ty(q.value).numel() as u64)
+            .collect(),
+        param_layer: grouping.of_param.clone(),
+        layers: nl,
+        fwd_s,
+        bwd_s,
+        other_fwd_s,
+        other_bwd_s,
+        act_bytes,
+        act_recompute_bytes,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Evaluation of one candidate
+
+type CostCache = HashMap<(CollectiveKind, u64, Group), CollectiveCost>;
+
+struct Ctx<'a> {
+    mesh: &'a Mesh,
+    model: &'a CostModel,
+    opts: &'a ShardOptions,
+    prof: &'a Profile,
+    budget: u64,
+    cross_links: &'a [String],
+    baselines: &'a [(Strategy, ShardGroups)],
+}
+
+/// Seconds of one collective alone, and with the bandwidth term on the link classes in
+/// `shared` doubled (what it takes when another collective shares those links throughout).
+struct Comm {
+    seconds: f64,
+    shared_s: f64,
+}
+
+/// The cost of a collective (cached), with its traffic and time counted `times` per step
+/// into `links` and `total`.
+#[allow(clippy::too_many_arguments)]
+fn collective(
+    ctx: &Ctx,
+    cache: &mut CostCache,
+    kind: CollectiveKind,
+    bytes: u64,
+    group: &Group,
+    times: f64,
+    shared: &[String],
+    links: &mut BTreeMap<String, f64>,
+    total: &mut f64,
+) -> Result<Comm, ShardPlanError> {
+    if bytes == 0 || gsize(ctx.mesh, group) <= 1 {
+        return Ok(Comm {
+            seconds: 0.0,
+            shared_s: 0.0,
+        });
+    }
+    let key = (kind, bytes, group.clone());
+    if !cache.contains_key(&key) {
+        let c = ctx.model.best_collective(kind, bytes as f64, group)?;
+        cache.insert(key.clone(), c);
+    }
+    let c = &cache[&key];
+    if times > 0.0 {
+        for (l, b) in &c.bytes_sent_per_rank_per_link {
+            *links.entry(l.clone()).or_insert(0.0) += b * times;
+        }
+        *total += c.seconds * times;
+    }
+    Ok(Comm {
+        seconds: c.seconds,
+        shared_s: c.time_with_sharing(|l| if shared.iter().any(|x| x == l) { 2 } else { 1 }),
+    })
+}
+
+/// One task of the step simulation: a layer's compute, the gather it waits for, the
+/// reduce-scatter that follows it.
+struct Task {
+    compute: f64,
+    gather: f64,
+    reduce: f64,
+}
+
+/// Simulated end of the compute/gather/reduce-scatter streams (see the module docs).
+fn simulate(tasks: &[Task], prefetch_depth: usize) -> f64 {
+    let window = prefetch_depth + 1;
+    let mut comp_end = 0.0f64;
+    let mut ag_free = 0.0f64;
+    let mut rs_free = 0.0f64;
+    // Compute end of every gathering task so far (a gather slot frees when it ends).
+    let mut gathered_done: Vec<f64> = Vec::new();
+    let mut gathers = 0usize;
+    for t in tasks {
+        let mut ready = comp_end;
+        if t.gather > 0.0 {
+            let slot_free = if gathers >= window {
+                gathered_done[gathers - window]
+            } else {
+                0.0
+            };
+            let start = ag_free.max(slot_free);
+            ag_free = start + t.gather;
+            ready = ready.max(ag_free);
+        }
+        comp_end = ready + t.compute;
+        if t.gather > 0.0 {
+            gathered_done.push(comp_end);
+            gathers += 1;
+        }
+        if t.reduce > 0.0 {
+            rs_free = rs_free.max(comp_end) + t.reduce;
+        }
+    }
+    comp_end.max(rs_free)
+}
+
+fn evaluate(
+    ctx: &Ctx,
+    cache: &mut CostCache,
+    pg: &Group,
+    gg: &Group,
+    og: &Group,
+) -> Result<Candidate, ShardPlanError> {
+    let (mesh, opts, prof) = (ctx.mesh, ctx.opts, ctx.prof);
+    let (p, g, o) = (gsize(mesh, pg), gsize(mesh, gg), gsize(mesh, og));
+    let w = mesh.world_size();
+    let m = opts.micro_batches.max(1);
+    let c = opts.compute.size_bytes() as u64;
+    let r = opts.grad_dtype.size_bytes() as u64;
+    let o64 = o as u64;
+    let mut layer_pad = vec![0u64; prof.layers];
+    for (&n, &l) in prof.param_numel.iter().zip(&prof.param_layer) {
+        layer_pad[l] += n.div_ceil(o64).max(1) * o64;
+    }
+    let psi: u64 = layer_pad.iter().sum();
+    let mut sorted = layer_pad.clone();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let largest = |k: usize| -> u64 { sorted.iter().take(k).sum() };
+
+    // Memory.
+    let sharded_grads = g > 1 && (opts.reduce_grads == ReduceGrads::PerMicrobatch || m == 1);
+    let params = c * psi / p as u64;
+    let master = 4 * psi / o64;
+    let grads = if sharded_grads {
+        r * psi / g as u64
+    } else {
+        r * psi
+    };
+    let optim_states = 8 * psi / o64;
+    let activations = if opts.recompute {
+        prof.act_recompute_bytes
+    } else {
+        prof.act_bytes
+    };
+    let gathered = if p > 1 {
+        if opts.reshard_after_forward {
+            c * largest(opts.prefetch_depth + 1)
+        } else {
+            c * psi
+        }
+    } else {
+        0
+    };
+    let grad_buckets = if sharded_grads { r * largest(2) } else { 0 };
+    let buffers = gathered + grad_buckets;
+    let total = params + master + grads + optim_states + activations + buffers;
+    let memory = MemoryBreakdown {
+        params,
+        master,
+        grads,
+        optim_states,
+        activations,
+        buffers,
+        gathered,
+        grad_buckets,
+        total,
+    };
+
+    // Communication.
+    let mut links: BTreeMap<String, f64> = BTreeMap::new();
+    let mut comm_s = 0.0;
+    let mf = m as f64;
+    let regather = p > 1 && opts.reshard_after_forward;
+    let rs_times = if g > 1 {
+        if sharded_grads {
+            mf
+        } else {
+            1.0
+        }
+    } else {
+        0.0
+    };
+    // In backward the re-gather and the reduce-scatter run at once; on link classes both
+    // groups use they share the bandwidth.
+    let p_links: Vec<String> = ctx
+        .model
+        .group_link_classes(pg)
+        .iter()
+        .map(|l| l.name.clone())
+        .collect();
+    let shared: Vec<String> = ctx
+        .model
+        .group_link_classes(gg)
+        .iter()
+        .map(|l| l.name.clone())
+        .filter(|l| p_links.contains(l))
+        .collect();
+    let ag_times = if p > 1 {
+        mf * if regather { 2.0 } else { 1.0 }
+    } else {
+        0.0
+    };
+    let mut ag = Vec::with_capacity(prof.layers);
+    let mut rs = Vec::with_capacity(prof.layers);
+    for &n in &layer_pad {
+        ag.push(collective(
+            ctx,
+            cache,
+            CollectiveKind::AllGather,
+            c * n,
+            pg,
+            ag_times,
+            &shared,
+            &mut links,
+            &mut comm_s,
+        )?);
+        rs.push(collective(
+            ctx,
+            cache,
+            CollectiveKind::ReduceScatter,
+            r * n,
+            gg,
+            rs_times,
+            &shared,
+            &mut links,
+            &mut comm_s,
+        )?);
+    }
+    let world = world_group(mesh);
+    let o_minus_g = minus(og, gg);
+    let replicas = minus(&world, og);
+    let o_minus_p = minus(og, pg);
+    let rs_cross = collective(
+        ctx,
+        cache,
+        CollectiveKind::ReduceScatter,
+        r * psi / g as u64,
+        &o_minus_g,
+        1.0,
+        &[],
+        &mut links,
+        &mut comm_s,
+    )?
+    .seconds;
+    let ar_cross = if w > o {
+        collective(
+            ctx,
+            cache,
+            CollectiveKind::AllReduce,
+            r * psi / o64,
+            &replicas,
+            1.0,
+            &[],
+            &mut links,
+            &mut comm_s,
+        )?
+        .seconds
+    } else {
+        0.0
+    };
+    let ag_regather = collective(
+        ctx,
+        cache,
+        CollectiveKind::AllGather,
+        c * psi / p as u64,
+        &o_minus_p,
+        1.0,
+        &[],
+        &mut links,
+        &mut comm_s,
+    )?
+    .seconds;
+
+    // Compute.
+    let d = &ctx.model.spec().device;
+    let opt_s = ((24 + r + c) * psi / o64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
+    let fwd_total: f64 = prof.fwd_s.iter().sum::<f64>() + prof.other_fwd_s;
+    let bwd_total: f64 = prof.bwd_s.iter().sum::<f64>() + prof.other_bwd_s;
+    let rec_total: f64 = if opts.recompute {
+        prof.fwd_s.iter().sum()
+    } else {
+        0.0
+    };
+    let compute_s = mf * (fwd_total + bwd_total + rec_total) + opt_s;
+
+    // The step, simulated.
+    let mut tasks = Vec::with_capacity(m * (2 * prof.layers + 2));
+    for k in 0..m {
+        for (&f, a) in prof.fwd_s.iter().zip(&ag) {
+            tasks.push(Task {
+                compute: f,
+                gather: if p > 1 { a.seconds } else { 0.0 },
+                reduce: 0.0,
+            });
+        }
+        tasks.push(Task {
+            compute: prof.other_fwd_s + prof.other_bwd_s,
+            gather: 0.0,
+            reduce: 0.0,
+        });
+        let reduce_now = g > 1 && (sharded_grads || k + 1 == m);
+        for l in (0..prof.layers).rev() {
+            let (gather, reduce) = match (regather, reduce_now) {
+                (true, true) => {
+                    // Fair sharing: while both run each gets half the shared links; the
+                    // shorter one's bandwidth term delays both.
+                    let extra =
+                        (ag[l].shared_s - ag[l].seconds).min(rs[l].shared_s - rs[l].seconds);
+                    (ag[l].seconds + extra, rs[l].seconds + extra)
+                }
+                (true, false) => (ag[l].seconds, 0.0),
+                (false, true) => (0.0, rs[l].seconds),
+                (false, false) => (0.0, 0.0),
+            };
+            tasks.push(Task {
+                compute: prof.bwd_s[l] + if opts.recompute { prof.fwd_s[l] } else { 0.0 },
+                gather,
+                reduce,
+            });
+        }
+    }
+    let step_s = simulate(&tasks, opts.prefetch_depth) + rs_cross + ar_cross + opt_s + ag_regather;
+    let exposed_comm_s = (step_s - compute_s).max(0.0);
+    let cross_node_bytes = links
+        .iter()
+        .filter(|(l, _)| ctx.cross_links.contains(l))
+        .map(|(_, b)| *b)
+        .sum();
+    let names: Vec<&str> = ctx
+        .baselines
+        .iter()
+        .filter(|(_, sg)| sg.params == *pg && sg.grads == *gg && sg.optim == *og)
+        .map(|(s, _)| s.name())
+        .collect();
+    Ok(Candidate {
+        params: pg.clone(),
+        grads: gg.clone(),
+        optim: og.clone(),
+        p,
+        g,
+        o,
+        baseline: (!names.is_empty()).then(|| names.join("/")),
+        fits: memory.total <= ctx.budget,
+        memory,
+        compute_s,
+        comm_s,
+        exposed_comm_s,
+        step_s,
+        bytes_per_link: links,
+        cross_node_bytes,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The planner
+
+fn candidate_triples(
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+    opts: &ShardOptions,
+) -> Result<Vec<(Group, Group, Group)>, ShardPlanError> {
+    let ov = &opts.overrides;
+    let mut out: Vec<(Group, Group, Group)> = Vec::new();
+    match opts.strategy.groups(mesh, cluster) {
+        Some(sg) => {
+            let pick = |o: &Option<Group>, d: Group| o.clone().unwrap_or(d);
+            let t = (
+                pick(&ov.params, sg.params),
+                pick(&ov.grads, sg.grads),
+                pick(&ov.optim, sg.optim),
+            );
+            if !subset(&t.0, &t.1) || !subset(&t.1, &t.2) {
+                return Err(ShardPlanError::Override(format!(
+                    "--shard {ov} with strategy {} gives {} {} {}, which do not nest \
+                     (params ⊆ grads ⊆ optim); name the other groups too",
+                    opts.strategy, t.0, t.1, t.2
+                )));
+            }
+            out.push(t);
+        }
+        None => {
+            let nested = nested_groups(mesh);
+            let choices = |o: &Option<Group>| -> Vec<Group> {
+                match o {
+                    Some(g) => vec![g.clone()],
+                    None => nested.clone(),
+                }
+            };
+            for pg in choices(&ov.params) {
+                for gg in choices(&ov.grads) {
+                    if !subset(&pg, &gg) {
+                        continue;
+                    }
+                    for og in choices(&ov.optim) {
+                        if subset(&gg, &og) {
+                            out.push((pg.clone(), gg.clone(), og));
+                        }
+                    }
+                }
+            }
+            if out.is_empty() {
+                return Err(ShardPlanError::Override(format!(
+                    "--shard {ov} leaves no nested candidate (params ⊆ grads ⊆ optim) on the \
+                     mesh {mesh}"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn better(a: &Candidate, b: &Candidate) -> bool {
+    let scale = a.step_s.abs().max(b.step_s.abs()).max(1e-30);
+    if (a.step_s - b.step_s).abs() > 1e-9 * scale {
+        return a.step_s < b.step_s;
+    }
+    if a.memory.total != b.memory.total {
+        return a.memory.total < b.memory.total;
+    }
+    a.cross_node_bytes < b.cross_node_bytes
+}
+
+/// Plans the shard groups of `fwd` (a forward program at per-rank micro-batch shapes) on
+/// `mesh` of `cluster`. See the module docs for the model.
+pub fn plan_sharding(
+    fwd: &Program,
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+    opts: &ShardOptions,
+) -> Result<PlanReport, ShardPlanError> {
+    if opts.micro_batches == 0 {
+        return Err(ShardPlanError::Options(
+            "micro-batches per step must be at least 1".into(),
+        ));
+    }
+    for (what, d) in [("compute", opts.compute), ("gradient", opts.grad_dtype)] {
+        if !d.is_float() {
+            return Err(ShardPlanError::Options(format!(
+                "the {what} dtype must be f32, bf16 or f16, not {}",
+                d.name()
+            )));
+        }
+    }
+    for (what, g) in [
+        ("params", &opts.overrides.params),
+        ("grads", &opts.overrides.grads),
+        ("optim", &opts.overrides.optim),
+    ] {
+        if let Some(g) = g {
+            if let Some(a) = g.axes.iter().find(|a| mesh.axis(a).is_none()) {
+                return Err(ShardPlanError::Override(format!(
+                    "--shard {what}={}: `{a}` is not an axis of the mesh {mesh}",
+                    g.axes.join(".")
+                )));
+            }
+        }
+    }
+    let model = CostModel::new(cluster.clone(), mesh.clone())?;
+    let budget = opts.memory_budget.unwrap_or(cluster.device.memory_bytes);
+    let node_local = node_local_group(mesh, cluster);
+    let mut cross_links: Vec<String> = Vec::new();
+    for a in &mesh.axes {
+        if a.size > 1 && !node_local.axes.contains(&a.name) {
+            let l = cluster.link_for_axis(&a.name)?;
+            if !cross_links.contains(&l.name) {
+                cross_links.push(l.name.clone());
+            }
+        }
+    }
+    let baselines: Vec<(Strategy, ShardGroups)> = Strategy::ALL
+        .iter()
+        .filter_map(|s| s.groups(mesh, cluster).map(|g| (*s, g)))
+        .collect();
+    let triples = candidate_triples(mesh, cluster, opts)?;
+    let prof = profile(fwd, cluster, opts)?;
+    let ctx = Ctx {
+        mesh,
+        model: &model,
+        opts,
+        prof: &prof,
+        budget,
+        cross_links: &cross_links,
+        baselines: &baselines,
+    };
+    let mut cache = CostCache::new();
+    let mut candidates = Vec::with_capacity(triples.len());
+    for (pg, gg, og) in &triples {
+        candidates.push(evaluate(&ctx, &mut cache, pg, gg, og)?);
+    }
+    let mut chosen: Option<&Candidate> = None;
+    for c in candidates.iter().filter(|c| c.fits) {
+        if chosen.is_none_or(|b| better(c, b)) {
+            chosen = Some(c);
+        }
+    }
+    let Some(chosen) = chosen.cloned() else {
+        let smallest = candidates
+            .iter()
+            .min_by(|a, b| {
+                a.memory
+                    .total
+                    .cmp(&b.memory.total)
+                    .then(a.step_s.total_cmp(&b.step_s))
+            })
+            .cloned()
+            .expect("at least one candidate");
+        return Err(ShardPlanError::DoesNotFit {
+            model: fwd.name.clone(),
+            strategy: opts.strategy,
+            budget,
+            weighed: candidates.len(),
+            candidate: Box::new(smallest),
+        });
+    };
+    Ok(PlanReport {
+        model: fwd.name.clone(),
+        cluster: cluster.name.clone(),
+        mesh: mesh.to_string(),
+        world_size: mesh.world_size(),
+        strategy: opts.strategy,
+        overrides: opts.overrides.clone(),
+        budget_bytes: budget,
+        micro_batches: opts.micro_batches,
+        compute_dtype: opts.compute.name().to_string(),
+        grad_dtype: opts.grad_dtype.name().to_string(),
+        reduce_grads: opts.reduce_grads,
+        prefetch_depth: opts.prefetch_depth,
+        reshard_after_forward: opts.reshard_after_forward,
+        recompute: opts.recompute,
+        parameters: fwd.num_parameters(),
+        layers: prof.layers,
+        activation_bytes: prof.act_bytes,
+        activation_bytes_recompute: prof.act_recompute_bytes,
+        node_local,
+        cross_node_links: cross_links,
+        notes: prof.notes.clone(),
+        chosen,
+        candidates,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explanation
+
+/// `1.234 s`, `12.35 ms`, `3.4 us`.
+pub fn human_seconds(s: f64) -> String {
+    if s == 0.0 {
+        "0".to_string()
+    } else if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{:.1} us", s * 1e6)
+    }
+}
+
+fn hb(x: f64) -> String {
+    human_bytes(x.max(0.0).round() as u64)
+}
+
+fn table(out: &mut String, rows: &[Vec<String>]) {
+    let ncol = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let width: Vec<usize> = (0..ncol)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in rows {
+        let mut line = String::new();
+        for (c, cell) in r.iter().enumerate() {
+            let pad = width[c] - cell.chars().count();
+            if c < 4 {
+                line.push_str(cell);
+                line.push_str(&" ".repeat(pad));
+            } else {
+                line.push_str(&" ".repeat(pad));
+                line.push_str(cell);
+            }
+            line.push_str("  ");
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+/// A readable account of a [`PlanReport`]: the settings, a table of every candidate weighed
+/// (groups, memory by kind, fits, compute, communication, exposed communication, predicted
+/// step time, cross-node bytes per step) and why the chosen one won.
+pub fn explain(r: &PlanReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "sharding plan for `{}` on {} (mesh {}, {} ranks), strategy {}{}",
+        r.model,
+        r.cluster,
+        r.mesh,
+        r.world_size,
+        r.strategy,
+        if r.overrides.is_empty() {
+            String::new()
+        } else {
+            format!(", --shard {}", r.overrides)
+        }
+    );
+    let _ = writeln!(
+        s,
+        "budget {} per rank; {} micro-batch{} per step, {} compute, {} gradients reduced per {}, \
+         prefetch depth {}, {}, {}",
+        human_bytes(r.budget_bytes),
+        r.micro_batches,
+        if r.micro_batches == 1 { "" } else { "es" },
+        r.compute_dtype,
+        r.grad_dtype,
+        if r.reduce_grads == ReduceGrads::PerStep {
+            "step"
+        } else {
+            "micro-batch"
+        },
+        r.prefetch_depth,
+        if r.reshard_after_forward {
+            "reshard after forward"
+        } else {
+            "keep gathered parameters until backward"
+        },
+        if r.recompute {
+            "recompute activations"
+        } else {
+            "no recompute"
+        }
+    );
+    let _ = writeln!(
+        s,
+        "{} parameters in {} layers; activations per micro-batch {} ({} with recompute); \
+         node-local axes {}, cross-node links: {}",
+        human_count(r.parameters),
+        r.layers,
+        human_bytes(r.activation_bytes),
+        human_bytes(r.activation_bytes_recompute),
+        r.node_local,
+        if r.cross_node_links.is_empty() {
+            "none".to_string()
+        } else {
+            r.cross_node_links.join(", ")
+        }
+    );
+    for n in &r.notes {
+        let _ = writeln!(s, "note: {n}");
+    }
+    s.push('\n');
+    let mut rows = vec![[
+        "",
+        "P",
+        "G",
+        "O",
+        "params",
+        "master",
+        "grads",
+        "states",
+        "acts",
+        "buffers",
+        "total",
+        "fits",
+        "compute",
+        "comm",
+        "exposed",
+        "step",
+        "cross-node",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for c in &r.candidates {
+        let mark = if *c == r.chosen { "*" } else { "" };
+        let m = &c.memory;
+        let mut p = c.params.to_string();
+        if let Some(b) = &c.baseline {
+            p = format!("{p} ({b})");
+        }
+        rows.push(vec![
+            mark.to_string(),
+            p,
+            c.grads.to_string(),
+            c.optim.to_string(),
+            human_bytes(m.params),
+            human_bytes(m.master),
+            human_bytes(m.grads),
+            human_bytes(m.optim_states),
+            human_bytes(m.activations),
+            human_bytes(m.buffers),
+            human_bytes(m.total),
+            if c.fits { "yes" } else { "no" }.to_string(),
+            human_seconds(c.compute_s),
+            human_seconds(c.comm_s),
+            human_seconds(c.exposed_comm_s),
+            human_seconds(c.step_s),
+            hb(c.cross_node_bytes),
+        ]);
+    }
+    table(&mut s, &rows);
+    s.push('\n');
+
+    let c = &r.chosen;
+    let fitting: Vec<&Candidate> = r.candidates.iter().filter(|x| x.fits).collect();
+    let _ = write!(
+        s,
+        "Chosen: {} (p={}, g={}, o={}{}). Predicted step {}: compute {} plus {} of exposed \
+         communication (of {} in all); {} per rank of the {} budget; {} per rank per step across \
+         nodes.",
+        c.label(),
+        c.p,
+        c.g,
+        c.o,
+        c.baseline
+            .as_ref()
+            .map(|b| format!(", = {b}"))
+            .unwrap_or_default(),
+        human_seconds(c.step_s),
+        human_seconds(c.compute_s),
+        human_seconds(c.exposed_comm_s),
+        human_seconds(c.comm_s),
+        human_bytes(c.memory.total),
+        human_bytes(r.budget_bytes),
+        hb(c.cross_node_bytes)
+    );
+    if r.candidates.len() == 1 {
+        let _ = write!(s, " It is the only candidate of strategy {}.", r.strategy);
+    } else {
+        if fitting.len() == 1 {
+            let _ = write!(
+                s,
+                " It is the only candidate that fits (of {} weighed).",
+                r.candidates.len()
+            );
+        } else {
+            let _ = write!(
+                s,
+                " It is the fastest of the {} candidates that fit (of {} weighed).",
+                fitting.len(),
+                r.candidates.len()
+            );
+        }
+        let runner = fitting
+            .iter()
+            .filter(|x| **x != c)
+            .min_by(|a, b| a.step_s.total_cmp(&b.step_s));
+        if let Some(n) = runner {
+            let _ = write!(
+                s,
+                " The next fastest that fits, {}, takes {} ({:+.1}%).",
+                n.label(),
+                human_seconds(n.step_s),
+                (n.step_s / c.step_s - 1.0) * 100.0
+            );
+        }
+        if let Some(z) = r
+            .candidates
+            .iter()
+            .find(|x| x.p == r.world_size && x.g == r.world_size && x.o == r.world_size)
+            .filter(|z| *z != c)
+        {
+            let _ = write!(
+                s,
+                " ZeRO-3 ({}) would take {}{} and send {} across nodes per step.",
+                z.label(),
+                human_seconds(z.step_s),
+                if z.fits { "" } else { " but does not fit" },
+                hb(z.cross_node_bytes)
+            );
+        }
+    }
+    // Faster candidates that do not fit, and narrower groups that do not fit.
+    let mut told: Vec<&Candidate> = Vec::new();
+    if let Some(f) = r
+        .candidates
+        .iter()
+        .filter(|x| !x.fits && x.step_s < c.step_s)
+        .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
+    {
+        let _ = write!(
+            s,
+            " The fastest candidate, {}, would take {} but needs {} per rank: {}.",
+            f.label(),
+            human_seconds(f.step_s),
+            human_bytes(f.memory.total),
+            f.memory.describe()
+        );
+        told.push(f);
+    }
+    type Field = (&'static str, fn(&Candidate) -> (usize, &Group));
+    let fields: [Field; 3] = [
+        ("P", |x| (x.p, &x.params)),
+        ("G", |x| (x.g, &x.grads)),
+        ("O", |x| (x.o, &x.optim)),
+    ];
+    for (name, get) in fields {
+        let (size, group) = get(c);
+        let narrower: Vec<&Candidate> = r
+            .candidates
+            .iter()
+            .filter(|x| {
+                let (sz, gr) = get(x);
+                sz < size && subset(gr, group)
+            })
+            .collect();
+        if narrower.is_empty() || narrower.iter().any(|x| x.fits) {
+            continue;
+        }
+        let smallest = narrower
+            .iter()
+            .min_by(|a, b| a.memory.total.cmp(&b.memory.total))
+            .expect("non-empty");
+        if told.contains(smallest) {
+            let _ = write!(
+                s,
+                " No candidate with {name} narrower than {group} fits the budget."
+            );
+            continue;
+        }
+        let _ = write!(
+            s,
+            " No candidate with {name} narrower than {group} fits: the smallest of them, {}, \
+             needs {} per rank ({}) against a budget of {}, which forced the wider {name}.",
+            smallest.label(),
+            human_bytes(smallest.memory.total),
+            smallest.memory.describe(),
+            human_bytes(r.budget_bytes)
+        );
+        told.push(smallest);
+    }
+    s.push('\n');
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simulation_hides_gathers_behind_compute() {
+        // Three layers, each gather shorter than the compute before it: only the first
+        // gather is exposed.
+        let t = |c: f64, g: f64| Task {
+            compute: c,
+            gather: g,
+            reduce: 0.0,
+        };
+        let end = simulate(&[t(1.0, 0.5), t(1.0, 0.5), t(1.0, 0.5)], 1);
+        assert!((end - 3.5).abs() < 1e-12, "{end}");
+        // No prefetch window to speak of (depth 0): every gather waits for the previous
+        // layer's compute to free its buffer.
+        let end = simulate(&[t(1.0, 0.5), t(1.0, 0.5), t(1.0, 0.5)], 0);
+        assert!((end - 4.5).abs() < 1e-12, "{end}");
+        // Reduce-scatters after the last compute are exposed.
+        let end = simulate(
+            &[Task {
+                compute: 1.0,
+                gather: 0.0,
+                reduce: 2.0,
+            }],
+            1,
+        );
+        assert!((end - 3.0).abs() < 1e-12, "{end}");
+    }
+}

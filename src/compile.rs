@@ -1,0 +1,376 @@
+//! `hzp compile` and `hzp inspect`: the AsyncHZP compiler's front door.
+
+use crate::commands::{load_for_compile, train_config};
+use crate::{Format, ModelArgs, TrainArgs};
+use hzp_ir::plan::{BufferKind, Plan, ShardGroups};
+use hzp_ir::{Mesh, Op, Program, StreamKind, ValueDef, ValueId};
+use hzp_passes::cluster::{parse_bytes, ClusterSpec};
+use hzp_passes::shard_plan::{self, ReduceGrads, ShardOptions, ShardOverride, Strategy};
+use miette::{miette, IntoDiagnostic, Result};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// The cluster used when `--cluster` is not given.
+const DEFAULT_CLUSTER: &str = include_str!("../examples/clusters/h100-dgx.toml");
+
+/// Flags of `hzp compile` beyond the model and training flags.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CompileArgs {
+    /// The mesh of data-parallel ranks, outermost axis first: node=16,gpu=8 (an axis may be
+    /// split: gpu=2x4).
+    #[arg(long)]
+    pub mesh: String,
+    /// Cluster spec (TOML; see examples/clusters/). Default: the 8xH100 DGX spec.
+    #[arg(long, value_name = "SPEC.toml")]
+    pub cluster: Option<std::path::PathBuf>,
+    /// Memory budget per rank, e.g. 80GiB. Default: the cluster's device memory.
+    #[arg(long)]
+    pub memory: Option<String>,
+    /// asynchzp (search over hierarchical groups), zero1, zero2, zero3, hsdp or ddp.
+    #[arg(long, default_value = "asynchzp")]
+    pub strategy: String,
+    /// Override the groups: params=gpu,grads=gpu,optim=node.gpu (axes joined by `.`).
+    #[arg(long)]
+    pub shard: Option<String>,
+    /// Print every candidate the planner weighed and why it chose one.
+    #[arg(long)]
+    pub explain: bool,
+    /// Layers whose parameters are gathered ahead of the one computing.
+    #[arg(long, default_value_t = 1)]
+    pub prefetch_depth: usize,
+    /// Free gathered parameters after a layer's forward and gather again for backward.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub reshard_after_forward: bool,
+    /// Reduce gradients once per step (per-step) or after every micro-batch.
+    #[arg(long, default_value = "per-microbatch")]
+    pub reduce_grads: String,
+    /// Recompute each layer's activations in backward (planner estimate).
+    #[arg(long)]
+    pub recompute: bool,
+    /// Where to write the plan (JSON).
+    #[arg(short, long, value_name = "PLAN.json")]
+    pub output: Option<std::path::PathBuf>,
+}
+
+fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
+    match path {
+        Some(p) => ClusterSpec::load(p).map_err(|e| miette!("{e}")),
+        None => ClusterSpec::from_toml_str(DEFAULT_CLUSTER, "examples/clusters/h100-dgx.toml")
+            .map_err(|e| miette!("{e}")),
+    }
+}
+
+/// What each value of a per-rank step holds, for the memory report.
+fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
+    let val = p.value(v);
+    match val.def {
+        ValueDef::Param => BufferKind::Param,
+        ValueDef::State if val.name.starts_with("shard/") => BufferKind::Param,
+        ValueDef::State => BufferKind::OptimState,
+        ValueDef::Input => BufferKind::Input,
+        ValueDef::Const => BufferKind::Other,
+        ValueDef::Node { node, .. } => {
+            let n = &p.nodes[node.index()];
+            if n.name.starts_with("reduce/") || val.name.starts_with("grad/") {
+                BufferKind::Grad
+            } else if n.op.is_collective() {
+                BufferKind::CommBuffer
+            } else {
+                BufferKind::Activation
+            }
+        }
+    }
+}
+
+pub fn compile(model: &ModelArgs, inputs: Option<&Path>, t: &TrainArgs, c: &CompileArgs, format: Format) -> Result<()> {
+    let start = Instant::now();
+    let mesh = Mesh::parse(&c.mesh).map_err(|e| miette!("--mesh: {e}"))?;
+    let cluster = load_cluster(c.cluster.as_deref())?;
+    cluster
+        .validate_mesh(&mesh)
+        .map_err(|e| miette!("{e}"))?;
+    let budget = match &c.memory {
+        Some(m) => Some(parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?),
+        None => None,
+    };
+    let cfg = train_config(t, true)?;
+    let fwd = load_for_compile(model, inputs, mesh.world_size() * cfg.micro_batches)?;
+    let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
+    let overrides = match &c.shard {
+        Some(s) => ShardOverride::parse(s, &mesh).map_err(|e| miette!("--shard: {e}"))?,
+        None => ShardOverride::default(),
+    };
+    let opts = ShardOptions {
+        strategy,
+        memory_budget: budget,
+        micro_batches: cfg.micro_batches,
+        compute: if cfg.compute == hzp_ir::DType::F32 && model.model.starts_with("preset:") {
+            hzp_ir::DType::BF16
+        } else {
+            cfg.compute
+        },
+        reduce_grads: ReduceGrads::parse(&c.reduce_grads).map_err(|e| miette!("{e}"))?,
+        prefetch_depth: c.prefetch_depth,
+        reshard_after_forward: c.reshard_after_forward,
+        recompute: c.recompute,
+        overrides,
+        loss: Some(cfg.loss.clone()),
+        ..ShardOptions::default()
+    };
+    let report = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts).map_err(|e| miette!("{e}"))?;
+    if c.explain {
+        println!("{}", shard_plan::explain(&report));
+    }
+    let chosen = report.chosen.groups();
+    let groups = hzp_passes::spmd::ShardSpec {
+        params: chosen.params.clone(),
+        grads: chosen.grads.clone(),
+        optim: chosen.optim.clone(),
+    };
+    let step = hzp_passes::spmd::shard_training_step(&fwd, &cfg, &mesh, &groups)
+        .map_err(|e| miette!("{e}"))?;
+    let prog = step.program;
+    let kinds = |v: ValueId| buffer_kind(&prog, v);
+    let persistent = hzp_passes::memory::default_persistent(&prog);
+    let mem = hzp_passes::memory::plan_memory(&prog, &kinds, &persistent);
+    let plan_groups = ShardGroups {
+        params: step.groups.params.clone(),
+        grads: step.groups.grads.clone(),
+        optim: step.groups.optim.clone(),
+    };
+    let plan = Plan::new(
+        model.model.clone(),
+        strategy.name(),
+        mesh.clone(),
+        plan_groups,
+        prog.clone(),
+        mem.arena_bytes,
+        mem.buffers.clone(),
+    );
+    // One communicator per (group, stream), as the runtime creates them: collectives of one
+    // group on different streams do not need ordering among themselves.
+    let vopts = hzp_passes::verify_plan::VerifyOptions {
+        budget,
+        communicator_per_stream: true,
+    };
+    if let Err(violations) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
+        let list: Vec<String> = violations.iter().map(|v| format!("  - {v}")).collect();
+        return Err(miette!(
+            "the compiled plan failed verification:\n{}",
+            list.join("\n")
+        ));
+    }
+    if let Some(out) = &c.output {
+        let mut ins: Vec<&Path> = vec![Path::new(&model.model)];
+        ins.extend(inputs);
+        crate::commands::check_not_input(out, &ins)?;
+        let tmp = out.with_extension("json.tmp");
+        std::fs::write(&tmp, plan.to_json()).into_diagnostic()?;
+        std::fs::rename(&tmp, out).into_diagnostic()?;
+    }
+    let summary = summary(&plan, &report, &mem.peak_by_kind, start.elapsed().as_secs_f64());
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&summary).into_diagnostic()?),
+        Format::Text => {
+            print_summary(&summary);
+            if let Some(out) = &c.output {
+                println!("wrote {}", out.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(serde::Serialize)]
+struct Summary {
+    model: String,
+    strategy: String,
+    mesh: String,
+    world_size: usize,
+    groups: BTreeMap<&'static str, String>,
+    predicted_step_s: f64,
+    predicted_exposed_comm_s: f64,
+    nodes_per_stream: BTreeMap<&'static str, usize>,
+    collectives: Vec<CollectiveRow>,
+    arena_bytes: u64,
+    peak_by_kind: BTreeMap<String, u64>,
+    bytes_per_link: BTreeMap<String, f64>,
+    compile_seconds: f64,
+}
+
+#[derive(serde::Serialize)]
+struct CollectiveRow {
+    op: String,
+    group: String,
+    stream: String,
+    count: usize,
+    bytes: u64,
+}
+
+fn collectives(p: &Program) -> Vec<CollectiveRow> {
+    let mut rows: BTreeMap<(String, String, String), (usize, u64)> = BTreeMap::new();
+    for n in &p.nodes {
+        if let Some(g) = n.op.group() {
+            let bytes = n
+                .inputs
+                .iter()
+                .chain(&n.outputs)
+                .map(|&v| p.ty(v).size_bytes() as u64)
+                .max()
+                .unwrap_or(0);
+            let e = rows
+                .entry((n.op.name().to_string(), g.to_string(), n.stream.name().to_string()))
+                .or_default();
+            e.0 += 1;
+            e.1 += bytes;
+        }
+    }
+    rows.into_iter()
+        .map(|((op, group, stream), (count, bytes))| CollectiveRow {
+            op,
+            group,
+            stream,
+            count,
+            bytes,
+        })
+        .collect()
+}
+
+fn nodes_per_stream(p: &Program) -> BTreeMap<&'static str, usize> {
+    let mut m = BTreeMap::new();
+    for n in &p.nodes {
+        *m.entry(n.stream.name()).or_default() += 1;
+    }
+    m
+}
+
+fn summary(plan: &Plan, report: &shard_plan::PlanReport, peak: &BTreeMap<BufferKind, u64>, secs: f64) -> Summary {
+    let mut groups = BTreeMap::new();
+    groups.insert("params", plan.groups.params.to_string());
+    groups.insert("grads", plan.groups.grads.to_string());
+    groups.insert("optim", plan.groups.optim.to_string());
+    Summary {
+        model: plan.model.clone(),
+        strategy: plan.strategy.clone(),
+        mesh: plan.mesh.to_string(),
+        world_size: plan.mesh.world_size(),
+        groups,
+        predicted_step_s: report.chosen.step_s,
+        predicted_exposed_comm_s: report.chosen.exposed_comm_s,
+        nodes_per_stream: nodes_per_stream(&plan.program),
+        collectives: collectives(&plan.program),
+        arena_bytes: plan.arena_bytes,
+        peak_by_kind: peak.iter().map(|(k, v)| (k.name().to_string(), *v)).collect(),
+        bytes_per_link: report.chosen.bytes_per_link.clone(),
+        compile_seconds: secs,
+    }
+}
+
+fn print_summary(s: &Summary) {
+    println!(
+        "plan for {} on {} ({} ranks), strategy {}",
+        s.model, s.mesh, s.world_size, s.strategy
+    );
+    println!(
+        "  groups: params {}  grads {}  optim {}",
+        s.groups["params"], s.groups["grads"], s.groups["optim"]
+    );
+    println!(
+        "  predicted step {} (exposed communication {})",
+        shard_plan::human_seconds(s.predicted_step_s),
+        shard_plan::human_seconds(s.predicted_exposed_comm_s)
+    );
+    println!(
+        "  arena per rank {}",
+        hzp_ir::plan::format_bytes(s.arena_bytes)
+    );
+    for (k, v) in &s.peak_by_kind {
+        println!("    {k:<12} {}", hzp_ir::plan::format_bytes(*v));
+    }
+    println!("  nodes per stream:");
+    for (k, v) in &s.nodes_per_stream {
+        println!("    {k:<14} {v}");
+    }
+    println!("  collectives per step:");
+    for r in &s.collectives {
+        println!(
+            "    {:<14} {:<16} on {:<14} x{:<5} {}",
+            r.op,
+            r.group,
+            r.stream,
+            r.count,
+            hzp_ir::plan::format_bytes(r.bytes)
+        );
+    }
+    println!("  compiled in {:.2} s", s.compile_seconds);
+}
+
+pub fn inspect(path: &Path, format: Format) -> Result<()> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
+    let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
+    let p = &plan.program;
+    let persistent = hzp_passes::memory::default_persistent(p);
+    let kinds = |v: ValueId| buffer_kind(p, v);
+    let mem = hzp_passes::memory::plan_memory(p, &kinds, &persistent);
+    match format {
+        Format::Json => {
+            let v = serde_json::json!({
+                "model": plan.model,
+                "strategy": plan.strategy,
+                "mesh": plan.mesh.to_string(),
+                "groups": {
+                    "params": plan.groups.params.to_string(),
+                    "grads": plan.groups.grads.to_string(),
+                    "optim": plan.groups.optim.to_string(),
+                },
+                "arena_bytes": plan.arena_bytes,
+                "peak_by_kind": mem.peak_by_kind.iter().map(|(k, v)| (k.name().to_string(), *v)).collect::<BTreeMap<_, _>>(),
+                "nodes_per_stream": nodes_per_stream(p),
+                "collectives": collectives(p),
+                "content_hash": plan.content_hash,
+            });
+            println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        }
+        Format::Text => {
+            println!("plan {} (format version {}, hash {})", path.display(), plan.version, &plan.content_hash[..16.min(plan.content_hash.len())]);
+            println!("  model {}  strategy {}  mesh {}", plan.model, plan.strategy, plan.mesh);
+            println!(
+                "  groups: params {}  grads {}  optim {}",
+                plan.groups.params, plan.groups.grads, plan.groups.optim
+            );
+            println!("\nmemory per rank: arena {}", hzp_ir::plan::format_bytes(plan.arena_bytes));
+            for (k, v) in &mem.peak_by_kind {
+                println!("  {:<12} {}", k.name(), hzp_ir::plan::format_bytes(*v));
+            }
+            println!("\ncollectives per step");
+            for r in collectives(p) {
+                println!(
+                    "  {:<14} {:<16} on {:<14} x{:<5} {}",
+                    r.op,
+                    r.group,
+                    r.stream,
+                    r.count,
+                    hzp_ir::plan::format_bytes(r.bytes)
+                );
+            }
+            for stream in [StreamKind::Compute, StreamKind::AllGather, StreamKind::ReduceScatter] {
+                let ops: Vec<&hzp_ir::Node> = p.nodes.iter().filter(|n| n.stream == stream).collect();
+                println!("\nstream {} ({} ops)", stream.name(), ops.len());
+                for n in ops {
+                    let detail = match &n.op {
+                        Op::RecordEvent { event } => format!("record event {event}"),
+                        Op::WaitEvent { event } => format!("wait event {event}"),
+                        op => {
+                            let outs: Vec<String> = n.outputs.iter().map(|&o| p.ty(o).to_string()).collect();
+                            format!("{} -> {}", op.name(), outs.join(", "))
+                        }
+                    };
+                    println!("  {:<48} {}", n.name, detail);
+                }
+            }
+        }
+    }
+    Ok(())
+}
