@@ -540,28 +540,13 @@ fn rule(
             ends,
             steps,
         } => {
-            if steps.iter().any(|&s| s != 1) {
-                return Err("no gradient rule for Slice with a step other than 1".into());
-            }
             let xs = in_shape(e, 0);
             let mut cur = dy0;
-            for ((&a, &st), &en) in axes.iter().zip(starts).zip(ends) {
-                let mut parts = Vec::new();
-                let cs = e.shape(cur);
-                let dt = e.ty(cur).dtype;
-                if st > 0 {
-                    let mut s = cs.clone();
-                    s[a] = st as usize;
-                    parts.push(e.zeros(&hzp_ir::TensorType::new(dt, s))?);
-                }
-                parts.push(cur);
-                if (en as usize) < xs[a] {
-                    let mut s = cs.clone();
-                    s[a] = xs[a] - en as usize;
-                    parts.push(e.zeros(&hzp_ir::TensorType::new(dt, s))?);
-                }
-                if parts.len() > 1 {
-                    cur = e.op(Op::Concat { axis: a }, &parts)?;
+            for (((&a, &st), &en), &step) in axes.iter().zip(starts).zip(ends).zip(steps) {
+                if step == 1 && en >= st {
+                    cur = pad_axis(e, cur, a, st as usize, xs[a] - en as usize)?;
+                } else {
+                    cur = strided_slice_grad(e, cur, a, st, step, xs[a])?;
                 }
             }
             vec![Some(cur)]
@@ -630,6 +615,44 @@ fn rule(
                 &[z, outs[1], dv],
             )?)]
         }
+        Op::ScatterElements { add: false, axis } => {
+            // data: the output gradient where nothing was written over it; updates: the
+            // output gradient at the written positions
+            let gd = if want[0] {
+                let ty = e.ty(ins[2]).clone();
+                let z = e.zeros(&ty)?;
+                Some(e.op(
+                    Op::ScatterElements {
+                        axis: *axis,
+                        add: false,
+                    },
+                    &[dy0, ins[1], z],
+                )?)
+            } else {
+                None
+            };
+            let gu = if want[2] {
+                Some(e.op(Op::GatherElements { axis: *axis }, &[dy0, ins[1]])?)
+            } else {
+                None
+            };
+            vec![gd, None, gu]
+        }
+        Op::ScatterND { add: false } => {
+            let gd = if want[0] {
+                let ty = e.ty(ins[2]).clone();
+                let z = e.zeros(&ty)?;
+                Some(e.op(Op::ScatterND { add: false }, &[dy0, ins[1], z])?)
+            } else {
+                None
+            };
+            let gu = if want[2] {
+                Some(e.op(Op::GatherND { batch_dims: 0 }, &[dy0, ins[1]])?)
+            } else {
+                None
+            };
+            vec![gd, None, gu]
+        }
         Op::ScatterElements { add: true, .. } | Op::ScatterND { add: true } => {
             // data passes through; updates' gradient gathers the output gradient
             let gu = if want[2] {
@@ -678,6 +701,95 @@ fn rule(
     Ok(r)
 }
 
+/// `g` with `before` and `after` zeros added along `axis`.
+fn pad_axis(e: &mut Emitter, g: ValueId, axis: usize, before: usize, after: usize) -> R<ValueId> {
+    let cs = e.shape(g);
+    let dt = e.ty(g).dtype;
+    let mut parts = Vec::new();
+    for (n, last) in [(before, false), (after, true)] {
+        if last {
+            parts.push(g);
+        }
+        if n > 0 {
+            let mut s = cs.clone();
+            s[axis] = n;
+            parts.push(e.zeros(&hzp_ir::TensorType::new(dt, s))?);
+        }
+    }
+    if parts.len() == 1 {
+        return Ok(g);
+    }
+    e.op(Op::Concat { axis }, &parts)
+}
+
+/// The gradient of a Slice along one axis with a step other than 1 (`start` normalized as
+/// the Slice op holds it): element i of `g` goes to position start + i * step of an axis
+/// of `dim`, zeros elsewhere. A negative step is a reversed slice with step |step|; the
+/// gaps are zeros concatenated beside each element (via an extra axis) and reshaped away.
+fn strided_slice_grad(
+    e: &mut Emitter,
+    g: ValueId,
+    axis: usize,
+    start: i64,
+    step: i64,
+    dim: usize,
+) -> R<ValueId> {
+    let gs = e.shape(g);
+    let count = gs[axis];
+    let dt = e.ty(g).dtype;
+    if count == 0 {
+        let mut s = gs;
+        s[axis] = dim;
+        return e.zeros(&hzp_ir::TensorType::new(dt, s));
+    }
+    let (mut g, lo) = if step < 0 {
+        let flipped = e.op(
+            Op::Slice {
+                axes: vec![axis],
+                starts: vec![count as i64 - 1],
+                ends: vec![-1],
+                steps: vec![-1],
+            },
+            &[g],
+        )?;
+        (flipped, start + (count as i64 - 1) * step)
+    } else {
+        (g, start)
+    };
+    let k = step.unsigned_abs() as usize;
+    let lo = usize::try_from(lo).map_err(|_| format!("Slice start {start} out of range"))?;
+    if k > 1 {
+        let mut s1 = gs.clone();
+        s1.insert(axis + 1, 1);
+        let g1 = reshape(e, g, &s1)?;
+        let mut sz = s1.clone();
+        sz[axis + 1] = k - 1;
+        let z = e.zeros(&hzp_ir::TensorType::new(dt, sz))?;
+        let spread = e.op(Op::Concat { axis: axis + 1 }, &[g1, z])?;
+        let mut s2 = gs.clone();
+        s2[axis] = count * k;
+        g = reshape(e, spread, &s2)?;
+        // keep (count - 1) * k + 1 elements at least, and no more than fit after `lo`
+        let keep = (count * k).min(dim.saturating_sub(lo));
+        if keep < count * k {
+            g = e.op(
+                Op::Slice {
+                    axes: vec![axis],
+                    starts: vec![0],
+                    ends: vec![keep as i64],
+                    steps: vec![1],
+                },
+                &[g],
+            )?;
+        }
+    }
+    let len = e.shape(g)[axis];
+    let after = dim
+        .checked_sub(lo + len)
+        .ok_or_else(|| format!("Slice positions run past the axis of {dim}"))?;
+    pad_axis(e, g, axis, lo, after)
+}
+
 fn matmul_rule(
     e: &mut Emitter,
     a: ValueId,
@@ -714,7 +826,17 @@ fn matmul_rule(
     } else {
         None
     };
-    let gb = if want[1] {
+    let gb = if want[1] && sb2.len() == 2 && sa2.len() > 2 {
+        // b is one matrix (a weight) read by every batch entry of a: fold the batch into
+        // the rows, one product [k, B*m] @ [B*m, n] instead of B products and a sum
+        let (k, n) = (sb2[0], sb2[1]);
+        let rows: usize = sa2[..sa2.len() - 1].iter().product();
+        let af = reshape(e, a2, &[rows, k])?;
+        let dyf = reshape(e, dy2, &[rows, n])?;
+        let at = swap_last2(e, af)?;
+        let g = e.op(Op::MatMul, &[at, dyf])?;
+        Some(reshape(e, g, &sb)?)
+    } else if want[1] {
         let at = swap_last2(e, a2)?;
         let g = e.op(Op::MatMul, &[at, dy2])?;
         let g = unbroadcast(e, g, &sb2)?;

@@ -285,13 +285,20 @@ pub fn nested_groups(mesh: &Mesh) -> Vec<Group> {
 }
 
 /// The innermost axes that stay inside one node: the longest suffix of the mesh whose size
-/// is at most the cluster's devices per node.
+/// is at most the cluster's devices per node and whose axes all use intra-node link classes
+/// (those of the node-local axes of the cluster's own mesh, e.g. `nvlink` for
+/// `node=128,gpu=8`). So `node=2,gpu=4` on 8-GPU nodes is two nodes (its `node` axis is on the
+/// inter-node link), and a split `gpu=2x4` stays inside a node.
 pub fn node_local_group(mesh: &Mesh, cluster: &ClusterSpec) -> Group {
+    let intra = intra_node_links(cluster);
     let mut size = 1usize;
     let mut start = mesh.axes.len();
     for (i, a) in mesh.axes.iter().enumerate().rev() {
+        let local_link = cluster
+            .link_for_axis(&a.name)
+            .is_ok_and(|l| intra.contains(&l.name));
         match size.checked_mul(a.size) {
-            Some(s) if s <= cluster.devices_per_node.max(1) => {
+            Some(s) if s <= cluster.devices_per_node.max(1) && local_link => {
                 size = s;
                 start = i;
             }
@@ -299,6 +306,24 @@ pub fn node_local_group(mesh: &Mesh, cluster: &ClusterSpec) -> Group {
         }
     }
     Group::new(mesh.axes[start..].iter().map(|a| a.name.clone()))
+}
+
+/// Link classes of the innermost axes of the cluster's own mesh that fit in one node.
+fn intra_node_links(cluster: &ClusterSpec) -> Vec<String> {
+    let mut size = 1usize;
+    let mut out: Vec<String> = Vec::new();
+    for a in cluster.mesh.axes.iter().rev() {
+        match size.checked_mul(a.size) {
+            Some(s) if s <= cluster.devices_per_node.max(1) => size = s,
+            _ => break,
+        }
+        if let Ok(l) = cluster.link_for_axis(&a.name) {
+            if !out.contains(&l.name) {
+                out.push(l.name.clone());
+            }
+        }
+    }
+    out
 }
 
 /// `axes` in mesh order (outermost first), deduplicated; axes not in the mesh are dropped.
@@ -604,7 +629,7 @@ pub enum ShardPlanError {
     Cost(#[from] CostError),
     #[error("cannot analyze model `{model}` for sharding: {message}")]
     Model { model: String, message: String },
-    #[error("{}", no_fit_message(.model, .strategy, .budget, .weighed, .candidate))]
+    #[error("{}", no_fit_message(.model, .strategy, .budget, .weighed, .candidate, .hint))]
     DoesNotFit {
         model: String,
         strategy: Strategy,
@@ -613,6 +638,8 @@ pub enum ShardPlanError {
         weighed: usize,
         /// The candidate needing the least memory.
         candidate: Box<Candidate>,
+        /// What could make it fit (`Try ...`).
+        hint: String,
     },
 }
 
@@ -622,14 +649,14 @@ fn no_fit_message(
     budget: &u64,
     weighed: &usize,
     c: &Candidate,
+    hint: &str,
 ) -> String {
     let m = &c.memory;
     format!(
         "no sharding of `{model}` fits the memory budget of {} per rank (strategy {strategy}, \
          {weighed} candidate{} weighed). The smallest, {}, needs {} per rank: parameters {}, \
          master weights {}, gradients {}, optimizer states {}, activations {}, buffers {} \
-         ({} gathered parameters, {} gradient buckets). Try activation recompute, a smaller \
-         micro-batch, wider shard groups or more ranks.",
+         ({} gathered parameters, {} gradient buckets). {hint}",
         human_bytes(*budget),
         if *weighed == 1 { "" } else { "s" },
         c.label(),
@@ -643,6 +670,38 @@ fn no_fit_message(
         human_bytes(m.gathered),
         human_bytes(m.grad_buckets),
     )
+}
+
+/// `Try ...`: the knobs that reduce the smallest candidate's need, largest part first.
+fn no_fit_hint(opts: &ShardOptions, c: &Candidate) -> String {
+    let m = &c.memory;
+    let mut tries: Vec<(u64, &str)> = Vec::new();
+    if !opts.recompute {
+        tries.push((m.activations, "activation recompute (--recompute)"));
+    }
+    tries.push((m.activations, "a smaller micro-batch or sequence"));
+    if opts.grad_dtype.size_bytes() > 2 && m.grads + m.grad_buckets > 0 {
+        tries.push((m.grads + m.grad_buckets, "bf16 gradients"));
+    }
+    if opts.reduce_grads == ReduceGrads::PerStep && opts.micro_batches > 1 {
+        tries.push((m.grads, "reducing gradients per micro-batch"));
+    }
+    if !opts.reshard_after_forward {
+        tries.push((m.gathered, "resharding after forward"));
+    }
+    if opts.prefetch_depth > 1 {
+        tries.push((m.gathered, "a smaller prefetch depth"));
+    }
+    if opts.strategy != Strategy::AsyncHzp || !opts.overrides.is_empty() {
+        tries.push((
+            m.params + m.master + m.optim_states,
+            "wider shard groups (strategy asynchzp without --shard)",
+        ));
+    }
+    tries.sort_by_key(|t| std::cmp::Reverse(t.0));
+    let mut list: Vec<&str> = tries.iter().map(|t| t.1).collect();
+    list.push("more ranks");
+    format!("Try {}.", list.join(", "))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1395,6 +1454,7 @@ pub fn plan_sharding(
             strategy: opts.strategy,
             budget,
             weighed: candidates.len(),
+            hint: no_fit_hint(opts, &smallest),
             candidate: Box::new(smallest),
         });
     };

@@ -325,6 +325,30 @@ fn data_movement() {
 }
 
 #[test]
+fn strided_and_reversed_slices() {
+    // steps 2 and 3 (GPT-J's x[..., ::2] and x[..., 1::2]), a reversed axis, a reversed
+    // strided one, and an empty slice
+    for (starts, ends, steps) in [
+        (vec![0, 1], vec![3, 7], vec![1, 2]),
+        (vec![1, 0], vec![3, 7], vec![1, 3]),
+        (vec![2, 6], vec![-1, -1], vec![-1, -2]),
+        (vec![0, 5], vec![3, 0], vec![1, -3]),
+        (vec![0, 4], vec![3, 4], vec![1, 1]),
+    ] {
+        check(
+            Op::Slice {
+                axes: vec![0, 1],
+                starts,
+                ends,
+                steps,
+            },
+            vec![F(vec![3, 7])],
+            0,
+        );
+    }
+}
+
+#[test]
 fn indexing() {
     let idx = Tensor::i64(vec![2, 3], vec![0, 4, 1, 1, -1, 2]);
     check(
@@ -359,6 +383,23 @@ fn indexing() {
         vec![F(vec![2, 5])],
         0,
     );
+    // scatter (overwrite and add): gradients of the data and of the updates
+    let si = Tensor::i64(vec![2, 2], vec![0, 2, 1, 0]);
+    for add in [false, true] {
+        check(
+            Op::ScatterElements { axis: 1, add },
+            vec![F(vec![2, 3]), Fixed(si.clone()), F(vec![2, 2])],
+            0,
+        );
+    }
+    let sn = Tensor::i64(vec![2, 1], vec![2, 0]);
+    for add in [false, true] {
+        check(
+            Op::ScatterND { add },
+            vec![F(vec![3, 2]), Fixed(sn.clone()), F(vec![2, 2])],
+            0,
+        );
+    }
 }
 
 #[test]

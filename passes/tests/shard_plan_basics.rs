@@ -66,8 +66,11 @@ fn strategies_map_to_fixed_groups() {
     assert_eq!(node_local_group(&split, &c), g(&["gpu.0", "gpu.1"]));
     let hsdp = Strategy::Hsdp.groups(&split, &c).unwrap();
     assert_eq!(hsdp.params, g(&["gpu.0", "gpu.1"]));
-    // A mesh inside one node: node-local is the world.
+    // A mesh inside one node: node-local is the world. An axis on the inter-node link is
+    // not node-local even when the mesh would fit in one node's devices.
     assert_eq!(node_local_group(&mesh("gpu=4"), &c), g(&["gpu"]));
+    assert_eq!(node_local_group(&mesh("node=2,gpu=4"), &c), g(&["gpu"]));
+    assert_eq!(node_local_group(&mesh("node=2,gpu=16"), &c), g(&[]));
 
     for s in Strategy::ALL {
         assert_eq!(Strategy::parse(s.name()).unwrap(), s);
@@ -354,7 +357,6 @@ fn traffic_per_link_on_one_axis() {
 #[test]
 fn overrides_and_strategies_restrict_the_candidates() {
     let p = mlp();
-    // Two nodes of 8 (node=2,gpu=4 would fit in one node: HSDP would be ZeRO-3).
     let m = mesh("node=2,gpu=8");
     let plan = |strategy, ov: &str| {
         plan_sharding(

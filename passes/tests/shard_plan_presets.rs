@@ -50,10 +50,11 @@ fn gib(b: f64) -> f64 {
 
 #[test]
 fn llama3_70b_keeps_parameter_traffic_inside_a_node() {
+    // Recompute leaves memory headroom (without it the same plan is chosen at 78 of 80 GiB).
     let p = preset("preset:llama3-70b,seq=512");
-    let r = plan(&p, &opts(Strategy::AsyncHzp, false));
+    let r = plan(&p, &opts(Strategy::AsyncHzp, true));
     let c = &r.chosen;
-    let z3 = plan(&p, &opts(Strategy::Zero3, false));
+    let z3 = plan(&p, &opts(Strategy::Zero3, true));
     let z = &z3.chosen;
     eprintln!("{}", explain(&r));
     eprintln!(
