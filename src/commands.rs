@@ -705,7 +705,11 @@ pub fn train(
 /// Reads the model for `hzp compile` at the per-rank micro-batch shape: the global batch
 /// (from --shape or --inputs) with axis 0 divided by `divisor` (ranks x micro-batches).
 /// Presets are already per-rank micro-batches (their `batch`).
-pub(crate) fn load_for_compile(args: &ModelArgs, inputs: Option<&Path>, divisor: usize) -> Result<Program> {
+pub(crate) fn load_for_compile(
+    args: &ModelArgs,
+    inputs: Option<&Path>,
+    divisor: usize,
+) -> Result<Program> {
     if args.model.starts_with("preset:") {
         if !args.shapes.is_empty() || inputs.is_some() {
             return Err(miette!(

@@ -83,13 +83,17 @@ fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
     }
 }
 
-pub fn compile(model: &ModelArgs, inputs: Option<&Path>, t: &TrainArgs, c: &CompileArgs, format: Format) -> Result<()> {
+pub fn compile(
+    model: &ModelArgs,
+    inputs: Option<&Path>,
+    t: &TrainArgs,
+    c: &CompileArgs,
+    format: Format,
+) -> Result<()> {
     let start = Instant::now();
     let mesh = Mesh::parse(&c.mesh).map_err(|e| miette!("--mesh: {e}"))?;
     let cluster = load_cluster(c.cluster.as_deref())?;
-    cluster
-        .validate_mesh(&mesh)
-        .map_err(|e| miette!("{e}"))?;
+    cluster.validate_mesh(&mesh).map_err(|e| miette!("{e}"))?;
     let budget = match &c.memory {
         Some(m) => Some(parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?),
         None => None,
@@ -118,7 +122,8 @@ pub fn compile(model: &ModelArgs, inputs: Option<&Path>, t: &TrainArgs, c: &Comp
         loss: Some(cfg.loss.clone()),
         ..ShardOptions::default()
     };
-    let report = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts).map_err(|e| miette!("{e}"))?;
+    let report =
+        shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts).map_err(|e| miette!("{e}"))?;
     if c.explain {
         println!("{}", shard_plan::explain(&report));
     }
@@ -169,9 +174,17 @@ pub fn compile(model: &ModelArgs, inputs: Option<&Path>, t: &TrainArgs, c: &Comp
         std::fs::write(&tmp, plan.to_json()).into_diagnostic()?;
         std::fs::rename(&tmp, out).into_diagnostic()?;
     }
-    let summary = summary(&plan, &report, &mem.peak_by_kind, start.elapsed().as_secs_f64());
+    let summary = summary(
+        &plan,
+        &report,
+        &mem.peak_by_kind,
+        start.elapsed().as_secs_f64(),
+    );
     match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&summary).into_diagnostic()?),
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).into_diagnostic()?
+        ),
         Format::Text => {
             print_summary(&summary);
             if let Some(out) = &c.output {
@@ -220,7 +233,11 @@ fn collectives(p: &Program) -> Vec<CollectiveRow> {
                 .max()
                 .unwrap_or(0);
             let e = rows
-                .entry((n.op.name().to_string(), g.to_string(), n.stream.name().to_string()))
+                .entry((
+                    n.op.name().to_string(),
+                    g.to_string(),
+                    n.stream.name().to_string(),
+                ))
                 .or_default();
             e.0 += 1;
             e.1 += bytes;
@@ -245,7 +262,12 @@ fn nodes_per_stream(p: &Program) -> BTreeMap<&'static str, usize> {
     m
 }
 
-fn summary(plan: &Plan, report: &shard_plan::PlanReport, peak: &BTreeMap<BufferKind, u64>, secs: f64) -> Summary {
+fn summary(
+    plan: &Plan,
+    report: &shard_plan::PlanReport,
+    peak: &BTreeMap<BufferKind, u64>,
+    secs: f64,
+) -> Summary {
     let mut groups = BTreeMap::new();
     groups.insert("params", plan.groups.params.to_string());
     groups.insert("grads", plan.groups.grads.to_string());
@@ -261,7 +283,10 @@ fn summary(plan: &Plan, report: &shard_plan::PlanReport, peak: &BTreeMap<BufferK
         nodes_per_stream: nodes_per_stream(&plan.program),
         collectives: collectives(&plan.program),
         arena_bytes: plan.arena_bytes,
-        peak_by_kind: peak.iter().map(|(k, v)| (k.name().to_string(), *v)).collect(),
+        peak_by_kind: peak
+            .iter()
+            .map(|(k, v)| (k.name().to_string(), *v))
+            .collect(),
         bytes_per_link: report.chosen.bytes_per_link.clone(),
         compile_seconds: secs,
     }
@@ -334,13 +359,24 @@ pub fn inspect(path: &Path, format: Format) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
         }
         Format::Text => {
-            println!("plan {} (format version {}, hash {})", path.display(), plan.version, &plan.content_hash[..16.min(plan.content_hash.len())]);
-            println!("  model {}  strategy {}  mesh {}", plan.model, plan.strategy, plan.mesh);
+            println!(
+                "plan {} (format version {}, hash {})",
+                path.display(),
+                plan.version,
+                &plan.content_hash[..16.min(plan.content_hash.len())]
+            );
+            println!(
+                "  model {}  strategy {}  mesh {}",
+                plan.model, plan.strategy, plan.mesh
+            );
             println!(
                 "  groups: params {}  grads {}  optim {}",
                 plan.groups.params, plan.groups.grads, plan.groups.optim
             );
-            println!("\nmemory per rank: arena {}", hzp_ir::plan::format_bytes(plan.arena_bytes));
+            println!(
+                "\nmemory per rank: arena {}",
+                hzp_ir::plan::format_bytes(plan.arena_bytes)
+            );
             for (k, v) in &mem.peak_by_kind {
                 println!("  {:<12} {}", k.name(), hzp_ir::plan::format_bytes(*v));
             }
@@ -355,15 +391,21 @@ pub fn inspect(path: &Path, format: Format) -> Result<()> {
                     hzp_ir::plan::format_bytes(r.bytes)
                 );
             }
-            for stream in [StreamKind::Compute, StreamKind::AllGather, StreamKind::ReduceScatter] {
-                let ops: Vec<&hzp_ir::Node> = p.nodes.iter().filter(|n| n.stream == stream).collect();
+            for stream in [
+                StreamKind::Compute,
+                StreamKind::AllGather,
+                StreamKind::ReduceScatter,
+            ] {
+                let ops: Vec<&hzp_ir::Node> =
+                    p.nodes.iter().filter(|n| n.stream == stream).collect();
                 println!("\nstream {} ({} ops)", stream.name(), ops.len());
                 for n in ops {
                     let detail = match &n.op {
                         Op::RecordEvent { event } => format!("record event {event}"),
                         Op::WaitEvent { event } => format!("wait event {event}"),
                         op => {
-                            let outs: Vec<String> = n.outputs.iter().map(|&o| p.ty(o).to_string()).collect();
+                            let outs: Vec<String> =
+                                n.outputs.iter().map(|&o| p.ty(o).to_string()).collect();
                             format!("{} -> {}", op.name(), outs.join(", "))
                         }
                     };
