@@ -205,12 +205,22 @@ fn compile_writes_a_verified_deterministic_plan_that_inspect_reads() {
     let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
     let io = own_models_dir().join("llama_tiny.io.npz");
     let mut plans = Vec::new();
-    for (i, (mesh, strategy)) in [("node=2,gpu=2", "asynchzp"), ("node=2,gpu=2", "asynchzp"), ("gpu=4", "zero3"), ("gpu=2", "ddp"), ("node=2,gpu=2", "hsdp")]
-        .iter()
-        .enumerate()
+    for (i, (mesh, strategy)) in [
+        ("node=2,gpu=2", "asynchzp"),
+        ("node=2,gpu=2", "asynchzp"),
+        ("gpu=4", "zero3"),
+        ("gpu=2", "ddp"),
+        ("node=2,gpu=2", "hsdp"),
+    ]
+    .iter()
+    .enumerate()
     {
         // the example batch has 2 rows; 4 ranks need a global batch of at least 4
-        let rows = if mesh.contains("node") || mesh.contains('4') { 4 } else { 2 };
+        let rows = if mesh.contains("node") || mesh.contains('4') {
+            4
+        } else {
+            2
+        };
         let out = dir.join(format!("plan{i}.json"));
         let (code, stdout, err) = hzp(&[
             "compile",
@@ -230,14 +240,22 @@ fn compile_writes_a_verified_deterministic_plan_that_inspect_reads() {
         assert!(stdout.contains("collectives per step"), "{stdout}");
         let (code, text, err) = hzp(&["inspect", out.to_str().unwrap()]);
         assert_eq!(code, 0, "{err}");
-        assert!(text.contains("stream allgather") && text.contains("memory per rank"), "{text}");
+        assert!(
+            text.contains("stream allgather") && text.contains("memory per rank"),
+            "{text}"
+        );
         plans.push(std::fs::read(&out).unwrap());
     }
-    assert_eq!(plans[0], plans[1], "the same compile twice gave different plans");
+    assert_eq!(
+        plans[0], plans[1],
+        "the same compile twice gave different plans"
+    );
     let _ = io;
     // a plan edited by hand is refused
     let edited = dir.join("edited.json");
-    let text = String::from_utf8(plans[2].clone()).unwrap().replacen("zero3", "zero2", 1);
+    let text = String::from_utf8(plans[2].clone())
+        .unwrap()
+        .replacen("zero3", "zero2", 1);
     std::fs::write(&edited, text).unwrap();
     let (code, _, err) = hzp(&["inspect", edited.to_str().unwrap()]);
     assert_eq!(code, 1);

@@ -371,13 +371,37 @@ fn without_retie_the_untied_copies_train_apart() {
 fn bf16_training_follows_fp32_closely() {
     // bf16 compute with fp32 master weights, states and loss: the first loss agrees with
     // fp32 to bf16 precision and the loss still falls.
-    let r = refs().into_iter().find(|r| r.stem == "ref/llama_tiny.legacy.op17").unwrap();
+    let r = refs()
+        .into_iter()
+        .find(|r| r.stem == "ref/llama_tiny.legacy.op17")
+        .unwrap();
     let f32_losses = json_losses(&hzp(&r, "train", &["--steps", "5", "--format", "json"]));
-    let bf16 = hzp(&r, "train", &["--steps", "5", "--precision", "bf16", "--format", "json"]);
+    let bf16 = hzp(
+        &r,
+        "train",
+        &["--steps", "5", "--precision", "bf16", "--format", "json"],
+    );
     let bf16_losses = json_losses(&bf16);
-    assert!((bf16_losses[0] - f32_losses[0]).abs() < 2e-2 * f32_losses[0], "{bf16_losses:?} vs {f32_losses:?}");
+    assert!(
+        (bf16_losses[0] - f32_losses[0]).abs() < 2e-2 * f32_losses[0],
+        "{bf16_losses:?} vs {f32_losses:?}"
+    );
     assert!(bf16_losses[4] < bf16_losses[0], "{bf16_losses:?}");
     // the policy is printed in the program
-    let text = hzp(&r, "train", &["--steps", "0", "--precision", "bf16", "--print-after", "optimizer"]);
-    assert!(text.contains("precision compute=bf16, master=f32, reduce=f32"), "no precision line");
+    let text = hzp(
+        &r,
+        "train",
+        &[
+            "--steps",
+            "0",
+            "--precision",
+            "bf16",
+            "--print-after",
+            "optimizer",
+        ],
+    );
+    assert!(
+        text.contains("precision compute=bf16, master=f32, reduce=f32"),
+        "no precision line"
+    );
 }

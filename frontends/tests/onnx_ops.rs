@@ -1209,3 +1209,388 @@ fn odd_inputs_to_every_op_never_panic() {
         }
     }
 }
+
+/// Direct N-d convolution from the ONNX definition (for checking the im2col translation).
+#[allow(clippy::too_many_arguments)]
+fn conv_reference(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    strides: &[usize],
+    dil: &[usize],
+    pads: &[usize],
+    group: usize,
+    out_sp: &[usize],
+) -> Tensor {
+    let (xs, ws) = (&x.shape, &w.shape);
+    let sp = xs.len() - 2;
+    let (n, c, m) = (xs[0], xs[1], ws[0]);
+    let (cg, mg) = (c / group, m / group);
+    let (xv, wv) = (x.to_f32_vec(), w.to_f32_vec());
+    let l: usize = out_sp.iter().product();
+    let k: usize = ws[2..].iter().product();
+    let mut out = vec![0f32; n * m * l];
+    let unravel = |mut i: usize, dims: &[usize]| {
+        let mut v = vec![0usize; dims.len()];
+        for a in (0..dims.len()).rev() {
+            v[a] = i % dims[a];
+            i /= dims[a];
+        }
+        v
+    };
+    for ni in 0..n {
+        for mi in 0..m {
+            let gi = mi / mg;
+            for li in 0..l {
+                let o = unravel(li, out_sp);
+                let mut acc = b.map_or(0.0, |b| b.to_f32_vec()[mi]);
+                for ci in 0..cg {
+                    for ki in 0..k {
+                        let kk = unravel(ki, &ws[2..]);
+                        let mut flat = ni * c + gi * cg + ci;
+                        let mut inside = true;
+                        for a in 0..sp {
+                            let pos = (o[a] * strides[a] + kk[a] * dil[a]) as i64 - pads[a] as i64;
+                            if pos < 0 || pos >= xs[2 + a] as i64 {
+                                inside = false;
+                            }
+                            flat = flat * xs[2 + a] + pos.max(0) as usize;
+                        }
+                        if inside {
+                            acc += xv[flat] * wv[(mi * cg + ci) * k + ki];
+                        }
+                    }
+                }
+                out[(ni * m + mi) * l + li] = acc;
+            }
+        }
+    }
+    let mut shape = vec![n, m];
+    shape.extend(out_sp);
+    Tensor::f32(shape, out)
+}
+
+/// (weight shape, attributes, strides, dilations, begin pads, group, output dims)
+type ConvCase = (
+    Vec<usize>,
+    Vec<AttributeProto>,
+    Vec<usize>,
+    Vec<usize>,
+    Vec<usize>,
+    usize,
+    Vec<usize>,
+);
+
+#[test]
+fn conv_as_patches_times_weights() {
+    let x2 = arange(&[2, 4, 7, 6]);
+    let cases: Vec<ConvCase> = vec![
+        // plain 3x3
+        (
+            vec![3, 4, 3, 3],
+            vec![],
+            vec![1, 1],
+            vec![1, 1],
+            vec![0, 0],
+            1,
+            vec![5, 4],
+        ),
+        // padded, strided, dilated, grouped
+        (
+            vec![4, 2, 3, 2],
+            vec![
+                a_ints("pads", &[1, 2, 2, 0]),
+                a_ints("strides", &[2, 1]),
+                a_ints("dilations", &[2, 1]),
+                a_i("group", 2),
+            ],
+            vec![2, 1],
+            vec![2, 1],
+            vec![1, 2],
+            2,
+            vec![3, 7],
+        ),
+        // patch embedding: stride = kernel, the input cropped to whole patches
+        (
+            vec![5, 4, 2, 3],
+            vec![a_ints("strides", &[2, 3]), a_ints("kernel_shape", &[2, 3])],
+            vec![2, 3],
+            vec![1, 1],
+            vec![0, 0],
+            1,
+            vec![3, 2],
+        ),
+        // depthwise with SAME_UPPER padding and stride 2: pads (1, 0) and (1, 1)
+        (
+            vec![4, 1, 3, 3],
+            vec![
+                a_s("auto_pad", "SAME_UPPER"),
+                a_ints("strides", &[2, 2]),
+                a_i("group", 4),
+            ],
+            vec![2, 2],
+            vec![1, 1],
+            vec![1, 0],
+            4,
+            vec![4, 3],
+        ),
+    ];
+    for (ws, attrs, strides, dil, pads, group, out_sp) in cases {
+        let w = arange(&ws);
+        let wv: Vec<f32> = w.to_f32_vec().iter().map(|v| v * 0.1).collect();
+        let w = Tensor::f32(ws.clone(), wv);
+        let b = Tensor::f32(vec![ws[0]], (0..ws[0]).map(|i| i as f32 - 1.5).collect());
+        let (p, res) = one_node(
+            "Conv",
+            vec![
+                In::Run("x", x2.clone()),
+                In::Init("w", w.clone()),
+                In::Init("b", b.clone()),
+            ],
+            attrs,
+            1,
+        );
+        let want = conv_reference(&x2, &w, Some(&b), &strides, &dil, &pads, group, &out_sp);
+        close(&res[0], &want);
+        let names: Vec<&str> = p
+            .params
+            .iter()
+            .map(|q| p.value(q.value).name.as_str())
+            .collect();
+        assert_eq!(names, vec!["w", "b"], "the weight and bias stay parameters");
+    }
+    // 1-D (Whisper-style), no bias, stride 2, pads 1
+    let x1 = arange(&[1, 3, 9]);
+    let w1 = Tensor::f32(
+        vec![2, 3, 3],
+        (0..18).map(|i| (i as f32 * 0.37).sin()).collect(),
+    );
+    let (_, res) = one_node(
+        "Conv",
+        vec![In::Run("x", x1.clone()), In::Init("w", w1.clone())],
+        vec![a_ints("pads", &[1, 1]), a_ints("strides", &[2])],
+        1,
+    );
+    let want = conv_reference(&x1, &w1, None, &[2], &[1], &[1], 1, &[5]);
+    close(&res[0], &want);
+}
+
+fn wave(shape: &[usize], seed: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    Tensor::f32(
+        shape.to_vec(),
+        (0..n).map(|i| ((i as f32 + 1.0) * seed).sin()).collect(),
+    )
+}
+
+/// Attention from its definition on [B, H, S, D] data: key j is visible from query i when
+/// `visible(b, i, j)`; a query with no visible key gives zeros.
+fn attention_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    visible: impl Fn(usize, usize, usize) -> bool,
+) -> Tensor {
+    let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
+    let (b, hq, t, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let (hk, s, dv) = (ks[1], ks[2], vs[3]);
+    let (qv, kv, vv) = (q.to_f32_vec(), k.to_f32_vec(), v.to_f32_vec());
+    let mut out = vec![0f32; b * hq * t * dv];
+    for bi in 0..b {
+        for h in 0..hq {
+            let g = h / (hq / hk);
+            for i in 0..t {
+                let scores: Vec<Option<f32>> = (0..s)
+                    .map(|j| {
+                        visible(bi, i, j).then(|| {
+                            (0..d)
+                                .map(|x| {
+                                    qv[((bi * hq + h) * t + i) * d + x]
+                                        * kv[((bi * hk + g) * s + j) * d + x]
+                                })
+                                .sum::<f32>()
+                                * scale
+                        })
+                    })
+                    .collect();
+                let m = scores
+                    .iter()
+                    .flatten()
+                    .fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                let e: Vec<f32> = scores
+                    .iter()
+                    .map(|x| x.map_or(0.0, |x| (x - m).exp()))
+                    .collect();
+                let z: f32 = e.iter().sum();
+                for x in 0..dv {
+                    let o = &mut out[((bi * hq + h) * t + i) * dv + x];
+                    for j in 0..s {
+                        if z > 0.0 {
+                            *o += e[j] / z * vv[((bi * hk + g) * s + j) * dv + x];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Tensor::f32(vec![b, hq, t, dv], out)
+}
+
+/// Runs one node of `opset` with run-time inputs (an empty name: an omitted input); returns
+/// its outputs.
+fn one_node_opset(
+    opset: i64,
+    op: &str,
+    ins: &[(&str, Tensor)],
+    attrs: Vec<AttributeProto>,
+    n_out: usize,
+) -> Vec<Tensor> {
+    let mut m = M::new();
+    m.opset = opset;
+    for (n, t) in ins.iter().filter(|(n, _)| !n.is_empty()) {
+        m.inputs.push(vi(n, elem(t), &dims(t)));
+    }
+    let names: Vec<&str> = ins.iter().map(|(n, _)| *n).collect();
+    let feed: Vec<(&str, Tensor)> = ins
+        .iter()
+        .filter(|(n, _)| !n.is_empty())
+        .map(|(n, t)| (*n, t.clone()))
+        .collect();
+    let outs: Vec<String> = (0..n_out).map(|k| format!("out{k}")).collect();
+    let outs_ref: Vec<&str> = outs.iter().map(|s| s.as_str()).collect();
+    m.nodes.push(node(op, "n", &names, &outs_ref, attrs));
+    for o in &outs {
+        m.outputs.push(out(o));
+    }
+    let p = m.import(&[]).unwrap_or_else(|e| panic!("{e}"));
+    let res = run(&p, &feed);
+    outs.iter()
+        .map(|o| res.iter().find(|(n, _)| n == o).unwrap().1.clone())
+        .collect()
+}
+
+#[test]
+fn attention_op_masks_groups_and_layouts() {
+    let (q, k, v) = (
+        wave(&[2, 4, 3, 8], 0.37),
+        wave(&[2, 2, 5, 8], 0.11),
+        wave(&[2, 2, 5, 6], 0.23),
+    );
+    let scale = 1.0 / 8f32.sqrt();
+    // Boolean mask [q, kv]: query 1 sees no key (its output is zeros).
+    let allow = |i: usize, j: usize| i != 1 && !(i + j).is_multiple_of(3);
+    let mask = Tensor::new(
+        vec![3, 5],
+        Data::Bool((0..15).map(|x| allow(x / 5, x % 5)).collect()),
+    );
+    let got = one_node_opset(
+        23,
+        "Attention",
+        &[
+            ("q", q.clone()),
+            ("k", k.clone()),
+            ("v", v.clone()),
+            ("mask", mask),
+        ],
+        vec![],
+        1,
+    );
+    close(
+        &got[0],
+        &attention_reference(&q, &k, &v, scale, |_, i, j| allow(i, j)),
+    );
+    // Causal (aligned to the start when there is no cache) with an explicit scale.
+    let got = one_node_opset(
+        23,
+        "Attention",
+        &[("q", q.clone()), ("k", k.clone()), ("v", v.clone())],
+        vec![a_i("is_causal", 1), a_f("scale", 0.5)],
+        1,
+    );
+    close(
+        &got[0],
+        &attention_reference(&q, &k, &v, 0.5, |_, i, j| j <= i),
+    );
+    // 3-D inputs [B, S, H*D] with head counts; key lengths per batch (opset 24).
+    let to3 = |t: &Tensor| {
+        let s = &t.shape;
+        let (b, h, n, d) = (s[0], s[1], s[2], s[3]);
+        let x = t.to_f32_vec();
+        let mut y = vec![0f32; x.len()];
+        for bi in 0..b {
+            for hi in 0..h {
+                for ni in 0..n {
+                    for di in 0..d {
+                        y[((bi * n + ni) * h + hi) * d + di] = x[((bi * h + hi) * n + ni) * d + di];
+                    }
+                }
+            }
+        }
+        Tensor::f32(vec![b, n, h * d], y)
+    };
+    let lens = Tensor::i64(vec![2], vec![5, 3]);
+    let none = Tensor::f32(vec![], vec![0.0]);
+    let got = one_node_opset(
+        24,
+        "Attention",
+        &[
+            ("q", to3(&q)),
+            ("k", to3(&k)),
+            ("v", to3(&v)),
+            ("", none.clone()),
+            ("", none.clone()),
+            ("", none),
+            ("lens", lens),
+        ],
+        vec![a_i("q_num_heads", 4), a_i("kv_num_heads", 2)],
+        1,
+    );
+    let want = attention_reference(&q, &k, &v, scale, |b, _, j| j < [5, 3][b]);
+    close(&got[0], &to3(&want));
+}
+
+#[test]
+fn rotary_embedding_halves_and_interleaved() {
+    // x [B=1, H=2, S=3, D=6], rotating the first 4 dims, cos/sin caches by position.
+    let x = wave(&[1, 2, 3, 6], 0.3);
+    let cos = wave(&[5, 2], 0.7);
+    let sin = wave(&[5, 2], 1.3);
+    let pos = Tensor::i64(vec![1, 3], vec![4, 0, 2]);
+    for interleaved in [0, 1] {
+        let got = one_node_opset(
+            23,
+            "RotaryEmbedding",
+            &[
+                ("x", x.clone()),
+                ("cos", cos.clone()),
+                ("sin", sin.clone()),
+                ("pos", pos.clone()),
+            ],
+            vec![
+                a_i("interleaved", interleaved),
+                a_i("rotary_embedding_dim", 4),
+            ],
+            1,
+        );
+        let (xv, cv, sv) = (x.to_f32_vec(), cos.to_f32_vec(), sin.to_f32_vec());
+        let mut want = xv.clone();
+        for h in 0..2 {
+            for s in 0..3 {
+                let p = [4, 0, 2][s];
+                let base = (h * 3 + s) * 6;
+                for i in 0..2 {
+                    let (a, b) = if interleaved == 1 {
+                        (base + 2 * i, base + 2 * i + 1)
+                    } else {
+                        (base + i, base + 2 + i)
+                    };
+                    let (c, sn) = (cv[p * 2 + i], sv[p * 2 + i]);
+                    want[a] = c * xv[a] - sn * xv[b];
+                    want[b] = sn * xv[a] + c * xv[b];
+                }
+            }
+        }
+        close(&got[0], &Tensor::f32(vec![1, 2, 3, 6], want));
+    }
+}

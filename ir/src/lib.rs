@@ -9,8 +9,8 @@
 //! The text form ([`text`]) prints deterministically and parses back to the same program.
 
 pub mod dtype;
-pub mod mesh;
 pub mod layout;
+pub mod mesh;
 pub mod op;
 pub mod plan;
 pub mod program;
@@ -20,10 +20,10 @@ pub mod verify;
 pub use dtype::{numel, DType, Shape, TensorType};
 pub use layout::ParamLayout;
 pub use mesh::{Group, Mesh, MeshAxis};
+pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
 pub use plan::{
     content_hash_of, format_bytes, Buffer, BufferKind, Plan, PlanError, ShardGroups, PLAN_VERSION,
 };
-pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
 pub use program::{
     Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef,
     ValueId,

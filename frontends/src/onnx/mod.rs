@@ -1,4 +1,4 @@
-//! ONNX importer: reads a `.onnx` file (opsets 13 to 21 of the default domain) exported from
+//! ONNX importer: reads a `.onnx` file (opsets 13 to 25 of the default domain) exported from
 //! PyTorch (TorchScript or dynamo exporter) into an [`hzp_ir::Program`].
 //!
 //! What it does, in order:

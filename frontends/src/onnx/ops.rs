@@ -9,18 +9,19 @@ use hzp_ir::{broadcast_shapes, BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
 /// Op types of the default domain hzp translates.
 #[rustfmt::skip]
 pub(crate) const DEFAULT_DOMAIN_OPS: &[&str] = &[
-    "Abs", "Add", "And", "ArgMax", "ArgMin", "Cast", "CastLike", "Ceil", "Celu", "Clip",
-    "Concat", "Constant", "ConstantOfShape", "Cos", "CumSum", "Div", "Dropout", "Einsum", "Elu",
-    "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor", "Gather", "GatherElements", "GatherND",
-    "Gelu", "Gemm", "Greater", "GreaterOrEqual", "HardSigmoid", "HardSwish", "Identity", "IsInf",
-    "IsNaN", "LayerNormalization", "LeakyRelu", "Less", "LessOrEqual", "Log", "LogSoftmax",
-    "MatMul", "Max", "Mean", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "OneHot", "Or", "PRelu",
-    "Pad", "Pow", "RMSNormalization", "Range", "Reciprocal", "ReduceL1", "ReduceL2",
-    "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
-    "ReduceSum", "ReduceSumSquare", "Relu", "Reshape", "ScatterElements", "ScatterND", "Selu",
-    "Shape", "Sigmoid", "Sign", "Sin", "Size", "Slice", "Softmax", "Softplus", "Softsign",
-    "Split", "Sqrt", "Squeeze", "Sub", "Sum", "Tanh", "ThresholdedRelu", "Tile", "TopK",
-    "Transpose", "Trilu", "Unsqueeze", "Where", "Xor",
+    "Abs", "Add", "And", "ArgMax", "ArgMin", "Attention", "Cast", "CastLike", "Ceil", "Celu",
+    "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "CumSum", "Div", "Dropout",
+    "Einsum", "Elu", "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor", "Gather",
+    "GatherElements", "GatherND", "Gelu", "Gemm", "Greater", "GreaterOrEqual", "HardSigmoid",
+    "HardSwish", "Identity", "IsInf", "IsNaN", "LayerNormalization", "LeakyRelu", "Less",
+    "LessOrEqual", "Log", "LogSoftmax", "MatMul", "Max", "Mean", "Min", "Mish", "Mod", "Mul",
+    "Neg", "Not", "OneHot", "Or", "PRelu", "Pad", "Pow", "RMSNormalization", "Range", "Reciprocal",
+    "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
+    "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare", "Relu", "Reshape",
+    "RotaryEmbedding", "ScatterElements", "ScatterND", "Selu", "Shape", "Sigmoid", "Sign", "Sin",
+    "Size", "Slice", "Softmax", "Softplus", "Softsign", "Split", "Sqrt", "Squeeze", "Sub", "Sum",
+    "Swish", "Tanh", "ThresholdedRelu", "Tile", "TopK", "Transpose", "Trilu", "Unsqueeze", "Where",
+    "Xor",
 ];
 
 /// Whether hzp translates `op_type` of `domain`.
@@ -213,6 +214,14 @@ pub(crate) fn translate(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         "Max" | "Min" | "Sum" | "Mean" => variadic(cx, n),
         "Where" => {
             let ins = [n.req(0)?.clone(), n.req(1)?.clone(), n.req(2)?.clone()];
+            if let Some((x, axis)) = nan_guarded_softmax(cx, &ins) {
+                let out = out_name(cx, n, 0);
+                if never_fully_masked(cx, &x, axis) {
+                    // No row can be all -inf: the guard never fires.
+                    return one(emit1(cx, &name, Op::Softmax { axis }, &[x], out)?);
+                }
+                return one(safe_softmax(cx, n, x, axis, out)?);
+            }
             let out = out_name(cx, n, 0);
             one(emit1(cx, &name, Op::Where, &ins, out)?)
         }
@@ -233,6 +242,10 @@ pub(crate) fn translate(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             one(emit1(cx, &name, Op::MatMul, &ins, out)?)
         }
         "Gemm" => gemm(cx, n),
+        "Conv" => conv(cx, n),
+        "Attention" => attention(cx, n),
+        "RotaryEmbedding" => rotary_embedding(cx, n),
+        "Swish" => swish(cx, n),
         "Einsum" => einsum(cx, n),
         "Softmax" | "LogSoftmax" => {
             let x = n.req(0)?.clone();
@@ -1665,4 +1678,796 @@ fn reshape_tmp(cx: &mut Ctx, n: &NodeCx, x: Slot, shape: Vec<usize>, what: &str)
     }
     let t = tmp(cx, n, what);
     emit1(cx, &n.ir_name, Op::Reshape { shape }, &[x], t)
+}
+
+/// Largest padded spatial dim Conv takes (keeps its index arithmetic far from overflow).
+const MAX_PAD_DIM: usize = 1 << 40;
+
+/// Conv (1-D, 2-D, 3-D, ...; groups, strides, dilations, pads, auto_pad) written as one
+/// batched MatMul of the weights with the input's patches (im2col). The patches come from
+/// a Reshape/Transpose when the stride equals the kernel (patch embeddings: ViT, CLIP),
+/// else from one strided Slice per kernel offset. Padding is zeros concatenated beside the
+/// input. The weight keeps its ONNX layout (it is only reshaped), so a trainable weight
+/// stays the parameter the file names.
+fn conv(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
+    let name = n.ir_name.clone();
+    let x = n.req(0)?.clone();
+    let w = n.req(1)?.clone();
+    let bias = n.input(2).cloned();
+    let (xs, ws) = (cx.shape(&x), cx.shape(&w));
+    if xs.len() < 3 || ws.len() != xs.len() {
+        return err(format!(
+            "Conv needs an input [N, C, D...] and a weight [M, C/group, K...] of the same rank \
+             (at least 3), got {xs:?} and {ws:?}"
+        ));
+    }
+    let sp = xs.len() - 2; // spatial dims
+    let (batch, chans, m) = (xs[0], xs[1], ws[0]);
+    let kernel = ws[2..].to_vec();
+    if kernel.contains(&0) {
+        return err(format!("the weight {ws:?} has an empty kernel"));
+    }
+    if let Some(k) = n.attr_ints("kernel_shape") {
+        if non_neg(&k, "kernel_shape")? != kernel {
+            return err(format!(
+                "kernel_shape {k:?} differs from the weight's {kernel:?}"
+            ));
+        }
+    }
+    let g = n.attr_i("group", 1)?;
+    let g = usize::try_from(g)
+        .ok()
+        .filter(|&g| g > 0)
+        .ok_or_else(|| node_err(format!("group {g} must be positive")))?;
+    if chans % g != 0 || m % g != 0 || ws[1].checked_mul(g) != Some(chans) {
+        return err(format!(
+            "{chans} input channels, weight {ws:?} and group {g} do not fit together"
+        ));
+    }
+    let per_axis = |attr: &str, default: usize| -> FResult<Vec<usize>> {
+        match n.attr_ints(attr) {
+            Some(v) if !v.is_empty() => {
+                let v = non_neg(&v, attr)?;
+                if v.len() != sp || v.contains(&0) {
+                    return err(format!("{attr} {v:?} must be {sp} positive numbers"));
+                }
+                Ok(v)
+            }
+            _ => Ok(vec![default; sp]),
+        }
+    };
+    let strides = per_axis("strides", 1)?;
+    let dil = per_axis("dilations", 1)?;
+    // Extent of the dilated kernel along each axis.
+    let ext: Vec<usize> = (0..sp)
+        .map(|i| dil[i].saturating_mul(kernel[i] - 1).saturating_add(1))
+        .collect();
+    let auto_pad = n.attr_s("auto_pad")?.unwrap_or_else(|| "NOTSET".into());
+    let (mut pb, mut pe) = (vec![0usize; sp], vec![0usize; sp]);
+    match auto_pad.as_str() {
+        "NOTSET" => {
+            if let Some(p) = n.attr_ints("pads").filter(|p| !p.is_empty()) {
+                let p = non_neg(&p, "pads")?;
+                if p.len() != 2 * sp {
+                    return err(format!("pads {p:?} must have {} entries", 2 * sp));
+                }
+                pb = p[..sp].to_vec();
+                pe = p[sp..].to_vec();
+            }
+        }
+        "VALID" => {}
+        "SAME_UPPER" | "SAME_LOWER" => {
+            for i in 0..sp {
+                let d = xs[2 + i];
+                let out = d.div_ceil(strides[i]);
+                let total = ((out.max(1) - 1).saturating_mul(strides[i]))
+                    .saturating_add(ext[i])
+                    .saturating_sub(d);
+                let small = total / 2;
+                (pb[i], pe[i]) = if auto_pad == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                };
+            }
+        }
+        other => return err(format!("unknown auto_pad `{other}`")),
+    }
+    let mut out_sp = Vec::with_capacity(sp);
+    for i in 0..sp {
+        let padded = xs[2 + i].saturating_add(pb[i]).saturating_add(pe[i]);
+        if padded < ext[i] || padded > MAX_PAD_DIM {
+            return err(format!(
+                "the kernel {kernel:?} (dilations {dil:?}) does not fit the padded input {xs:?}"
+            ));
+        }
+        out_sp.push((padded - ext[i]) / strides[i] + 1);
+    }
+    let dt = cx.dtype(&x);
+
+    // Zero padding.
+    let mut xp = x;
+    for i in 0..sp {
+        let a = 2 + i;
+        let mut parts = Vec::new();
+        for (amount, after) in [(pb[i], false), (pe[i], true)] {
+            if after {
+                parts.push(xp.clone());
+            }
+            if amount > 0 {
+                let mut s = cx.shape(&xp);
+                s[a] = amount;
+                let t = tmp(cx, n, &format!("pad{a}"));
+                parts.push(cx.fill(&name, 0.0, dt, s, t)?);
+            }
+        }
+        if parts.len() > 1 {
+            let t = tmp(cx, n, &format!("padded{a}"));
+            xp = emit1(cx, &name, Op::Concat { axis: a }, &parts, t)?;
+        }
+    }
+
+    let k: usize = kernel.iter().product();
+    let l: usize = out_sp.iter().product();
+    let cg = chans / g;
+    // Patches as [N, C, K, L] (kernel offsets row-major, then output positions).
+    let patches = if strides == kernel && dil.iter().all(|&d| d == 1) {
+        // Non-overlapping patches: crop to whole patches, split each axis into
+        // (position, offset) and move the offsets before the positions.
+        let whole: Vec<usize> = (0..sp).map(|i| out_sp[i] * kernel[i]).collect();
+        let ps = cx.shape(&xp);
+        if ps[2..] != whole[..] {
+            let t = tmp(cx, n, "whole_patches");
+            let op = Op::Slice {
+                axes: (2..2 + sp).collect(),
+                starts: vec![0; sp],
+                ends: whole.iter().map(|&d| d as i64).collect(),
+                steps: vec![1; sp],
+            };
+            xp = emit1(cx, &name, op, &[xp], t)?;
+        }
+        let mut split = vec![batch, chans];
+        for i in 0..sp {
+            split.push(out_sp[i]);
+            split.push(kernel[i]);
+        }
+        let t = reshape_tmp(cx, n, xp, split, "patch_grid")?;
+        let mut perm = vec![0, 1];
+        perm.extend((0..sp).map(|i| 3 + 2 * i));
+        perm.extend((0..sp).map(|i| 2 + 2 * i));
+        let t = if perm.iter().copied().eq(0..perm.len()) {
+            t
+        } else {
+            let o = tmp(cx, n, "patch_offsets_first");
+            emit1(cx, &name, Op::Transpose { perm }, &[t], o)?
+        };
+        reshape_tmp(cx, n, t, vec![batch, chans, k, l], "patches")?
+    } else {
+        let mut cols = Vec::with_capacity(k);
+        for off in 0..k {
+            // Row-major kernel offset of index `off`.
+            let mut rem = off;
+            let mut idx = vec![0usize; sp];
+            for i in (0..sp).rev() {
+                idx[i] = rem % kernel[i];
+                rem /= kernel[i];
+            }
+            let starts: Vec<i64> = (0..sp).map(|i| (idx[i] * dil[i]) as i64).collect();
+            let ends: Vec<i64> = (0..sp)
+                .map(|i| (idx[i] * dil[i] + (out_sp[i] - 1) * strides[i] + 1) as i64)
+                .collect();
+            let op = Op::Slice {
+                axes: (2..2 + sp).collect(),
+                starts,
+                ends,
+                steps: strides.iter().map(|&s| s as i64).collect(),
+            };
+            let t = tmp(cx, n, &format!("offset{off}"));
+            let s = emit1(cx, &name, op, std::slice::from_ref(&xp), t)?;
+            cols.push(reshape_tmp(
+                cx,
+                n,
+                s,
+                vec![batch, chans, 1, l],
+                &format!("offset{off}_flat"),
+            )?);
+        }
+        if cols.len() == 1 {
+            cols.pop().unwrap_or_else(|| unreachable!())
+        } else {
+            let t = tmp(cx, n, "patches");
+            emit1(cx, &name, Op::Concat { axis: 2 }, &cols, t)?
+        }
+    };
+    let patches = reshape_tmp(cx, n, patches, vec![batch, g, cg * k, l], "patch_rows")?;
+    let wm = reshape_tmp(cx, n, w, vec![g, m / g, cg * k], "weight_rows")?;
+    let t = tmp(cx, n, "matmul");
+    let y = emit1(cx, &name, Op::MatMul, &[wm, patches], t)?;
+    let mut shape = vec![batch, m];
+    shape.extend(&out_sp);
+    match bias {
+        None => reshape(cx, n, y, shape),
+        Some(b) => {
+            let y = reshape_tmp(cx, n, y, shape, "unbiased")?;
+            let mut bs = vec![m];
+            bs.extend(vec![1; sp]);
+            let b = reshape_tmp(cx, n, b, bs, "bias")?;
+            let out = out_name(cx, n, 0);
+            one(emit1(cx, &name, Op::Binary(BinaryOp::Add), &[y, b], out)?)
+        }
+    }
+}
+
+/// `Where(IsNaN(s), 0, s)` with `s = Softmax(x)`: how both exporters write PyTorch's "safe"
+/// softmax of attention (a row whose every score is masked to -inf gives zeros, not NaN).
+/// Returns `x` and the softmax axis. Kept as written, such a row's NaNs would still reach
+/// the gradient (the softmax backward multiplies by its NaN output), so the pattern is
+/// rebuilt by [`safe_softmax`].
+fn nan_guarded_softmax(cx: &Ctx, ins: &[Slot; 3]) -> Option<(Slot, usize)> {
+    let (Slot::Val(c), Slot::Val(s)) = (&ins[0], &ins[2]) else {
+        return None;
+    };
+    let zero = ins[1].as_const()?;
+    if zero.numel() != 1 || zero.to_f64_vec()[0] != 0.0 {
+        return None;
+    }
+    let p = &cx.prog;
+    let guard = p.node(p.producer(*c)?);
+    if guard.op != Op::Unary(UnaryOp::IsNaN) || guard.inputs[0] != *s {
+        return None;
+    }
+    let sm = p.node(p.producer(*s)?);
+    match sm.op {
+        Op::Softmax { axis } => Some((Slot::Val(sm.inputs[0]), axis)),
+        _ => None,
+    }
+}
+
+/// Whether `x` is attention scores plus a constant mask none of whose rows along `axis` is
+/// all -inf (a causal mask): `Add(scores, mask)` with the scores a MatMul, possibly scaled
+/// by a constant. Then no softmax row over `axis` can be fully masked.
+fn never_fully_masked(cx: &Ctx, x: &Slot, axis: usize) -> bool {
+    let Slot::Val(x) = x else {
+        return false;
+    };
+    let p = &cx.prog;
+    let Some(add) = p.producer(*x).map(|i| p.node(i)) else {
+        return false;
+    };
+    if add.op != Op::Binary(BinaryOp::Add) {
+        return false;
+    }
+    let rank = p.ty(*x).rank();
+    let is_scores = |v: hzp_ir::ValueId| {
+        let Some(node) = p.producer(v).map(|i| p.node(i)) else {
+            return false;
+        };
+        match node.op {
+            Op::MatMul => true,
+            Op::Binary(BinaryOp::Mul | BinaryOp::Div) => {
+                node.inputs
+                    .iter()
+                    .any(|&i| p.producer(i).is_some_and(|j| p.node(j).op == Op::MatMul))
+                    && node.inputs.iter().any(|&i| p.const_data(i).is_some())
+            }
+            _ => false,
+        }
+    };
+    let (a, b) = (add.inputs[0], add.inputs[1]);
+    let (scores, mask) = match (p.const_data(a), p.const_data(b)) {
+        (None, Some(m)) => (a, m),
+        (Some(m), None) => (b, m),
+        _ => return false,
+    };
+    if !is_scores(scores) || mask.shape.len() > rank {
+        return false;
+    }
+    // The mask as rank `rank`; a row along `axis` is all -inf iff every element of it is.
+    let mut shape = vec![1; rank - mask.shape.len()];
+    shape.extend(&mask.shape);
+    let len = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let vals = mask.to_f64_vec();
+    if len == 0 || inner == 0 {
+        return false;
+    }
+    let outer = vals.len() / (len * inner);
+    for o in 0..outer {
+        for i in 0..inner {
+            if (0..len).all(|k| vals[(o * len + k) * inner + i] == f64::NEG_INFINITY) {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// Softmax over `axis` that gives zeros for a row of only -inf (ONNX Attention's and
+/// PyTorch's convention) with finite gradients: such rows are detected on the input (max
+/// is -inf), zeroed before the softmax and zeroed again after it.
+fn safe_softmax(cx: &mut Ctx, n: &NodeCx, x: Slot, axis: usize, out: String) -> FResult<Slot> {
+    let name = n.ir_name.clone();
+    let dt = cx.dtype(&x);
+    let mut b = Builder {
+        cx,
+        n,
+        name: &name,
+        dt,
+    };
+    let max = b.tmp(
+        Op::Reduce {
+            op: ReduceOp::Max,
+            axes: vec![axis],
+            keep_dims: true,
+        },
+        std::slice::from_ref(&x),
+        "row_max",
+    )?;
+    let ninf = b.k(f64::NEG_INFINITY);
+    let zero = b.k(0.0);
+    let dead = b.bin(BinaryOp::Equal, &max, &ninf, "row_masked")?;
+    let finite = b.tmp(Op::Where, &[dead.clone(), zero.clone(), x], "finite_rows")?;
+    let y = b.tmp(Op::Softmax { axis }, &[finite], "softmax")?;
+    emit1(b.cx, &name, Op::Where, &[dead, zero, y], out)
+}
+
+/// Swish (opset 24): x * sigmoid(alpha * x).
+fn swish(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
+    let name = n.ir_name.clone();
+    let x = n.req(0)?.clone();
+    let alpha = n.attr_f("alpha", 1.0)? as f64;
+    let dt = cx.dtype(&x);
+    if !dt.is_float() {
+        return err(format!("Swish needs a float input, got {dt}"));
+    }
+    let mut b = Builder {
+        cx,
+        n,
+        name: &name,
+        dt,
+    };
+    if alpha == 1.0 {
+        return one(b.last(Op::Unary(UnaryOp::Silu), &[x])?);
+    }
+    let a = b.k(alpha);
+    let ax = b.bin(BinaryOp::Mul, &x, &a, "scaled")?;
+    let s = b.un(UnaryOp::Sigmoid, &ax, "sigmoid")?;
+    one(b.last(Op::Binary(BinaryOp::Mul), &[x, s])?)
+}
+
+/// [B, S, H*D] -> [B, H, S, D].
+fn split_heads(cx: &mut Ctx, n: &NodeCx, x: Slot, heads: usize, what: &str) -> FResult<Slot> {
+    let s = cx.shape(&x);
+    if heads == 0 || !s[2].is_multiple_of(heads) {
+        return err(format!(
+            "{what} of shape {s:?} does not split into {heads} heads"
+        ));
+    }
+    let x = reshape_tmp(cx, n, x, vec![s[0], s[1], heads, s[2] / heads], what)?;
+    let t = tmp(cx, n, &format!("{what}_heads"));
+    emit1(
+        cx,
+        &n.ir_name,
+        Op::Transpose {
+            perm: vec![0, 2, 1, 3],
+        },
+        &[x],
+        t,
+    )
+}
+
+/// An additive [q, kv] bias of 0 (attend) and -inf: key j is visible from query i when
+/// `allowed(i, j)`.
+fn position_bias(q: usize, kv: usize, allowed: impl Fn(i64, i64) -> bool) -> Tensor {
+    let mut v = Vec::with_capacity(q * kv);
+    for i in 0..q as i64 {
+        for j in 0..kv as i64 {
+            v.push(if allowed(i, j) {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            });
+        }
+    }
+    Tensor::f32(vec![q, kv], v)
+}
+
+/// Attention (opsets 23-25): scaled dot-product attention with grouped KV heads, a boolean
+/// or additive mask (padded with "masked" up to the key length), causal and sliding-window
+/// masks aligned to the end of a past cache, soft-capping, key padding by
+/// `nonpad_kv_seqlen`, and a past cache (the present outputs are the concatenations). A row
+/// with every key masked gives zeros. Written with MatMul, Softmax and elementwise ops.
+fn attention(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
+    let name = n.ir_name.clone();
+    let (mut q, mut k, mut v) = (n.req(0)?.clone(), n.req(1)?.clone(), n.req(2)?.clone());
+    let rank = cx.shape(&q).len();
+    if !(rank == 3 || rank == 4) || cx.shape(&k).len() != rank || cx.shape(&v).len() != rank {
+        return err(format!(
+            "Q, K and V must all be rank 3 or all rank 4, got {:?}, {:?}, {:?}",
+            cx.shape(&q),
+            cx.shape(&k),
+            cx.shape(&v)
+        ));
+    }
+    let dt = cx.dtype(&q);
+    if !dt.is_float() {
+        return err(format!("Attention needs float inputs, got {dt}"));
+    }
+    if rank == 3 {
+        let heads = |a: &str| -> FResult<usize> {
+            let h = n.attr_i(a, 0)?;
+            usize::try_from(h)
+                .ok()
+                .filter(|&h| h > 0)
+                .ok_or_else(|| node_err(format!("3-D inputs need a positive `{a}`, got {h}")))
+        };
+        let (qh, kvh) = (heads("q_num_heads")?, heads("kv_num_heads")?);
+        q = split_heads(cx, n, q, qh, "q")?;
+        k = split_heads(cx, n, k, kvh, "k")?;
+        v = split_heads(cx, n, v, kvh, "v")?;
+    }
+    let mut past_len = 0usize;
+    match (n.input(4).cloned(), n.input(5).cloned()) {
+        (Some(pk), Some(pv)) => {
+            if n.input(6).is_some() {
+                return err("nonpad_kv_seqlen cannot be combined with a past cache");
+            }
+            past_len = cx.shape(&pk).get(2).copied().unwrap_or(0);
+            let t = tmp(cx, n, "key");
+            k = emit1(cx, &name, Op::Concat { axis: 2 }, &[pk, k], t)?;
+            let t = tmp(cx, n, "value");
+            v = emit1(cx, &name, Op::Concat { axis: 2 }, &[pv, v], t)?;
+        }
+        (None, None) => {}
+        _ => return err("past_key and past_value must be given together"),
+    }
+    let (qs, ks, vs) = (cx.shape(&q), cx.shape(&k), cx.shape(&v));
+    let (batch, qh, tq, hd) = (qs[0], qs[1], qs[2], qs[3]);
+    let (kvh, tk) = (ks[1], ks[2]);
+    if vs[1] != kvh || vs[2] != tk || ks[3] != hd || kvh == 0 || qh % kvh != 0 {
+        return err(format!(
+            "Q {qs:?}, K {ks:?} and V {vs:?} (as [batch, heads, sequence, head size]) do not \
+             fit together"
+        ));
+    }
+    let mut outs: Outs = vec![None; n.n_outputs().max(1)];
+    let wanted = |i: usize| n.p.output.get(i).is_some_and(|o| !o.is_empty());
+    if wanted(1) {
+        outs[1] = Some(k.clone());
+    }
+    if wanted(2) {
+        outs[2] = Some(v.clone());
+    }
+    // Grouped KV heads: each KV head serves qh / kvh consecutive query heads.
+    if qh != kvh {
+        let r = qh / kvh;
+        for (x, what) in [(&mut k, "key"), (&mut v, "value")] {
+            let s = cx.shape(x);
+            let t = reshape_tmp(
+                cx,
+                n,
+                x.clone(),
+                vec![s[0], s[1], 1, s[2], s[3]],
+                &format!("{what}_groups"),
+            )?;
+            let e = tmp(cx, n, &format!("{what}_repeated"));
+            let t = emit1(
+                cx,
+                &name,
+                Op::Expand {
+                    shape: vec![s[0], s[1], r, s[2], s[3]],
+                },
+                &[t],
+                e,
+            )?;
+            *x = reshape_tmp(
+                cx,
+                n,
+                t,
+                vec![s[0], qh, s[2], s[3]],
+                &format!("{what}_per_head"),
+            )?;
+        }
+    }
+    let scale = match n.attr("scale") {
+        Some(_) => n.attr_f("scale", 1.0)? as f64,
+        None => 1.0 / (hd as f64).sqrt(),
+    };
+    let mut b = Builder {
+        cx,
+        n,
+        name: &name,
+        dt,
+    };
+    let kt = b.tmp(
+        Op::Transpose {
+            perm: vec![0, 1, 3, 2],
+        },
+        &[k],
+        "key_t",
+    )?;
+    let qk = b.tmp(Op::MatMul, &[q, kt], "qk")?;
+    let sc = b.k(scale);
+    let mut scores = b.bin(BinaryOp::Mul, &qk, &sc, "scores")?;
+    let raw_scores = scores.clone();
+    let softcap = n.attr_f("softcap", 0.0)? as f64;
+    if softcap > 0.0 {
+        let c = b.k(softcap);
+        let d = b.bin(BinaryOp::Div, &scores, &c, "capped_in")?;
+        let t = b.un(UnaryOp::Tanh, &d, "capped_tanh")?;
+        scores = b.bin(BinaryOp::Mul, &t, &c, "capped")?;
+    }
+    // The additive bias.
+    let ninf = b.k(f64::NEG_INFINITY);
+    let zero = b.k(0.0);
+    let mut bias: Option<Slot> = None;
+    let mut runtime_mask = false;
+    if let Some(mask) = n.input(3).cloned() {
+        runtime_mask |= mask.as_const().is_none();
+        let mut m = if b.cx.dtype(&mask) == DType::Bool {
+            b.tmp(Op::Where, &[mask, zero.clone(), ninf.clone()], "mask_bias")?
+        } else if b.cx.dtype(&mask) != dt {
+            b.tmp(Op::Cast { to: dt }, &[mask], "mask_bias")?
+        } else {
+            mask
+        };
+        let ms = b.cx.shape(&m);
+        let last = ms.last().copied().unwrap_or(0);
+        if ms.is_empty() || last > tk {
+            return err(format!(
+                "attn_mask of shape {ms:?} is longer than the {tk} keys"
+            ));
+        }
+        if last < tk {
+            let mut ps = ms.clone();
+            *ps.last_mut().unwrap_or(&mut 0) = tk - last;
+            let t = tmp(b.cx, n, "mask_pad");
+            let pad = b.cx.fill(&name, f64::NEG_INFINITY, dt, ps, t)?;
+            let axis = ms.len() - 1;
+            m = b.tmp(Op::Concat { axis }, &[m, pad], "mask_padded")?;
+        }
+        bias = Some(m);
+    }
+    let offset = past_len as i64;
+    let mut add_bias = |b: &mut Builder, t: Slot, what: &str| -> FResult<()> {
+        bias = Some(match bias.take() {
+            None => t,
+            Some(prev) => b.bin(BinaryOp::Add, &prev, &t, what)?,
+        });
+        Ok(())
+    };
+    if n.attr_i("is_causal", 0)? != 0 {
+        if n.input(6).is_some() {
+            return unsupported(
+                "Attention with is_causal and nonpad_kv_seqlen (a static KV cache) is not \
+                 supported",
+            );
+        }
+        let t = position_bias(tq, tk, |i, j| j <= i + offset);
+        let c = b.cx.konst(t, &format!("{name}/causal"));
+        add_bias(&mut b, c, "causal_bias")?;
+    }
+    let (left, right) = (
+        n.attr_i("left_window_size", -1)?,
+        n.attr_i("right_window_size", -1)?,
+    );
+    if left >= 0 || right >= 0 {
+        if n.input(6).is_some() {
+            return unsupported(
+                "Attention with a sliding window and nonpad_kv_seqlen is not supported",
+            );
+        }
+        let t = position_bias(tq, tk, |i, j| {
+            let d = i + offset - j;
+            (left < 0 || d <= left) && (right < 0 || -d <= right)
+        });
+        let c = b.cx.konst(t, &format!("{name}/window"));
+        add_bias(&mut b, c, "window_bias")?;
+    }
+    if let Some(lens) = n.input(6).cloned() {
+        runtime_mask |= lens.as_const().is_none();
+        let pos = Tensor::i64(vec![1, tk], (0..tk as i64).collect());
+        let pos = b.cx.konst(pos, &format!("{name}/key_positions"));
+        let lens = reshape_tmp(b.cx, n, lens, vec![batch, 1], "kv_lengths")?;
+        let lens = if b.cx.dtype(&lens) == DType::I64 {
+            lens
+        } else {
+            b.tmp(Op::Cast { to: DType::I64 }, &[lens], "kv_lengths_i64")?
+        };
+        let valid = b.bin(BinaryOp::Less, &pos, &lens, "key_valid")?;
+        let valid = reshape_tmp(b.cx, n, valid, vec![batch, 1, 1, tk], "key_valid_4d")?;
+        let t = b.tmp(
+            Op::Where,
+            &[valid, zero.clone(), ninf.clone()],
+            "padding_bias",
+        )?;
+        add_bias(&mut b, t, "bias")?;
+    }
+    if let Some(bias) = &bias {
+        scores = b.bin(BinaryOp::Add, &scores, bias, "masked_scores")?;
+    }
+    // A row can be fully masked only with a run-time mask or a constant bias that has one.
+    let fully_masked_row = runtime_mask
+        || bias.as_ref().and_then(|s| s.as_const()).is_some_and(|t| {
+            let s = t.shape.clone();
+            let last = s.last().copied().unwrap_or(1).max(1);
+            t.to_f64_vec()
+                .chunks(last)
+                .any(|row| row.iter().all(|&x| x == f64::NEG_INFINITY))
+        })
+        || bias.as_ref().is_some_and(|s| s.as_const().is_none());
+    let t = tmp(b.cx, n, "probs");
+    let probs = if fully_masked_row {
+        safe_softmax(b.cx, n, scores, 3, t)?
+    } else {
+        emit1(b.cx, &name, Op::Softmax { axis: 3 }, &[scores], t)?
+    };
+    if wanted(3) {
+        outs[3] = Some(match n.attr_i("qk_matmul_output_mode", 0)? {
+            0 if softcap <= 0.0 => raw_scores,
+            3 => probs.clone(),
+            m => {
+                return unsupported(format!(
+                    "Attention's qk_matmul_output with qk_matmul_output_mode {m} is not \
+                     supported (hzp gives mode 0 without softcap, and mode 3)"
+                ))
+            }
+        });
+    }
+    let y = if rank == 4 {
+        let out = out_name(b.cx, n, 0);
+        emit1(b.cx, &name, Op::MatMul, &[probs, v], out)?
+    } else {
+        let y = b.tmp(Op::MatMul, &[probs, v], "heads_out")?;
+        let y = b.tmp(
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            &[y],
+            "heads_last",
+        )?;
+        let dv = b.cx.shape(&y)[3];
+        let out = out_name(b.cx, n, 0);
+        emit1(
+            b.cx,
+            &name,
+            Op::Reshape {
+                shape: vec![batch, tq, qh * dv],
+            },
+            &[y],
+            out,
+        )?
+    };
+    outs[0] = Some(y);
+    Ok(outs)
+}
+
+/// RotaryEmbedding (opset 23): rotates the first `rotary_embedding_dim` (default all) dims
+/// of each head by the cos/sin caches, taken at `position_ids` when given (else the caches
+/// are per position already), in halves or interleaved pairs.
+fn rotary_embedding(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
+    let name = n.ir_name.clone();
+    let x = n.req(0)?.clone();
+    let (mut cos, mut sin) = (n.req(1)?.clone(), n.req(2)?.clone());
+    let xs = cx.shape(&x);
+    let dt = cx.dtype(&x);
+    // As [B, S, H, D].
+    let x4 = match xs.len() {
+        4 => {
+            let t = tmp(cx, n, "seq_major");
+            emit1(
+                cx,
+                &name,
+                Op::Transpose {
+                    perm: vec![0, 2, 1, 3],
+                },
+                &[x],
+                t,
+            )?
+        }
+        3 => {
+            let h = n.attr_i("num_heads", 0)?;
+            let h = usize::try_from(h)
+                .ok()
+                .filter(|&h| h > 0 && xs[2].is_multiple_of(h))
+                .ok_or_else(|| {
+                    node_err(format!(
+                        "a 3-D input {xs:?} needs `num_heads` dividing its last dim, got {h}"
+                    ))
+                })?;
+            reshape_tmp(cx, n, x, vec![xs[0], xs[1], h, xs[2] / h], "heads")?
+        }
+        r => return err(format!("the input must have rank 3 or 4, got rank {r}")),
+    };
+    let s4 = cx.shape(&x4);
+    let (bsz, seq, heads, hd) = (s4[0], s4[1], s4[2], s4[3]);
+    let rd = match n.attr_i("rotary_embedding_dim", 0)? {
+        0 => hd,
+        d => usize::try_from(d)
+            .ok()
+            .filter(|&d| d <= hd && d % 2 == 0)
+            .ok_or_else(|| node_err(format!("rotary_embedding_dim {d} does not fit {hd}")))?,
+    };
+    let half = rd / 2;
+    if let Some(pos) = n.input(3).cloned() {
+        let t = tmp(cx, n, "cos");
+        cos = emit1(cx, &name, Op::Gather { axis: 0 }, &[cos, pos.clone()], t)?;
+        let t = tmp(cx, n, "sin");
+        sin = emit1(cx, &name, Op::Gather { axis: 0 }, &[sin, pos], t)?;
+    }
+    for c in [&cos, &sin] {
+        let cs = cx.shape(c);
+        if cs.len() != 3 || cs[2] != half {
+            return err(format!(
+                "the cos/sin caches give {cs:?} per token, expected [batch, sequence, {half}]"
+            ));
+        }
+    }
+    let (cs, ss) = (cx.shape(&cos), cx.shape(&sin));
+    cos = reshape_tmp(cx, n, cos, vec![cs[0], cs[1], 1, half], "cos_4d")?;
+    sin = reshape_tmp(cx, n, sin, vec![ss[0], ss[1], 1, half], "sin_4d")?;
+    let slice = |cx: &mut Ctx, x: &Slot, st: usize, en: usize, step: i64, what: &str| {
+        let t = tmp(cx, n, what);
+        let op = Op::Slice {
+            axes: vec![3],
+            starts: vec![st as i64],
+            ends: vec![en as i64],
+            steps: vec![step],
+        };
+        emit1(cx, &name, op, std::slice::from_ref(x), t)
+    };
+    let rot = if rd == hd {
+        x4.clone()
+    } else {
+        slice(cx, &x4, 0, rd, 1, "rotated_part")?
+    };
+    let interleaved = n.attr_i("interleaved", 0)? != 0;
+    let (x1, x2) = if interleaved {
+        (
+            slice(cx, &rot, 0, rd, 2, "even")?,
+            slice(cx, &rot, 1, rd, 2, "odd")?,
+        )
+    } else {
+        (
+            slice(cx, &rot, 0, half, 1, "first_half")?,
+            slice(cx, &rot, half, rd, 1, "second_half")?,
+        )
+    };
+    let mut b = Builder {
+        cx,
+        n,
+        name: &name,
+        dt,
+    };
+    let c1 = b.bin(BinaryOp::Mul, &cos, &x1, "cos_x1")?;
+    let s2 = b.bin(BinaryOp::Mul, &sin, &x2, "sin_x2")?;
+    let real = b.bin(BinaryOp::Sub, &c1, &s2, "real")?;
+    let s1 = b.bin(BinaryOp::Mul, &sin, &x1, "sin_x1")?;
+    let c2 = b.bin(BinaryOp::Mul, &cos, &x2, "cos_x2")?;
+    let imag = b.bin(BinaryOp::Add, &s1, &c2, "imag")?;
+    let rotated = if interleaved {
+        let pair = vec![bsz, seq, heads, half, 1];
+        let r = reshape_tmp(b.cx, n, real, pair.clone(), "real_pair")?;
+        let i = reshape_tmp(b.cx, n, imag, pair, "imag_pair")?;
+        let p = b.tmp(Op::Concat { axis: 4 }, &[r, i], "pairs")?;
+        reshape_tmp(b.cx, n, p, vec![bsz, seq, heads, rd], "rotated")?
+    } else {
+        b.tmp(Op::Concat { axis: 3 }, &[real, imag], "rotated")?
+    };
+    let y = if rd == hd {
+        rotated
+    } else {
+        let rest = slice(b.cx, &x4, rd, hd, 1, "passed_part")?;
+        b.tmp(Op::Concat { axis: 3 }, &[rotated, rest], "joined")?
+    };
+    if xs.len() == 4 {
+        one(b.last(
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            &[y],
+        )?)
+    } else {
+        reshape(b.cx, n, y, xs)
+    }
 }

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::rc::Rc;
 
 pub(crate) const MIN_OPSET: i64 = 13;
-pub(crate) const MAX_OPSET: i64 = 21;
+pub(crate) const MAX_OPSET: i64 = 25;
 
 /// Results up to this many elements are always folded into constants.
 const FOLD_ALWAYS: usize = 1 << 22;
