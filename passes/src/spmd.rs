@@ -22,8 +22,8 @@ use crate::emit::Emitter;
 use crate::train::{self, TrainConfig, TrainError};
 pub use hzp_ir::ParamLayout;
 use hzp_ir::{
-    BinaryOp, DType, Group, Mesh, Op, Program, ReduceOp, StreamKind, TensorType, UnaryOp, Update,
-    ValueDef, ValueId,
+    BinaryOp, DType, Group, Mesh, Op, Program, ReduceOp, StreamKind, TensorType, Update, ValueDef,
+    ValueId,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -296,50 +296,8 @@ pub fn shard_training_step(
     outputs.push(loss);
     if let Some(max_norm) = cfg.clip_grad_norm {
         e.scope = "clip".into();
-        let (norm, clipped) = (|| -> Result<(ValueId, Vec<ValueId>), String> {
-            let mut total: Option<ValueId> = None;
-            for &gv in &grads {
-                let sq = e.op(Op::Binary(BinaryOp::Mul), &[gv, gv])?;
-                let s = e.op(
-                    Op::Reduce {
-                        op: ReduceOp::Sum,
-                        axes: vec![0],
-                        keep_dims: false,
-                    },
-                    &[sq],
-                )?;
-                total = Some(match total {
-                    Some(t) => e.op(Op::Binary(BinaryOp::Add), &[t, s])?,
-                    None => s,
-                });
-            }
-            let mut total = match total {
-                Some(t) => t,
-                None => e.scalar(0.0, DType::F32),
-            };
-            if o > 1 {
-                total = e.op(
-                    Op::AllReduce {
-                        group: spec.optim.clone(),
-                        reduce: ReduceOp::Sum,
-                    },
-                    &[total],
-                )?;
-            }
-            let norm = e.op(Op::Unary(UnaryOp::Sqrt), &[total])?;
-            let tiny = e.scalar(1e-6, DType::F32);
-            let den = e.op(Op::Binary(BinaryOp::Add), &[norm, tiny])?;
-            let mx = e.scalar(max_norm, DType::F32);
-            let coef = e.op(Op::Binary(BinaryOp::Div), &[mx, den])?;
-            let one = e.scalar(1.0, DType::F32);
-            let coef = e.op(Op::Binary(BinaryOp::Min), &[coef, one])?;
-            let mut out = Vec::new();
-            for &gv in &grads {
-                out.push(e.op(Op::Binary(BinaryOp::Mul), &[gv, coef])?);
-            }
-            Ok((norm, out))
-        })()
-        .map_err(err)?;
+        let shards_of = (o > 1).then_some(&spec.optim);
+        let (norm, clipped) = train::clip(&mut e, &grads, max_norm, shards_of).map_err(err)?;
         grads = clipped;
         outputs.push(norm);
     }

@@ -595,7 +595,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     let mut outputs = vec![loss];
     if let Some(max_norm) = cfg.clip_grad_norm {
         e.scope = "step/clip".into();
-        let (norm, clipped) = clip(&mut e, &grads, max_norm).map_err(terr)?;
+        let (norm, clipped) = clip(&mut e, &grads, max_norm, None).map_err(terr)?;
         grads = clipped;
         outputs.push(norm);
     }
@@ -630,10 +630,14 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
 }
 
 /// torch.nn.utils.clip_grad_norm_: total = ||all grads||_2; g *= min(1, max/(total+1e-6)).
+///
+/// When `grads` are shards, `shards_of` is the group whose ranks hold the other shards: the
+/// partial sum of squares is all-reduced over it before the square root.
 pub(crate) fn clip(
     e: &mut Emitter,
     grads: &[ValueId],
     max_norm: f64,
+    shards_of: Option<&hzp_ir::Group>,
 ) -> Result<(ValueId, Vec<ValueId>), String> {
     let mut total: Option<ValueId> = None;
     for &g in grads {
@@ -651,10 +655,19 @@ pub(crate) fn clip(
             None => s,
         });
     }
-    let total = match total {
+    let mut total = match total {
         Some(t) => t,
         None => e.scalar(0.0, DType::F32),
     };
+    if let Some(group) = shards_of {
+        total = e.op(
+            Op::AllReduce {
+                group: group.clone(),
+                reduce: ReduceOp::Sum,
+            },
+            &[total],
+        )?;
+    }
     let norm = e.op(Op::Unary(UnaryOp::Sqrt), &[total])?;
     let tiny = e.scalar(1e-6, DType::F32);
     let den = e.op(Op::Binary(BinaryOp::Add), &[norm, tiny])?;
