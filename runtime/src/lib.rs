@@ -3,5 +3,5 @@
 
 pub mod cpu;
 pub mod eval;
-pub mod train;
 pub mod spmd;
+pub mod train;
