@@ -99,6 +99,14 @@ pub fn evaluate_with_stats(
     p: &Program,
     inputs: &[(String, Tensor)],
 ) -> Result<(Vec<(String, Tensor)>, EvalStats), EvalError> {
+    // the whole program on a thread of the kernels' pool (see `cpu::threads`)
+    crate::cpu::threads::install(|| evaluate_here(p, inputs))
+}
+
+fn evaluate_here(
+    p: &Program,
+    inputs: &[(String, Tensor)],
+) -> Result<(Vec<(String, Tensor)>, EvalStats), EvalError> {
     let nv = p.values.len();
     let in_range = |v: ValueId| {
         if v.index() < nv {
@@ -187,21 +195,61 @@ pub fn evaluate_with_stats(
         slots[v.index()] = Some(Cow::Borrowed(&c.data));
     }
 
-    // ---- liveness: the last node reading each value; outputs live to the end
-    let mut last_use: Vec<Option<usize>> = vec![None; nv];
-    for (i, n) in p.nodes.iter().enumerate() {
-        for &v in &n.inputs {
-            last_use[in_range(v)?.index()] = Some(i);
+    for n in &p.nodes {
+        for &v in n.inputs.iter().chain(&n.outputs) {
+            in_range(v)?;
         }
     }
     let mut is_output = vec![false; nv];
     for &o in &p.outputs {
         is_output[in_range(o)?.index()] = true;
     }
+    // ---- transposes and reshapes that only MatMuls read become strided views
+    let views = views::plan(p, &is_output);
+    // the value a node really reads: a view's source
+    let source = |v: ValueId| views[v.index()].as_ref().map_or(v, |w| w.src);
+
+    // ---- a MatMul read only by a transpose of its last two axes runs at the transpose,
+    // as the product of its transposed operands: (a b)^T = b^T a^T, no copy
+    let (mut runs_mm, mut deferred_mm) = (vec![None; p.nodes.len()], vec![false; p.nodes.len()]);
+    for (t, m) in views::plan_swapped(p, &is_output, &views) {
+        runs_mm[t] = Some(m);
+        deferred_mm[m] = true;
+    }
+    let is_deferred = |i: usize| deferred_mm[i];
+    let deferred_into = |i: usize| runs_mm[i];
+    // the inputs a node reads at run time
+    let reads = |i: usize| -> &[ValueId] {
+        match deferred_into(i) {
+            Some(m) => &p.nodes[m].inputs,
+            None => &p.nodes[i].inputs,
+        }
+    };
+
+    // ---- liveness: the last node reading each value; outputs live to the end
+    let mut last_use: Vec<Option<usize>> = vec![None; nv];
+    for (i, n) in p.nodes.iter().enumerate() {
+        if views::is_view_node(n, &views) || is_deferred(i) {
+            continue;
+        }
+        for &v in reads(i) {
+            last_use[source(v).index()] = Some(i);
+        }
+    }
+
+    // ---- runs of elementwise nodes that execute as one fused pass
+    let fusion = if crate::fuse::enabled() {
+        crate::fuse::plan(p, &is_output, |i| {
+            views::is_view_node(&p.nodes[i], &views) || is_deferred(i) || deferred_into(i).is_some()
+        })
+    } else {
+        crate::fuse::Plan::default()
+    };
 
     // ---- run
     let mut stats = EvalStats::default();
     let mut live_bytes = 0usize;
+    let mut profile = profile::enabled().then(profile::Profile::default);
     for (i, node) in p.nodes.iter().enumerate() {
         if matches!(
             node.op,
@@ -209,22 +257,137 @@ pub fn evaluate_with_stats(
         ) {
             continue;
         }
+        if views::is_view_node(node, &views) || is_deferred(i) {
+            continue;
+        }
         let node_err = |message: String| EvalError::Node {
             node: node.name.clone(),
             op: node.op.name(),
             message,
         };
+        let not_computed = |v: ValueId| {
+            node_err(format!(
+                "input `{}` has not been computed (nodes out of order?)",
+                p.value(v).name
+            ))
+        };
+        if let Some(g) = fusion.group_of.get(i).copied().flatten() {
+            // a fused run executes whole at its first node
+            let group = &fusion.groups[g];
+            if i != group.first {
+                continue;
+            }
+            // inputs that die here and that the run may reuse are given up to it
+            let dies = |v: ValueId| {
+                last_use[v.index()].is_some_and(|u| u <= group.last) && !is_output[v.index()]
+            };
+            let mut given: Vec<Option<Tensor>> = vec![None; group.inputs.len()];
+            for d in group.donations() {
+                let j = group.inputs.iter().position(|&v| v == d);
+                let owned = matches!(slots[d.index()], Some(Cow::Owned(_)));
+                if let (Some(j), true, true) = (j, dies(d), owned) {
+                    if let Some(Cow::Owned(t)) = slots[d.index()].take() {
+                        live_bytes -= t.size_bytes();
+                        given[j] = Some(t);
+                    }
+                }
+            }
+            let mut args = Vec::with_capacity(group.inputs.len());
+            for (&v, g) in group.inputs.iter().zip(given) {
+                args.push(match g {
+                    Some(t) => crate::fuse::Input::Owned(t),
+                    None => crate::fuse::Input::Borrowed(
+                        slots[v.index()].as_deref().ok_or_else(|| not_computed(v))?,
+                    ),
+                });
+            }
+            let started = profile.as_ref().map(|prof| {
+                (
+                    prof.fused_key(&group.op_names(), group.elements()),
+                    profile::Stamp::now(),
+                )
+            });
+            let results = crate::fuse::run(group, args).map_err(node_err)?;
+            if let (Some(prof), Some((key, t0))) = (profile.as_mut(), started) {
+                prof.record(key, t0);
+            }
+            for (v, t) in group.output_values().zip(results) {
+                live_bytes += t.size_bytes();
+                slots[v.index()] = Some(Cow::Owned(t));
+            }
+            stats.peak_live_bytes = stats.peak_live_bytes.max(live_bytes);
+            for &v in &group.inputs {
+                let dead = last_use[v.index()].is_some_and(|u| u <= group.last);
+                if dead && !is_output[v.index()] {
+                    if let Some(Cow::Owned(t)) = slots[v.index()].take() {
+                        live_bytes -= t.size_bytes();
+                    }
+                }
+            }
+            continue;
+        }
+        let swapped = deferred_into(i);
+        if swapped.is_some() || node.inputs.iter().any(|v| views[v.index()].is_some()) {
+            // a MatMul reading a view (the planner allows no other reader), or a transpose
+            // running the MatMul it was deferred from
+            let (mm_op, mm_inputs) = match swapped {
+                Some(m) => (&p.nodes[m].op, &p.nodes[m].inputs[..]),
+                None => (&node.op, &node.inputs[..]),
+            };
+            let started = profile.as_ref().map(|prof| {
+                let shapes: Vec<&[usize]> = mm_inputs.iter().map(|&v| &p.ty(v).shape[..]).collect();
+                (prof.view_key(mm_op, &shapes), profile::Stamp::now())
+            });
+            let mut operands = Vec::with_capacity(2);
+            for &v in mm_inputs {
+                let src = slots[source(v).index()]
+                    .as_deref()
+                    .ok_or_else(|| not_computed(v))?;
+                operands.push(views::operand(src, views[v.index()].as_ref()).map_err(node_err)?);
+            }
+            let (Op::MatMul, [a, b]) = (mm_op, &operands[..]) else {
+                return Err(node_err(
+                    "internal: a strided view read by a non-MatMul".into(),
+                ));
+            };
+            let (out, shape) = if swapped.is_some() {
+                let (at, bt) = (views::swap_last2(a), views::swap_last2(b));
+                crate::cpu::matmul::matmul_views(&bt, &at).map_err(node_err)?
+            } else {
+                crate::cpu::matmul::matmul_views(a, b).map_err(node_err)?
+            };
+            drop(operands);
+            if let (Some(prof), Some((key, t0))) = (profile.as_mut(), started) {
+                prof.record(key, t0);
+            }
+            let t = Tensor {
+                shape,
+                data: hzp_ir::Data::F32(out),
+            };
+            store(
+                p,
+                node,
+                vec![t],
+                (&last_use, &is_output),
+                &mut slots,
+                &mut live_bytes,
+            )
+            .map_err(node_err)?;
+            stats.peak_live_bytes = stats.peak_live_bytes.max(live_bytes);
+            free_dead(
+                mm_inputs,
+                i,
+                &source,
+                (&last_use, &is_output),
+                &mut slots,
+                &mut live_bytes,
+            );
+            continue;
+        }
         let args: Vec<&Tensor> = node
             .inputs
             .iter()
-            .map(|&v| {
-                slots[v.index()].as_deref().ok_or_else(|| {
-                    node_err(format!(
-                        "input `{}` has not been computed (nodes out of order?)",
-                        p.value(v).name
-                    ))
-                })
-            })
+            .map(|&v| slots[v.index()].as_deref().ok_or_else(|| not_computed(v)))
             .collect::<Result<_, _>>()?;
         // a reshape or identity of a dying intermediate reuses its buffer
         let reuse = matches!(node.op, Op::Reshape { .. } | Op::Identity)
@@ -234,6 +397,9 @@ pub fn evaluate_with_stats(
             && !is_output[node.inputs[0].index()]
             && matches!(slots[node.inputs[0].index()], Some(Cow::Owned(_)))
             && args[0].numel() == p.value(in_range(node.outputs[0])?).ty.numel();
+        let started = profile
+            .as_ref()
+            .map(|prof| (prof.key(&node.op, &args, reuse), profile::Stamp::now()));
         let results = if reuse {
             drop(args);
             let v = node.inputs[0].index();
@@ -248,61 +414,465 @@ pub fn evaluate_with_stats(
             drop(args);
             r
         };
-        if results.len() != node.outputs.len() {
-            return Err(node_err(format!(
-                "produced {} outputs, the node declares {}",
-                results.len(),
-                node.outputs.len()
-            )));
+        if let (Some(prof), Some((key, t0))) = (profile.as_mut(), started) {
+            prof.record(key, t0);
         }
-        for (&o, t) in node.outputs.iter().zip(results) {
-            let value = p.value(in_range(o)?);
-            if t.ty() != value.ty {
-                return Err(node_err(format!(
-                    "computed {} for `{}`, declared {}",
-                    t.ty(),
-                    value.name,
-                    value.ty
-                )));
-            }
-            if !matches!(value.def, ValueDef::Node { .. }) {
-                return Err(node_err(format!(
-                    "writes `{}`, which is not a node output",
-                    value.name
-                )));
-            }
-            // an output nobody reads and the program does not return is dropped at once
-            if last_use[o.index()].is_some() || is_output[o.index()] {
-                live_bytes += t.size_bytes();
-                slots[o.index()] = Some(Cow::Owned(t));
-            }
-        }
+        store(
+            p,
+            node,
+            results,
+            (&last_use, &is_output),
+            &mut slots,
+            &mut live_bytes,
+        )
+        .map_err(node_err)?;
         stats.peak_live_bytes = stats.peak_live_bytes.max(live_bytes);
-        // free what this node was the last reader of
-        for &v in &node.inputs {
-            if last_use[v.index()] == Some(i) && !is_output[v.index()] {
-                if let Some(Cow::Owned(t)) = slots[v.index()].take() {
-                    live_bytes -= t.size_bytes();
+        free_dead(
+            &node.inputs,
+            i,
+            &source,
+            (&last_use, &is_output),
+            &mut slots,
+            &mut live_bytes,
+        );
+    }
+
+    if let Some(prof) = profile {
+        prof.report(&p.name);
+    }
+
+    // ---- outputs
+    // the last occurrence of an output takes its tensor; earlier ones (an output listed
+    // twice) clone it
+    let mut outs = Vec::with_capacity(p.outputs.len());
+    for (j, &o) in p.outputs.iter().enumerate() {
+        let value = p.value(o);
+        let last = !p.outputs[j + 1..].contains(&o);
+        let t = if last {
+            slots[o.index()].take()
+        } else {
+            slots[o.index()].clone()
+        };
+        let t = t.ok_or_else(|| {
+            EvalError::Malformed(format!("output `{}` is never computed", value.name))
+        })?;
+        outs.push((value.name.clone(), t.into_owned()));
+    }
+    Ok((outs, stats))
+}
+
+/// Checks a node's results against its declared outputs and binds those that are read
+/// later or returned.
+fn store<'a>(
+    p: &Program,
+    node: &hzp_ir::Node,
+    results: Vec<Tensor>,
+    (last_use, is_output): (&[Option<usize>], &[bool]),
+    slots: &mut [Option<Cow<'a, Tensor>>],
+    live_bytes: &mut usize,
+) -> Result<(), String> {
+    if results.len() != node.outputs.len() {
+        return Err(format!(
+            "produced {} outputs, the node declares {}",
+            results.len(),
+            node.outputs.len()
+        ));
+    }
+    for (&o, t) in node.outputs.iter().zip(results) {
+        let value = p.value(o);
+        if t.ty() != value.ty {
+            return Err(format!(
+                "computed {} for `{}`, declared {}",
+                t.ty(),
+                value.name,
+                value.ty
+            ));
+        }
+        if !matches!(value.def, ValueDef::Node { .. }) {
+            return Err(format!(
+                "writes `{}`, which is not a node output",
+                value.name
+            ));
+        }
+        // an output nobody reads and the program does not return is dropped at once
+        if last_use[o.index()].is_some() || is_output[o.index()] {
+            *live_bytes += t.size_bytes();
+            slots[o.index()] = Some(Cow::Owned(t));
+        }
+    }
+    Ok(())
+}
+
+/// Frees what node `i` was the last reader of (through views: their sources).
+fn free_dead(
+    inputs: &[ValueId],
+    i: usize,
+    source: &impl Fn(ValueId) -> ValueId,
+    (last_use, is_output): (&[Option<usize>], &[bool]),
+    slots: &mut [Option<Cow<'_, Tensor>>],
+    live_bytes: &mut usize,
+) {
+    for &v in inputs {
+        let v = source(v);
+        if last_use[v.index()] == Some(i) && !is_output[v.index()] {
+            if let Some(Cow::Owned(t)) = slots[v.index()].take() {
+                *live_bytes -= t.size_bytes();
+            }
+            // borrowed inputs, parameters and constants are only unbound
+        }
+    }
+}
+
+/// Strided views: a Transpose or Reshape of f32 data whose result is read only by MatMuls
+/// (directly or through more such views) is not run. Each MatMul reads the view's source
+/// with the view's strides instead (gemm takes row and column strides, so a transposed
+/// operand is free), and the source lives until the view's last reader.
+mod views {
+    use crate::cpu::layout::strides_of;
+    use crate::cpu::matmul::MatView;
+    use hzp_ir::{DType, Data, Node, Op, Program, Tensor, ValueId};
+
+    /// A value computed as a strided view of `src` (a value that is materialized).
+    #[derive(Clone, Debug)]
+    pub struct View {
+        pub src: ValueId,
+        pub shape: Vec<usize>,
+        pub strides: Vec<isize>,
+    }
+
+    fn contiguous(shape: &[usize], strides: &[isize]) -> bool {
+        shape.contains(&0)
+            || shape
+                .iter()
+                .zip(strides)
+                .zip(strides_of(shape))
+                .all(|((&d, &s), c)| d == 1 || s == c)
+    }
+
+    /// The view a Transpose or Reshape node makes of `base` (the view of its input, or the
+    /// input itself), if it is one.
+    fn view_of(op: &Op, base: View) -> Option<View> {
+        match op {
+            Op::Transpose { perm } => {
+                let r = base.shape.len();
+                let mut seen = vec![false; r];
+                for &q in perm {
+                    if q >= r || std::mem::replace(&mut seen[q], true) {
+                        return None;
+                    }
                 }
-                // borrowed inputs, parameters and constants are only unbound
+                (perm.len() == r).then(|| View {
+                    src: base.src,
+                    shape: perm.iter().map(|&q| base.shape[q]).collect(),
+                    strides: perm.iter().map(|&q| base.strides[q]).collect(),
+                })
+            }
+            Op::Reshape { shape } => {
+                let same = shape.iter().product::<usize>() == base.shape.iter().product::<usize>();
+                (same && contiguous(&base.shape, &base.strides)).then(|| View {
+                    src: base.src,
+                    shape: shape.clone(),
+                    strides: strides_of(shape),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    fn candidate(p: &Program, n: &Node) -> bool {
+        matches!(n.op, Op::Transpose { .. } | Op::Reshape { .. })
+            && n.inputs.len() == 1
+            && n.outputs.len() == 1
+            && p.ty(n.inputs[0]).dtype == DType::F32
+            && p.ty(n.outputs[0]).dtype == DType::F32
+    }
+
+    /// Whether node `n` only makes a view (and is not run).
+    pub fn is_view_node(n: &Node, views: &[Option<View>]) -> bool {
+        n.outputs.len() == 1 && views[n.outputs[0].index()].is_some()
+    }
+
+    /// For every value, its view, or `None` where it is computed. Value ids are in range.
+    pub fn plan(p: &Program, is_output: &[bool]) -> Vec<Option<View>> {
+        let nv = p.values.len();
+        let mut readers: Vec<Vec<usize>> = vec![Vec::new(); nv];
+        for (i, n) in p.nodes.iter().enumerate() {
+            for &v in &n.inputs {
+                readers[v.index()].push(i);
+            }
+        }
+        let mut cand: Vec<bool> = p.nodes.iter().map(|n| candidate(p, n)).collect();
+        loop {
+            let mut views: Vec<Option<View>> = vec![None; nv];
+            for (i, n) in p.nodes.iter().enumerate() {
+                if !cand[i] {
+                    continue;
+                }
+                let x = n.inputs[0];
+                let base = views[x.index()].clone().unwrap_or_else(|| {
+                    let shape = p.ty(x).shape.clone();
+                    View {
+                        src: x,
+                        strides: strides_of(&shape),
+                        shape,
+                    }
+                });
+                match view_of(&n.op, base) {
+                    Some(v) if v.shape == p.ty(n.outputs[0]).shape => {
+                        views[n.outputs[0].index()] = Some(v)
+                    }
+                    _ => cand[i] = false,
+                }
+            }
+            // a view must be read only by MatMuls and views, and not be returned
+            let mut changed = false;
+            for (i, n) in p.nodes.iter().enumerate() {
+                let y = n.outputs.first().map(|y| y.index());
+                let Some(y) = y.filter(|&y| cand[i] && views[y].is_some()) else {
+                    continue;
+                };
+                let ok = !is_output[y]
+                    && readers[y].iter().all(|&r| {
+                        let rn = &p.nodes[r];
+                        (matches!(rn.op, Op::MatMul) && rn.inputs.len() == 2)
+                            || (cand[r] && views[rn.outputs[0].index()].is_some())
+                    });
+                if !ok {
+                    cand[i] = false;
+                    changed = true;
+                }
+            }
+            if !changed {
+                return views;
             }
         }
     }
 
-    // ---- outputs
-    let outs = p
-        .outputs
-        .iter()
-        .map(|&o| {
-            let value = p.value(o);
-            // an output listed twice is cloned for its second occurrence
-            let t = slots[o.index()].clone().ok_or_else(|| {
-                EvalError::Malformed(format!("output `{}` is never computed", value.name))
-            })?;
-            Ok((value.name.clone(), t.into_owned()))
+    /// Whether `perm` swaps the last two axes and keeps the others.
+    fn swaps_last2(perm: &[usize]) -> bool {
+        let r = perm.len();
+        r >= 2
+            && perm[r - 2] == r - 1
+            && perm[r - 1] == r - 2
+            && perm[..r - 2].iter().enumerate().all(|(i, &q)| i == q)
+    }
+
+    /// `v` with its last two axes swapped (rank >= 2).
+    pub fn swap_last2<'a>(v: &MatView<'a>) -> MatView<'a> {
+        let r = v.shape.len();
+        let mut perm: Vec<usize> = (0..r).collect();
+        perm.swap(r - 2, r - 1);
+        v.permuted(&perm)
+    }
+
+    /// Transposes (not views) of the last two axes whose input is an f32 MatMul of rank >= 2
+    /// operands read by nothing else: (transpose node, MatMul node) pairs. The MatMul is
+    /// not run; the transpose computes it with swapped, transposed operands.
+    pub fn plan_swapped(
+        p: &Program,
+        is_output: &[bool],
+        views: &[Option<View>],
+    ) -> Vec<(usize, usize)> {
+        let mut producer = vec![None; p.values.len()];
+        let mut readers = vec![0usize; p.values.len()];
+        for (i, n) in p.nodes.iter().enumerate() {
+            for &o in &n.outputs {
+                producer[o.index()] = Some(i);
+            }
+            for &v in &n.inputs {
+                readers[v.index()] += 1;
+            }
+        }
+        let mut out = Vec::new();
+        for (t, n) in p.nodes.iter().enumerate() {
+            let Op::Transpose { perm } = &n.op else {
+                continue;
+            };
+            if !candidate(p, n) || is_view_node(n, views) || !swaps_last2(perm) {
+                continue;
+            }
+            let x = n.inputs[0];
+            let Some(m) = producer[x.index()] else {
+                continue;
+            };
+            let mn = &p.nodes[m];
+            let ok = matches!(mn.op, Op::MatMul)
+                && mn.inputs.len() == 2
+                && mn.outputs.len() == 1
+                && readers[x.index()] == 1
+                && !is_output[x.index()]
+                && mn
+                    .inputs
+                    .iter()
+                    .all(|&v| p.ty(v).dtype == DType::F32 && p.ty(v).rank() >= 2);
+            if ok {
+                out.push((t, m));
+            }
+        }
+        out
+    }
+
+    /// A MatMul operand: `t` itself, or the view `v` of it.
+    pub fn operand<'a>(t: &'a Tensor, v: Option<&View>) -> Result<MatView<'a>, String> {
+        let Data::F32(data) = &t.data else {
+            return Err(format!("internal: strided MatMul operand is {}", t.dtype()));
+        };
+        Ok(match v {
+            None => MatView::contiguous(data, &t.shape),
+            Some(v) => {
+                if v.shape.iter().product::<usize>() > data.len() && !v.shape.contains(&0) {
+                    return Err("internal: view larger than its source".into());
+                }
+                MatView {
+                    data,
+                    shape: v.shape.clone(),
+                    strides: v.strides.clone(),
+                    offset: 0,
+                }
+            }
         })
-        .collect::<Result<Vec<_>, EvalError>>()?;
-    Ok((outs, stats))
+    }
+}
+
+/// Per-op-kind timing, on when the environment variable `HZP_PROFILE` is set (to anything
+/// but `0`): each evaluation then prints a table of time per op kind to stderr. When off, the
+/// evaluator only tests one `Option` per node.
+mod profile {
+    use hzp_ir::{Op, Tensor};
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    /// `HZP_PROFILE` unset, empty or `0`: off; `shapes`: per op kind and input shapes;
+    /// anything else: per op kind.
+    fn level() -> u8 {
+        static LEVEL: OnceLock<u8> = OnceLock::new();
+        *LEVEL.get_or_init(|| match std::env::var("HZP_PROFILE").as_deref() {
+            Err(_) | Ok("") | Ok("0") => 0,
+            Ok("shapes") => 2,
+            Ok(_) => 1,
+        })
+    }
+
+    pub fn enabled() -> bool {
+        level() > 0
+    }
+
+    #[derive(Default)]
+    pub struct Profile {
+        /// op kind -> (calls, wall time, cpu time of the calling thread)
+        by_kind: HashMap<String, (usize, Duration, Duration)>,
+    }
+
+    impl Profile {
+        /// The row a node's time is counted in.
+        pub fn key(&self, op: &Op, args: &[&Tensor], reused: bool) -> String {
+            let mut key = match op {
+                Op::Reduce { op, .. } => format!("Reduce{op:?}"),
+                _ => op.name().to_string(),
+            };
+            if reused {
+                key += " (in place)";
+            }
+            if level() == 2 {
+                for a in args {
+                    key += &format!(" {:?}", a.shape);
+                }
+            }
+            key
+        }
+
+        /// The row of a fused run of elementwise ops.
+        pub fn fused_key(&self, ops: &[&str], n: usize) -> String {
+            if level() == 2 {
+                format!("Fused {} [{n}]", ops.join(","))
+            } else {
+                "Fused elementwise".to_string()
+            }
+        }
+
+        /// The row of a MatMul that reads strided views.
+        pub fn view_key(&self, op: &Op, shapes: &[&[usize]]) -> String {
+            let mut key = format!("{} (strided)", op.name());
+            if level() == 2 {
+                for s in shapes {
+                    key += &format!(" {s:?}");
+                }
+            }
+            key
+        }
+
+        pub fn record(&mut self, key: String, start: Stamp) {
+            let e = self.by_kind.entry(key).or_default();
+            e.0 += 1;
+            e.1 += start.wall.elapsed();
+            e.2 += thread_cpu().saturating_sub(start.cpu);
+        }
+
+        pub fn report(&self, program: &str) {
+            let total: Duration = self.by_kind.values().map(|e| e.1).sum();
+            let total_cpu: Duration = self.by_kind.values().map(|e| e.2).sum();
+            let mut rows: Vec<_> = self.by_kind.iter().collect();
+            rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(b.0)));
+            let mut s = format!(
+                "hzp profile: `{program}`, {:.1} ms in kernels ({:.1} ms cpu of this thread)\n\
+                 {:<40} {:>6} {:>10} {:>10} {:>6}\n",
+                total.as_secs_f64() * 1e3,
+                total_cpu.as_secs_f64() * 1e3,
+                "op",
+                "calls",
+                "ms",
+                "cpu ms",
+                "%"
+            );
+            for (k, (n, t, c)) in rows {
+                s += &format!(
+                    "{k:<40} {n:>6} {:>10.2} {:>10.2} {:>5.1}%\n",
+                    t.as_secs_f64() * 1e3,
+                    c.as_secs_f64() * 1e3,
+                    100.0 * t.as_secs_f64() / total.as_secs_f64().max(1e-12)
+                );
+            }
+            eprint!("{s}");
+        }
+    }
+
+    /// When a kernel started: wall clock and this thread's CPU time (which, unlike the
+    /// wall clock, does not count time other processes had the core; with
+    /// `HZP_NUM_THREADS=1` it is the kernel's whole cost).
+    #[derive(Clone, Copy)]
+    pub struct Stamp {
+        wall: Instant,
+        cpu: Duration,
+    }
+
+    impl Stamp {
+        pub fn now() -> Stamp {
+            Stamp {
+                wall: Instant::now(),
+                cpu: thread_cpu(),
+            }
+        }
+    }
+
+    #[cfg(unix)]
+    fn thread_cpu() -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec to the pointer it is given.
+        let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        if r != 0 {
+            return Duration::ZERO;
+        }
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
+    #[cfg(not(unix))]
+    fn thread_cpu() -> Duration {
+        Duration::ZERO
+    }
 }
 
 #[cfg(test)]

@@ -3,5 +3,6 @@
 
 pub mod cpu;
 pub mod eval;
+pub mod fuse;
 pub mod spmd;
 pub mod train;

@@ -5,6 +5,7 @@
 use super::elem::{floats, from_f32, typed, Elem};
 use super::layout::{zip3_broadcast, zip_broadcast};
 use super::math;
+use super::threads::{for_each_range, SendPtr};
 use half::{bf16, f16};
 use hzp_ir::{BinaryOp, DType, Data, Tensor, UnaryOp};
 
@@ -52,28 +53,60 @@ pub fn erf_f64(x: f64) -> f64 {
     }
 }
 
+/// Elements per parallel piece of the flat loops.
+const PIECE: usize = 1 << 16;
+
 fn float_unary(u: UnaryOp, x: &[f32]) -> Vec<f32> {
-    use math::map_f32 as map;
+    let mut out: Vec<f32> = Vec::with_capacity(x.len());
+    let p = SendPtr(out.as_mut_ptr());
+    // SAFETY: the capacity holds x.len() elements; the pieces write disjoint ranges that
+    // together cover all of them before set_len.
+    unsafe {
+        for_each_range(x.len(), PIECE, |s, e| {
+            unary_raw(u, &x[s..e], p.get().add(s))
+        });
+        out.set_len(x.len());
+    }
+    out
+}
+
+/// Whether [`unary_into`] computes `u` (the float unary ops).
+pub fn is_float_unary(u: UnaryOp) -> bool {
+    !matches!(u, UnaryOp::Not | UnaryOp::IsNaN)
+}
+
+/// `out = u(x)` elementwise in f32, the same arithmetic as the Unary kernel. Lengths must
+/// be equal.
+pub fn unary_into(u: UnaryOp, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len());
+    // SAFETY: `out` is a distinct, exclusively borrowed slice of x.len() elements.
+    unsafe { unary_raw(u, x, out.as_mut_ptr()) }
+}
+
+/// # Safety
+/// `out` must be valid for `x.len()` writes and must not overlap `x`.
+unsafe fn unary_raw(u: UnaryOp, x: &[f32], out: *mut f32) {
+    use math::map_raw as map;
     match u {
-        UnaryOp::Neg => map(x, |v| -v),
-        UnaryOp::Abs => map(x, f32::abs),
-        UnaryOp::Exp => map(x, math::exp),
-        UnaryOp::Log => map(x, f32::ln),
-        UnaryOp::Sqrt => map(x, f32::sqrt),
-        UnaryOp::Rsqrt => map(x, |v| 1.0 / v.sqrt()),
-        UnaryOp::Reciprocal => map(x, |v| 1.0 / v),
-        UnaryOp::Tanh => map(x, math::tanh),
-        UnaryOp::Erf => map(x, math::erf),
-        UnaryOp::Sigmoid => map(x, math::sigmoid),
-        UnaryOp::Relu => map(x, |v| if v > 0.0 || v.is_nan() { v } else { 0.0 }),
-        UnaryOp::Gelu => map(x, math::gelu),
-        UnaryOp::GeluTanh => map(x, math::gelu_tanh),
-        UnaryOp::Silu => map(x, |v| v * math::sigmoid(v)),
-        UnaryOp::Sin => map(x, f32::sin),
-        UnaryOp::Cos => map(x, f32::cos),
-        UnaryOp::Floor => map(x, f32::floor),
-        UnaryOp::Ceil => map(x, f32::ceil),
-        UnaryOp::Sign => map(x, |v| {
+        UnaryOp::Neg => map(x, out, |v| -v),
+        UnaryOp::Abs => map(x, out, f32::abs),
+        UnaryOp::Exp => map(x, out, math::exp),
+        UnaryOp::Log => map(x, out, f32::ln),
+        UnaryOp::Sqrt => map(x, out, f32::sqrt),
+        UnaryOp::Rsqrt => map(x, out, |v| 1.0 / v.sqrt()),
+        UnaryOp::Reciprocal => map(x, out, |v| 1.0 / v),
+        UnaryOp::Tanh => map(x, out, math::tanh),
+        UnaryOp::Erf => map(x, out, math::erf),
+        UnaryOp::Sigmoid => map(x, out, math::sigmoid),
+        UnaryOp::Relu => map(x, out, |v| if v > 0.0 || v.is_nan() { v } else { 0.0 }),
+        UnaryOp::Gelu => map(x, out, math::gelu),
+        UnaryOp::GeluTanh => map(x, out, math::gelu_tanh),
+        UnaryOp::Silu => map(x, out, |v| v * math::sigmoid(v)),
+        UnaryOp::Sin => map(x, out, f32::sin),
+        UnaryOp::Cos => map(x, out, f32::cos),
+        UnaryOp::Floor => map(x, out, f32::floor),
+        UnaryOp::Ceil => map(x, out, f32::ceil),
+        UnaryOp::Sign => map(x, out, |v| {
             if v > 0.0 {
                 1.0
             } else if v < 0.0 {
@@ -83,7 +116,7 @@ fn float_unary(u: UnaryOp, x: &[f32]) -> Vec<f32> {
             }
         }),
         // rejected by the type rule; kept total
-        UnaryOp::Not | UnaryOp::IsNaN => x.to_vec(),
+        UnaryOp::Not | UnaryOp::IsNaN => map(x, out, |v| v),
     }
 }
 
@@ -186,6 +219,93 @@ enum Out<T> {
     Pred(Vec<bool>),
 }
 
+/// One f32 operand of an elementwise op over `n` elements: `n` values, or one value
+/// broadcast.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg<'a> {
+    Full(&'a [f32]),
+    Scalar(f32),
+}
+
+/// Whether [`binary_into`] computes `op` (the float arithmetic ops).
+pub fn is_float_arith(op: BinaryOp) -> bool {
+    matches!(
+        op,
+        BinaryOp::Add
+            | BinaryOp::Sub
+            | BinaryOp::Mul
+            | BinaryOp::Div
+            | BinaryOp::Pow
+            | BinaryOp::Max
+            | BinaryOp::Min
+            | BinaryOp::Mod
+    )
+}
+
+fn nan_max(x: f32, y: f32) -> f32 {
+    if x.is_nan() || y.is_nan() {
+        f32::NAN
+    } else {
+        x.max(y)
+    }
+}
+
+fn nan_min(x: f32, y: f32) -> f32 {
+    if x.is_nan() || y.is_nan() {
+        f32::NAN
+    } else {
+        x.min(y)
+    }
+}
+
+/// `out = a op b` elementwise in f32 (`op` one of [`is_float_arith`]), the same
+/// arithmetic as the Binary kernel. Full operands must be as long as `out`.
+pub fn binary_into(op: BinaryOp, a: Arg, b: Arg, out: &mut [f32]) {
+    for x in [a, b] {
+        if let Arg::Full(x) = x {
+            assert_eq!(x.len(), out.len());
+        }
+    }
+    // SAFETY: `out` is exclusively borrowed (so overlaps no operand) and as long as the
+    // full operands.
+    unsafe { binary_raw(op, a, b, out.len(), out.as_mut_ptr()) }
+}
+
+/// # Safety
+/// Full operands hold at least `n` elements; `out` is valid for `n` writes and overlaps
+/// no operand.
+unsafe fn binary_raw(op: BinaryOp, a: Arg, b: Arg, n: usize, out: *mut f32) {
+    unsafe fn zip(a: Arg, b: Arg, n: usize, out: *mut f32, f: impl Fn(f32, f32) -> f32 + Copy) {
+        match (a, b) {
+            (Arg::Full(a), Arg::Full(b)) => math::zip_raw(&a[..n], b, out, f),
+            (Arg::Full(a), Arg::Scalar(y)) => math::map_raw(&a[..n], out, move |x| f(x, y)),
+            (Arg::Scalar(x), Arg::Full(b)) => math::map_raw(&b[..n], out, move |y| f(x, y)),
+            (Arg::Scalar(x), Arg::Scalar(y)) => {
+                let v = f(x, y);
+                (0..n).for_each(|i| *out.add(i) = v);
+            }
+        }
+    }
+    match op {
+        BinaryOp::Add => zip(a, b, n, out, |x, y| x + y),
+        BinaryOp::Sub => zip(a, b, n, out, |x, y| x - y),
+        BinaryOp::Mul => zip(a, b, n, out, |x, y| x * y),
+        BinaryOp::Div => zip(a, b, n, out, |x, y| x / y),
+        // small integer exponents as products (exact for 2; for 3 what PyTorch computes)
+        BinaryOp::Pow => match b {
+            Arg::Scalar(2.0) => zip(a, b, n, out, |x, _| x * x),
+            Arg::Scalar(3.0) => zip(a, b, n, out, |x, _| x * x * x),
+            Arg::Scalar(1.0) => zip(a, b, n, out, |x, _| x),
+            _ => zip(a, b, n, out, f32::powf),
+        },
+        BinaryOp::Max => zip(a, b, n, out, nan_max),
+        BinaryOp::Min => zip(a, b, n, out, nan_min),
+        BinaryOp::Mod => zip(a, b, n, out, |x, y| x % y),
+        // not arithmetic (callers check is_float_arith); kept total
+        _ => zip(a, b, n, out, |_, _| f32::NAN),
+    }
+}
+
 fn float_binary(
     op: BinaryOp,
     a: &[f32],
@@ -194,6 +314,39 @@ fn float_binary(
     sb: &[usize],
     out: &[usize],
 ) -> Result<Out<f32>, String> {
+    let n: usize = out.iter().product();
+    if is_float_arith(op) {
+        // an operand with as many elements as the result has its layout (broadcasting
+        // only adds leading 1s to it); with scalar operands that is one flat loop
+        fn arg(v: &[f32], n: usize) -> Option<Arg<'_>> {
+            if v.len() == n {
+                Some(Arg::Full(v))
+            } else if v.len() == 1 {
+                Some(Arg::Scalar(v[0]))
+            } else {
+                None
+            }
+        }
+        if let (Some(x), Some(y)) = (arg(a, n), arg(b, n)) {
+            let mut v: Vec<f32> = Vec::with_capacity(n);
+            let p = SendPtr(v.as_mut_ptr());
+            fn part(a: Arg<'_>, s: usize, e: usize) -> Arg<'_> {
+                match a {
+                    Arg::Full(a) => Arg::Full(&a[s..e]),
+                    scalar => scalar,
+                }
+            }
+            // SAFETY: full operands hold n elements; the capacity holds n elements; the
+            // pieces write disjoint ranges that together cover all of them before set_len.
+            unsafe {
+                for_each_range(n, PIECE, |s, e| {
+                    binary_raw(op, part(x, s, e), part(y, s, e), e - s, p.get().add(s))
+                });
+                v.set_len(n);
+            }
+            return Ok(Out::Num(v));
+        }
+    }
     let num = |f: fn(f32, f32) -> f32| Out::Num(zip_broadcast(a, sa, b, sb, out, f));
     let pred = |f: fn(f32, f32) -> bool| Out::Pred(zip_broadcast(a, sa, b, sb, out, f));
     Ok(match op {
@@ -202,20 +355,8 @@ fn float_binary(
         BinaryOp::Mul => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x * y)),
         BinaryOp::Div => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x / y)),
         BinaryOp::Pow => num(f32::powf),
-        BinaryOp::Max => num(|x, y| {
-            if x.is_nan() || y.is_nan() {
-                f32::NAN
-            } else {
-                x.max(y)
-            }
-        }),
-        BinaryOp::Min => num(|x, y| {
-            if x.is_nan() || y.is_nan() {
-                f32::NAN
-            } else {
-                x.min(y)
-            }
-        }),
+        BinaryOp::Max => num(nan_max),
+        BinaryOp::Min => num(nan_min),
         BinaryOp::Mod => num(|x, y| x % y),
         BinaryOp::Equal => pred(|x, y| x == y),
         BinaryOp::Less => pred(|x, y| x < y),

@@ -210,8 +210,33 @@ pub fn zip3_broadcast<A: Copy, B: Copy, C: Copy, R>(
     let tb = broadcast_strides(b.1, out);
     let tc = broadcast_strides(c.1, out);
     let mut v = Vec::with_capacity(n);
-    walk(out, [&ta, &tb, &tc], [0, 0, 0], |[i, j, k]| {
-        v.push(f(a.0[i as usize], b.0[j as usize], c.0[k as usize]))
+    // broadcast strides are 0 or the contiguous stride, so a row steps by 0 or 1; the
+    // common rows (the first operand fixed along the row) get their own loops
+    walk_rows(out, [&ta, &tb, &tc], [0, 0, 0], |[i, j, k], len, step| {
+        let (i, j, k) = (i as usize, j as usize, k as usize);
+        match step {
+            [0, 1, 1] => {
+                let x = a.0[i];
+                v.extend(
+                    b.0[j..j + len]
+                        .iter()
+                        .zip(&c.0[k..k + len])
+                        .map(|(&y, &z)| f(x, y, z)),
+                )
+            }
+            [0, 0, 1] => {
+                let (x, y) = (a.0[i], b.0[j]);
+                v.extend(c.0[k..k + len].iter().map(|&z| f(x, y, z)))
+            }
+            [0, 1, 0] => {
+                let (x, z) = (a.0[i], c.0[k]);
+                v.extend(b.0[j..j + len].iter().map(|&y| f(x, y, z)))
+            }
+            _ => {
+                let [si, sj, sk] = step.map(|s| s as usize);
+                v.extend((0..len).map(|t| f(a.0[i + t * si], b.0[j + t * sj], c.0[k + t * sk])))
+            }
+        }
     });
     v
 }

@@ -123,26 +123,68 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + tanh(C * (x + 0.044_715 * x * x * x)))
 }
 
-/// `f` over `x`. On x86-64 the loop is compiled a second time with AVX2 enabled and picked
-/// at run time, so the polynomial kernels above run 8 lanes wide instead of 4.
-/// (Plain loops without closures: a closure inside the AVX2 function would be compiled
-/// without AVX2 and called per element.)
-pub fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
+/// `out[i] = f(x[i])` for `i < x.len()`. On x86-64 the loop is compiled a second time with
+/// AVX2 enabled and picked at run time, so the polynomial kernels above run 8 lanes wide
+/// instead of 4. (Plain loops without closures defined inside: a closure inside the AVX2
+/// function would be compiled without AVX2 and called per element.)
+///
+/// # Safety
+/// `out` must be valid for `x.len()` writes (it may be uninitialized) and must not overlap
+/// `x`.
+pub unsafe fn map_raw(x: &[f32], out: *mut f32, f: impl Fn(f32) -> f32 + Copy) {
+    #[inline(always)]
+    unsafe fn body(x: &[f32], out: *mut f32, f: impl Fn(f32) -> f32 + Copy) {
+        for (i, &v) in x.iter().enumerate() {
+            *out.add(i) = f(v);
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         #[target_feature(enable = "avx2")]
-        unsafe fn wide(x: &[f32], out: &mut [f32], f: impl Fn(f32) -> f32 + Copy) {
-            for (o, &v) in out.iter_mut().zip(x) {
-                *o = f(v);
-            }
+        unsafe fn wide(x: &[f32], out: *mut f32, f: impl Fn(f32) -> f32 + Copy) {
+            body(x, out, f)
         }
-        // SAFETY: AVX2 support was just detected.
-        unsafe { wide(x, &mut out, f) };
-        return out;
+        // SAFETY: AVX2 support was just detected; the caller's contract covers `out`.
+        unsafe { wide(x, out, f) };
+        return;
     }
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = f(v);
+    body(x, out, f)
+}
+
+/// `out[i] = f(a[i], b[i])` for `i < a.len()` (`b` at least as long), vectorized like
+/// [`map_raw`].
+///
+/// # Safety
+/// `b.len() >= a.len()`; `out` must be valid for `a.len()` writes (it may be
+/// uninitialized) and must not overlap `a` or `b`.
+pub unsafe fn zip_raw(a: &[f32], b: &[f32], out: *mut f32, f: impl Fn(f32, f32) -> f32 + Copy) {
+    #[inline(always)]
+    unsafe fn body(a: &[f32], b: &[f32], out: *mut f32, f: impl Fn(f32, f32) -> f32 + Copy) {
+        let b = &b[..a.len()];
+        for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+            *out.add(i) = f(x, y);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        unsafe fn wide(a: &[f32], b: &[f32], out: *mut f32, f: impl Fn(f32, f32) -> f32 + Copy) {
+            body(a, b, out, f)
+        }
+        // SAFETY: AVX2 support was just detected; the caller's contract covers `out`.
+        unsafe { wide(a, b, out, f) };
+        return;
+    }
+    body(a, b, out, f)
+}
+
+/// `f` over `x`, into a new vector (see [`map_raw`]).
+pub fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    // SAFETY: the capacity holds x.len() elements, all written before set_len.
+    unsafe {
+        map_raw(x, out.as_mut_ptr(), f);
+        out.set_len(x.len());
     }
     out
 }

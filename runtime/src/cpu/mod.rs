@@ -14,6 +14,7 @@ pub mod matmul;
 pub mod movement;
 pub mod norm;
 pub mod reduce;
+pub mod threads;
 
 use elem::by_dtype;
 use half::{bf16, f16};

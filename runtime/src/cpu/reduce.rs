@@ -123,6 +123,9 @@ pub fn reduce(x: &Tensor, op: ReduceOp, axes: &[usize]) -> Result<Data, String> 
         }
         dt => {
             let v = floats(x);
+            if let Some(out) = float_rows(&v, s, &axes, op) {
+                return Ok(from_f32(dt, out));
+            }
             let out: Vec<f32> = match op {
                 ReduceOp::Sum => fold(&v, s, &axes, 0f64, |a, b| a + b as f64)
                     .into_iter()
@@ -145,6 +148,51 @@ pub fn reduce(x: &Tensor, op: ReduceOp, axes: &[usize]) -> Result<Data, String> 
             Ok(from_f32(dt, out))
         }
     }
+}
+
+/// Reduces contiguous rows (the reduced axes are the trailing ones): sums with four f64
+/// accumulators, max/min eight lanes wide (NaN wins, as in the general fold). Rows in
+/// parallel when there are threads. `None` for other layouts and Prod.
+fn float_rows(v: &[f32], shape: &[usize], axes: &[usize], op: ReduceOp) -> Option<Vec<f32>> {
+    let (r, n) = (shape.len(), axes.len());
+    let trailing = axes.iter().enumerate().all(|(i, &a)| a == r - n + i);
+    let row: usize = shape[r - n..].iter().product();
+    if !trailing || row == 0 || matches!(op, ReduceOp::Prod) {
+        return None;
+    }
+    fn lanes(row: &[f32], init: f32, f: fn(f32, f32) -> f32) -> f32 {
+        let mut acc = [init; 8];
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            for k in 0..8 {
+                acc[k] = f(acc[k], c[k]);
+            }
+        }
+        let mut m = chunks.remainder().iter().fold(init, |a, &x| f(a, x));
+        for a in acc {
+            m = f(m, a);
+        }
+        m
+    }
+    let one = |row: &[f32]| -> f32 {
+        match op {
+            ReduceOp::Sum => super::norm::sum_f64(row) as f32,
+            ReduceOp::Mean => (super::norm::sum_f64(row) / row.len() as f64) as f32,
+            ReduceOp::Max => lanes(row, f32::NEG_INFINITY, nan_max),
+            ReduceOp::Min => lanes(row, f32::INFINITY, nan_min),
+            ReduceOp::Prod => f32::NAN,
+        }
+    };
+    let rows = v.len() / row;
+    let mut out = vec![0f32; rows];
+    let per = (1 << 14) / row + 1; // rows per parallel piece
+    super::threads::for_each_chunk(&mut out, per, |i, o| {
+        for (k, o) in o.iter_mut().enumerate() {
+            let j = i * per + k;
+            *o = one(&v[j * row..(j + 1) * row]);
+        }
+    });
+    Some(out)
 }
 
 /// Index of the first maximum along `axis` (NaN counts as the maximum, like PyTorch).
