@@ -1,8 +1,10 @@
 //! Elementwise fusion for the evaluator: a run of consecutive f32 Unary and Binary nodes
 //! with the same result shape (operands of that shape, scalars, biases over the trailing
-//! dims or keep-dims reductions over them) runs as one pass, tile by tile. Values used only inside the run live in small per-tile registers instead
-//! of full tensors; the others are written once. Every op computes exactly what its own
-//! kernel computes ([`unary_into`], [`binary_into`]), so fusion does not change results.
+//! dims or keep-dims reductions over them) runs as one pass, tile by tile. Values used only
+//! inside the run live in small per-tile registers instead of full tensors; the others are
+//! written once, into a new buffer or into the buffer of an input that dies in the run.
+//! Every op computes exactly what its own kernel computes ([`unary_into`],
+//! [`binary_into`]), so fusion does not change results.
 //!
 //! Autodiff's rules, the optimizer update and activations like the tanh GELU are chains of
 //! such ops; fused, they read and write memory once instead of once per op.
