@@ -604,19 +604,9 @@ fn with_tied_copies(
 }
 
 fn transpose_last2(t: &Tensor) -> Tensor {
-    let r = t.shape.len();
-    let (m, n) = (t.shape[r - 2], t.shape[r - 1]);
-    let v = t.to_f32_vec();
-    let mut out = vec![0.0f32; v.len()];
-    let batch = v.len() / (m * n).max(1);
-    for b in 0..batch {
-        for i in 0..m {
-            for j in 0..n {
-                out[b * m * n + j * m + i] = v[b * m * n + i * n + j];
-            }
-        }
-    }
+    let out = ties::transpose_last2(&t.to_f32_vec(), &t.shape);
     let mut shape = t.shape.clone();
+    let r = shape.len();
     shape.swap(r - 2, r - 1);
     Tensor::from_f64(
         t.dtype(),

@@ -26,7 +26,8 @@ fn looks_generated(name: &str) -> bool {
             .is_some_and(|r| r.chars().all(|c| c.is_ascii_digit()))
 }
 
-fn transpose_last2(v: &[f32], shape: &[usize]) -> Vec<f32> {
+/// `v` (row-major, shape `shape`) with its last two axes swapped.
+pub fn transpose_last2(v: &[f32], shape: &[usize]) -> Vec<f32> {
     let r = shape.len();
     let (m, n) = (shape[r - 2], shape[r - 1]);
     let batch = v.len() / (m * n).max(1);
