@@ -83,6 +83,17 @@ fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
     }
 }
 
+/// The fingerprint of a forward program's parameters (see [`hzp_ir::plan::model_fingerprint`]).
+pub fn fingerprint_of(fwd: &Program) -> String {
+    hzp_ir::plan::model_fingerprint(fwd.params.iter().map(|p| {
+        (
+            fwd.value(p.value).name.as_str(),
+            &fwd.value(p.value).ty,
+            p.data.as_ref(),
+        )
+    }))
+}
+
 pub fn compile(
     model: &ModelArgs,
     inputs: Option<&Path>,
@@ -152,6 +163,11 @@ pub fn compile(
         prog.clone(),
         mem.arena_bytes,
         mem.buffers.clone(),
+    )
+    .with_training(
+        step.layouts.clone(),
+        cfg.micro_batches,
+        fingerprint_of(&fwd),
     );
     // One communicator per (group, stream), as the runtime creates them: collectives of one
     // group on different streams do not need ordering among themselves.

@@ -33,6 +33,7 @@
 //!   before anything else, then a content hash that does not match.
 
 use crate::dtype::DType;
+use crate::layout::ParamLayout;
 use crate::mesh::{Group, Mesh};
 use crate::program::{Program, ValueId};
 use crate::tensor::{Data, Tensor};
@@ -44,7 +45,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::{self, Write as _};
 
 /// The plan format this hzp writes and reads.
-pub const PLAN_VERSION: u32 = 1;
+pub const PLAN_VERSION: u32 = 2;
 
 /// Largest dimension and element count a plan may declare (as the text form).
 const MAX_SIZE: u64 = 1 << 62;
@@ -135,6 +136,13 @@ pub struct Plan {
     /// Size of the per-rank arena every buffer lies in.
     pub arena_bytes: u64,
     pub buffers: Vec<Buffer>,
+    /// How each parameter is cut into shards (what `hzp run` needs to shard the model's
+    /// parameters and to put them back together).
+    pub layouts: Vec<ParamLayout>,
+    /// Micro-batches per step (each rank's input holds this many, concatenated on axis 0).
+    pub micro_batches: usize,
+    /// Hex SHA-256 of the model's parameters (see [`model_fingerprint`]); empty when unknown.
+    pub model_fingerprint: String,
     /// Hex SHA-256 of the canonical JSON of everything else (see [`Plan::compute_hash`]).
     pub content_hash: String,
 }
@@ -186,10 +194,28 @@ impl Plan {
             program,
             arena_bytes,
             buffers,
+            layouts: Vec::new(),
+            micro_batches: 1,
+            model_fingerprint: String::new(),
             content_hash: String::new(),
         };
         plan.content_hash = plan.compute_hash();
         plan
+    }
+
+    /// The same plan with parameter layouts, micro-batch count and model fingerprint set
+    /// (the content hash is recomputed).
+    pub fn with_training(
+        mut self,
+        layouts: Vec<ParamLayout>,
+        micro_batches: usize,
+        model_fingerprint: String,
+    ) -> Plan {
+        self.layouts = layouts;
+        self.micro_batches = micro_batches;
+        self.model_fingerprint = model_fingerprint;
+        self.content_hash = self.compute_hash();
+        self
     }
 
     /// Hex SHA-256 of the canonical JSON of the plan without its `content_hash` (see
@@ -320,6 +346,9 @@ impl Plan {
             program,
             arena_bytes: repr.arena_bytes,
             buffers: repr.buffers.into_owned(),
+            layouts: repr.layouts.into_owned(),
+            micro_batches: repr.micro_batches,
+            model_fingerprint: repr.model_fingerprint.into_owned(),
             content_hash: recorded,
         })
     }
@@ -395,6 +424,9 @@ impl Plan {
             groups: Cow::Borrowed(&self.groups),
             arena_bytes: self.arena_bytes,
             buffers: Cow::Borrowed(&self.buffers),
+            layouts: Cow::Borrowed(&self.layouts),
+            micro_batches: self.micro_batches,
+            model_fingerprint: Cow::Borrowed(&self.model_fingerprint),
             program: printed.lines().map(Cow::Borrowed).collect(),
             data,
         }
@@ -516,6 +548,30 @@ fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// The fingerprint of a model's parameters: hex SHA-256 over each parameter's name, dtype and
+/// shape, and its data where it has any, in the order given. `hzp run` refuses a plan whose
+/// fingerprint differs from the model it is handed.
+pub fn model_fingerprint<'a>(
+    params: impl IntoIterator<Item = (&'a str, &'a crate::TensorType, Option<&'a Tensor>)>,
+) -> String {
+    let mut h = Sha256::new();
+    for (name, ty, data) in params {
+        h.update(name.as_bytes());
+        h.update(&[0]);
+        h.update(ty.to_string().as_bytes());
+        h.update(&[0]);
+        if let Some(t) = data {
+            h.update(&data_bytes(&t.data));
+        }
+        h.update(&[1]);
+    }
+    hex(&h.finish())
+}
+
+fn one() -> usize {
+    1
+}
+
 // ---------------------------------------------------------------------------------------------
 // The JSON layout.
 
@@ -538,6 +594,12 @@ struct PlanRepr<'a> {
     groups: Cow<'a, ShardGroups>,
     arena_bytes: u64,
     buffers: Cow<'a, [Buffer]>,
+    #[serde(default)]
+    layouts: Cow<'a, [ParamLayout]>,
+    #[serde(default = "one")]
+    micro_batches: usize,
+    #[serde(default, borrow)]
+    model_fingerprint: Cow<'a, str>,
     #[serde(borrow)]
     program: Vec<Cow<'a, str>>,
     #[serde(default, borrow)]

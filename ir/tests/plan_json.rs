@@ -128,7 +128,7 @@ fn json_round_trips_exactly() {
     let json = plan.to_json();
     assert_eq!(json, plan.to_json(), "to_json is deterministic");
     assert!(
-        json.starts_with("{\n  \"version\": 1,\n  \"content_hash\": \""),
+        json.starts_with("{\n  \"version\": 2,\n  \"content_hash\": \""),
         "{json}"
     );
     assert_eq!(plan.content_hash, plan.compute_hash());
@@ -219,20 +219,20 @@ fn every_op_round_trips_through_a_plan() {
 #[test]
 fn another_version_is_refused_first() {
     let json = plan_of(program()).to_json();
-    let v3 = json.replacen("\"version\": 1,", "\"version\": 3,", 1);
+    let v3 = json.replacen("\"version\": 2,", "\"version\": 3,", 1);
     assert_ne!(v3, json);
     let e = Plan::from_json(&v3, "plan.json").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "plan.json was written by plan format version 3; this hzp reads version 1"
+        "plan.json was written by plan format version 3; this hzp reads version 2"
     );
     assert!(matches!(e, PlanError::Version { found: 3, .. }));
     // the version is looked at before the layout: a future layout still gets this message
-    let future = r#"{"version": 2, "whatever": [1, 2, 3]}"#;
+    let future = r#"{"version": 7, "whatever": [1, 2, 3]}"#;
     let e = Plan::from_json(future, "other.json").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "other.json was written by plan format version 2; this hzp reads version 1"
+        "other.json was written by plan format version 7; this hzp reads version 2"
     );
 }
 
@@ -361,7 +361,7 @@ fn not_a_plan() {
     );
     let e = Plan::from_json("{\"version\": \"one\"}", "p.json").unwrap_err();
     assert!(e.to_string().contains("not a format number"), "{e}");
-    let e = Plan::from_json("{\n  \"version\": 1,\n  oops\n}", "p.json").unwrap_err();
+    let e = Plan::from_json("{\n  \"version\": 2,\n  oops\n}", "p.json").unwrap_err();
     match &e {
         PlanError::Json { line, .. } => assert_eq!(*line, 3, "{e}"),
         other => panic!("{other:?}"),
@@ -390,7 +390,7 @@ fn text_form_has_header_program_and_buffers() {
     let s = plan.to_text();
     assert_eq!(s, plan.to_text());
     for want in [
-        "# hzp plan, format version 1\n",
+        "# hzp plan, format version 2\n",
         "# model:    tiny.hzp\n",
         "# strategy: asynchzp\n",
         "# mesh:     gpu=4 (4 ranks)\n",
