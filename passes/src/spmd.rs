@@ -19,13 +19,14 @@
 //! ordered by a RecordEvent / WaitEvent pair (see [`insert_events`]).
 
 use crate::emit::Emitter;
+use crate::shard_plan::ReduceGrads;
 use crate::train::{self, TrainConfig, TrainError};
 pub use hzp_ir::ParamLayout;
 use hzp_ir::{
-    BinaryOp, DType, Group, Mesh, Op, Program, ReduceOp, StreamKind, TensorType, Update, ValueDef,
-    ValueId,
+    BinaryOp, DType, Group, Mesh, NodeId, Op, Precision, Program, ReduceOp, StreamKind, TensorType,
+    Update, ValueDef, ValueId,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// The three shard groups, as sets of mesh axes.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -100,18 +101,307 @@ fn size(mesh: &Mesh, g: &Group) -> usize {
     mesh.group_size(g).unwrap_or(1)
 }
 
-/// Builds the per-rank step. `fwd` is the forward program at the per-rank micro-batch
-/// shapes; `cfg` as for [`train::training_step`] (its optimizer is required).
+/// How the per-rank step is scheduled (DESIGN.md, steps 7 and 8).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScheduleOptions {
+    /// Reduce-scatter gradients after every micro-batch (into a 1/g accumulator) or once
+    /// per step (full-size accumulator, one reduction).
+    pub reduce_grads: ReduceGrads,
+    /// Gather a layer's parameters again for its backward instead of keeping the forward's
+    /// gathered copy.
+    pub reshard_after_forward: bool,
+    /// Gather units (a layer's parameters, per micro-batch and phase) issued ahead of the
+    /// one computing: the all-gather of unit j waits until unit j - depth - 1 is released.
+    pub prefetch_depth: usize,
+    /// Bound on the bytes of gathered units in flight or in use (the unit computing
+    /// included); `None`: only the depth bounds them.
+    pub max_inflight_bytes: Option<u64>,
+    /// Recompute each layer's activations in its backward from the layer's inputs.
+    pub recompute: bool,
+    /// dtype gradients are reduced and accumulated in (fp32, or bf16/f16 to halve gradient
+    /// memory and traffic); the optimizer always sees fp32.
+    pub grad_dtype: DType,
+}
+
+impl Default for ScheduleOptions {
+    fn default() -> Self {
+        ScheduleOptions {
+            reduce_grads: ReduceGrads::PerMicrobatch,
+            reshard_after_forward: true,
+            prefetch_depth: 1,
+            max_inflight_bytes: None,
+            recompute: false,
+            grad_dtype: DType::F32,
+        }
+    }
+}
+
+/// Builds the per-rank step with the default schedule. `fwd` is the forward program at the
+/// per-rank micro-batch shapes; `cfg` as for [`train::training_step`] (its optimizer is
+/// required).
 pub fn shard_training_step(
     fwd: &Program,
     cfg: &TrainConfig,
     mesh: &Mesh,
     spec: &ShardSpec,
 ) -> Result<ShardedStep, TrainError> {
+    shard_training_step_with(fwd, cfg, mesh, spec, &ScheduleOptions::default())
+}
+
+/// Phase of a gather unit: forward, backward, or both (when gathered parameters are kept
+/// from the forward to the backward).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Phase {
+    Fwd,
+    Bwd,
+    Both,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::Fwd => "fwd",
+            Phase::Bwd => "bwd",
+            Phase::Both => "fwdbwd",
+        }
+    }
+}
+
+type UnitKey = (Phase, usize);
+
+/// What the builder knows about the single-micro-batch gradient program.
+struct Analysis {
+    is_fwd: Vec<bool>,
+    node_layer: Vec<Option<usize>>,
+    /// Layer of each parameter (index into `layer_names`).
+    param_layer: Vec<usize>,
+    param_index: HashMap<ValueId, usize>,
+    layer_names: Vec<String>,
+    /// For each recomputable forward value read by the backward: its layer.
+    need_layer: HashMap<ValueId, usize>,
+    /// Per layer, the forward nodes to clone (program order) to recompute what the
+    /// backward reads.
+    closure: Vec<Vec<usize>>,
+    /// Values a clone recomputes (inputs of cloned nodes that are not in this set are read
+    /// from the forward).
+    recomputed: HashSet<ValueId>,
+    /// Parameters of each gather unit, in parameter order.
+    units: BTreeMap<UnitKey, BTreeSet<usize>>,
+    reshard: bool,
+}
+
+impl Analysis {
+    fn new(
+        micro: &Program,
+        with_loss: &Program,
+        sched: &ScheduleOptions,
+    ) -> Result<Analysis, TrainError> {
+        let grouping = crate::summary::layer_of_params(with_loss);
+        let fwd_layer: HashMap<&str, Option<usize>> = with_loss
+            .nodes
+            .iter()
+            .zip(&grouping.of_node)
+            .map(|(n, l)| (n.name.as_str(), *l))
+            .collect();
+        let layer_by_param: HashMap<&str, usize> = with_loss
+            .params
+            .iter()
+            .zip(&grouping.of_param)
+            .map(|(q, &l)| (with_loss.value(q.value).name.as_str(), l))
+            .collect();
+        let mut param_layer = Vec::new();
+        let mut param_index = HashMap::new();
+        for (k, q) in micro.params.iter().enumerate() {
+            let name = &micro.value(q.value).name;
+            let l = *layer_by_param.get(name.as_str()).ok_or_else(|| {
+                err(format!(
+                    "internal: parameter `{name}` has no layer in the forward program"
+                ))
+            })?;
+            param_layer.push(l);
+            param_index.insert(q.value, k);
+        }
+        let n = micro.nodes.len();
+        let mut is_fwd = vec![false; n];
+        let mut node_layer: Vec<Option<usize>> = vec![None; n];
+        let mut value_layer: Vec<Option<usize>> = vec![None; micro.values.len()];
+        let mut value_fwd: Vec<bool> = vec![false; micro.values.len()];
+        for (k, q) in micro.params.iter().enumerate() {
+            value_layer[q.value.index()] = Some(param_layer[k]);
+            value_fwd[q.value.index()] = true;
+        }
+        for (i, node) in micro.nodes.iter().enumerate() {
+            let fwd = fwd_layer.get(node.name.as_str());
+            is_fwd[i] = fwd.is_some();
+            node_layer[i] = match fwd {
+                Some(l) => *l,
+                None => {
+                    // backward: the layer of the forward values (or parameters) it reads,
+                    // else that of the gradients it reads
+                    let of = |want_fwd: bool| {
+                        node.inputs
+                            .iter()
+                            .filter(|v| value_fwd[v.index()] == want_fwd)
+                            .filter_map(|v| value_layer[v.index()])
+                            .max()
+                    };
+                    of(true).or_else(|| of(false))
+                }
+            };
+            for &o in &node.outputs {
+                value_layer[o.index()] = node_layer[i];
+                value_fwd[o.index()] = is_fwd[i];
+            }
+        }
+        let n_layers = grouping.names.len();
+        let mut need_layer = HashMap::new();
+        let mut closure = vec![Vec::new(); n_layers];
+        let mut recomputed = HashSet::new();
+        if sched.recompute {
+            let users = micro.users();
+            let producer = |v: ValueId| micro.producer(v).map(|x| x.index());
+            // A forward value is a checkpoint (kept from the forward) when it has no layer,
+            // is an output, or a forward node of another layer reads it.
+            let recomputable = |v: ValueId| -> Option<usize> {
+                let pn = producer(v)?;
+                if !is_fwd[pn] || micro.outputs.contains(&v) {
+                    return None;
+                }
+                let l = node_layer[pn]?;
+                let crosses = users[v.index()]
+                    .iter()
+                    .any(|u| is_fwd[u.index()] && node_layer[u.index()] != Some(l));
+                (!crosses).then_some(l)
+            };
+            for (i, node) in micro.nodes.iter().enumerate() {
+                if is_fwd[i] {
+                    continue;
+                }
+                for &v in &node.inputs {
+                    if let Some(l) = recomputable(v) {
+                        need_layer.insert(v, l);
+                    }
+                }
+            }
+            let mut in_closure = vec![false; n];
+            let mut stack: Vec<ValueId> = need_layer.keys().copied().collect();
+            stack.sort();
+            while let Some(v) = stack.pop() {
+                if !recomputed.insert(v) {
+                    continue;
+                }
+                let pn = producer(v).expect("recomputable values have producers");
+                if in_closure[pn] {
+                    continue;
+                }
+                in_closure[pn] = true;
+                for &o in &micro.nodes[pn].outputs {
+                    recomputed.insert(o);
+                }
+                for &x in &micro.nodes[pn].inputs {
+                    if recomputable(x).is_some() {
+                        stack.push(x);
+                    }
+                }
+            }
+            for (i, &c) in in_closure.iter().enumerate() {
+                if c {
+                    let l = node_layer[i].expect("cloned nodes have a layer");
+                    closure[l].push(i);
+                }
+            }
+        }
+        let reshard = sched.reshard_after_forward;
+        let mut a = Analysis {
+            is_fwd,
+            node_layer,
+            param_layer,
+            param_index,
+            layer_names: grouping.names.clone(),
+            need_layer,
+            closure,
+            recomputed,
+            units: BTreeMap::new(),
+            reshard,
+        };
+        // The parameters of each unit: from every read, and from the clones' reads.
+        let mut units: BTreeMap<UnitKey, BTreeSet<usize>> = BTreeMap::new();
+        for (i, node) in micro.nodes.iter().enumerate() {
+            for &v in &node.inputs {
+                if let Some(&k) = a.param_index.get(&v) {
+                    units
+                        .entry(a.unit_of_use(i, k, false))
+                        .or_default()
+                        .insert(k);
+                }
+            }
+        }
+        for nodes in &a.closure {
+            for &i in nodes {
+                for &v in &micro.nodes[i].inputs {
+                    if let Some(&k) = a.param_index.get(&v) {
+                        units
+                            .entry(a.unit_of_use(i, k, true))
+                            .or_default()
+                            .insert(k);
+                    }
+                }
+            }
+        }
+        a.units = units;
+        Ok(a)
+    }
+
+    /// The gather unit that serves node `i`'s read of parameter `k` (`clone`: a recompute
+    /// clone of forward node `i`, which runs in the backward).
+    fn unit_of_use(&self, i: usize, k: usize, clone: bool) -> UnitKey {
+        if !self.reshard {
+            return (Phase::Both, self.param_layer[k]);
+        }
+        let phase = if self.is_fwd[i] && !clone {
+            Phase::Fwd
+        } else {
+            Phase::Bwd
+        };
+        (phase, self.node_layer[i].unwrap_or(self.param_layer[k]))
+    }
+
+    fn unit_name(&self, mb: usize, key: UnitKey) -> String {
+        let layer = self.layer_names[key.1].replace('/', ".");
+        format!("mb{mb}.{}.{layer}", key.0.name())
+    }
+}
+
+/// One gather unit as emitted: the names of its all-gather outputs and of the gathered
+/// parameters the step reads.
+struct UnitRec {
+    gathers: Vec<String>,
+    finals: Vec<String>,
+}
+
+/// Builds the per-rank step: for each micro-batch, the forward and backward with every
+/// parameter read from a per-unit gather (a layer's parameters, gathered at the unit's first
+/// use; again in the backward with `reshard_after_forward`), gradients reduce-scattered as
+/// they are produced (per micro-batch) or once per step, then the cross-replica reduction,
+/// the optimizer on the 1/o shard and the re-gather; then streams, the prefetch order and
+/// events.
+pub fn shard_training_step_with(
+    fwd: &Program,
+    cfg: &TrainConfig,
+    mesh: &Mesh,
+    spec: &ShardSpec,
+    sched: &ScheduleOptions,
+) -> Result<ShardedStep, TrainError> {
     let opt = cfg
         .optimizer
         .clone()
         .ok_or_else(|| err("a sharded training step needs an optimizer"))?;
+    let gdt = sched.grad_dtype;
+    if !gdt.is_float() {
+        return Err(err(format!(
+            "gradients must be reduced in a float dtype, not {gdt}"
+        )));
+    }
     let spec = canonical_groups(mesh, spec)?;
     let world = Group {
         axes: mesh.axes.iter().map(|a| a.name.clone()).collect(),
@@ -125,29 +415,44 @@ pub fn shard_training_step(
     let o_minus_g = minus(&spec.optim, &spec.grads);
     let o_minus_p = minus(&spec.optim, &spec.params);
     let replicas = minus(&world, &spec.optim);
-
-    // The single-rank step without clipping or optimizer: outputs [loss, grads...].
-    let single_cfg = TrainConfig {
-        optimizer: None,
-        clip_grad_norm: None,
-        ..cfg.clone()
-    };
-    let t = train::training_step(fwd, &single_cfg)?;
+    let m = cfg.micro_batches.max(1);
     let compute = cfg.compute;
+
+    let fwd_lp = train::lower_precision(fwd, compute)?;
+    let with_loss = train::attach_loss(&fwd_lp, &cfg.loss)?;
+    let micro = train::gradient_program(&fwd_lp, &cfg.loss)?;
+    let an = Analysis::new(&micro, &with_loss, sched)?;
 
     let mut q = Program::new(format!("{}.rank", fwd.name));
     q.mesh = Some(mesh.clone());
-    q.precision = t.precision;
-    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
-    for &i in &t.inputs {
-        map.insert(i, q.add_input(t.value(i).name.clone(), t.ty(i).clone()));
+    if compute != DType::F32 || gdt != DType::F32 {
+        q.precision = Some(Precision {
+            compute,
+            master: DType::F32,
+            reduce: gdt,
+        });
+    }
+    // Inputs: the rank's micro-batches, concatenated on axis 0.
+    let mut globals = Vec::new();
+    for &i in &micro.inputs {
+        let mut ty = micro.ty(i).clone();
+        if m > 1 {
+            if ty.rank() == 0 {
+                return Err(err(format!(
+                    "input `{}` is a scalar; it cannot be split into {m} micro-batches",
+                    micro.value(i).name
+                )));
+            }
+            ty.shape[0] *= m;
+        }
+        globals.push((i, q.add_input(micro.value(i).name.clone(), ty)));
     }
     let mut layouts = Vec::new();
     let mut masters = Vec::new();
     let mut shards = Vec::new();
-    for prm in &t.params {
-        let name = t.value(prm.value).name.clone();
-        let ty = t.ty(prm.value).clone();
+    for prm in &micro.params {
+        let name = micro.value(prm.value).name.clone();
+        let ty = micro.ty(prm.value).clone();
         let n = ty.numel();
         let padded = n.div_ceil(o).max(1) * o;
         let master = q.add_param(
@@ -174,78 +479,332 @@ pub fn shard_training_step(
             compute_dtype: compute,
         });
     }
-    let mut e = Emitter::new(&mut q);
-    // Gather each parameter for its uses.
-    for (k, prm) in t.params.iter().enumerate() {
-        let l = &layouts[k];
-        e.scope = format!("gather/{}", l.name);
-        let run = |e: &mut Emitter| -> Result<ValueId, String> {
-            let mut v = shards[k];
-            if p > 1 {
-                v = e.op(
-                    Op::AllGather {
-                        group: spec.params.clone(),
-                        axis: 0,
-                    },
-                    &[v],
-                )?;
-            }
-            if l.padded > l.numel {
-                v = e.op(
-                    Op::Slice {
-                        axes: vec![0],
-                        starts: vec![0],
-                        ends: vec![l.numel as i64],
-                        steps: vec![1],
-                    },
-                    &[v],
-                )?;
-            }
-            e.op(
-                Op::Reshape {
-                    shape: l.shape.clone(),
-                },
-                &[v],
-            )
-        };
-        let full = run(&mut e).map_err(err)?;
-        map.insert(prm.value, full);
+    let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
+    for c in &micro.consts {
+        let mut names = hzp_ir::NameSet::from_program(&q);
+        let name = names.fresh(&micro.value(c.value).name);
+        consts.insert(c.value, q.add_const(name, c.data.clone()));
     }
-    drop(e);
-    let outs = train::inline(&mut q, &t, &map, "")?;
-    let loss_local = outs[0];
-    let grads_full = &outs[1..];
+    // Which gradient outputs each micro value is.
+    let mut grad_of: HashMap<ValueId, Vec<usize>> = HashMap::new();
+    for (j, &gv) in micro.outputs[1..].iter().enumerate() {
+        grad_of.entry(gv).or_default().push(j);
+    }
+    let n_params = micro.params.len();
 
     let mut e = Emitter::new(&mut q);
-    // Reduce each gradient to the rank's O-shard.
-    let mut grads = Vec::new();
-    for (k, &gf) in grads_full.iter().enumerate() {
-        let l = layouts[k].clone();
-        e.scope = format!("reduce/{}", l.name);
-        let run = |e: &mut Emitter| -> Result<ValueId, String> {
-            let mut v = gf;
-            if e.ty(v).dtype != DType::F32 {
-                v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
-            }
+    let mut units: Vec<UnitRec> = Vec::new();
+    let mut losses = Vec::new();
+    // Per-micro-batch accumulators (shards over G) or per-step full accumulators.
+    let mut acc: Vec<Option<ValueId>> = vec![None; n_params];
+
+    // The gather chain of parameter k: AllGather over P, drop the padding, reshape.
+    let gather = |e: &mut Emitter,
+                  k: usize,
+                  l: &ParamLayout|
+     -> Result<(ValueId, Option<ValueId>), String> {
+        let mut v = shards[k];
+        let mut ag = None;
+        if p > 1 {
             v = e.op(
-                Op::Reshape {
-                    shape: vec![l.numel],
+                Op::AllGather {
+                    group: spec.params.clone(),
+                    axis: 0,
                 },
                 &[v],
             )?;
-            if l.padded > l.numel {
-                let z = e.zeros(&TensorType::new(DType::F32, vec![l.padded - l.numel]))?;
-                v = e.op(Op::Concat { axis: 0 }, &[v, z])?;
+            ag = Some(v);
+        }
+        if l.padded > l.numel {
+            v = e.op(
+                Op::Slice {
+                    axes: vec![0],
+                    starts: vec![0],
+                    ends: vec![l.numel as i64],
+                    steps: vec![1],
+                },
+                &[v],
+            )?;
+        }
+        let v = e.op(
+            Op::Reshape {
+                shape: l.shape.clone(),
+            },
+            &[v],
+        )?;
+        Ok((v, ag))
+    };
+    // A gradient as a flat, padded vector in the gradient dtype.
+    let flat_grad = |e: &mut Emitter, v: ValueId, l: &ParamLayout| -> Result<ValueId, String> {
+        let mut v = v;
+        if e.ty(v).dtype != gdt {
+            v = e.op(Op::Cast { to: gdt }, &[v])?;
+        }
+        v = e.op(
+            Op::Reshape {
+                shape: vec![l.numel],
+            },
+            &[v],
+        )?;
+        if l.padded > l.numel {
+            let z = e.zeros(&TensorType::new(gdt, vec![l.padded - l.numel]))?;
+            v = e.op(Op::Concat { axis: 0 }, &[v, z])?;
+        }
+        Ok(v)
+    };
+    let rs_g = |e: &mut Emitter, v: ValueId| -> Result<ValueId, String> {
+        if g > 1 {
+            e.op(
+                Op::ReduceScatter {
+                    group: spec.grads.clone(),
+                    axis: 0,
+                    reduce: ReduceOp::Sum,
+                },
+                &[v],
+            )
+        } else {
+            Ok(v)
+        }
+    };
+    // Adds `v` to an accumulator. The first value is copied when it comes from a collective:
+    // reading it on the compute stream is what lets the compute stream reuse the memory the
+    // reduce-scatter read (a value the comm stream reads is only dead once the compute stream
+    // has waited for that read).
+    let add_to = |e: &mut Emitter, acc: &mut Option<ValueId>, v: ValueId| -> Result<(), String> {
+        *acc = Some(match *acc {
+            None if e
+                .p
+                .producer(v)
+                .is_some_and(|n| e.p.node(n).op.is_collective()) =>
+            {
+                e.op(Op::Copy, &[v])?
             }
-            if g > 1 {
-                v = e.op(
-                    Op::ReduceScatter {
-                        group: spec.grads.clone(),
-                        axis: 0,
-                        reduce: ReduceOp::Sum,
+            None => v,
+            Some(a) => e.op(Op::Binary(BinaryOp::Add), &[a, v])?,
+        });
+        Ok(())
+    };
+    let per_mb = sched.reduce_grads == ReduceGrads::PerMicrobatch;
+
+    for mb in 0..m {
+        let suffix = if m == 1 {
+            String::new()
+        } else {
+            format!("/micro{mb}")
+        };
+        let mut vmap: HashMap<ValueId, ValueId> = consts.clone();
+        for &(mi, gi) in &globals {
+            let v = if m == 1 {
+                gi
+            } else {
+                let rows = micro.ty(mi).shape[0] as i64;
+                let name = e.fresh(&format!("{}/micro{mb}", micro.value(mi).name));
+                e.p.add_node(
+                    name.clone(),
+                    Op::Slice {
+                        axes: vec![0],
+                        starts: vec![mb as i64 * rows],
+                        ends: vec![(mb as i64 + 1) * rows],
+                        steps: vec![1],
                     },
-                    &[v],
-                )?;
+                    vec![gi],
+                    vec![name],
+                )
+                .map_err(err)?[0]
+            };
+            vmap.insert(mi, v);
+        }
+        // Gathered parameters of the units started in this micro-batch.
+        let mut gathered: HashMap<(UnitKey, usize), ValueId> = HashMap::new();
+        let mut started: HashSet<UnitKey> = HashSet::new();
+        let mut clones: HashMap<ValueId, ValueId> = HashMap::new();
+        let mut cloned: HashSet<usize> = HashSet::new();
+        // Reduced gradients not yet added to their accumulator, with the backward layer
+        // count at which they were reduced.
+        let mut pending: Vec<(usize, ValueId, usize)> = Vec::new();
+        let mut bwd_layers_seen = 0usize;
+        let mut last_bwd_layer: Option<Option<usize>> = None;
+        let mut done_grads = vec![false; n_params];
+
+        // Reads parameter k for node i (starting its unit if needed).
+        let param_for = |e: &mut Emitter,
+                         units: &mut Vec<UnitRec>,
+                         gathered: &mut HashMap<(UnitKey, usize), ValueId>,
+                         started: &mut HashSet<UnitKey>,
+                         key: UnitKey,
+                         k: usize|
+         -> Result<ValueId, String> {
+            if started.insert(key) {
+                let uname = an.unit_name(mb, key);
+                let mut rec = UnitRec {
+                    gathers: Vec::new(),
+                    finals: Vec::new(),
+                };
+                for &kk in &an.units[&key] {
+                    e.scope = format!("gather.{uname}/{}", layouts[kk].name);
+                    let (v, ag) = gather(e, kk, &layouts[kk])?;
+                    if let Some(ag) = ag {
+                        rec.gathers.push(e.p.value(ag).name.clone());
+                    }
+                    rec.finals.push(e.p.value(v).name.clone());
+                    gathered.insert((key, kk), v);
+                }
+                units.push(rec);
+            }
+            gathered
+                .get(&(key, k))
+                .copied()
+                .ok_or_else(|| format!("internal: unit {key:?} does not gather parameter {k}"))
+        };
+
+        let copy_node = |e: &mut Emitter,
+                         i: usize,
+                         ins: Vec<ValueId>,
+                         tag: &str|
+         -> Result<Vec<ValueId>, String> {
+            let node = &micro.nodes[i];
+            let outs: Vec<String> = node
+                .outputs
+                .iter()
+                .map(|&o| e.fresh(&format!("{}{tag}", micro.value(o).name)))
+                .collect();
+            let name = e.fresh(&format!("{}{tag}", node.name));
+            e.p.add_node(name, node.op.clone(), ins, outs)
+        };
+
+        for (i, node) in micro.nodes.iter().enumerate() {
+            let bwd = !an.is_fwd[i];
+            if bwd {
+                let l = an.node_layer[i];
+                if last_bwd_layer != Some(l) {
+                    last_bwd_layer = Some(l);
+                    bwd_layers_seen += 1;
+                }
+                // Add reduced gradients of two layers back to their accumulators: by then
+                // their reduce-scatters have had a layer's backward to finish in.
+                let (due, keep): (Vec<_>, Vec<_>) = pending
+                    .drain(..)
+                    .partition(|&(_, _, seen)| seen + 2 <= bwd_layers_seen);
+                pending = keep;
+                for (j, v, _) in due {
+                    e.scope = format!("accumulate.mb{mb}/{}", layouts[j].name);
+                    add_to(&mut e, &mut acc[j], v).map_err(err)?;
+                }
+                // Recompute the layers whose activations this node reads.
+                for &v in &node.inputs {
+                    let Some(&l) = an.need_layer.get(&v) else {
+                        continue;
+                    };
+                    if !cloned.insert(l) {
+                        continue;
+                    }
+                    for &ci in &an.closure[l] {
+                        let cnode = &micro.nodes[ci];
+                        let mut ins = Vec::new();
+                        for &x in &cnode.inputs {
+                            let y = if let Some(&k) = an.param_index.get(&x) {
+                                let key = an.unit_of_use(ci, k, true);
+                                param_for(&mut e, &mut units, &mut gathered, &mut started, key, k)
+                                    .map_err(err)?
+                            } else if an.recomputed.contains(&x) {
+                                *clones.get(&x).ok_or_else(|| {
+                                    err("internal: a recompute clone reads a value not yet recomputed")
+                                })?
+                            } else {
+                                *vmap
+                                    .get(&x)
+                                    .ok_or_else(|| err("internal: unmapped value"))?
+                            };
+                            ins.push(y);
+                        }
+                        let outs = copy_node(&mut e, ci, ins, &format!("{suffix}/recompute"))
+                            .map_err(err)?;
+                        for (&o, v) in cnode.outputs.iter().zip(outs) {
+                            clones.insert(o, v);
+                        }
+                    }
+                }
+            }
+            let mut ins = Vec::new();
+            for &x in &node.inputs {
+                let y = if let Some(&k) = an.param_index.get(&x) {
+                    let key = an.unit_of_use(i, k, false);
+                    param_for(&mut e, &mut units, &mut gathered, &mut started, key, k)
+                        .map_err(err)?
+                } else if bwd && an.need_layer.contains_key(&x) {
+                    clones[&x]
+                } else {
+                    *vmap.get(&x).ok_or_else(|| {
+                        err(format!(
+                            "internal: `{}` read before it is computed",
+                            micro.value(x).name
+                        ))
+                    })?
+                };
+                ins.push(y);
+            }
+            let outs = copy_node(&mut e, i, ins, &suffix).map_err(err)?;
+            for (&o, v) in node.outputs.iter().zip(outs) {
+                vmap.insert(o, v);
+                if let Some(js) = grad_of.get(&o) {
+                    for &j in js {
+                        done_grads[j] = true;
+                        let l = &layouts[j];
+                        let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
+                        e.scope = format!("reduce.mb{mb}.{layer}/{}", l.name);
+                        let f = flat_grad(&mut e, v, l).map_err(err)?;
+                        if per_mb {
+                            let r = rs_g(&mut e, f).map_err(err)?;
+                            pending.push((j, r, bwd_layers_seen));
+                        } else {
+                            e.scope = format!("accumulate.mb{mb}/{}", l.name);
+                            add_to(&mut e, &mut acc[j], f).map_err(err)?;
+                        }
+                    }
+                }
+            }
+        }
+        // Gradients that no node of the backward computes (constants, inputs).
+        for j in 0..n_params {
+            if done_grads[j] {
+                continue;
+            }
+            let gv = micro.outputs[1 + j];
+            let v = match vmap.get(&gv) {
+                Some(&v) => v,
+                None => {
+                    let k = an.param_index[&gv];
+                    let key = an.unit_of_use(0, k, true);
+                    param_for(&mut e, &mut units, &mut gathered, &mut started, key, k)
+                        .map_err(err)?
+                }
+            };
+            let l = &layouts[j];
+            e.scope = format!("reduce.mb{mb}/{}", l.name);
+            let f = flat_grad(&mut e, v, l).map_err(err)?;
+            if per_mb {
+                let r = rs_g(&mut e, f).map_err(err)?;
+                pending.push((j, r, 0));
+            } else {
+                add_to(&mut e, &mut acc[j], f).map_err(err)?;
+            }
+        }
+        for (j, v, _) in pending.drain(..) {
+            e.scope = format!("accumulate.mb{mb}/{}", layouts[j].name);
+            add_to(&mut e, &mut acc[j], v).map_err(err)?;
+        }
+        losses.push(vmap[&micro.outputs[0]]);
+    }
+
+    // Reduce each accumulated gradient to the rank's O-shard, in fp32.
+    let mut grads = Vec::new();
+    for (j, a) in acc.iter().enumerate() {
+        let l = layouts[j].clone();
+        e.scope = format!("reduce.step/{}", l.name);
+        let mut v = a.ok_or_else(|| err("internal: a gradient was never accumulated"))?;
+        let run = |e: &mut Emitter, mut v: ValueId| -> Result<ValueId, String> {
+            if !per_mb {
+                v = rs_g(e, v)?;
             }
             if o > g {
                 v = e.op(
@@ -266,19 +825,38 @@ pub fn shard_training_step(
                     &[v],
                 )?;
             }
-            if w > 1 {
-                let s = e.scalar(1.0 / w as f64, DType::F32);
+            if e.ty(v).dtype != DType::F32 {
+                v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
+            }
+            if w * m > 1 {
+                let s = e.scalar(1.0 / (w * m) as f64, DType::F32);
                 v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
             }
             Ok(v)
         };
-        grads.push(run(&mut e).map_err(err)?);
+        v = run(&mut e, v).map_err(err)?;
+        grads.push(v);
     }
     let mut outputs = Vec::new();
-    // The global loss: the mean of the ranks' losses.
+    // The global loss: the mean of the ranks' micro-batch losses.
     e.scope = "loss".into();
     let loss = (|| -> Result<ValueId, String> {
-        let mut v = loss_local;
+        let mut v = losses[0];
+        if e.ty(v).dtype != DType::F32 {
+            v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
+        }
+        for &x in &losses[1..] {
+            let x = if e.ty(x).dtype != DType::F32 {
+                e.op(Op::Cast { to: DType::F32 }, &[x])?
+            } else {
+                x
+            };
+            v = e.op(Op::Binary(BinaryOp::Add), &[v, x])?;
+        }
+        if m > 1 {
+            let s = e.scalar(1.0 / m as f64, DType::F32);
+            v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
+        }
         if w > 1 {
             v = e.op(
                 Op::AllReduce {
@@ -348,13 +926,122 @@ pub fn shard_training_step(
     }
     q.eliminate_dead_code();
     assign_streams(&mut q);
-    let q = insert_events(&q);
+    let (order, waits) = prefetch_schedule(&q, &units, sched);
+    let q = insert_events_with(&q, &order, &waits);
     hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
     Ok(ShardedStep {
         program: q,
         layouts,
         groups: spec,
     })
+}
+
+/// The issue order and the rate-limiting waits of the gather units: the all-gathers of unit
+/// j wait until unit r(j) is released (its last reader has run), where r(j) = j - depth - 1,
+/// or earlier still if the bytes of units r(j)+1..=j would exceed `max_inflight_bytes`; they
+/// are issued right after that release (prefetch), never later than their first reader.
+/// Returns the node order and (waiting node, node waited for) pairs.
+fn prefetch_schedule(
+    p: &Program,
+    units: &[UnitRec],
+    sched: &ScheduleOptions,
+) -> (Vec<NodeId>, Vec<(NodeId, NodeId)>) {
+    let names = p.names();
+    let users = p.users();
+    let node_of = |name: &str| names.get(name).and_then(|&v| p.producer(v));
+    struct U {
+        gathers: Vec<NodeId>,
+        start: usize,
+        release: usize,
+        bytes: u64,
+    }
+    let mut seq: Vec<U> = Vec::new();
+    for u in units {
+        let gathers: Vec<NodeId> = u.gathers.iter().filter_map(|n| node_of(n)).collect();
+        if gathers.is_empty() {
+            continue;
+        }
+        let start = gathers.iter().map(|n| n.index()).min().unwrap_or(0);
+        let release = u
+            .finals
+            .iter()
+            .filter_map(|n| names.get(n.as_str()))
+            .flat_map(|v| users[v.index()].iter().map(|n| n.index()))
+            .max()
+            .unwrap_or(start);
+        let bytes = gathers
+            .iter()
+            .flat_map(|n| p.nodes[n.index()].outputs.iter())
+            .map(|&v| p.ty(v).size_bytes() as u64)
+            .sum();
+        seq.push(U {
+            gathers,
+            start,
+            release,
+            bytes,
+        });
+    }
+    let mut waits = Vec::new();
+    // Where each unit's gathers go: after node `at` (-1: at the start of the step), or in
+    // place (`None`) when the wait allows no earlier issue.
+    let mut place: Vec<Option<i64>> = Vec::with_capacity(seq.len());
+    let mut eff_prev: i64 = -1;
+    for j in 0..seq.len() {
+        let mut r: Option<usize> = j.checked_sub(sched.prefetch_depth + 1);
+        if let Some(limit) = sched.max_inflight_bytes {
+            // the earliest unit i such that units i..=j fit the limit (at least j itself)
+            let mut total = seq[j].bytes;
+            let mut i = j;
+            while i > 0 && total + seq[i - 1].bytes <= limit {
+                total += seq[i - 1].bytes;
+                i -= 1;
+            }
+            // units i..=j may be in flight together: wait for unit i-1
+            if let Some(ib) = i.checked_sub(1) {
+                r = Some(r.map_or(ib, |r| r.max(ib)));
+            }
+        }
+        // Only a release issued before the unit's first use can be waited for.
+        while let Some(ri) = r {
+            if seq[ri].release < seq[j].start {
+                break;
+            }
+            r = ri.checked_sub(1);
+        }
+        let at = r.map_or(-1, |ri| seq[ri].release as i64).max(eff_prev);
+        if let Some(ri) = r {
+            for &gn in &seq[j].gathers {
+                waits.push((gn, NodeId(seq[ri].release as u32)));
+            }
+        }
+        if at < seq[j].start as i64 {
+            place.push(Some(at));
+            eff_prev = at;
+        } else {
+            place.push(None);
+            eff_prev = seq[j].start as i64 - 1;
+        }
+    }
+    let mut moved = vec![false; p.nodes.len()];
+    let mut after: BTreeMap<i64, Vec<NodeId>> = BTreeMap::new();
+    for (u, at) in seq.iter().zip(&place) {
+        if let Some(at) = *at {
+            for &gn in &u.gathers {
+                after.entry(at).or_default().push(gn);
+                moved[gn.index()] = true;
+            }
+        }
+    }
+    let mut order: Vec<NodeId> = after.get(&-1).cloned().unwrap_or_default();
+    for i in 0..p.nodes.len() {
+        if !moved[i] {
+            order.push(NodeId(i as u32));
+        }
+        if let Some(v) = after.get(&(i as i64)) {
+            order.extend(v.iter().copied());
+        }
+    }
+    (order, waits)
 }
 
 /// Puts all-gathers on the all-gather stream and the other collectives on the
@@ -375,6 +1062,15 @@ pub fn assign_streams(p: &mut Program) {
 /// the first reader on each other stream, a WaitEvent. Values that exist before the step
 /// (inputs, parameters, states, constants) need none.
 pub fn insert_events(p: &Program) -> Program {
+    let order: Vec<NodeId> = (0..p.nodes.len()).map(|i| NodeId(i as u32)).collect();
+    insert_events_with(p, &order, &[])
+}
+
+/// [`insert_events`] with the nodes issued in `order` (a permutation of the nodes that is a
+/// topological order) and extra orderings `(waiter, waited)`: `waiter` starts only after
+/// `waited` has run (when they are on different streams; `waited` must come first in
+/// `order`).
+pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeId)]) -> Program {
     let mut out = Program::new(p.name.clone());
     out.mesh = p.mesh.clone();
     out.precision = p.precision;
@@ -405,28 +1101,39 @@ pub fn insert_events(p: &Program) -> Program {
             ValueDef::Node { .. } => {}
         }
     }
-    // For each value, the streams of the nodes that read it.
-    let mut reader_streams: Vec<HashSet<StreamKind>> = vec![HashSet::new(); p.values.len()];
-    for n in &p.nodes {
+    // For each node, the nodes on other streams it must wait for.
+    let mut needs: Vec<Vec<usize>> = vec![Vec::new(); p.nodes.len()];
+    for (i, n) in p.nodes.iter().enumerate() {
         for &v in &n.inputs {
-            reader_streams[v.index()].insert(n.stream);
+            if let Some(src) = p.producer(v) {
+                if p.nodes[src.index()].stream != n.stream {
+                    needs[i].push(src.index());
+                }
+            }
+        }
+    }
+    for &(waiter, waited) in extra {
+        if p.nodes[waiter.index()].stream != p.nodes[waited.index()].stream {
+            needs[waiter.index()].push(waited.index());
+        }
+    }
+    let mut recorded_for_other = vec![false; p.nodes.len()];
+    for ns in &needs {
+        for &src in ns {
+            recorded_for_other[src] = true;
         }
     }
     let mut event_of: HashMap<usize, u32> = HashMap::new(); // producer node -> event
     let mut waited: HashMap<StreamKind, HashSet<u32>> = HashMap::new();
     let mut next_event = 0u32;
     let mut names = hzp_ir::NameSet::from_program(p);
-    for (ni, n) in p.nodes.iter().enumerate() {
-        // The producers on other streams that this node needs.
-        for &v in &n.inputs {
-            let Some(src) = p.producer(v) else { continue };
-            let src_stream = p.nodes[src.index()].stream;
-            if src_stream == n.stream {
-                continue;
-            }
+    for &nid in order {
+        let ni = nid.index();
+        let n = &p.nodes[ni];
+        for &src in &needs[ni] {
             let ev = *event_of
-                .get(&src.index())
-                .expect("recorded after its producer");
+                .get(&src)
+                .expect("a node is issued after the nodes it waits for");
             if waited.entry(n.stream).or_default().insert(ev) {
                 let name = names.fresh(&format!("wait{ev}"));
                 out.add_node(name, Op::WaitEvent { event: ev }, vec![], vec![])
@@ -443,12 +1150,7 @@ pub fn insert_events(p: &Program) -> Program {
         for (&o, nv) in n.outputs.iter().zip(new) {
             map.insert(o, nv);
         }
-        // Record after this node if a reader on another stream needs it.
-        let needed_elsewhere = n
-            .outputs
-            .iter()
-            .any(|&o| reader_streams[o.index()].iter().any(|&s| s != n.stream));
-        if needed_elsewhere {
+        if recorded_for_other[ni] {
             let ev = next_event;
             next_event += 1;
             event_of.insert(ni, ev);
