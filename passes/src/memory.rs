@@ -341,6 +341,138 @@ pub struct MemoryPlan {
     pub timeline: Vec<(usize, u64)>,
 }
 
+/// For each value, the issue index from which no producer can conflict with it: on each
+/// stream t, the first node whose clock has seen every use of the value (clocks grow along a
+/// stream); the latest of these over the streams, or `n` (never) for values that live to the
+/// end of the step or across steps. A value `b` produced at or after `span_end[a]` has seen
+/// every use of `a` ([`Life::ends_before`]).
+pub(crate) fn span_ends(hb: &HappensBefore, lives: &[Life], n: usize) -> Vec<i64> {
+    lives
+        .iter()
+        .map(|l| {
+            if l.whole_step || l.to_end {
+                return n as i64;
+            }
+            (0..NUM_STREAMS)
+                .filter(|&t| !hb.nodes_on(t).is_empty())
+                .map(|t| {
+                    let on = hb.nodes_on(t);
+                    let k = on.partition_point(|&x| {
+                        let seen = hb.seen_before(NodeId(x));
+                        !l.last.iter().zip(seen).all(|(&a, b)| a <= b)
+                    });
+                    on.get(k).map_or(n, |&x| x as usize)
+                })
+                .max()
+                .unwrap_or(0) as i64
+        })
+        .collect()
+}
+
+/// Width of the buckets that index stream positions.
+pub(crate) const BUCKET: u32 = 64;
+
+/// Where a value can be overwritten from: for each stream t, the positions `lo..hi` on t
+/// (0-based, in that stream's order) of the producers that could conflict with it. `lo` is
+/// the first node of t issued at or after the value's producer; `hi` the first node of t
+/// whose clock has seen every use of the value (all of t for values that live to the end).
+/// A producer issued no earlier than the value conflicts with it exactly when its position
+/// on its stream lies in the window of that stream (clocks grow along a stream).
+pub(crate) fn windows(hb: &HappensBefore, lives: &[Life]) -> Vec<[(u32, u32); NUM_STREAMS]> {
+    lives
+        .iter()
+        .map(|l| {
+            let mut w = [(0u32, 0u32); NUM_STREAMS];
+            for (t, wt) in w.iter_mut().enumerate() {
+                let on = hb.nodes_on(t);
+                let lo = match l.def {
+                    Some(d) => on.partition_point(|&x| (x as usize) < d),
+                    None => 0,
+                };
+                let hi = if l.whole_step || l.to_end {
+                    on.len()
+                } else {
+                    on.partition_point(|&x| {
+                        let seen = hb.seen_before(NodeId(x));
+                        !l.last.iter().zip(seen).all(|(&a, b)| a <= b)
+                    })
+                };
+                *wt = (lo as u32, hi.max(lo) as u32);
+            }
+            w
+        })
+        .collect()
+}
+
+/// The stream and 0-based position on it of a value's producer.
+pub(crate) fn def_slot(hb: &HappensBefore, l: &Life) -> Option<(usize, u32)> {
+    l.def.map(|d| (hb.stream[d] as usize, hb.pos[d] - 1))
+}
+
+/// Values indexed by the stream buckets their windows cover and by where their producers
+/// are, to find the values a producer may conflict with without looking at all of them.
+pub(crate) struct ConflictIndex {
+    windows: [Vec<Vec<u32>>; NUM_STREAMS],
+    defs: [Vec<Vec<u32>>; NUM_STREAMS],
+    /// Values produced before the step (they conflict with each other).
+    before: Vec<u32>,
+}
+
+impl ConflictIndex {
+    pub(crate) fn new(hb: &HappensBefore) -> ConflictIndex {
+        let buckets = |t: usize| vec![Vec::new(); hb.nodes_on(t).len() / BUCKET as usize + 1];
+        ConflictIndex {
+            windows: std::array::from_fn(buckets),
+            defs: std::array::from_fn(buckets),
+            before: Vec::new(),
+        }
+    }
+
+    pub(crate) fn insert(
+        &mut self,
+        id: u32,
+        win: &[(u32, u32); NUM_STREAMS],
+        def: Option<(usize, u32)>,
+    ) {
+        for (t, &(lo, hi)) in win.iter().enumerate() {
+            if lo < hi {
+                for b in &mut self.windows[t][(lo / BUCKET) as usize..=((hi - 1) / BUCKET) as usize]
+                {
+                    b.push(id);
+                }
+            }
+        }
+        match def {
+            Some((t, k)) => self.defs[t][(k / BUCKET) as usize].push(id),
+            None => self.before.push(id),
+        }
+    }
+
+    /// Calls `f` with every indexed value whose window covers the producer at `def` (values
+    /// produced no later), whose producer lies in `win` (values produced no earlier), or that
+    /// was, like this one, produced before the step; possibly more than once.
+    pub(crate) fn candidates(
+        &self,
+        win: &[(u32, u32); NUM_STREAMS],
+        def: Option<(usize, u32)>,
+        mut f: impl FnMut(u32),
+    ) {
+        match def {
+            Some((t, k)) => self.windows[t][(k / BUCKET) as usize]
+                .iter()
+                .for_each(|&i| f(i)),
+            None => self.before.iter().for_each(|&i| f(i)),
+        }
+        for (t, &(lo, hi)) in win.iter().enumerate() {
+            if lo < hi {
+                for b in &self.defs[t][(lo / BUCKET) as usize..=((hi - 1) / BUCKET) as usize] {
+                    b.iter().for_each(|&i| f(i));
+                }
+            }
+        }
+    }
+}
+
 /// Plans the arena of a (scheduled) program. `kinds` labels each buffer; `persistent` marks
 /// values that live for the whole step (see [`default_persistent`]). Deterministic; never
 /// panics on a verified program.
@@ -374,27 +506,7 @@ pub fn plan_memory(
         .filter(|&i| !lives[i].whole_step && sizes[i] > 0)
         .collect();
     let start = |i: usize| lives[i].def.map_or(-1, |d| d as i64);
-    let mut span_end: Vec<i64> = vec![0; p.values.len()];
-    for &i in &transient {
-        let l = &lives[i];
-        let end = if l.to_end {
-            n
-        } else {
-            (0..NUM_STREAMS)
-                .filter(|&t| !hb.nodes_on(t).is_empty())
-                .map(|t| {
-                    let on = hb.nodes_on(t);
-                    let k = on.partition_point(|&x| {
-                        let seen = hb.seen_before(NodeId(x));
-                        !l.last.iter().zip(seen).all(|(&a, b)| a <= b)
-                    });
-                    on.get(k).map_or(n, |&x| x as usize)
-                })
-                .max()
-                .unwrap_or(0)
-        };
-        span_end[i] = end as i64;
-    }
+    let span_end = span_ends(&hb, &lives, n);
     let mut order = transient.clone();
     order.sort_by_key(|&i| (std::cmp::Reverse(align_up(sizes[i])), start(i), i));
     // What the inner loop needs of each value, packed.
@@ -411,24 +523,44 @@ pub fn plan_memory(
             has_def: l.def.is_some(),
         }
     };
-    // `placed`: (offset, end, slot) in offset order, so first fit is one pass.
+    // First fit: each buffer goes at the lowest offset where it overlaps no placed buffer it
+    // conflicts with; the conflict index finds the placed buffers that may conflict.
+    let wins = windows(&hb, &lives);
+    let mut index = ConflictIndex::new(&hb);
     let mut placed: Vec<(u64, u64, Slot)> = Vec::with_capacity(order.len());
-    for &b in &order {
+    let mut stamp: Vec<u32> = Vec::new();
+    let mut cands: Vec<(u64, u64)> = Vec::new();
+    for (bi, &b) in order.iter().enumerate() {
         let sb = slot(b);
         let need = align_up(sizes[b]);
+        let def = def_slot(&hb, &lives[b]);
+        cands.clear();
+        index.candidates(&wins[b], def, |pi| {
+            let pi = pi as usize;
+            if stamp[pi] == bi as u32 {
+                return;
+            }
+            stamp[pi] = bi as u32;
+            let (o, e, sa) = &placed[pi];
+            if sa.conflicts(&sb) {
+                cands.push((*o, *e));
+            }
+        });
+        cands.sort_unstable();
         let mut at = base;
-        for (o, e, sa) in &placed {
-            if *o >= at.saturating_add(need) {
+        for &(o, e) in &cands {
+            if o >= at.saturating_add(need) {
                 break;
             }
-            if *e > at && sa.conflicts(&sb) {
-                at = *e;
+            if e > at {
+                at = e;
             }
         }
         offset[b] = at;
-        let end = at.saturating_add(need);
-        let k = placed.partition_point(|&(o, e, _)| (o, e) <= (at, end));
-        placed.insert(k, (at, end, sb));
+        let id = placed.len() as u32;
+        placed.push((at, at.saturating_add(need), sb));
+        stamp.push(u32::MAX);
+        index.insert(id, &wins[b], def);
     }
 
     let buffers: Vec<Buffer> = (0..p.values.len())

@@ -438,39 +438,100 @@ impl Verifier<'_> {
         let lives = lives(p, &self.hb, &whole_step, false);
         let users = p.users();
         ok.retain(|&k| plan.buffers[k].bytes > 0);
-        ok.sort_by_key(|&k| {
-            let b = &plan.buffers[k];
-            (b.offset, b.end(), b.value)
-        });
-        for (x, &i) in ok.iter().enumerate() {
+        // Values that live the whole step share bytes with nothing: check them by address.
+        let mut found: Vec<(usize, usize)> = Vec::new();
+        let (whole, ok): (Vec<usize>, Vec<usize>) = ok
+            .into_iter()
+            .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
+        let mut by_addr: Vec<usize> = whole.clone();
+        by_addr.sort_by_key(|&k| (plan.buffers[k].offset, plan.buffers[k].end()));
+        let mut reach: Vec<u64> = Vec::with_capacity(by_addr.len()); // max end of a prefix
+        for &k in &by_addr {
+            let e = plan.buffers[k].end();
+            reach.push(reach.last().map_or(e, |&r: &u64| r.max(e)));
+        }
+        for (x, &i) in whole.iter().chain(&ok).enumerate() {
             let a = plan.buffers[i];
-            for &j in &ok[x + 1..] {
-                let b = plan.buffers[j];
-                if b.offset >= a.end() {
+            // whole-step buffers starting before a's end, scanned back while they may reach a
+            let upto = by_addr.partition_point(|&k| plan.buffers[k].offset < a.end());
+            for y in (0..upto).rev() {
+                if reach[y] <= a.offset {
                     break;
                 }
-                let (la, lb) = (&lives[a.value.index()], &lives[b.value.index()]);
-                if la.conflicts(lb, &self.hb) {
-                    let (o, e) = (b.offset.max(a.offset), b.end().min(a.end()));
-                    // Name the value produced later (the overwriter) second.
-                    let (first, second) =
-                        if la.def.map_or(-1, |d| d as i64) <= lb.def.map_or(-1, |d| d as i64) {
-                            (a.value, b.value)
-                        } else {
-                            (b.value, a.value)
-                        };
-                    let (why, nodes) = self.why_live_together(first, second, &lives, &users);
-                    self.push(
-                        Check::Buffer,
-                        &nodes,
-                        format!(
-                            "the buffers of {} and {} share bytes {o}..{e}, and {why}",
-                            self.value(first),
-                            self.value(second)
-                        ),
-                    );
+                let j = by_addr[y];
+                let b = plan.buffers[j];
+                if j != i && b.end() > a.offset && (x >= whole.len() || j < i) {
+                    found.push((i.min(j), i.max(j)));
                 }
             }
+        }
+        // The others: a producer can only overwrite values whose windows cover it (see
+        // `memory::windows`); index them, and check each pair that shares bytes once.
+        let wins = crate::memory::windows(&self.hb, &lives);
+        let mut index = crate::memory::ConflictIndex::new(&self.hb);
+        for (x, &k) in ok.iter().enumerate() {
+            let v = plan.buffers[k].value.index();
+            index.insert(
+                x as u32,
+                &wins[v],
+                crate::memory::def_slot(&self.hb, &lives[v]),
+            );
+        }
+        let mut stamp: Vec<u32> = vec![u32::MAX; ok.len()];
+        for (x, &i) in ok.iter().enumerate() {
+            let a = plan.buffers[i];
+            let v = a.value.index();
+            let def = crate::memory::def_slot(&self.hb, &lives[v]);
+            index.candidates(&wins[v], def, |y| {
+                let y = y as usize;
+                if y == x || stamp[y] == x as u32 {
+                    return;
+                }
+                stamp[y] = x as u32;
+                let j = ok[y];
+                let b = plan.buffers[j];
+                if b.offset >= a.end() || a.offset >= b.end() {
+                    return;
+                }
+                let (la, lb) = (&lives[v], &lives[b.value.index()]);
+                if la.conflicts(lb, &self.hb) {
+                    found.push((i.min(j), i.max(j)));
+                }
+            });
+        }
+        found.sort_unstable();
+        found.dedup();
+        // Report in address order, as a person reads the arena.
+        found.sort_by_key(|&(i, j)| {
+            let (a, b) = (&plan.buffers[i], &plan.buffers[j]);
+            let (a, b) = if (a.offset, a.end(), a.value) <= (b.offset, b.end(), b.value) {
+                (a, b)
+            } else {
+                (b, a)
+            };
+            (a.offset, a.end(), a.value, b.offset, b.end(), b.value)
+        });
+        for (i, j) in found {
+            let (a, b) = (plan.buffers[i], plan.buffers[j]);
+            let (la, lb) = (&lives[a.value.index()], &lives[b.value.index()]);
+            let (o, e) = (b.offset.max(a.offset), b.end().min(a.end()));
+            // Name the value produced later (the overwriter) second.
+            let (first, second) =
+                if la.def.map_or(-1, |d| d as i64) <= lb.def.map_or(-1, |d| d as i64) {
+                    (a.value, b.value)
+                } else {
+                    (b.value, a.value)
+                };
+            let (why, nodes) = self.why_live_together(first, second, &lives, &users);
+            self.push(
+                Check::Buffer,
+                &nodes,
+                format!(
+                    "the buffers of {} and {} share bytes {o}..{e}, and {why}",
+                    self.value(first),
+                    self.value(second)
+                ),
+            );
         }
     }
 
