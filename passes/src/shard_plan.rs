@@ -75,7 +75,10 @@
 //! # Choice
 //!
 //! The fastest candidate whose memory fits the budget; ties (within 1e-9 relative) go to less
-//! memory, then fewer cross-node bytes, then the earlier candidate. If none fits, the error
+//! memory, then fewer cross-node bytes, then the earlier candidate. Then, among the fitting
+//! candidates predicted within [`SAME_SPEED`] (1%) of that one, the one sending the fewest
+//! bytes across nodes wins: the analytical model cannot tell such step times apart, and
+//! cross-node links are the contended ones. If none fits, the error
 //! names the candidate needing the least memory and breaks its need down.
 
 use crate::autodiff::differentiate;
@@ -930,6 +933,19 @@ fn profile(
         bwd_s = fwd_s.iter().map(|f| 2.0 * f).collect();
         other_bwd_s = 2.0 * other_fwd_s;
     }
+    // The activation peak the compiled step will have, measured on the scheduled step of one
+    // rank (activations do not depend on the shard groups); the estimate above stays for the
+    // other setting of recompute and for models without a backward.
+    let (mut act_bytes, mut act_recompute_bytes) = (act_bytes, act_recompute_bytes);
+    if fallback.is_none() {
+        if let Some(measured) = probe_activations(fwd, opts) {
+            if opts.recompute {
+                act_recompute_bytes = measured;
+            } else {
+                act_bytes = measured;
+            }
+        }
+    }
     Ok(Profile {
         notes: fallback.into_iter().collect(),
         param_numel: p
@@ -946,6 +962,67 @@ fn profile(
         act_bytes,
         act_recompute_bytes,
     })
+}
+
+/// Peak bytes of activations (every value of the step but gathered parameters, gradients on
+/// their way to the optimizer, and optimizer work) over one micro-batch of the scheduled
+/// step on a single rank, in issue order. `None` if that step cannot be built.
+fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
+    let mesh = Mesh::parse("gpu=1").ok()?;
+    let loss = opts.loss.clone().unwrap_or(LossKind::Lm { labels: None });
+    let cfg = crate::train::TrainConfig {
+        loss,
+        optimizer: Some(crate::train::Optimizer::Sgd {
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }),
+        clip_grad_norm: None,
+        micro_batches: 1,
+        compute: opts.compute,
+    };
+    let sched = crate::spmd::ScheduleOptions {
+        reduce_grads: ReduceGrads::PerMicrobatch,
+        reshard_after_forward: opts.reshard_after_forward,
+        prefetch_depth: opts.prefetch_depth,
+        max_inflight_bytes: None,
+        recompute: opts.recompute,
+        grad_dtype: opts.grad_dtype,
+    };
+    let none = Group::new(Vec::<String>::new());
+    let spec = crate::spmd::ShardSpec {
+        params: none.clone(),
+        grads: none.clone(),
+        optim: none,
+    };
+    let step = crate::spmd::shard_training_step_with(fwd, &cfg, &mesh, &spec, &sched).ok()?;
+    let q = &step.program;
+    let activation = |n: &hzp_ir::Node| {
+        !["gather.", "reduce.", "accumulate.", "optimizer", "regather/", "step/"]
+            .iter()
+            .any(|pre| n.name.starts_with(pre))
+    };
+    let mut last = vec![0usize; q.values.len()];
+    for (i, n) in q.nodes.iter().enumerate() {
+        for &v in &n.inputs {
+            last[v.index()] = i;
+        }
+    }
+    let mut ends: Vec<u64> = vec![0; q.nodes.len() + 1];
+    let (mut live, mut peak) = (0u64, 0u64);
+    for (i, n) in q.nodes.iter().enumerate() {
+        live -= ends[i];
+        if activation(n) {
+            for &o in &n.outputs {
+                let b = q.ty(o).size_bytes() as u64;
+                live += b;
+                let end = last[o.index()].max(i);
+                ends[end + 1] += b;
+            }
+        }
+        peak = peak.max(live);
+    }
+    Some(peak)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1354,6 +1431,9 @@ fn candidate_triples(
     Ok(out)
 }
 
+/// Step times within this fraction of the fastest count as equally fast when choosing.
+pub const SAME_SPEED: f64 = 0.01;
+
 fn better(a: &Candidate, b: &Candidate) -> bool {
     let scale = a.step_s.abs().max(b.step_s.abs()).max(1e-30);
     if (a.step_s - b.step_s).abs() > 1e-9 * scale {
@@ -1432,10 +1512,27 @@ pub fn plan_sharding(
     for (pg, gg, og) in &triples {
         candidates.push(evaluate(&ctx, &mut cache, pg, gg, og)?);
     }
-    let mut chosen: Option<&Candidate> = None;
+    // The fastest that fits; among those predicted within SAME_SPEED of it, the one that
+    // sends the fewest bytes across nodes (the model cannot tell such step times apart, and
+    // cross-node links are the ones other jobs and congestion slow down).
+    let mut fastest: Option<&Candidate> = None;
     for c in candidates.iter().filter(|c| c.fits) {
-        if chosen.is_none_or(|b| better(c, b)) {
-            chosen = Some(c);
+        if fastest.is_none_or(|b| better(c, b)) {
+            fastest = Some(c);
+        }
+    }
+    let mut chosen = fastest;
+    if let Some(f) = fastest {
+        for c in candidates.iter().filter(|c| c.fits) {
+            if c.step_s <= f.step_s * (1.0 + SAME_SPEED)
+                && chosen.is_some_and(|b| {
+                    c.cross_node_bytes < b.cross_node_bytes * (1.0 - 1e-9)
+                        || (c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9)
+                            && better(c, b))
+                })
+            {
+                chosen = Some(c);
+            }
         }
     }
     let Some(chosen) = chosen.cloned() else {
@@ -1682,12 +1779,32 @@ pub fn explain(r: &PlanReport) -> String {
                 r.candidates.len()
             );
         } else {
-            let _ = write!(
-                s,
-                " It is the fastest of the {} candidates that fit (of {} weighed).",
-                fitting.len(),
-                r.candidates.len()
-            );
+            let fastest = fitting
+                .iter()
+                .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
+                .copied()
+                .unwrap_or(c);
+            if fastest.step_s < c.step_s {
+                let _ = write!(
+                    s,
+                    " The fastest that fits, {}, is predicted {:.2}% faster ({}), within {}% \
+                     (closer than the model can tell apart), so the plan that sends the fewest \
+                     bytes across nodes among those is chosen: {} instead of {} per step.",
+                    fastest.label(),
+                    (1.0 - fastest.step_s / c.step_s) * 100.0,
+                    human_seconds(fastest.step_s),
+                    SAME_SPEED * 100.0,
+                    hb(c.cross_node_bytes),
+                    hb(fastest.cross_node_bytes)
+                );
+            } else {
+                let _ = write!(
+                    s,
+                    " It is the fastest of the {} candidates that fit (of {} weighed).",
+                    fitting.len(),
+                    r.candidates.len()
+                );
+            }
         }
         let runner = fitting
             .iter()

@@ -586,6 +586,44 @@ pub fn shard_training_step_with(
     };
     let per_mb = sched.reduce_grads == ReduceGrads::PerMicrobatch;
 
+    // Reduces an accumulated gradient to the rank's O-shard, in fp32: right after its last
+    // accumulation, so the cross-replica reduction overlaps the last micro-batch's backward.
+    let finish = |e: &mut Emitter, l: &ParamLayout, v: ValueId| -> Result<ValueId, String> {
+        e.scope = format!("reduce.step/{}", l.name);
+        let mut v = v;
+        if !per_mb {
+            v = rs_g(e, v)?;
+        }
+        if o > g {
+            v = e.op(
+                Op::ReduceScatter {
+                    group: o_minus_g.clone(),
+                    axis: 0,
+                    reduce: ReduceOp::Sum,
+                },
+                &[v],
+            )?;
+        }
+        if w > o {
+            v = e.op(
+                Op::AllReduce {
+                    group: replicas.clone(),
+                    reduce: ReduceOp::Sum,
+                },
+                &[v],
+            )?;
+        }
+        if e.ty(v).dtype != DType::F32 {
+            v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
+        }
+        if w * m > 1 {
+            let s = e.scalar(1.0 / (w * m) as f64, DType::F32);
+            v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
+        }
+        Ok(v)
+    };
+    let mut final_g: Vec<Option<ValueId>> = vec![None; n_params];
+
     for mb in 0..m {
         let suffix = if m == 1 {
             String::new()
@@ -689,6 +727,10 @@ pub fn shard_training_step_with(
                 for (j, v, _) in due {
                     e.scope = format!("accumulate.mb{mb}/{}", layouts[j].name);
                     add_to(&mut e, &mut acc[j], v).map_err(err)?;
+                    if mb + 1 == m {
+                        let a = acc[j].expect("just accumulated");
+                        final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                    }
                 }
                 // Recompute the layers whose activations this node reads.
                 for &v in &node.inputs {
@@ -759,6 +801,10 @@ pub fn shard_training_step_with(
                         } else {
                             e.scope = format!("accumulate.mb{mb}/{}", l.name);
                             add_to(&mut e, &mut acc[j], f).map_err(err)?;
+                            if mb + 1 == m {
+                                let a = acc[j].expect("just accumulated");
+                                final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                            }
                         }
                     }
                 }
@@ -787,56 +833,29 @@ pub fn shard_training_step_with(
                 pending.push((j, r, 0));
             } else {
                 add_to(&mut e, &mut acc[j], f).map_err(err)?;
+                if mb + 1 == m {
+                    let a = acc[j].expect("just accumulated");
+                    final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                }
             }
         }
         for (j, v, _) in pending.drain(..) {
             e.scope = format!("accumulate.mb{mb}/{}", layouts[j].name);
             add_to(&mut e, &mut acc[j], v).map_err(err)?;
+            if mb + 1 == m {
+                let a = acc[j].expect("just accumulated");
+                final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+            }
         }
         losses.push(vmap[&micro.outputs[0]]);
     }
 
-    // Reduce each accumulated gradient to the rank's O-shard, in fp32.
-    let mut grads = Vec::new();
-    for (j, a) in acc.iter().enumerate() {
-        let l = layouts[j].clone();
-        e.scope = format!("reduce.step/{}", l.name);
-        let mut v = a.ok_or_else(|| err("internal: a gradient was never accumulated"))?;
-        let run = |e: &mut Emitter, mut v: ValueId| -> Result<ValueId, String> {
-            if !per_mb {
-                v = rs_g(e, v)?;
-            }
-            if o > g {
-                v = e.op(
-                    Op::ReduceScatter {
-                        group: o_minus_g.clone(),
-                        axis: 0,
-                        reduce: ReduceOp::Sum,
-                    },
-                    &[v],
-                )?;
-            }
-            if w > o {
-                v = e.op(
-                    Op::AllReduce {
-                        group: replicas.clone(),
-                        reduce: ReduceOp::Sum,
-                    },
-                    &[v],
-                )?;
-            }
-            if e.ty(v).dtype != DType::F32 {
-                v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
-            }
-            if w * m > 1 {
-                let s = e.scalar(1.0 / (w * m) as f64, DType::F32);
-                v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
-            }
-            Ok(v)
-        };
-        v = run(&mut e, v).map_err(err)?;
-        grads.push(v);
-    }
+    // Every gradient was finished in the last micro-batch.
+    let grads: Vec<ValueId> = final_g
+        .iter()
+        .map(|g| g.ok_or_else(|| err("internal: a gradient was never accumulated")))
+        .collect::<Result<_, _>>()?;
+    let mut grads = grads;
     let mut outputs = Vec::new();
     // The global loss: the mean of the ranks' micro-batch losses.
     e.scope = "loss".into();
@@ -1033,8 +1052,8 @@ fn prefetch_schedule(
         }
     }
     let mut order: Vec<NodeId> = after.get(&-1).cloned().unwrap_or_default();
-    for i in 0..p.nodes.len() {
-        if !moved[i] {
+    for (i, &m) in moved.iter().enumerate() {
+        if !m {
             order.push(NodeId(i as u32));
         }
         if let Some(v) = after.get(&(i as i64)) {
