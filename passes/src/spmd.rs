@@ -392,6 +392,24 @@ pub fn shard_training_step_with(
     spec: &ShardSpec,
     sched: &ScheduleOptions,
 ) -> Result<ShardedStep, TrainError> {
+    shard_training_step_traced(fwd, cfg, mesh, spec, sched, &mut |_, _| {})
+}
+
+/// Names of the stages [`shard_training_step_traced`] reports, in order: `collectives` (the
+/// per-rank step with collectives inserted and streams assigned, in the order emitted) and
+/// `schedule` (gathers issued for prefetch, rate-limiting and data events inserted).
+pub const STAGES: [&str; 2] = ["collectives", "schedule"];
+
+/// [`shard_training_step_with`], handing the program after each stage (see [`STAGES`]) to
+/// `trace` (for `--print-after`).
+pub fn shard_training_step_traced(
+    fwd: &Program,
+    cfg: &TrainConfig,
+    mesh: &Mesh,
+    spec: &ShardSpec,
+    sched: &ScheduleOptions,
+    trace: &mut dyn FnMut(&str, &Program),
+) -> Result<ShardedStep, TrainError> {
     let opt = cfg
         .optimizer
         .clone()
@@ -945,9 +963,11 @@ pub fn shard_training_step_with(
     }
     q.eliminate_dead_code();
     assign_streams(&mut q);
+    trace(STAGES[0], &q);
     let (order, waits) = prefetch_schedule(&q, &units, sched);
     let q = insert_events_with(&q, &order, &waits);
     hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
+    trace(STAGES[1], &q);
     Ok(ShardedStep {
         program: q,
         layouts,
