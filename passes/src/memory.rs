@@ -473,6 +473,36 @@ impl ConflictIndex {
     }
 }
 
+/// The updates `(target, value)` whose value may be stored over its target: the target
+/// lives the whole step, every read of it happens before the value's producer starts (so the
+/// producer and everything after it may overwrite it), the value fits in it, and no other
+/// update takes the same value. The runtime then has nothing to copy for that update.
+pub(crate) fn in_place_updates(
+    p: &Program,
+    hb: &HappensBefore,
+    lives: &[Life],
+) -> Vec<(ValueId, ValueId)> {
+    let mut uses = vec![0usize; p.values.len()];
+    for u in &p.updates {
+        uses[u.value.index()] += 1;
+    }
+    p.updates
+        .iter()
+        .filter(|u| {
+            let (t, v) = (&lives[u.target.index()], &lives[u.value.index()]);
+            let Some(d) = v.def else { return false };
+            let seen = hb.seen_before(NodeId(d as u32));
+            t.whole_step
+                && !v.whole_step
+                && uses[u.value.index()] == 1
+                && u.target != u.value
+                && value_bytes(p, u.value) <= value_bytes(p, u.target)
+                && t.last.iter().zip(seen).all(|(&l, s)| l <= s)
+        })
+        .map(|u| (u.target, u.value))
+        .collect()
+}
+
 /// Plans the arena of a (scheduled) program. `kinds` labels each buffer; `persistent` marks
 /// values that live for the whole step (see [`default_persistent`]). Deterministic; never
 /// panics on a verified program.
@@ -502,8 +532,15 @@ pub fn plan_memory(
     // value's bytes is the first whose clock has seen every use (clocks grow along a stream);
     // the latest of these over the streams (n: never) ends the issue range `span_end` in which
     // a later producer can conflict with the value.
+    // Update values that can be written over their target (it is not read any more) take its
+    // bytes: a re-gathered parameter shard needs no second copy at the end of the step.
+    let mut aliased = vec![false; p.values.len()];
+    for (t, v) in in_place_updates(p, &hb, &lives) {
+        offset[v.index()] = offset[t.index()];
+        aliased[v.index()] = true;
+    }
     let transient: Vec<usize> = (0..p.values.len())
-        .filter(|&i| !lives[i].whole_step && sizes[i] > 0)
+        .filter(|&i| !lives[i].whole_step && sizes[i] > 0 && !aliased[i])
         .collect();
     let start = |i: usize| lives[i].def.map_or(-1, |d| d as i64);
     let span_end = span_ends(&hb, &lives, n);
@@ -596,7 +633,7 @@ pub fn plan_memory(
         }
     };
     let mut delta = vec![0i128; n + 1];
-    for b in &buffers {
+    for b in buffers.iter().filter(|b| !aliased[b.value.index()]) {
         if let Some((s, e)) = interval(b.value.index()) {
             delta[s] += b.bytes as i128;
             delta[e + 1] -= b.bytes as i128;
@@ -618,7 +655,7 @@ pub fn plan_memory(
         }
     }
     let mut peak_by_kind = BTreeMap::new();
-    for b in &buffers {
+    for b in buffers.iter().filter(|b| !aliased[b.value.index()]) {
         let at_peak = match peak_index {
             Some(k) => interval(b.value.index()).is_some_and(|(s, e)| s <= k && k <= e),
             None => true,
@@ -643,19 +680,15 @@ pub fn plan_memory(
 }
 
 /// The usual persistence: parameters, constants, states and inputs (materialized before the
-/// step), and the new values of updates (they alias nothing until the step ends).
+/// step). The new values of updates are not persistent: they live from their producer to the
+/// end of the step (when the runtime applies them), or take their target's bytes when the
+/// target is no longer read (see [`plan_memory`]).
 pub fn default_persistent(p: &Program) -> impl Fn(ValueId) -> bool + '_ {
-    let mut updated = vec![false; p.values.len()];
-    for u in &p.updates {
-        if let Some(x) = updated.get_mut(u.value.index()) {
-            *x = true;
-        }
-    }
     move |v| {
         matches!(
             p.values.get(v.index()).map(|x| x.def),
             Some(ValueDef::Input | ValueDef::Param | ValueDef::Const | ValueDef::State)
-        ) || updated.get(v.index()).copied().unwrap_or(false)
+        )
     }
 }
 

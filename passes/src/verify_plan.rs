@@ -443,6 +443,12 @@ impl Verifier<'_> {
         let (whole, ok): (Vec<usize>, Vec<usize>) = ok
             .into_iter()
             .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
+        // An update value may lie in its target's bytes when the target is no longer read
+        // (see `memory::in_place_updates`).
+        let in_place: std::collections::HashSet<(ValueId, ValueId)> =
+            crate::memory::in_place_updates(p, &self.hb, &lives)
+                .into_iter()
+                .collect();
         let mut by_addr: Vec<usize> = whole.clone();
         by_addr.sort_by_key(|&k| (plan.buffers[k].offset, plan.buffers[k].end()));
         let mut reach: Vec<u64> = Vec::with_capacity(by_addr.len()); // max end of a prefix
@@ -460,7 +466,10 @@ impl Verifier<'_> {
                 }
                 let j = by_addr[y];
                 let b = plan.buffers[j];
-                if j != i && b.end() > a.offset && (x >= whole.len() || j < i) {
+                let exempt = in_place.contains(&(b.value, a.value))
+                    && a.offset >= b.offset
+                    && a.end() <= b.end();
+                if j != i && b.end() > a.offset && (x >= whole.len() || j < i) && !exempt {
                     found.push((i.min(j), i.max(j)));
                 }
             }
