@@ -7,7 +7,7 @@ use hzp_ir::{Mesh, Op, Program, StreamKind, ValueDef, ValueId};
 use hzp_passes::cluster::{parse_bytes, ClusterSpec};
 use hzp_passes::shard_plan::{self, ReduceGrads, ShardOptions, ShardOverride, Strategy};
 use miette::{miette, IntoDiagnostic, Result};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Instant;
 
@@ -45,9 +45,26 @@ pub struct CompileArgs {
     /// Reduce gradients once per step (per-step) or after every micro-batch.
     #[arg(long, default_value = "per-microbatch")]
     pub reduce_grads: String,
-    /// Recompute each layer's activations in backward (planner estimate).
+    /// Recompute each layer's activations in its backward from the layer's inputs
+    /// (activation checkpointing per layer): on, off, or auto (default: only when no plan
+    /// fits the budget without it; compile then says so). `--recompute` alone means on.
+    #[arg(long, num_args = 0..=1, default_value = "auto", default_missing_value = "on")]
+    pub recompute: String,
+    /// Bound on the bytes of gathered parameters in flight or in use at once (e.g. 4GiB);
+    /// default: only --prefetch-depth bounds them.
+    #[arg(long, value_name = "BYTES")]
+    pub max_inflight_bytes: Option<String>,
+    /// Largest bucket of fused collectives (MiB) for collective rewriting; 0: no bucketing.
+    #[arg(long, default_value_t = 64, value_name = "MiB")]
+    pub bucket_mb: u64,
+    /// Skip collective rewriting (bucketing, hierarchical decomposition, RS+AG=AR, cast
+    /// placement).
     #[arg(long)]
-    pub recompute: bool,
+    pub no_rewrite: bool,
+    /// dtype gradients are reduced and accumulated in: f32 (default) or bf16 (half the
+    /// gradient memory and traffic, less exact sums).
+    #[arg(long, default_value = "f32")]
+    pub grad_dtype: String,
     /// Where to write the plan (JSON).
     #[arg(short, long, value_name = "PLAN.json")]
     pub output: Option<std::path::PathBuf>,
@@ -72,9 +89,16 @@ fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
         ValueDef::Const => BufferKind::Other,
         ValueDef::Node { node, .. } => {
             let n = &p.nodes[node.index()];
-            if n.name.starts_with("reduce/") || val.name.starts_with("grad/") {
+            if n.name.starts_with("reduce.")
+                || n.name.starts_with("accumulate.")
+                || val.name.starts_with("grad/")
+            {
                 BufferKind::Grad
-            } else if n.op.is_collective() {
+            } else if n.name.starts_with("regather/") {
+                BufferKind::Param
+            } else if n.name.starts_with("step/") {
+                BufferKind::OptimState
+            } else if n.name.starts_with("gather.") || n.op.is_collective() {
                 BufferKind::CommBuffer
             } else {
                 BufferKind::Activation
@@ -94,14 +118,104 @@ pub fn fingerprint_of(fwd: &Program) -> String {
     }))
 }
 
-pub fn compile(
+/// The stages `hzp compile --print-after` prints, in pipeline order: the forward program as
+/// loaded, the single-rank training step, the stages of the per-rank step builder (see
+/// [`hzp_passes::spmd::STAGES`]: after collective insertion, rewriting and scheduling), and
+/// the memory plan.
+pub fn print_stage_names() -> Vec<&'static str> {
+    let mut v = vec!["import", "training"];
+    v.extend(hzp_passes::spmd::STAGES);
+    v.push("memory");
+    v
+}
+
+/// The stages named by `--print-after` (repeated, comma-separated, or `all`).
+fn print_stages(list: &[String]) -> Result<BTreeSet<&'static str>> {
+    let names = print_stage_names();
+    let mut out = BTreeSet::new();
+    for name in list.iter().flat_map(|s| s.split(',')).map(str::trim) {
+        if name == "all" {
+            out.extend(names.iter().copied());
+        } else if let Some(&s) = names.iter().find(|&&s| s == name) {
+            out.insert(s);
+        } else {
+            return Err(miette!(
+                "--print-after `{name}`: hzp compile's stages are {} (or all)",
+                names.join(", ")
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Prints `text()` under a `# after STAGE` header when `--print-after` asked for `stage`.
+fn show_stage(stages: &BTreeSet<&'static str>, stage: &str, text: impl FnOnce() -> String) {
+    if stages.contains(stage) {
+        let text = text();
+        println!("# after {stage}\n{}", text.trim_end());
+    }
+}
+
+/// The plan's text form without the program (printed `after schedule`): its header and the
+/// buffer table of the memory plan.
+fn memory_text(plan: &Plan) -> String {
+    let full = plan.to_text();
+    match (full.find("\n\n"), full.rfind("\n# buffers")) {
+        (Some(head), Some(table)) if head < table => format!(
+            "{}# program: as printed after schedule\n{}",
+            &full[..=head],
+            &full[table + 1..]
+        ),
+        _ => full,
+    }
+}
+
+/// A compiled and verified plan, with what the planner weighed.
+pub struct Built {
+    pub plan: Plan,
+    pub report: shard_plan::PlanReport,
+    pub peak_by_kind: BTreeMap<BufferKind, u64>,
+    pub cluster: ClusterSpec,
+    /// The memory budget per rank, if one was given.
+    pub budget: Option<u64>,
+}
+
+/// Why [`build_plan`] gave no plan.
+pub enum BuildError {
+    /// No sharding fits the budget: the planner's message, and its smallest candidate.
+    NoFit {
+        message: String,
+        need: u64,
+        budget: u64,
+        groups: ShardGroups,
+    },
+    Other(miette::Report),
+}
+
+impl From<miette::Report> for BuildError {
+    fn from(e: miette::Report) -> BuildError {
+        BuildError::Other(e)
+    }
+}
+
+impl From<BuildError> for miette::Report {
+    fn from(e: BuildError) -> miette::Report {
+        match e {
+            BuildError::NoFit { message, .. } => miette!("{message}"),
+            BuildError::Other(r) => r,
+        }
+    }
+}
+
+/// The passes of `hzp compile` up to a verified plan (shared with `hzp compare` and `hzp
+/// scale`). `verify_budget`: the verifier also rejects an arena over `--memory`.
+pub fn build_plan(
     model: &ModelArgs,
     inputs: Option<&Path>,
     t: &TrainArgs,
     c: &CompileArgs,
-    format: Format,
-) -> Result<()> {
-    let start = Instant::now();
+    verify_budget: bool,
+) -> std::result::Result<Built, BuildError> {
     let mesh = Mesh::parse(&c.mesh).map_err(|e| miette!("--mesh: {e}"))?;
     let cluster = load_cluster(c.cluster.as_deref())?;
     cluster.validate_mesh(&mesh).map_err(|e| miette!("{e}"))?;
@@ -109,14 +223,43 @@ pub fn compile(
         Some(m) => Some(parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?),
         None => None,
     };
-    let cfg = train_config(t, true)?;
+    // `--print-after` names compile stages here, not the stages of `hzp train`.
+    let stages = print_stages(&t.print_after)?;
+    let cfg = train_config(
+        &TrainArgs {
+            print_after: Vec::new(),
+            ..t.clone()
+        },
+        true,
+    )?;
     let fwd = load_for_compile(model, inputs, mesh.world_size() * cfg.micro_batches)?;
+    show_stage(&stages, "import", || hzp_ir::text::print(&fwd));
     let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
     let overrides = match &c.shard {
         Some(s) => ShardOverride::parse(s, &mesh).map_err(|e| miette!("--shard: {e}"))?,
         None => ShardOverride::default(),
     };
-    let opts = ShardOptions {
+    let grad_dtype = match c.grad_dtype.to_ascii_lowercase().as_str() {
+        "f32" | "fp32" | "float32" => hzp_ir::DType::F32,
+        "bf16" | "bfloat16" => hzp_ir::DType::BF16,
+        "f16" | "fp16" | "float16" => hzp_ir::DType::F16,
+        other => {
+            return Err(miette!("--grad-dtype {other}: expected f32, bf16 or f16").into());
+        }
+    };
+    let max_inflight_bytes = match &c.max_inflight_bytes {
+        Some(b) => Some(parse_bytes(b).map_err(|e| miette!("--max-inflight-bytes {b}: {e}"))?),
+        None => None,
+    };
+    let recompute_mode = match c.recompute.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" => Some(true),
+        "off" | "false" | "no" => Some(false),
+        "auto" => None,
+        other => {
+            return Err(miette!("--recompute {other}: expected on, off or auto").into());
+        }
+    };
+    let mut opts = ShardOptions {
         strategy,
         memory_budget: budget,
         micro_batches: cfg.micro_batches,
@@ -128,13 +271,50 @@ pub fn compile(
         reduce_grads: ReduceGrads::parse(&c.reduce_grads).map_err(|e| miette!("{e}"))?,
         prefetch_depth: c.prefetch_depth,
         reshard_after_forward: c.reshard_after_forward,
-        recompute: c.recompute,
+        recompute: recompute_mode.unwrap_or(false),
+        grad_dtype,
         overrides,
         loss: Some(cfg.loss.clone()),
-        ..ShardOptions::default()
     };
-    let report =
-        shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts).map_err(|e| miette!("{e}"))?;
+    let mut cfg = cfg;
+    cfg.compute = opts.compute;
+    if stages.contains("training") {
+        let step = hzp_passes::train::training_step(&fwd, &cfg).map_err(|e| miette!("{e}"))?;
+        show_stage(&stages, "training", || hzp_ir::text::print(&step));
+    }
+    let mut planned = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts);
+    if recompute_mode.is_none() {
+        if let Err(shard_plan::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
+            eprintln!(
+                "note: no plan fits without activation recompute (the smallest needs {}); \
+                 compiling with --recompute (--recompute off to refuse instead)",
+                hzp_ir::plan::format_bytes(candidate.memory.total)
+            );
+            opts.recompute = true;
+            planned = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts);
+        }
+    }
+    let sched = hzp_passes::spmd::ScheduleOptions {
+        reduce_grads: opts.reduce_grads,
+        reshard_after_forward: opts.reshard_after_forward,
+        prefetch_depth: opts.prefetch_depth,
+        max_inflight_bytes,
+        recompute: opts.recompute,
+        grad_dtype: opts.grad_dtype,
+    };
+    let report = planned.map_err(|e| match e {
+        shard_plan::ShardPlanError::DoesNotFit {
+            ref candidate,
+            budget,
+            ..
+        } => BuildError::NoFit {
+            message: e.to_string(),
+            need: candidate.memory.total,
+            budget,
+            groups: candidate.groups(),
+        },
+        e => BuildError::Other(miette!("{e}")),
+    })?;
     if c.explain {
         println!("{}", shard_plan::explain(&report));
     }
@@ -144,8 +324,35 @@ pub fn compile(
         grads: chosen.grads.clone(),
         optim: chosen.optim.clone(),
     };
-    let step = hzp_passes::spmd::shard_training_step(&fwd, &cfg, &mesh, &groups)
-        .map_err(|e| miette!("{e}"))?;
+    let rewrite = (!c.no_rewrite).then(|| hzp_passes::spmd::Rewrite {
+        cluster: cluster.clone(),
+        options: hzp_passes::rewrite::RewriteOptions {
+            bucket_bytes: c.bucket_mb << 20,
+            ..Default::default()
+        },
+    });
+    let step = hzp_passes::spmd::shard_training_step_rewritten(
+        &fwd,
+        &cfg,
+        &mesh,
+        &groups,
+        &sched,
+        rewrite.as_ref(),
+        &mut |stage, p| {
+            show_stage(&stages, stage, || hzp_ir::text::print(p));
+            if stage == "collectives" && rewrite.is_none() {
+                show_stage(&stages, "rewrite", || {
+                    "# collective rewriting is off (--no-rewrite): as after collectives".into()
+                });
+            }
+        },
+    )
+    .map_err(|e| miette!("{e}"))?;
+    if c.explain {
+        if let Some(r) = &step.rewrite_report {
+            println!("collective rewriting:\n{r}");
+        }
+    }
     let prog = step.program;
     let kinds = |v: ValueId| buffer_kind(&prog, v);
     let persistent = hzp_passes::memory::default_persistent(&prog);
@@ -169,10 +376,11 @@ pub fn compile(
         cfg.micro_batches,
         fingerprint_of(&fwd),
     );
+    show_stage(&stages, "memory", || memory_text(&plan));
     // One communicator per (group, stream), as the runtime creates them: collectives of one
     // group on different streams do not need ordering among themselves.
     let vopts = hzp_passes::verify_plan::VerifyOptions {
-        budget,
+        budget: if verify_budget { budget } else { None },
         communicator_per_stream: true,
     };
     if let Err(violations) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
@@ -180,8 +388,32 @@ pub fn compile(
         return Err(miette!(
             "the compiled plan failed verification:\n{}",
             list.join("\n")
-        ));
+        )
+        .into());
     }
+    Ok(Built {
+        plan,
+        report,
+        peak_by_kind: mem.peak_by_kind,
+        cluster,
+        budget,
+    })
+}
+
+pub fn compile(
+    model: &ModelArgs,
+    inputs: Option<&Path>,
+    t: &TrainArgs,
+    c: &CompileArgs,
+    format: Format,
+) -> Result<()> {
+    let start = Instant::now();
+    let Built {
+        plan,
+        report,
+        peak_by_kind,
+        ..
+    } = build_plan(model, inputs, t, c, true)?;
     if let Some(out) = &c.output {
         let mut ins: Vec<&Path> = vec![Path::new(&model.model)];
         ins.extend(inputs);
@@ -190,12 +422,7 @@ pub fn compile(
         std::fs::write(&tmp, plan.to_json()).into_diagnostic()?;
         std::fs::rename(&tmp, out).into_diagnostic()?;
     }
-    let summary = summary(
-        &plan,
-        &report,
-        &mem.peak_by_kind,
-        start.elapsed().as_secs_f64(),
-    );
+    let summary = summary(&plan, &report, &peak_by_kind, start.elapsed().as_secs_f64());
     match format {
         Format::Json => println!(
             "{}",
@@ -347,7 +574,37 @@ fn print_summary(s: &Summary) {
     println!("  compiled in {:.2} s", s.compile_seconds);
 }
 
-pub fn inspect(path: &Path, format: Format) -> Result<()> {
+/// Bytes one rank sends per step over each link class of `cluster` (by the cost model's
+/// fastest algorithm for each collective), in the order link classes are first used.
+pub fn bytes_per_link(
+    p: &Program,
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+) -> Result<Vec<(String, f64)>> {
+    let model = hzp_passes::cost::CostModel::new(cluster.clone(), mesh.clone())
+        .map_err(|e| miette!("{e}"))?;
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for n in &p.nodes {
+        let (Some(kind), Some(group)) = (hzp_passes::cost::CollectiveKind::of(&n.op), n.op.group())
+        else {
+            continue;
+        };
+        let ins: Vec<&hzp_ir::TensorType> = n.inputs.iter().map(|&v| p.ty(v)).collect();
+        let outs: Vec<&hzp_ir::TensorType> = n.outputs.iter().map(|&v| p.ty(v)).collect();
+        let cost = model
+            .best_collective(kind, kind.full_bytes(&ins, &outs), group)
+            .map_err(|e| miette!("{}: {e}", n.name))?;
+        for (l, b) in cost.bytes_sent_per_rank_per_link {
+            match out.iter_mut().find(|(x, _)| *x == l) {
+                Some((_, t)) => *t += b,
+                None => out.push((l, b)),
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
     let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
@@ -355,6 +612,16 @@ pub fn inspect(path: &Path, format: Format) -> Result<()> {
     let persistent = hzp_passes::memory::default_persistent(p);
     let kinds = |v: ValueId| buffer_kind(p, v);
     let mem = hzp_passes::memory::plan_memory(p, &kinds, &persistent);
+    let cluster = load_cluster(cluster)?;
+    cluster
+        .validate_mesh(&plan.mesh)
+        .map_err(|e| miette!("{e}"))?;
+    let per_link = bytes_per_link(p, &plan.mesh, &cluster)?;
+    let intra: Vec<String> = shard_plan::node_local_group(&plan.mesh, &cluster)
+        .axes
+        .iter()
+        .filter_map(|a| cluster.link_for_axis(a).ok().map(|l| l.name.clone()))
+        .collect();
     match format {
         Format::Json => {
             let v = serde_json::json!({
@@ -370,6 +637,8 @@ pub fn inspect(path: &Path, format: Format) -> Result<()> {
                 "peak_by_kind": mem.peak_by_kind.iter().map(|(k, v)| (k.name().to_string(), *v)).collect::<BTreeMap<_, _>>(),
                 "nodes_per_stream": nodes_per_stream(p),
                 "collectives": collectives(p),
+                "cluster": cluster.name,
+                "bytes_per_rank_per_link": per_link.iter().map(|(l, b)| (l.clone(), b.round() as u64)).collect::<BTreeMap<_, _>>(),
                 "content_hash": plan.content_hash,
             });
             println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
@@ -405,6 +674,22 @@ pub fn inspect(path: &Path, format: Format) -> Result<()> {
                     r.stream,
                     r.count,
                     hzp_ir::plan::format_bytes(r.bytes)
+                );
+            }
+            println!(
+                "\nbytes sent per rank per step, by link class ({})",
+                cluster.name
+            );
+            for (l, b) in &per_link {
+                let class = if intra.contains(l) {
+                    "inside a node"
+                } else {
+                    "across nodes"
+                };
+                println!(
+                    "  {:<14} {:>12}  {class}",
+                    l,
+                    hzp_ir::plan::format_bytes(b.round() as u64)
                 );
             }
             for stream in [

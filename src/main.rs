@@ -1,7 +1,11 @@
 //! `hzp`: the command-line interface, a thin facade over the crates.
 
+mod bench_compile;
 mod commands;
 mod compile;
+mod launch;
+mod run;
+mod simulate;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -13,8 +17,10 @@ use std::path::PathBuf;
     about = "Compile models into AsyncHZP training plans, inspect them, and run them",
     long_about = "hzp reads a model (an ONNX file exported from PyTorch, hzp's own .hzp text IR, \
 or preset:NAME for shapes-only GPT/Llama/MoE configs) and turns it into IR that it can print, \
-summarize, evaluate and train on the CPU, and compile into a per-rank AsyncHZP plan.\n\nBuilt so far: import, show, eval, grad, train, compile, inspect, bench. The multi-rank runtime \
-(run, launch) and the simulator (simulate, compare, scale) are not built yet: those commands say so and exit with code 2."
+summarize, evaluate and train on the CPU, compile into a per-rank AsyncHZP plan, simulate on a \
+modeled cluster, and run on N ranks (threads of one process on the CPU; one process per GPU \
+with the cuda backend, which needs a build with --features cuda and has not been run on a GPU \
+yet)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -137,7 +143,7 @@ enum Command {
         format: Format,
     },
     /// Benchmarks: `hzp bench import MODEL` times reading + verifying a model and reports
-    /// peak memory.
+    /// peak memory; `hzp bench compile [MODEL] --mesh A --mesh B` times compiles per mesh.
     Bench {
         #[command(subcommand)]
         what: BenchWhat,
@@ -193,25 +199,47 @@ enum Command {
     Inspect {
         /// A plan written by `hzp compile -o`.
         plan: PathBuf,
+        /// Cluster spec used to split the traffic by link class (default: the 8xH100 DGX
+        /// spec, as `hzp compile`).
+        #[arg(long, value_name = "SPEC.toml")]
+        cluster: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t)]
         format: Format,
     },
-    /// [not built yet] Run a compiled plan on N ranks (the runtime milestone).
-    Run(NotBuilt),
-    /// [not built yet] Launch one process per GPU (the runtime milestone).
-    Launch(NotBuilt),
-    /// [not built yet] Simulate a plan on a modeled cluster (the simulator milestone).
-    Simulate(NotBuilt),
-    /// [not built yet] Compare strategies on a model and cluster (the simulator milestone).
-    Compare(NotBuilt),
-    /// [not built yet] Weak-scaling table (the simulator milestone).
-    Scale(NotBuilt),
-}
-
-#[derive(clap::Args)]
-struct NotBuilt {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    rest: Vec<String>,
+    /// Run a compiled plan on its ranks (threads of this process, CPU): loss per step,
+    /// step time, per-stream busy time and exposed communication.
+    Run(run::RunArgs),
+    /// Start one hzp process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...
+    /// set (torchrun style); output is prefixed by rank; the first failure stops the rest.
+    Launch(launch::LaunchArgs),
+    /// Simulate one step of a plan on a modeled cluster: step time, exposed communication,
+    /// MFU, tokens/s, memory over the step; optionally a Chrome trace and SVG pictures.
+    Simulate(simulate::SimulateArgs),
+    /// Compile a model with several strategies (same passes) and compare their simulated
+    /// step time, MFU, exposed communication, memory and bytes per link class.
+    Compare {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The global batch: arrays keyed by input name (their shapes are what matters).
+        #[arg(long, value_name = "IN.npz")]
+        inputs: Option<PathBuf>,
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        compile: compile::CompileArgs,
+        #[command(flatten)]
+        compare: simulate::CompareArgs,
+    },
+    /// Weak scaling: simulated throughput and linearity per strategy over world sizes, with
+    /// tokens per rank fixed.
+    Scale {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        scale: simulate::ScaleArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -224,6 +252,10 @@ enum BenchWhat {
         #[arg(long, default_value_t = 5)]
         repeat: usize,
     },
+    /// Time (median of --repeat), peak memory and plan size of `hzp compile` for one model on
+    /// several meshes, and the ratio of their compile times. Default: preset:gpt3-175b on
+    /// node=8,gpu=8 and node=1024,gpu=8 (H100 spec, 80GiB, --recompute).
+    Compile(Box<bench_compile::BenchCompileArgs>),
 }
 
 fn main() {
@@ -273,6 +305,9 @@ fn main() {
         Command::Bench {
             what: BenchWhat::Import { model, repeat },
         } => commands::bench_import(&model, repeat),
+        Command::Bench {
+            what: BenchWhat::Compile(args),
+        } => bench_compile::bench_compile(&args),
         Command::Grad {
             model,
             inputs,
@@ -301,23 +336,33 @@ fn main() {
             compile: c,
             format,
         } => compile::compile(&model, inputs.as_deref(), &train, &c, format),
-        Command::Inspect { plan, format } => compile::inspect(&plan, format),
-        Command::Run(_) | Command::Launch(_) => not_built("this command", "the runtime"),
-        Command::Simulate(_) | Command::Compare(_) | Command::Scale(_) => {
-            not_built("this command", "the simulator")
-        }
+        Command::Inspect {
+            plan,
+            cluster,
+            format,
+        } => compile::inspect(&plan, cluster.as_deref(), format),
+        Command::Run(args) => run::run(&args),
+        Command::Launch(args) => match launch::launch(&args) {
+            Ok(0) => Ok(()),
+            Ok(code) => std::process::exit(code),
+            Err(e) => Err(e),
+        },
+        Command::Simulate(a) => simulate::simulate_cmd(&a),
+        Command::Compare {
+            model,
+            inputs,
+            train,
+            compile: c,
+            compare,
+        } => simulate::compare(&model, inputs.as_deref(), &train, &c, &compare),
+        Command::Scale {
+            model,
+            train,
+            scale,
+        } => simulate::scale(&model, &train, &scale),
     };
     if let Err(e) = result {
         eprintln!("{e:?}");
         std::process::exit(1);
     }
-}
-
-fn not_built(what: &str, milestone: &str) -> miette::Result<()> {
-    let cmd = std::env::args().nth(1).unwrap_or_else(|| what.to_string());
-    eprintln!(
-        "hzp {cmd}: not built yet. It belongs to {milestone}, which is planned but not \
-implemented in this version of hzp. Built so far: import, show, eval, grad, train, compile, inspect, bench."
-    );
-    std::process::exit(2);
 }

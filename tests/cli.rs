@@ -178,15 +178,6 @@ fn refuses_to_overwrite_its_input() {
     assert_eq!(std::fs::read(&io).unwrap(), before);
 }
 
-#[test]
-fn commands_not_built_say_so() {
-    for cmd in ["run", "launch", "simulate", "compare", "scale"] {
-        let (code, _, err) = hzp(&[cmd, "x"]);
-        assert_eq!(code, 2, "{cmd}");
-        assert!(err.contains("not built yet"), "{cmd}: {err}");
-    }
-}
-
 fn tempdir() -> std::path::PathBuf {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static N: AtomicUsize = AtomicUsize::new(0);

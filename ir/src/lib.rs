@@ -15,6 +15,7 @@ pub mod op;
 pub mod plan;
 pub mod program;
 pub mod tensor;
+pub mod trace;
 pub mod verify;
 
 pub use dtype::{numel, DType, Shape, TensorType};

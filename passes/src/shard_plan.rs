@@ -998,9 +998,16 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
     let step = crate::spmd::shard_training_step_with(fwd, &cfg, &mesh, &spec, &sched).ok()?;
     let q = &step.program;
     let activation = |n: &hzp_ir::Node| {
-        !["gather.", "reduce.", "accumulate.", "optimizer", "regather/", "step/"]
-            .iter()
-            .any(|pre| n.name.starts_with(pre))
+        ![
+            "gather.",
+            "reduce.",
+            "accumulate.",
+            "optimizer",
+            "regather/",
+            "step/",
+        ]
+        .iter()
+        .any(|pre| n.name.starts_with(pre))
     };
     let mut last = vec![0usize; q.values.len()];
     for (i, n) in q.nodes.iter().enumerate() {
@@ -1527,8 +1534,7 @@ pub fn plan_sharding(
             if c.step_s <= f.step_s * (1.0 + SAME_SPEED)
                 && chosen.is_some_and(|b| {
                     c.cross_node_bytes < b.cross_node_bytes * (1.0 - 1e-9)
-                        || (c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9)
-                            && better(c, b))
+                        || (c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9) && better(c, b))
                 })
             {
                 chosen = Some(c);

@@ -42,6 +42,8 @@ pub struct ShardedStep {
     pub program: Program,
     pub layouts: Vec<ParamLayout>,
     pub groups: ShardSpec,
+    /// What collective rewriting did, when it ran (for `--explain`).
+    pub rewrite_report: Option<String>,
 }
 
 fn err(s: impl Into<String>) -> TrainError {
@@ -375,8 +377,9 @@ impl Analysis {
 /// One gather unit as emitted: the names of its all-gather outputs and of the gathered
 /// parameters the step reads.
 struct UnitRec {
-    gathers: Vec<String>,
-    finals: Vec<String>,
+    /// The scope of the unit's nodes, `gather.<micro-batch>.<phase>.<layer>`: every node of
+    /// the unit is named `<key>/...`, also after collective rewriting (which keeps scopes).
+    key: String,
 }
 
 /// Builds the per-rank step: for each micro-batch, the forward and backward with every
@@ -396,9 +399,17 @@ pub fn shard_training_step_with(
 }
 
 /// Names of the stages [`shard_training_step_traced`] reports, in order: `collectives` (the
-/// per-rank step with collectives inserted and streams assigned, in the order emitted) and
-/// `schedule` (gathers issued for prefetch, rate-limiting and data events inserted).
-pub const STAGES: [&str; 2] = ["collectives", "schedule"];
+/// per-rank step with collectives inserted and streams assigned, in the order emitted),
+/// `rewrite` (after collective rewriting, when asked for) and `schedule` (gathers issued for
+/// prefetch, rate-limiting and data events inserted).
+pub const STAGES: [&str; 3] = ["collectives", "rewrite", "schedule"];
+
+/// Collective rewriting ([`crate::rewrite`]) between insertion and scheduling.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rewrite {
+    pub cluster: crate::cluster::ClusterSpec,
+    pub options: crate::rewrite::RewriteOptions,
+}
 
 /// [`shard_training_step_with`], handing the program after each stage (see [`STAGES`]) to
 /// `trace` (for `--print-after`).
@@ -408,6 +419,20 @@ pub fn shard_training_step_traced(
     mesh: &Mesh,
     spec: &ShardSpec,
     sched: &ScheduleOptions,
+    trace: &mut dyn FnMut(&str, &Program),
+) -> Result<ShardedStep, TrainError> {
+    shard_training_step_rewritten(fwd, cfg, mesh, spec, sched, None, trace)
+}
+
+/// [`shard_training_step_traced`] with collective rewriting after insertion; the step's
+/// `rewrite_report` says what it did.
+pub fn shard_training_step_rewritten(
+    fwd: &Program,
+    cfg: &TrainConfig,
+    mesh: &Mesh,
+    spec: &ShardSpec,
+    sched: &ScheduleOptions,
+    rewrite: Option<&Rewrite>,
     trace: &mut dyn FnMut(&str, &Program),
 ) -> Result<ShardedStep, TrainError> {
     let opt = cfg
@@ -692,17 +717,12 @@ pub fn shard_training_step_traced(
          -> Result<ValueId, String> {
             if started.insert(key) {
                 let uname = an.unit_name(mb, key);
-                let mut rec = UnitRec {
-                    gathers: Vec::new(),
-                    finals: Vec::new(),
+                let rec = UnitRec {
+                    key: format!("gather.{uname}"),
                 };
                 for &kk in &an.units[&key] {
                     e.scope = format!("gather.{uname}/{}", layouts[kk].name);
-                    let (v, ag) = gather(e, kk, &layouts[kk])?;
-                    if let Some(ag) = ag {
-                        rec.gathers.push(e.p.value(ag).name.clone());
-                    }
-                    rec.finals.push(e.p.value(v).name.clone());
+                    let (v, _) = gather(e, kk, &layouts[kk])?;
                     gathered.insert((key, kk), v);
                 }
                 units.push(rec);
@@ -964,14 +984,23 @@ pub fn shard_training_step_traced(
     q.eliminate_dead_code();
     assign_streams(&mut q);
     trace(STAGES[0], &q);
+    let mut rewrite_report = None;
+    if let Some(rw) = rewrite {
+        let (r, rep) = crate::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
+            .map_err(|e| err(format!("collective rewriting: {e}")))?;
+        q = r;
+        trace(STAGES[1], &q);
+        rewrite_report = Some(rep.to_string());
+    }
     let (order, waits) = prefetch_schedule(&q, &units, sched);
     let q = insert_events_with(&q, &order, &waits);
     hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
-    trace(STAGES[1], &q);
+    trace(STAGES[2], &q);
     Ok(ShardedStep {
         program: q,
         layouts,
         groups: spec,
+        rewrite_report,
     })
 }
 
@@ -985,40 +1014,88 @@ fn prefetch_schedule(
     units: &[UnitRec],
     sched: &ScheduleOptions,
 ) -> (Vec<NodeId>, Vec<(NodeId, NodeId)>) {
-    let names = p.names();
     let users = p.users();
-    let node_of = |name: &str| names.get(name).and_then(|&v| p.producer(v));
+    let index: HashMap<&str, usize> = units
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (u.key.as_str(), i))
+        .collect();
+    let unit_of = |n: &hzp_ir::Node| {
+        n.name
+            .split_once('/')
+            .and_then(|(k, _)| index.get(k).copied())
+    };
     struct U {
         gathers: Vec<NodeId>,
         start: usize,
         release: usize,
         bytes: u64,
     }
+    let mut all: Vec<U> = (0..units.len())
+        .map(|_| U {
+            gathers: Vec::new(),
+            start: usize::MAX,
+            release: 0,
+            bytes: 0,
+        })
+        .collect();
+    for (i, n) in p.nodes.iter().enumerate() {
+        let Some(u) = unit_of(n) else { continue };
+        if n.stream == StreamKind::AllGather && n.op.is_collective() {
+            all[u].gathers.push(NodeId(i as u32));
+            all[u].start = all[u].start.min(i);
+            all[u].bytes += n
+                .outputs
+                .iter()
+                .map(|&v| p.ty(v).size_bytes() as u64)
+                .sum::<u64>();
+        }
+        // released when the last reader outside the unit of a value it made has run
+        for &o in &n.outputs {
+            for r in &users[o.index()] {
+                if unit_of(&p.nodes[r.index()]) != Some(u) {
+                    all[u].release = all[u].release.max(r.index());
+                }
+            }
+        }
+    }
+    // What moves with a unit's gathers: they and the nodes of the unit they depend on (the
+    // flattening and concatenation of a bucket); `ready`: the latest producer outside those
+    // that they read (they cannot be issued before it).
+    let mut moves: Vec<(Vec<NodeId>, i64)> = Vec::new();
     let mut seq: Vec<U> = Vec::new();
-    for u in units {
-        let gathers: Vec<NodeId> = u.gathers.iter().filter_map(|n| node_of(n)).collect();
-        if gathers.is_empty() {
+    for (ui, mut u) in all.into_iter().enumerate() {
+        if u.gathers.is_empty() {
             continue;
         }
-        let start = gathers.iter().map(|n| n.index()).min().unwrap_or(0);
-        let release = u
-            .finals
-            .iter()
-            .filter_map(|n| names.get(n.as_str()))
-            .flat_map(|v| users[v.index()].iter().map(|n| n.index()))
-            .max()
-            .unwrap_or(start);
-        let bytes = gathers
-            .iter()
-            .flat_map(|n| p.nodes[n.index()].outputs.iter())
-            .map(|&v| p.ty(v).size_bytes() as u64)
-            .sum();
-        seq.push(U {
-            gathers,
-            start,
-            release,
-            bytes,
-        });
+        let mut set: BTreeSet<usize> = BTreeSet::new();
+        let mut stack: Vec<usize> = u.gathers.iter().map(|n| n.index()).collect();
+        while let Some(i) = stack.pop() {
+            if !set.insert(i) {
+                continue;
+            }
+            for &v in &p.nodes[i].inputs {
+                if let Some(pn) = p.producer(v) {
+                    if unit_of(&p.nodes[pn.index()]) == Some(ui) {
+                        stack.push(pn.index());
+                    }
+                }
+            }
+        }
+        let mut ready: i64 = -1;
+        for &i in &set {
+            for &v in &p.nodes[i].inputs {
+                if let Some(pn) = p.producer(v) {
+                    if !set.contains(&pn.index()) {
+                        ready = ready.max(pn.index() as i64);
+                    }
+                }
+            }
+        }
+        u.start = set.first().copied().unwrap_or(u.start);
+        u.release = u.release.max(u.start);
+        moves.push((set.into_iter().map(|i| NodeId(i as u32)).collect(), ready));
+        seq.push(u);
     }
     let mut waits = Vec::new();
     // Where each unit's gathers go: after node `at` (-1: at the start of the step), or in
@@ -1053,6 +1130,7 @@ fn prefetch_schedule(
                 waits.push((gn, NodeId(seq[ri].release as u32)));
             }
         }
+        let at = at.max(moves[j].1);
         if at < seq[j].start as i64 {
             place.push(Some(at));
             eff_prev = at;
@@ -1063,9 +1141,9 @@ fn prefetch_schedule(
     }
     let mut moved = vec![false; p.nodes.len()];
     let mut after: BTreeMap<i64, Vec<NodeId>> = BTreeMap::new();
-    for (u, at) in seq.iter().zip(&place) {
+    for ((mv, _), at) in moves.iter().zip(&place) {
         if let Some(at) = *at {
-            for &gn in &u.gathers {
+            for &gn in mv {
                 after.entry(at).or_default().push(gn);
                 moved[gn.index()] = true;
             }

@@ -5,7 +5,12 @@
 use hzp_frontends::{load_model, npz, LoadOptions};
 use hzp_ir::{Group, Mesh, Program, Tensor};
 use hzp_passes::shard_plan::ReduceGrads;
-use hzp_passes::spmd::{shard_training_step_with, ScheduleOptions, ShardSpec};
+use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardSpec};
+
+thread_local! {
+    /// Whether `check_with` rewrites collectives (set per test).
+    static REWRITE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;
@@ -105,12 +110,24 @@ fn check_with(
     let mut t = Trainer::new(&single).unwrap();
     let init = t.parameters();
     // W ranks, rows / W each
-    let sharded = shard_training_step_with(
+    // with collective rewriting on the H100 spec (buckets, hierarchical decomposition)
+    let cluster = hzp_passes::cluster::ClusterSpec::from_toml_str(
+        include_str!("../../examples/clusters/h100-dgx.toml"),
+        "h100-dgx.toml",
+    )
+    .unwrap();
+    let rewrite = hzp_passes::spmd::Rewrite {
+        cluster,
+        options: Default::default(),
+    };
+    let sharded = shard_training_step_rewritten(
         &import(file, rows / w / m, 16),
         &cfg,
         &mesh,
         &spec,
         sched,
+        REWRITE.with(|r| r.get()).then_some(&rewrite),
+        &mut |_, _| {},
     )
     .unwrap();
     hzp_ir::verify(&sharded.program).unwrap();
@@ -236,7 +253,9 @@ fn schedules_match_one_rank() {
         ("llama_tiny.legacy.op17.onnx", "llama_tiny"),
         ("gpt2_tiny.dynamo.op18.onnx", "gpt2_tiny"),
     ] {
-        for s in &scheds {
+        for (k, s) in scheds.iter().enumerate() {
+            // every other case with collective rewriting
+            REWRITE.with(|r| r.set(k % 2 == 0));
             check_with(
                 f,
                 m,

@@ -2,12 +2,13 @@
 //! Floats compute in f32 (bf16/f16 widened, rounded back on store); integers wrap on
 //! overflow; integer Div truncates toward zero and Mod takes the divisor's sign.
 
-use super::elem::{floats, from_f32, typed, Elem};
-use super::layout::{zip3_broadcast, zip_broadcast};
+use super::elem::{floats, out_stage_len, stage_len, store_f32, typed, typed_mut, Elem};
+use super::into::{DataMut, DataRef, TensorRef, Workspace};
+use super::layout::{zip3_broadcast_into, zip_broadcast_into};
 use super::math;
 use super::threads::{for_each_range, SendPtr};
 use half::{bf16, f16};
-use hzp_ir::{BinaryOp, DType, Data, Tensor, UnaryOp};
+use hzp_ir::{BinaryOp, DType, UnaryOp};
 
 // ---------------------------------------------------------------- special functions
 
@@ -56,18 +57,17 @@ pub fn erf_f64(x: f64) -> f64 {
 /// Elements per parallel piece of the flat loops.
 const PIECE: usize = 1 << 16;
 
-fn float_unary(u: UnaryOp, x: &[f32]) -> Vec<f32> {
-    let mut out: Vec<f32> = Vec::with_capacity(x.len());
+/// `out = u(x)` in f32, in parallel pieces.
+fn float_unary(u: UnaryOp, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len());
     let p = SendPtr(out.as_mut_ptr());
-    // SAFETY: the capacity holds x.len() elements; the pieces write disjoint ranges that
-    // together cover all of them before set_len.
+    // SAFETY: `out` holds x.len() elements and is exclusively borrowed; the pieces write
+    // disjoint ranges of it.
     unsafe {
         for_each_range(x.len(), PIECE, |s, e| {
             unary_raw(u, &x[s..e], p.get().add(s))
         });
-        out.set_len(x.len());
     }
-    out
 }
 
 /// Whether [`unary_into`] computes `u` (the float unary ops).
@@ -178,15 +178,14 @@ macro_rules! impl_int {
 impl_int!(i64);
 impl_int!(i32);
 
-fn int_unary<T: IntElem>(u: UnaryOp, t: &Tensor) -> Result<Data, String> {
+fn int_unary<T: IntElem>(u: UnaryOp, t: &TensorRef, out: &mut DataMut) -> Result<(), String> {
     let x = typed::<T>(t)?;
-    let v: Vec<T> = match u {
-        UnaryOp::Neg => x.iter().map(|&v| v.wneg()).collect(),
-        UnaryOp::Abs => x.iter().map(|&v| v.wabs()).collect(),
-        UnaryOp::Sign => x
-            .iter()
-            .map(|&v| T::from_i64(v.to_i64().signum()))
-            .collect(),
+    let o = typed_mut::<T>(out)?;
+    let mut go = |f: fn(T) -> T| o.iter_mut().zip(x).for_each(|(o, &v)| *o = f(v));
+    match u {
+        UnaryOp::Neg => go(|v| v.wneg()),
+        UnaryOp::Abs => go(|v| v.wabs()),
+        UnaryOp::Sign => go(|v| T::from_i64(v.to_i64().signum())),
         _ => {
             return Err(format!(
                 "{} needs a float input, got {}",
@@ -194,30 +193,48 @@ fn int_unary<T: IntElem>(u: UnaryOp, t: &Tensor) -> Result<Data, String> {
                 T::DTYPE
             ))
         }
-    };
-    Ok(T::wrap(v))
+    }
+    Ok(())
 }
 
-pub fn unary(u: UnaryOp, t: &Tensor) -> Result<Data, String> {
-    match (&t.data, u) {
-        (Data::Bool(x), UnaryOp::Not) => Ok(Data::Bool(x.iter().map(|&b| !b).collect())),
-        (Data::Bool(x), UnaryOp::Abs) => Ok(Data::Bool(x.clone())),
-        (Data::Bool(x), UnaryOp::Sign) => Ok(Data::Bool(x.clone())),
-        (Data::Bool(_), _) => Err(format!("{} is not defined for bool", u.name())),
+/// A unary op into `out` (the inferred output: same dtype as `t`, or bool for IsNaN).
+pub fn unary(
+    u: UnaryOp,
+    t: &TensorRef,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    match (t.data, u) {
+        (DataRef::Bool(x), UnaryOp::Not) => {
+            let o = typed_mut::<bool>(out)?;
+            o.iter_mut().zip(x).for_each(|(o, &b)| *o = !b);
+            Ok(())
+        }
+        (DataRef::Bool(x), UnaryOp::Abs | UnaryOp::Sign) => {
+            typed_mut::<bool>(out)?.copy_from_slice(x);
+            Ok(())
+        }
+        (DataRef::Bool(_), _) => Err(format!("{} is not defined for bool", u.name())),
         (_, UnaryOp::Not) => Err(format!("Not needs bool input, got {}", t.dtype())),
-        (Data::I64(_), _) => int_unary::<i64>(u, t),
-        (Data::I32(_), _) => int_unary::<i32>(u, t),
-        (_, UnaryOp::IsNaN) => Ok(Data::Bool(floats(t).iter().map(|v| v.is_nan()).collect())),
-        _ => Ok(from_f32(t.dtype(), float_unary(u, &floats(t)))),
+        (DataRef::I64(_), _) => int_unary::<i64>(u, t, out),
+        (DataRef::I32(_), _) => int_unary::<i32>(u, t, out),
+        (_, UnaryOp::IsNaN) => {
+            let [xs] = ws.f32s.take([stage_len(t.data)]);
+            let x = floats(t.data, xs);
+            let o = typed_mut::<bool>(out)?;
+            o.iter_mut().zip(x).for_each(|(o, v)| *o = v.is_nan());
+            Ok(())
+        }
+        _ => {
+            let [xs, os] = ws.f32s.take([stage_len(t.data), out_stage_len(out)]);
+            let x = floats(t.data, xs);
+            store_f32(out, os, |o| float_unary(u, x, o));
+            Ok(())
+        }
     }
 }
 
 // ---------------------------------------------------------------- binary
-
-enum Out<T> {
-    Num(Vec<T>),
-    Pred(Vec<bool>),
-}
 
 /// One f32 operand of an elementwise op over `n` elements: `n` values, or one value
 /// broadcast.
@@ -306,67 +323,89 @@ unsafe fn binary_raw(op: BinaryOp, a: Arg, b: Arg, n: usize, out: *mut f32) {
     }
 }
 
+/// A float binary op with broadcasting into `out`: f32 results for arithmetic, bool for
+/// comparisons (`pred`). `num` receives arithmetic results when `Some`.
 fn float_binary(
     op: BinaryOp,
-    a: &[f32],
-    sa: &[usize],
-    b: &[f32],
-    sb: &[usize],
-    out: &[usize],
-) -> Result<Out<f32>, String> {
-    let n: usize = out.iter().product();
-    if is_float_arith(op) {
-        // an operand with as many elements as the result has its layout (broadcasting
-        // only adds leading 1s to it); with scalar operands that is one flat loop
-        fn arg(v: &[f32], n: usize) -> Option<Arg<'_>> {
-            if v.len() == n {
-                Some(Arg::Full(v))
-            } else if v.len() == 1 {
-                Some(Arg::Scalar(v[0]))
-            } else {
-                None
-            }
+    (a, sa): (&[f32], &[usize]),
+    (b, sb): (&[f32], &[usize]),
+    shape: &[usize],
+    out: FloatOut,
+) -> Result<(), String> {
+    let n: usize = shape.iter().product();
+    let pred = |out: FloatOut, f: fn(f32, f32) -> bool| match out {
+        FloatOut::Pred(o) => {
+            zip_broadcast_into((a, sa), (b, sb), shape, o, f);
+            Ok(())
         }
-        if let (Some(x), Some(y)) = (arg(a, n), arg(b, n)) {
-            let mut v: Vec<f32> = Vec::with_capacity(n);
-            let p = SendPtr(v.as_mut_ptr());
-            fn part(a: Arg<'_>, s: usize, e: usize) -> Arg<'_> {
-                match a {
-                    Arg::Full(a) => Arg::Full(&a[s..e]),
-                    scalar => scalar,
-                }
-            }
-            // SAFETY: full operands hold n elements; the capacity holds n elements; the
-            // pieces write disjoint ranges that together cover all of them before set_len.
-            unsafe {
-                for_each_range(n, PIECE, |s, e| {
-                    binary_raw(op, part(x, s, e), part(y, s, e), e - s, p.get().add(s))
-                });
-                v.set_len(n);
-            }
-            return Ok(Out::Num(v));
+        FloatOut::Num(_) => Err("internal: comparison into a number buffer".to_string()),
+    };
+    let out = match (op, out) {
+        (BinaryOp::Equal, o) => return pred(o, |x, y| x == y),
+        (BinaryOp::Less, o) => return pred(o, |x, y| x < y),
+        (BinaryOp::LessOrEqual, o) => return pred(o, |x, y| x <= y),
+        (BinaryOp::Greater, o) => return pred(o, |x, y| x > y),
+        (BinaryOp::GreaterOrEqual, o) => return pred(o, |x, y| x >= y),
+        (BinaryOp::And | BinaryOp::Or | BinaryOp::Xor, _) => {
+            return Err(format!("{} needs bool operands", op.name()))
+        }
+        (_, FloatOut::Num(o)) => o,
+        (_, FloatOut::Pred(_)) => return Err("internal: arithmetic into a bool buffer".into()),
+    };
+    // arithmetic from here on
+    // an operand with as many elements as the result has its layout (broadcasting only
+    // adds leading 1s to it); with scalar operands that is one flat loop
+    fn arg(v: &[f32], n: usize) -> Option<Arg<'_>> {
+        if v.len() == n {
+            Some(Arg::Full(v))
+        } else if v.len() == 1 {
+            Some(Arg::Scalar(v[0]))
+        } else {
+            None
         }
     }
-    let num = |f: fn(f32, f32) -> f32| Out::Num(zip_broadcast(a, sa, b, sb, out, f));
-    let pred = |f: fn(f32, f32) -> bool| Out::Pred(zip_broadcast(a, sa, b, sb, out, f));
-    Ok(match op {
-        BinaryOp::Add => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x + y)),
-        BinaryOp::Sub => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x - y)),
-        BinaryOp::Mul => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x * y)),
-        BinaryOp::Div => Out::Num(zip_broadcast(a, sa, b, sb, out, |x, y| x / y)),
+    if let (Some(x), Some(y)) = (arg(a, n), arg(b, n)) {
+        assert_eq!(out.len(), n);
+        let p = SendPtr(out.as_mut_ptr());
+        fn part(a: Arg<'_>, s: usize, e: usize) -> Arg<'_> {
+            match a {
+                Arg::Full(a) => Arg::Full(&a[s..e]),
+                scalar => scalar,
+            }
+        }
+        // SAFETY: full operands hold n elements, and so does the exclusively borrowed
+        // `out`; the pieces write disjoint ranges of it.
+        unsafe {
+            for_each_range(n, PIECE, |s, e| {
+                binary_raw(op, part(x, s, e), part(y, s, e), e - s, p.get().add(s))
+            });
+        }
+        return Ok(());
+    }
+    let (a, b) = ((a, sa), (b, sb));
+    // the common ops with their closures inlined (a fn pointer would not vectorize)
+    match op {
+        BinaryOp::Add => zip_broadcast_into(a, b, shape, out, |x, y| x + y),
+        BinaryOp::Sub => zip_broadcast_into(a, b, shape, out, |x, y| x - y),
+        BinaryOp::Mul => zip_broadcast_into(a, b, shape, out, |x, y| x * y),
+        BinaryOp::Div => zip_broadcast_into(a, b, shape, out, |x, y| x / y),
+        _ => {}
+    }
+    let mut num = |f: fn(f32, f32) -> f32| zip_broadcast_into(a, b, shape, &mut *out, f);
+    match op {
+        BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div => {}
         BinaryOp::Pow => num(f32::powf),
         BinaryOp::Max => num(nan_max),
         BinaryOp::Min => num(nan_min),
-        BinaryOp::Mod => num(|x, y| x % y),
-        BinaryOp::Equal => pred(|x, y| x == y),
-        BinaryOp::Less => pred(|x, y| x < y),
-        BinaryOp::LessOrEqual => pred(|x, y| x <= y),
-        BinaryOp::Greater => pred(|x, y| x > y),
-        BinaryOp::GreaterOrEqual => pred(|x, y| x >= y),
-        BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
-            return Err(format!("{} needs bool operands", op.name()))
-        }
-    })
+        _ => num(|x, y| x % y), // Mod, the last arithmetic op
+    }
+    Ok(())
+}
+
+/// Where a float binary op's result goes.
+enum FloatOut<'a> {
+    Num(&'a mut [f32]),
+    Pred(&'a mut [bool]),
 }
 
 /// Integer power by squaring, wrapping on overflow. A negative exponent truncates 1/b^-e
@@ -397,17 +436,32 @@ fn int_pow<T: IntElem>(b: T, e: T) -> Result<T, String> {
 
 fn int_binary<T: IntElem>(
     op: BinaryOp,
-    x: &Tensor,
-    y: &Tensor,
-    out: &[usize],
-) -> Result<Data, String> {
-    let (a, b) = (typed::<T>(x)?, typed::<T>(y)?);
-    let (sa, sb) = (&x.shape[..], &y.shape[..]);
-    let num = |f: fn(T, T) -> T| Ok(T::wrap(zip_broadcast(a, sa, b, sb, out, f)));
-    let pred = |f: fn(T, T) -> bool| Ok(Data::Bool(zip_broadcast(a, sa, b, sb, out, f)));
-    if matches!(op, BinaryOp::Div | BinaryOp::Mod) && b.contains(&T::ZERO) {
+    x: &TensorRef,
+    y: &TensorRef,
+    shape: &[usize],
+    out: &mut DataMut,
+) -> Result<(), String> {
+    let (a, b) = ((typed::<T>(x)?, x.shape), (typed::<T>(y)?, y.shape));
+    if matches!(op, BinaryOp::Div | BinaryOp::Mod) && b.0.contains(&T::ZERO) {
         return Err(format!("{}: integer division by zero", op.name()));
     }
+    let pred = |out: &mut DataMut, f: fn(T, T) -> bool| {
+        zip_broadcast_into(a, b, shape, typed_mut::<bool>(out)?, f);
+        Ok(())
+    };
+    match op {
+        BinaryOp::Equal => return pred(out, |x, y| x == y),
+        BinaryOp::Less => return pred(out, |x, y| x < y),
+        BinaryOp::LessOrEqual => return pred(out, |x, y| x <= y),
+        BinaryOp::Greater => return pred(out, |x, y| x > y),
+        BinaryOp::GreaterOrEqual => return pred(out, |x, y| x >= y),
+        BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
+            return Err(format!("{} needs bool operands", op.name()))
+        }
+        _ => {}
+    }
+    let o = typed_mut::<T>(out)?;
+    let mut num = |f: fn(T, T) -> T| zip_broadcast_into(a, b, shape, &mut *o, f);
     match op {
         BinaryOp::Add => num(|x, y| x.wadd(y)),
         BinaryOp::Sub => num(|x, y| x.wsub(y)),
@@ -421,26 +475,33 @@ fn int_binary<T: IntElem>(
                 r
             }
         }),
-        BinaryOp::Pow => {
-            let r: Result<Vec<T>, String> = zip_broadcast(a, sa, b, sb, out, int_pow)
-                .into_iter()
-                .collect();
-            Ok(T::wrap(r?))
-        }
         BinaryOp::Max => num(|x, y| x.max(y)),
         BinaryOp::Min => num(|x, y| x.min(y)),
-        BinaryOp::Equal => pred(|x, y| x == y),
-        BinaryOp::Less => pred(|x, y| x < y),
-        BinaryOp::LessOrEqual => pred(|x, y| x <= y),
-        BinaryOp::Greater => pred(|x, y| x > y),
-        BinaryOp::GreaterOrEqual => pred(|x, y| x >= y),
-        BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
-            Err(format!("{} needs bool operands", op.name()))
+        _ => {
+            // Pow, which can fail: the first error in row-major order
+            let mut err = None;
+            zip_broadcast_into(a, b, shape, o, |x, y| match int_pow(x, y) {
+                Ok(v) => v,
+                Err(e) => {
+                    err.get_or_insert(e);
+                    T::ZERO
+                }
+            });
+            if let Some(e) = err {
+                return Err(e);
+            }
         }
     }
+    Ok(())
 }
 
-fn bool_binary(op: BinaryOp, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+fn bool_binary(
+    op: BinaryOp,
+    x: &TensorRef,
+    y: &TensorRef,
+    shape: &[usize],
+    out: &mut DataMut,
+) -> Result<(), String> {
     let (a, b) = (typed::<bool>(x)?, typed::<bool>(y)?);
     let f: fn(bool, bool) -> bool = match op {
         BinaryOp::And | BinaryOp::Mul | BinaryOp::Min => |x, y| x & y,
@@ -455,73 +516,116 @@ fn bool_binary(op: BinaryOp, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Da
             return Err(format!("{} is not defined for bool operands", op.name()))
         }
     };
-    Ok(Data::Bool(zip_broadcast(a, &x.shape, b, &y.shape, out, f)))
+    let o = typed_mut::<bool>(out)?;
+    zip_broadcast_into((a, x.shape), (b, y.shape), shape, o, f);
+    Ok(())
 }
 
-/// A binary op with numpy broadcasting to `out` (the inferred output shape).
-pub fn binary(op: BinaryOp, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+/// A binary op with numpy broadcasting to `shape` (the inferred output shape), into `out`.
+pub fn binary(
+    op: BinaryOp,
+    x: &TensorRef,
+    y: &TensorRef,
+    shape: &[usize],
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
     match x.dtype() {
-        DType::I64 => int_binary::<i64>(op, x, y, out),
-        DType::I32 => int_binary::<i32>(op, x, y, out),
-        DType::Bool => bool_binary(op, x, y, out),
-        dt => {
-            let (a, b) = (floats(x), floats(y));
-            Ok(match float_binary(op, &a, &x.shape, &b, &y.shape, out)? {
-                Out::Num(v) => from_f32(dt, v),
-                Out::Pred(v) => Data::Bool(v),
-            })
+        DType::I64 => int_binary::<i64>(op, x, y, shape, out),
+        DType::I32 => int_binary::<i32>(op, x, y, shape, out),
+        DType::Bool => bool_binary(op, x, y, shape, out),
+        _ => {
+            let [xs, ys, os] =
+                ws.f32s
+                    .take([stage_len(x.data), stage_len(y.data), out_stage_len(out)]);
+            let (a, b) = ((floats(x.data, xs), x.shape), (floats(y.data, ys), y.shape));
+            if let DataMut::Bool(o) = out {
+                return float_binary(op, a, b, shape, FloatOut::Pred(o));
+            }
+            store_f32(out, os, |o| float_binary(op, a, b, shape, FloatOut::Num(o)))
         }
     }
 }
 
 // ---------------------------------------------------------------- where
 
-fn where_typed<T: Elem>(c: &Tensor, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
+fn where_typed<T: Elem>(
+    c: &TensorRef,
+    x: &TensorRef,
+    y: &TensorRef,
+    shape: &[usize],
+    out: &mut DataMut,
+) -> Result<(), String> {
     let cond = typed::<bool>(c)?;
     let (a, b) = (typed::<T>(x)?, typed::<T>(y)?);
-    Ok(T::wrap(zip3_broadcast(
-        (cond, &c.shape),
-        (a, &x.shape),
-        (b, &y.shape),
-        out,
+    zip3_broadcast_into(
+        (cond, c.shape),
+        (a, x.shape),
+        (b, y.shape),
+        shape,
+        typed_mut::<T>(out)?,
         |c, a, b| if c { a } else { b },
-    )))
+    );
+    Ok(())
 }
 
-pub fn where_(c: &Tensor, x: &Tensor, y: &Tensor, out: &[usize]) -> Result<Data, String> {
-    super::elem::by_dtype!(x.dtype(), where_typed(c, x, y, out))
+pub fn where_(
+    c: &TensorRef,
+    x: &TensorRef,
+    y: &TensorRef,
+    shape: &[usize],
+    out: &mut DataMut,
+) -> Result<(), String> {
+    super::elem::by_dtype!(x.dtype(), where_typed(c, x, y, shape, out))
 }
 
 // ---------------------------------------------------------------- cast
 
-/// Converts `t` to `to`. Float to int truncates toward zero (saturating at the int range,
-/// NaN -> 0); numbers to bool test != 0; bool to numbers gives 0/1; ints to floats round to
-/// nearest.
-pub fn cast(t: &Tensor, to: DType) -> Data {
-    let from = t.dtype();
-    if from == to {
-        return t.data.clone();
+/// Converts `t` into `out` (of the target dtype). Float to int truncates toward zero
+/// (saturating at the int range, NaN -> 0); numbers to bool test != 0; bool to numbers
+/// gives 0/1; ints to floats round to nearest.
+pub fn cast(t: &TensorRef, out: &mut DataMut) -> Result<(), String> {
+    if t.dtype() == out.dtype() {
+        return super::elem::copy_data(t.data, out);
     }
-    match (&t.data, to) {
+    fn from_ints(v: impl Iterator<Item = i64>, out: &mut DataMut) {
+        match out {
+            DataMut::F32(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x as f32),
+            DataMut::BF16(o) => o
+                .iter_mut()
+                .zip(v)
+                .for_each(|(o, x)| *o = bf16::from_f64(x as f64)),
+            DataMut::F16(o) => o
+                .iter_mut()
+                .zip(v)
+                .for_each(|(o, x)| *o = f16::from_f64(x as f64)),
+            DataMut::I64(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x),
+            DataMut::I32(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x as i32),
+            DataMut::Bool(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x != 0),
+        }
+    }
+    fn from_floats(v: impl Iterator<Item = f32>, out: &mut DataMut) {
+        match out {
+            DataMut::F32(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x),
+            DataMut::BF16(o) => o
+                .iter_mut()
+                .zip(v)
+                .for_each(|(o, x)| *o = bf16::from_f32(x)),
+            DataMut::F16(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = f16::from_f32(x)),
+            DataMut::I64(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x as i64),
+            DataMut::I32(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x as i32),
+            DataMut::Bool(o) => o.iter_mut().zip(v).for_each(|(o, x)| *o = x != 0.0),
+        }
+    }
+    match t.data {
         // ints and bools -> any
-        (Data::I64(_) | Data::I32(_) | Data::Bool(_), _) => {
-            let v = t.to_i64_vec().unwrap_or_default();
-            match to {
-                DType::F32 => Data::F32(v.iter().map(|&x| x as f32).collect()),
-                DType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f64(x as f64)).collect()),
-                DType::F16 => Data::F16(v.iter().map(|&x| f16::from_f64(x as f64)).collect()),
-                DType::I64 => Data::I64(v),
-                DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
-                DType::Bool => Data::Bool(v.iter().map(|&x| x != 0).collect()),
-            }
-        }
+        DataRef::I64(v) => from_ints(v.iter().copied(), out),
+        DataRef::I32(v) => from_ints(v.iter().map(|&x| x as i64), out),
+        DataRef::Bool(v) => from_ints(v.iter().map(|&x| x as i64), out),
         // floats -> any: via f32 (exact for bf16/f16)
-        _ => {
-            let v = floats(t);
-            match to {
-                DType::Bool => Data::Bool(v.iter().map(|&x| x != 0.0).collect()),
-                _ => from_f32(to, v.into_owned()),
-            }
-        }
+        DataRef::F32(v) => from_floats(v.iter().copied(), out),
+        DataRef::BF16(v) => from_floats(v.iter().map(|x| x.to_f32()), out),
+        DataRef::F16(v) => from_floats(v.iter().map(|x| x.to_f32()), out),
     }
+    Ok(())
 }

@@ -115,130 +115,214 @@ pub fn walk<const N: usize>(
 }
 
 /// Copies the elements of a strided view of `src` (shape `shape`, `strides`, offset `base`)
-/// into a new contiguous vector.
-pub fn gather_strided<T: Copy>(
+/// into `out`, row-major (`out` holds exactly the view's element count).
+pub fn gather_strided_into<T: Copy>(
+    src: &[T],
+    shape: &[usize],
+    strides: &[isize],
+    base: isize,
+    out: &mut [T],
+) {
+    let n: usize = shape.iter().product();
+    assert_eq!(out.len(), n, "strided gather into a buffer of another size");
+    if base == 0 && n == src.len() && is_contiguous(shape, strides) {
+        out.copy_from_slice(src);
+        return;
+    }
+    let mut at = 0;
+    walk_rows(shape, [strides], [base], |[o], len, [step]| {
+        let o = o as usize;
+        let dst = &mut out[at..at + len];
+        match step {
+            1 => dst.copy_from_slice(&src[o..o + len]),
+            0 => dst.fill(src[o]),
+            _ => {
+                for (j, d) in dst.iter_mut().enumerate() {
+                    *d = src[(o as isize + j as isize * step) as usize];
+                }
+            }
+        }
+        at += len;
+    });
+}
+
+/// Whether `strides` are the row-major strides of `shape`.
+fn is_contiguous(shape: &[usize], strides: &[isize]) -> bool {
+    let mut acc = 1isize;
+    for (&d, &s) in shape.iter().zip(strides).rev() {
+        if s != acc {
+            return false;
+        }
+        acc *= d as isize;
+    }
+    shape.len() == strides.len()
+}
+
+/// [`gather_strided_into`] into a new vector.
+pub fn gather_strided<T: Copy + Default>(
     src: &[T],
     shape: &[usize],
     strides: &[isize],
     base: isize,
 ) -> Vec<T> {
-    let n: usize = shape.iter().product();
-    if base == 0 && n == src.len() && strides == strides_of(shape).as_slice() {
-        return src.to_vec();
-    }
-    let mut out = Vec::with_capacity(n);
-    walk_rows(shape, [strides], [base], |[o], len, [step]| {
-        let o = o as usize;
-        match step {
-            1 => out.extend_from_slice(&src[o..o + len]),
-            0 => out.extend(std::iter::repeat_n(src[o], len)),
-            _ => out.extend((0..len as isize).map(|j| src[(o as isize + j * step) as usize])),
-        }
-    });
+    let mut out = vec![T::default(); shape.iter().product()];
+    gather_strided_into(src, shape, strides, base, &mut out);
     out
 }
 
-/// Broadcasts `src` of `in_shape` to `out_shape` (numpy rules, checked by the caller).
-pub fn expand<T: Copy>(src: &[T], in_shape: &[usize], out_shape: &[usize]) -> Vec<T> {
-    gather_strided(src, out_shape, &broadcast_strides(in_shape, out_shape), 0)
+/// Broadcasts `src` of `in_shape` to `out_shape` (numpy rules, checked by the caller) into
+/// `out`.
+pub fn expand_into<T: Copy>(src: &[T], in_shape: &[usize], out_shape: &[usize], out: &mut [T]) {
+    let n = out_shape.len();
+    let lead = n - in_shape.len();
+    // broadcast strides without a vector: at most 8 dims on the stack, else the heap
+    let mut small = [0isize; 8];
+    let mut big = Vec::new();
+    let st: &mut [isize] = if n <= 8 {
+        &mut small[..n]
+    } else {
+        big.resize(n, 0);
+        &mut big
+    };
+    let mut acc = 1isize;
+    for i in (0..n).rev() {
+        if i >= lead {
+            let d = in_shape[i - lead];
+            st[i] = if d == 1 { 0 } else { acc };
+            acc *= d as isize;
+        }
+    }
+    gather_strided_into(src, out_shape, st, 0, out)
 }
 
-/// `f(a, b)` elementwise with numpy broadcasting of `a` (shape `sa`) and `b` (shape `sb`) to
-/// `out`. Equal shapes and scalar operands take a straight loop.
-pub fn zip_broadcast<A: Copy, B: Copy, R>(
-    a: &[A],
-    sa: &[usize],
-    b: &[B],
-    sb: &[usize],
-    out: &[usize],
-    f: impl Fn(A, B) -> R,
-) -> Vec<R> {
-    let n: usize = out.iter().product();
+/// [`expand_into`] into a new vector.
+pub fn expand<T: Copy + Default>(src: &[T], in_shape: &[usize], out_shape: &[usize]) -> Vec<T> {
+    let mut out = vec![T::default(); out_shape.iter().product()];
+    expand_into(src, in_shape, out_shape, &mut out);
+    out
+}
+
+/// `out = f(a, b)` elementwise with numpy broadcasting of `a` (shape `sa`) and `b` (shape
+/// `sb`) to `shape`, written row-major into `out`. Equal shapes and scalar operands take a
+/// straight loop.
+pub fn zip_broadcast_into<A: Copy, B: Copy, R>(
+    (a, sa): (&[A], &[usize]),
+    (b, sb): (&[B], &[usize]),
+    shape: &[usize],
+    out: &mut [R],
+    mut f: impl FnMut(A, B) -> R,
+) {
+    let n: usize = shape.iter().product();
+    assert_eq!(out.len(), n, "broadcast into a buffer of another size");
     if a.len() == n && b.len() == n && sa == sb {
-        return a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect();
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
+        }
+        return;
     }
     if b.len() == 1 && a.len() == n {
         let y = b[0];
-        return a.iter().map(|&x| f(x, y)).collect();
+        for (o, &x) in out.iter_mut().zip(a) {
+            *o = f(x, y);
+        }
+        return;
     }
     if a.len() == 1 && b.len() == n {
         let x = a[0];
-        return b.iter().map(|&y| f(x, y)).collect();
+        for (o, &y) in out.iter_mut().zip(b) {
+            *o = f(x, y);
+        }
+        return;
     }
-    let (ta, tb) = (broadcast_strides(sa, out), broadcast_strides(sb, out));
-    let mut v = Vec::with_capacity(n);
+    let (ta, tb) = (broadcast_strides(sa, shape), broadcast_strides(sb, shape));
+    let mut at = 0;
     // broadcast strides are 0 or the contiguous stride, so a row steps by 0 or 1
-    walk_rows(out, [&ta, &tb], [0, 0], |[i, j], len, step| {
+    walk_rows(shape, [&ta, &tb], [0, 0], |[i, j], len, step| {
         let (i, j) = (i as usize, j as usize);
+        let dst = &mut out[at..at + len];
         match step {
-            [1, 1] => v.extend(
-                a[i..i + len]
-                    .iter()
-                    .zip(&b[j..j + len])
-                    .map(|(&x, &y)| f(x, y)),
-            ),
+            [1, 1] => {
+                for ((o, &x), &y) in dst.iter_mut().zip(&a[i..i + len]).zip(&b[j..j + len]) {
+                    *o = f(x, y);
+                }
+            }
             [1, 0] => {
                 let y = b[j];
-                v.extend(a[i..i + len].iter().map(|&x| f(x, y)))
+                for (o, &x) in dst.iter_mut().zip(&a[i..i + len]) {
+                    *o = f(x, y);
+                }
             }
             [0, 1] => {
                 let x = a[i];
-                v.extend(b[j..j + len].iter().map(|&y| f(x, y)))
+                for (o, &y) in dst.iter_mut().zip(&b[j..j + len]) {
+                    *o = f(x, y);
+                }
             }
             _ => {
                 let (sa, sb) = (step[0] as usize, step[1] as usize);
-                v.extend((0..len).map(|t| f(a[i + t * sa], b[j + t * sb])))
+                for (t, o) in dst.iter_mut().enumerate() {
+                    *o = f(a[i + t * sa], b[j + t * sb]);
+                }
             }
         }
+        at += len;
     });
-    v
 }
 
-/// Three-operand broadcasting (for Where).
-pub fn zip3_broadcast<A: Copy, B: Copy, C: Copy, R>(
+/// Three-operand broadcasting (for Where), written row-major into `out`.
+pub fn zip3_broadcast_into<A: Copy, B: Copy, C: Copy, R>(
     a: (&[A], &[usize]),
     b: (&[B], &[usize]),
     c: (&[C], &[usize]),
-    out: &[usize],
+    shape: &[usize],
+    out: &mut [R],
     f: impl Fn(A, B, C) -> R,
-) -> Vec<R> {
-    let n: usize = out.iter().product();
-    if a.1 == out && b.1 == out && c.1 == out {
-        return (0..n).map(|i| f(a.0[i], b.0[i], c.0[i])).collect();
+) {
+    let n: usize = shape.iter().product();
+    assert_eq!(out.len(), n, "broadcast into a buffer of another size");
+    if a.1 == shape && b.1 == shape && c.1 == shape {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = f(a.0[i], b.0[i], c.0[i]);
+        }
+        return;
     }
-    let ta = broadcast_strides(a.1, out);
-    let tb = broadcast_strides(b.1, out);
-    let tc = broadcast_strides(c.1, out);
-    let mut v = Vec::with_capacity(n);
+    let ta = broadcast_strides(a.1, shape);
+    let tb = broadcast_strides(b.1, shape);
+    let tc = broadcast_strides(c.1, shape);
+    let mut at = 0;
     // broadcast strides are 0 or the contiguous stride, so a row steps by 0 or 1; the
     // common rows (the first operand fixed along the row) get their own loops
-    walk_rows(out, [&ta, &tb, &tc], [0, 0, 0], |[i, j, k], len, step| {
+    walk_rows(shape, [&ta, &tb, &tc], [0, 0, 0], |[i, j, k], len, step| {
         let (i, j, k) = (i as usize, j as usize, k as usize);
+        let dst = &mut out[at..at + len];
         match step {
             [0, 1, 1] => {
                 let x = a.0[i];
-                v.extend(
-                    b.0[j..j + len]
-                        .iter()
-                        .zip(&c.0[k..k + len])
-                        .map(|(&y, &z)| f(x, y, z)),
-                )
+                for ((o, &y), &z) in dst.iter_mut().zip(&b.0[j..j + len]).zip(&c.0[k..k + len]) {
+                    *o = f(x, y, z);
+                }
             }
             [0, 0, 1] => {
                 let (x, y) = (a.0[i], b.0[j]);
-                v.extend(c.0[k..k + len].iter().map(|&z| f(x, y, z)))
+                for (o, &z) in dst.iter_mut().zip(&c.0[k..k + len]) {
+                    *o = f(x, y, z);
+                }
             }
             [0, 1, 0] => {
                 let (x, z) = (a.0[i], c.0[k]);
-                v.extend(b.0[j..j + len].iter().map(|&y| f(x, y, z)))
+                for (o, &y) in dst.iter_mut().zip(&b.0[j..j + len]) {
+                    *o = f(x, y, z);
+                }
             }
             _ => {
                 let [si, sj, sk] = step.map(|s| s as usize);
-                v.extend((0..len).map(|t| f(a.0[i + t * si], b.0[j + t * sj], c.0[k + t * sk])))
+                for (t, o) in dst.iter_mut().enumerate() {
+                    *o = f(a.0[i + t * si], b.0[j + t * sj], c.0[k + t * sk]);
+                }
             }
         }
+        at += len;
     });
-    v
 }
 
 /// Splits `shape` around `axis` into (outer, dim, inner) element counts.
@@ -276,7 +360,8 @@ mod tests {
     fn zip_general_broadcast() {
         let a = [1, 2]; // [2,1]
         let b = [10, 20, 30]; // [3]
-        let r = zip_broadcast(&a, &[2, 1], &b, &[3], &[2, 3], |x, y| x + y);
-        assert_eq!(r, vec![11, 21, 31, 12, 22, 32]);
+        let mut r = [0; 6];
+        zip_broadcast_into((&a, &[2, 1]), (&b, &[3]), &[2, 3], &mut r, |x, y| x + y);
+        assert_eq!(r, [11, 21, 31, 12, 22, 32]);
     }
 }

@@ -6,10 +6,11 @@
 //! a transposed (or batch-permuted) operand costs nothing. The evaluator uses that to run
 //! `MatMul(Transpose(x), y)` without materializing the transpose.
 
-use super::elem::{floats, from_f32};
-use super::layout::{strides_of, walk};
+use super::elem::{floats, out_stage_len, stage_len, store_f32};
+use super::into::{DataMut, TensorRef, Workspace};
+use super::layout::strides_of;
 use super::threads;
-use hzp_ir::{broadcast_shapes, Data, Tensor};
+use hzp_ir::broadcast_shapes;
 
 /// A strided view of f32 data as a stack of matrices: element `idx` of `shape` is at
 /// `offset + sum_d idx[d] * strides[d]` in `data`. Strides are non-negative.
@@ -73,6 +74,18 @@ impl<'a> MatView<'a> {
     }
 }
 
+thread_local! {
+    static IN_GEMM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a call of the `gemm` crate. gemm allocates a packing
+/// buffer per product (sized by its cache blocking, not by the operands beyond that), the
+/// only heap allocation of the kernels that is not fixed-size; allocation accounting (the
+/// `alloc_free` test) uses this to tell it apart. Cheap, and never allocates.
+pub fn in_gemm() -> bool {
+    IN_GEMM.try_with(|c| c.get()).unwrap_or(false)
+}
+
 /// `c[m,n] = a[m,k] @ b[k,n]` with `a` and `b` read at the given (row, column) strides
 /// and `c` contiguous. `threads` > 1 lets gemm split the product. `c` is only written
 /// (it may be uninitialized).
@@ -104,10 +117,12 @@ unsafe fn gemm_strided(
     } else {
         gemm::Parallelism::None
     };
+    IN_GEMM.with(|f| f.set(true));
     gemm::gemm(
         m, n, k, c, 1, n as isize, false, a, acs, ars, b, bcs, brs, 0.0, 1.0, false, false, false,
         par,
     );
+    IN_GEMM.with(|f| f.set(false));
 }
 
 /// `c[m,n] = a[m,k] @ b[k,n]`, all row-major and contiguous.
@@ -130,13 +145,82 @@ pub fn gemm_f32(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], c: &mut [f32
     }
 }
 
-/// numpy matmul of two strided f32 views; returns the row-major result and its shape.
-pub fn matmul_views(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>), String> {
-    // on the kernels' pool, so that gemm's threads are the pool's
-    threads::install(|| matmul_views_here(a, b))
+/// The shape of numpy `matmul(a, b)` for operand shapes `a` and `b`.
+pub fn matmul_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> {
+    if a.is_empty() || b.is_empty() {
+        return Err("MatMul: operands must have rank >= 1".into());
+    }
+    let (a1, b1) = (a.len() == 1, b.len() == 1);
+    let (ra, rb) = (a.len(), b.len());
+    let k = a[ra - 1];
+    let kb = if b1 { b[0] } else { b[rb - 2] };
+    if kb != k {
+        return Err(format!("MatMul: inner dims differ ({a:?} @ {b:?})"));
+    }
+    let ba = if a1 { &[][..] } else { &a[..ra - 2] };
+    let bb = if b1 { &[][..] } else { &b[..rb - 2] };
+    let mut out = broadcast_shapes(ba, bb).ok_or("MatMul: batch dims do not broadcast")?;
+    if !a1 {
+        out.push(a[ra - 2]);
+    }
+    if !b1 {
+        out.push(b[rb - 1]);
+    }
+    Ok(out)
 }
 
-fn matmul_views_here(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>), String> {
+/// numpy matmul of two strided f32 views; returns the row-major result and its shape.
+pub fn matmul_views(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>), String> {
+    let shape = matmul_shape(&a.shape, &b.shape)?;
+    let n = super::layout::checked_numel(&shape).ok_or("MatMul: result too large")?;
+    let mut out = vec![0f32; n];
+    matmul_views_into(a, b, &mut out)?;
+    Ok((out, shape))
+}
+
+/// numpy matmul of two strided f32 views into `out` (row-major, exactly as many elements
+/// as the result has; every one is written).
+pub fn matmul_views_into(a: &MatView, b: &MatView, out: &mut [f32]) -> Result<(), String> {
+    // on the kernels' pool, so that gemm's threads are the pool's
+    threads::install(|| matmul_views_here(a, b, out))
+}
+
+/// Up to 8 values on the stack, more on the heap.
+struct Small<T: Copy + Default> {
+    n: usize,
+    stack: [T; 8],
+    heap: Vec<T>,
+}
+
+impl<T: Copy + Default> Small<T> {
+    fn new() -> Self {
+        Small {
+            n: 0,
+            stack: [T::default(); 8],
+            heap: Vec::new(),
+        }
+    }
+    fn push(&mut self, v: T) {
+        if self.n < 8 {
+            self.stack[self.n] = v;
+        } else {
+            if self.n == 8 {
+                self.heap.extend_from_slice(&self.stack);
+            }
+            self.heap.push(v);
+        }
+        self.n += 1;
+    }
+    fn get(&self) -> &[T] {
+        if self.n <= 8 {
+            &self.stack[..self.n]
+        } else {
+            &self.heap
+        }
+    }
+}
+
+fn matmul_views_here(a: &MatView, b: &MatView, out: &mut [f32]) -> Result<(), String> {
     if a.shape.is_empty() || b.shape.is_empty() {
         return Err("MatMul: operands must have rank >= 1".into());
     }
@@ -144,17 +228,21 @@ fn matmul_views_here(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>),
         return Err("internal: MatMul operand view out of bounds".into());
     }
     // promote rank-1 operands: a [k] -> [1, k], b [k] -> [k, 1]
-    let (mut sa, mut ta) = (a.shape.clone(), a.strides.clone());
-    let (mut sb, mut tb) = (b.shape.clone(), b.strides.clone());
-    let (a1, b1) = (sa.len() == 1, sb.len() == 1);
+    let (a1, b1) = (a.shape.len() == 1, b.shape.len() == 1);
+    let (mut sa, mut ta, mut sb, mut tb) = (Small::new(), Small::new(), Small::new(), Small::new());
     if a1 {
-        sa.insert(0, 1);
-        ta.insert(0, 0);
+        sa.push(1);
+        ta.push(0);
     }
+    a.shape.iter().for_each(|&d| sa.push(d));
+    a.strides.iter().for_each(|&s| ta.push(s));
+    b.shape.iter().for_each(|&d| sb.push(d));
+    b.strides.iter().for_each(|&s| tb.push(s));
     if b1 {
         sb.push(1);
         tb.push(0);
     }
+    let (sa, ta, sb, tb) = (sa.get(), ta.get(), sb.get(), tb.get());
     let (ra, rb) = (sa.len(), sb.len());
     let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
     if sb[rb - 2] != k {
@@ -164,22 +252,37 @@ fn matmul_views_here(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>),
         ));
     }
     let (ba, bb) = (&sa[..ra - 2], &sb[..rb - 2]);
-    let batch = broadcast_shapes(ba, bb).ok_or("MatMul: batch dims do not broadcast")?;
-    let mut out_shape = batch.clone();
-    if !a1 {
-        out_shape.push(m);
+    // the broadcast batch dims, right-aligned: rank and count without a vector
+    let rbatch = ba.len().max(bb.len());
+    let dim_of = |d: &[usize], i: usize| -> usize {
+        let lead = rbatch - d.len();
+        if i < lead {
+            1
+        } else {
+            d[i - lead]
+        }
+    };
+    let mut nb = 1usize;
+    for i in 0..rbatch {
+        let (x, y) = (dim_of(ba, i), dim_of(bb, i));
+        if x != y && x != 1 && y != 1 {
+            return Err("MatMul: batch dims do not broadcast".into());
+        }
+        nb = nb.saturating_mul(if x == 1 { y } else { x });
     }
-    if !b1 {
-        out_shape.push(n);
-    }
-    let nb: usize = batch.iter().product();
     let mn = m * n;
+    if nb.checked_mul(mn) != Some(out.len()) {
+        return Err(format!(
+            "internal: MatMul of {:?} @ {:?} into {} elements",
+            a.shape,
+            b.shape,
+            out.len()
+        ));
+    }
     if nb == 0 || mn == 0 {
-        return Ok((Vec::new(), out_shape));
+        return Ok(());
     }
     // gemm writes every element of the result: no need to zero it first
-    let total = nb.checked_mul(mn).ok_or("MatMul: result too large")?;
-    let mut out: Vec<f32> = Vec::with_capacity(total);
     let pc = SendPtr(out.as_mut_ptr());
     let (ars, acs) = (ta[ra - 2], ta[ra - 1]);
     let (brs, bcs) = (tb[rb - 2], tb[rb - 1]);
@@ -191,7 +294,7 @@ fn matmul_views_here(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>),
     let b_single = tb[..rb - 2].iter().zip(bb).all(|(&s, &d)| s == 0 || d == 1);
     if b_single && ba.iter().product::<usize>() == nb && foldable(ba, &ta[..ra - 2], m, ars) {
         // SAFETY: the views are in bounds (checked above); folding walks the same
-        // elements as the batch loop would.
+        // elements as the batch loop would; `out` holds nb * m * n elements.
         unsafe {
             gemm_strided(
                 nb * m,
@@ -204,28 +307,36 @@ fn matmul_views_here(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>),
                 pc.get(),
                 threads,
             );
-            out.set_len(total);
         }
-        return Ok((out, out_shape));
+        return Ok(());
     }
 
-    // one product per batch entry; entries in parallel when there are enough of them
-    let (ta_b, tb_b) = (
-        broadcast_batch_strides(ba, &ta[..ra - 2], &batch),
-        broadcast_batch_strides(bb, &tb[..rb - 2], &batch),
-    );
-    let mut offs = Vec::with_capacity(nb);
-    walk(
-        &batch,
-        [&ta_b, &tb_b],
-        [a.offset as isize, b.offset as isize],
-        |[ia, ib]| offs.push((ia as usize, ib as usize)),
-    );
+    // one product per batch entry; entries in parallel when there are enough of them.
+    // Entry i's operand offsets: i unravelled over the batch dims (row-major), with
+    // broadcast (size-1 or missing) dims contributing nothing.
+    let (ta_b, tb_b) = (&ta[..ra - 2], &tb[..rb - 2]);
+    let offsets = |i: usize| -> (usize, usize) {
+        let (mut ia, mut ib) = (a.offset as isize, b.offset as isize);
+        let mut rest = i;
+        for d in (0..rbatch).rev() {
+            let (x, y) = (dim_of(ba, d), dim_of(bb, d));
+            let size = if x == 1 { y } else { x };
+            let c = (rest % size) as isize;
+            rest /= size;
+            if x != 1 {
+                ia += c * ta_b[d - (rbatch - ba.len())];
+            }
+            if y != 1 {
+                ib += c * tb_b[d - (rbatch - bb.len())];
+            }
+        }
+        (ia as usize, ib as usize)
+    };
     let (pa, pb) = (SendPtr(pa as *mut f32), SendPtr(pb as *mut f32));
     let one = |i: usize, threads: usize| {
-        let (ia, ib) = offs[i];
+        let (ia, ib) = offsets(i);
         // SAFETY: in bounds as checked above; batch entry i writes its own chunk
-        // [i*mn, (i+1)*mn) of the result's capacity.
+        // [i*mn, (i+1)*mn) of `out`.
         unsafe {
             gemm_strided(
                 m,
@@ -245,9 +356,7 @@ fn matmul_views_here(a: &MatView, b: &MatView) -> Result<(Vec<f32>, Vec<usize>),
     } else {
         (0..nb).for_each(|i| one(i, threads));
     }
-    // SAFETY: every batch entry wrote its chunk, so all `total` elements are initialized.
-    unsafe { out.set_len(total) };
-    Ok((out, out_shape))
+    Ok(())
 }
 
 /// A raw pointer that may cross to worker threads.
@@ -276,28 +385,22 @@ fn foldable(dims: &[usize], st: &[isize], m: usize, rs: isize) -> bool {
     true
 }
 
-/// A view's batch strides as seen from the broadcast batch shape (stride 0 for missing
-/// and size-1 dims).
-fn broadcast_batch_strides(dims: &[usize], st: &[isize], batch: &[usize]) -> Vec<isize> {
-    let lead = batch.len() - dims.len();
-    (0..batch.len())
-        .map(|i| {
-            if i < lead || dims[i - lead] == 1 {
-                0
-            } else {
-                st[i - lead]
-            }
-        })
-        .collect()
-}
-
-pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Data, String> {
-    let (av, bv) = (floats(a), floats(b));
-    let (out, _) = matmul_views(
-        &MatView::contiguous(&av, &a.shape),
-        &MatView::contiguous(&bv, &b.shape),
-    )?;
-    Ok(from_f32(a.dtype(), out))
+/// MatMul of two tensors into `out` (the inferred output, of `a`'s dtype).
+pub fn matmul(
+    a: &TensorRef,
+    b: &TensorRef,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let [as_, bs, os] = ws
+        .f32s
+        .take([stage_len(a.data), stage_len(b.data), out_stage_len(out)]);
+    let (av, bv) = (floats(a.data, as_), floats(b.data, bs));
+    let (va, vb) = (
+        MatView::contiguous(av, a.shape),
+        MatView::contiguous(bv, b.shape),
+    );
+    store_f32(out, os, |o| matmul_views_into(&va, &vb, o))
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 pub mod elem;
 pub mod elementwise;
 pub mod index;
+pub mod into;
 pub mod layout;
 pub mod math;
 pub mod matmul;
@@ -18,76 +19,50 @@ pub mod threads;
 
 use elem::by_dtype;
 use half::{bf16, f16};
-use hzp_ir::{DType, Data, Op, Tensor, TensorType};
+use hzp_ir::{DType, Op, Tensor};
+pub use into::{eval_op_into, DataMut, DataRef, TensorMut, TensorRef, Workspace};
 
-/// Runs one op on concrete tensors. Errors say which op and why (never panic on bad data).
+/// Runs one op on concrete tensors, into newly allocated outputs. Errors say which op and
+/// why (never panic on bad data).
 ///
 /// Inputs are checked against the op's type rule first; the outputs have exactly the types
 /// the rule infers. Collectives, memory and event ops are not single-tensor kernels and are
-/// rejected (the plan executor runs them).
+/// rejected (the plan executor runs them). A wrapper around [`eval_op_into`] with a
+/// per-thread [`Workspace`] (released when it grows past [`EVAL_OP_WORKSPACE_LIMIT`]).
 pub fn eval_op(op: &Op, inputs: &[&Tensor]) -> Result<Vec<Tensor>, String> {
-    let name = op.name();
-    if op.is_collective() {
-        return Err(format!(
-            "{name} needs a communicator; run the plan with the executor"
-        ));
+    let ins: Vec<TensorRef> = inputs.iter().map(|t| TensorRef::of(t)).collect();
+    let out_types = into::check_inputs(op, &ins)?;
+    let mut outs: Vec<Tensor> = out_types.iter().map(Tensor::zeros).collect();
+    let mut views: Vec<TensorMut> = outs.iter_mut().map(TensorMut::of).collect();
+    with_thread_workspace(|ws| into::run_checked(op, &ins, &out_types, &mut views, ws))?;
+    Ok(outs)
+}
+
+/// The most scratch memory [`eval_op`]'s per-thread workspace keeps between calls.
+pub const EVAL_OP_WORKSPACE_LIMIT: usize = 64 << 20;
+
+/// `f` with this thread's workspace (a fresh one if it is in use further up the stack).
+fn with_thread_workspace<R>(f: impl FnOnce(&mut Workspace) -> R) -> R {
+    use std::cell::RefCell;
+    thread_local! {
+        static WS: RefCell<Workspace> = RefCell::new(Workspace::new());
     }
-    if matches!(op, Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. }) {
-        return Err(format!(
-            "{name} is a memory/stream op with no kernel; run the plan with the executor"
-        ));
-    }
-    for (i, t) in inputs.iter().enumerate() {
-        match layout::checked_numel(&t.shape) {
-            Some(n) if n == t.data.len() => {}
-            _ => {
-                return Err(format!(
-                    "{name}: input {i} has {} elements but shape {:?}",
-                    t.data.len(),
-                    t.shape
-                ))
+    let f = std::cell::Cell::new(Some(f));
+    let run = |ws: &mut Workspace| (f.take().expect("called once"))(ws);
+    let r = WS.try_with(|cell| match cell.try_borrow_mut() {
+        Ok(mut ws) => {
+            let r = run(&mut ws);
+            if ws.bytes() > EVAL_OP_WORKSPACE_LIMIT {
+                *ws = Workspace::new();
             }
+            Some(r)
         }
+        Err(_) => None,
+    });
+    match r {
+        Ok(Some(r)) => r,
+        _ => run(&mut Workspace::new()),
     }
-    let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
-    let refs: Vec<&TensorType> = types.iter().collect();
-    let out_types = op.infer(&refs, None)?;
-    for t in &out_types {
-        if layout::checked_numel(&t.shape).is_none_or(|n| n > isize::MAX as usize / 8) {
-            return Err(format!("{name}: output {t} is too large"));
-        }
-    }
-    let datas = run(op, inputs, &out_types).map_err(|e| {
-        if e.starts_with(name) {
-            e
-        } else {
-            format!("{name}: {e}")
-        }
-    })?;
-    if datas.len() != out_types.len() {
-        return Err(format!(
-            "internal: {name} produced {} outputs, expected {}",
-            datas.len(),
-            out_types.len()
-        ));
-    }
-    datas
-        .into_iter()
-        .zip(out_types)
-        .map(|(d, t)| {
-            if d.dtype() != t.dtype || d.len() != t.numel() {
-                return Err(format!(
-                    "internal: {name} produced {} data with {} elements, expected {t}",
-                    d.dtype(),
-                    d.len()
-                ));
-            }
-            Ok(Tensor {
-                shape: t.shape,
-                data: d,
-            })
-        })
-        .collect()
 }
 
 fn add_f32(a: f32, b: f32) -> f32 {
@@ -111,18 +86,21 @@ fn add_bool(a: bool, b: bool) -> bool {
 
 /// Scatter with an optional add, dispatched on the data's dtype.
 fn scatter(
-    x: &Tensor,
-    idx: &Tensor,
-    upd: &Tensor,
+    ins: &[TensorRef],
     add: bool,
     axis: Option<usize>,
-) -> Result<Data, String> {
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let [x, idx, upd] = ins else {
+        return Err("internal: scatter takes 3 inputs".into());
+    };
     macro_rules! go {
         ($t:ty, $f:ident) => {{
             let f: Option<fn($t, $t) -> $t> = if add { Some($f) } else { None };
             match axis {
-                Some(a) => index::scatter_elements::<$t>(x, idx, upd, a, f),
-                None => index::scatter_nd::<$t>(x, idx, upd, f),
+                Some(a) => index::scatter_elements::<$t>((x, idx, upd), a, f, out, ws),
+                None => index::scatter_nd::<$t>((x, idx, upd), f, out, ws),
             }
         }};
     }
@@ -136,43 +114,61 @@ fn scatter(
     }
 }
 
-fn run(op: &Op, ins: &[&Tensor], outs: &[TensorType]) -> Result<Vec<Data>, String> {
+/// The kernel of `op`; inputs and outputs were checked against its type rule.
+fn run(
+    op: &Op,
+    ins: &[TensorRef],
+    outs: &mut [TensorMut],
+    ws: &mut Workspace,
+) -> Result<(), String> {
     use movement::*;
-    let x = ins.first().copied();
-    // the type rule checked arity, so inputs the op needs are present
-    let x0 = || x.ok_or_else(|| "missing input".to_string());
-    let out0 = &outs.first().ok_or("internal: no output type")?.shape;
-    let one = |d: Data| Ok(vec![d]);
+    // the type rule checked arity, so the inputs and outputs the op needs are present
+    let x = ins.first().ok_or("missing input");
+    if let Op::Split { axis, sizes } = op {
+        let x = x?;
+        return by_dtype!(x.dtype(), split(x, *axis, sizes, outs));
+    }
+    if let Op::TopK {
+        axis, k, largest, ..
+    } = op
+    {
+        let x = x?;
+        use index::topk;
+        return by_dtype!(x.dtype(), topk(x, (*axis, *k, *largest), outs, ws));
+    }
+    let [out] = outs else {
+        return Err(format!(
+            "internal: {} outputs for a one-output op",
+            outs.len()
+        ));
+    };
+    let shape = out.shape;
+    let o = &mut out.data;
     match op {
-        Op::Unary(u) => one(elementwise::unary(*u, x0()?)?),
-        Op::Binary(b) => one(elementwise::binary(*b, ins[0], ins[1], out0)?),
-        Op::Where => one(elementwise::where_(ins[0], ins[1], ins[2], out0)?),
-        Op::Cast { to } => one(elementwise::cast(x0()?, *to)),
-        Op::Identity | Op::Copy | Op::Reshape { .. } => one(x0()?.data.clone()),
-        Op::MatMul => one(matmul::matmul(ins[0], ins[1])?),
-        Op::Softmax { axis } => one(norm::softmax(x0()?, *axis, false)),
-        Op::LogSoftmax { axis } => one(norm::softmax(x0()?, *axis, true)),
-        Op::LayerNorm { axis, epsilon } => one(norm::norm(
-            ins[0],
-            ins[1],
-            ins.get(2).copied(),
-            *axis,
-            *epsilon,
-            false,
-        )),
-        Op::RmsNorm { axis, epsilon } => {
-            one(norm::norm(ins[0], ins[1], None, *axis, *epsilon, true))
+        Op::Unary(u) => elementwise::unary(*u, x?, o, ws),
+        Op::Binary(b) => elementwise::binary(*b, &ins[0], &ins[1], shape, o, ws),
+        Op::Where => elementwise::where_(&ins[0], &ins[1], &ins[2], shape, o),
+        Op::Cast { .. } => elementwise::cast(x?, o),
+        Op::Identity | Op::Copy | Op::Reshape { .. } => elem::copy_data(x?.data, o),
+        Op::MatMul => matmul::matmul(&ins[0], &ins[1], o, ws),
+        Op::Softmax { axis } => norm::softmax(x?, *axis, false, o, ws),
+        Op::LogSoftmax { axis } => norm::softmax(x?, *axis, true, o, ws),
+        Op::LayerNorm { axis, epsilon } => {
+            norm::norm(&ins[0], &ins[1], ins.get(2), *axis, *epsilon, false, o, ws)
         }
-        Op::Reduce { op, axes, .. } => one(reduce::reduce(x0()?, *op, axes)?),
-        Op::ArgMax { axis, .. } => one(reduce::argmax(x0()?, *axis)?),
+        Op::RmsNorm { axis, epsilon } => {
+            norm::norm(&ins[0], &ins[1], None, *axis, *epsilon, true, o, ws)
+        }
+        Op::Reduce { op, axes, .. } => reduce::reduce(x?, *op, axes, o, ws),
+        Op::ArgMax { axis, .. } => reduce::argmax(x?, *axis, o, ws),
         Op::CumSum {
             axis,
             exclusive,
             reverse,
-        } => one(reduce::cumsum(x0()?, *axis, *exclusive, *reverse)?),
+        } => reduce::cumsum(x?, *axis, *exclusive, *reverse, o, ws),
         Op::Transpose { perm } => {
-            let x = x0()?;
-            one(by_dtype!(x.dtype(), transpose(x, perm))?)
+            let x = x?;
+            by_dtype!(x.dtype(), transpose(x, perm, o))
         }
         Op::Slice {
             axes,
@@ -180,70 +176,53 @@ fn run(op: &Op, ins: &[&Tensor], outs: &[TensorType]) -> Result<Vec<Data>, Strin
             steps,
             ..
         } => {
-            let x = x0()?;
-            one(by_dtype!(x.dtype(), slice(x, axes, starts, steps, out0))?)
+            let x = x?;
+            by_dtype!(x.dtype(), slice(x, axes, starts, steps, out))
         }
-        Op::Concat { axis } => one(by_dtype!(ins[0].dtype(), concat(ins, *axis, out0))?),
-        Op::Split { axis, sizes } => {
-            let x = x0()?;
-            by_dtype!(x.dtype(), split(x, *axis, sizes))
-        }
-        Op::Expand { shape } => {
-            let x = x0()?;
-            one(by_dtype!(x.dtype(), expand_to(x, shape))?)
+        Op::Concat { axis } => by_dtype!(ins[0].dtype(), concat(ins, *axis, out)),
+        Op::Expand { .. } => {
+            let x = x?;
+            by_dtype!(x.dtype(), expand_to(x, out))
         }
         Op::Tile { repeats } => {
-            let x = x0()?;
-            one(by_dtype!(x.dtype(), tile(x, repeats))?)
+            let x = x?;
+            by_dtype!(x.dtype(), tile(x, repeats, o))
         }
         Op::Trilu { upper, k } => {
-            let x = x0()?;
-            one(by_dtype!(x.dtype(), trilu(x, *upper, *k))?)
+            let x = x?;
+            by_dtype!(x.dtype(), trilu(x, *upper, *k, o))
         }
         Op::Gather { axis } => {
             use index::gather;
-            one(by_dtype!(ins[0].dtype(), gather(ins[0], ins[1], *axis))?)
+            by_dtype!(ins[0].dtype(), gather(&ins[0], &ins[1], *axis, o))
         }
         Op::GatherElements { axis } => {
             use index::gather_elements;
-            one(by_dtype!(
+            by_dtype!(
                 ins[0].dtype(),
-                gather_elements(ins[0], ins[1], *axis)
-            )?)
+                gather_elements(&ins[0], &ins[1], *axis, o, ws)
+            )
         }
         Op::GatherND { batch_dims } => {
             use index::gather_nd;
-            one(by_dtype!(
+            by_dtype!(
                 ins[0].dtype(),
-                gather_nd(ins[0], ins[1], *batch_dims)
-            )?)
+                gather_nd(&ins[0], &ins[1], *batch_dims, o, ws)
+            )
         }
-        Op::ScatterElements { axis, add } => {
-            one(scatter(ins[0], ins[1], ins[2], *add, Some(*axis))?)
-        }
-        Op::ScatterND { add } => one(scatter(ins[0], ins[1], ins[2], *add, None)?),
+        Op::ScatterElements { axis, add } => scatter(ins, *add, Some(*axis), o, ws),
+        Op::ScatterND { add } => scatter(ins, *add, None, o, ws),
         Op::OneHot { axis, depth } => {
             use index::one_hot;
-            one(by_dtype!(
-                ins[1].dtype(),
-                one_hot(ins[0], ins[1], *axis, *depth)
-            )?)
+            by_dtype!(ins[1].dtype(), one_hot(&ins[0], &ins[1], *axis, *depth, o))
         }
-        Op::TopK {
-            axis, k, largest, ..
-        } => {
-            use index::take_along;
-            let x = x0()?;
-            let ids = index::topk_indices(x, *axis, *k, *largest);
-            let values = by_dtype!(x.dtype(), take_along(x, *axis, &ids, *k))?;
-            Ok(vec![values, Data::I64(ids)])
+        Op::Fill { value, .. } => {
+            fill(*value, o);
+            Ok(())
         }
-        Op::Fill {
-            value,
-            dtype,
-            shape,
-        } => one(fill(*dtype, *value, shape.iter().product())),
-        Op::AllGather { .. }
+        Op::Split { .. }
+        | Op::TopK { .. }
+        | Op::AllGather { .. }
         | Op::ReduceScatter { .. }
         | Op::AllReduce { .. }
         | Op::AllToAll { .. }
@@ -254,14 +233,14 @@ fn run(op: &Op, ins: &[&Tensor], outs: &[TensorType]) -> Result<Vec<Data>, Strin
     }
 }
 
-/// `n` copies of `value` converted to `dtype` as a cast would.
-fn fill(dtype: DType, value: f64, n: usize) -> Data {
-    match dtype {
-        DType::F32 => Data::F32(vec![value as f32; n]),
-        DType::BF16 => Data::BF16(vec![bf16::from_f64(value); n]),
-        DType::F16 => Data::F16(vec![f16::from_f64(value); n]),
-        DType::I64 => Data::I64(vec![value as i64; n]),
-        DType::I32 => Data::I32(vec![value as i32; n]),
-        DType::Bool => Data::Bool(vec![value != 0.0; n]),
+/// Fills `out` with `value` converted to its dtype as a cast would.
+fn fill(value: f64, out: &mut DataMut) {
+    match out {
+        DataMut::F32(o) => o.fill(value as f32),
+        DataMut::BF16(o) => o.fill(bf16::from_f64(value)),
+        DataMut::F16(o) => o.fill(f16::from_f64(value)),
+        DataMut::I64(o) => o.fill(value as i64),
+        DataMut::I32(o) => o.fill(value as i32),
+        DataMut::Bool(o) => o.fill(value != 0.0),
     }
 }

@@ -2,13 +2,20 @@
 //! variance, like ONNX LayerNormalization) and RmsNorm. Computed in f32 with f64 sums;
 //! contiguous rows (the usual last-axis case) are processed in place without gathers.
 
-use super::elem::{floats, from_f32};
-use super::layout::{around_axis, expand};
+use super::elem::{floats, out_stage_len, stage_len, store_f32};
+use super::into::{DataMut, TensorRef, Workspace};
+use super::layout::{around_axis, expand_into};
 use super::math;
-use hzp_ir::{Data, Tensor};
 
-/// Applies `f` to every lane along `axis` of `v` (shape `shape`), in place.
-fn for_each_lane(v: &mut [f32], shape: &[usize], axis: usize, mut f: impl FnMut(&mut [f32])) {
+/// Applies `f` to every lane along `axis` of `v` (shape `shape`), in place; strided lanes
+/// are gathered into `buf` (`dim` elements) and back.
+fn for_each_lane(
+    v: &mut [f32],
+    shape: &[usize],
+    axis: usize,
+    buf: &mut [f32],
+    mut f: impl FnMut(&mut [f32]),
+) {
     let (outer, dim, inner) = around_axis(shape, axis);
     if dim == 0 {
         return;
@@ -17,14 +24,14 @@ fn for_each_lane(v: &mut [f32], shape: &[usize], axis: usize, mut f: impl FnMut(
         v.chunks_exact_mut(dim).for_each(f);
         return;
     }
-    let mut buf = vec![0f32; dim];
+    let buf = &mut buf[..dim];
     for o in 0..outer {
         for i in 0..inner {
             let base = o * dim * inner + i;
             for d in 0..dim {
                 buf[d] = v[base + d * inner];
             }
-            f(&mut buf);
+            f(buf);
             for d in 0..dim {
                 v[base + d * inner] = buf[d];
             }
@@ -131,48 +138,88 @@ fn softmax_rows(v: &mut [f32], dim: usize, log: bool) {
     }
 }
 
-pub fn softmax(x: &Tensor, axis: usize, log: bool) -> Data {
-    let mut v = floats(x).into_owned();
-    let (_, dim, inner) = around_axis(&x.shape, axis);
-    if inner == 1 && dim > 0 {
-        softmax_rows(&mut v, dim, log);
-    } else if log {
-        for_each_lane(&mut v, &x.shape, axis, log_softmax_row);
-    } else {
-        for_each_lane(&mut v, &x.shape, axis, softmax_row);
-    }
-    from_f32(x.dtype(), v)
-}
-
-/// A scale or bias broadcast to the full normalized dims, flattened.
-fn param_row(p: &Tensor, norm: &[usize]) -> Vec<f32> {
-    expand(&floats(p), &p.shape, norm)
+/// (Log)softmax of `x` along `axis` into `out` (the same shape, of `x`'s dtype).
+pub fn softmax(
+    x: &TensorRef,
+    axis: usize,
+    log: bool,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let (_, dim, inner) = around_axis(x.shape, axis);
+    let lane = if inner == 1 { 0 } else { dim };
+    let [xs, os, buf] = ws.f32s.take([stage_len(x.data), out_stage_len(out), lane]);
+    let xv = floats(x.data, xs);
+    store_f32(out, os, |v| {
+        v.copy_from_slice(xv);
+        if inner == 1 && dim > 0 {
+            softmax_rows(v, dim, log);
+        } else if log {
+            for_each_lane(v, x.shape, axis, buf, log_softmax_row);
+        } else {
+            for_each_lane(v, x.shape, axis, buf, softmax_row);
+        }
+    });
+    Ok(())
 }
 
 /// LayerNorm (`rms == false`: (x - mean) / sqrt(var + eps) * scale + bias) or RmsNorm
-/// (x / sqrt(mean(x^2) + eps) * scale) over dims `axis..`.
+/// (x / sqrt(mean(x^2) + eps) * scale) over dims `axis..`, into `out` (the same shape, of
+/// `x`'s dtype).
+#[allow(clippy::too_many_arguments)]
 pub fn norm(
-    x: &Tensor,
-    scale: &Tensor,
-    bias: Option<&Tensor>,
+    x: &TensorRef,
+    scale: &TensorRef,
+    bias: Option<&TensorRef>,
     axis: usize,
     eps: f32,
     rms: bool,
-) -> Data {
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
     let norm_dims = &x.shape[axis..];
     let d: usize = norm_dims.iter().product();
-    let mut v = floats(x).into_owned();
-    if d == 0 {
-        return from_f32(x.dtype(), v);
-    }
-    let s = param_row(scale, norm_dims);
-    let b = bias.map(|b| param_row(b, norm_dims));
-    // rows in parallel pieces of about 64K elements
-    let per = (1 << 16) / d + 1;
-    super::threads::for_each_chunk(&mut v, per * d, |_, rows| {
-        norm_rows(rows, d, &s, b.as_deref(), eps, rms)
+    // a scale or bias broadcast to the full normalized dims, flattened: the parameter
+    // itself when it has d elements (broadcasting then only adds leading 1s)
+    let row_len = |p: Option<&TensorRef>| p.map_or(0, |p| if p.data.len() == d { 0 } else { d });
+    let [xs, os, ss, sr, bs, br] = ws.f32s.take([
+        stage_len(x.data),
+        out_stage_len(out),
+        stage_len(scale.data),
+        row_len(Some(scale)),
+        bias.map_or(0, |b| stage_len(b.data)),
+        row_len(bias),
+    ]);
+    let xv = floats(x.data, xs);
+    let s = param_row(scale, norm_dims, ss, sr);
+    let b = bias.map(|b| param_row(b, norm_dims, bs, br));
+    store_f32(out, os, |v| {
+        v.copy_from_slice(xv);
+        if d == 0 {
+            return;
+        }
+        // rows in parallel pieces of about 64K elements
+        let per = (1 << 16) / d + 1;
+        super::threads::for_each_chunk(v, per * d, |_, rows| norm_rows(rows, d, s, b, eps, rms));
     });
-    from_f32(x.dtype(), v)
+    Ok(())
+}
+
+/// A scale or bias as a row of the normalized dims' element count: the parameter's own
+/// elements (widened into `stage` if not f32) when it has that many, else broadcast into
+/// `row`.
+fn param_row<'a>(
+    p: &TensorRef<'a>,
+    norm_dims: &[usize],
+    stage: &'a mut [f32],
+    row: &'a mut [f32],
+) -> &'a [f32] {
+    let v = floats(p.data, stage);
+    if v.len() == norm_dims.iter().product::<usize>() {
+        return v;
+    }
+    expand_into(v, p.shape, norm_dims, row);
+    row
 }
 
 fn norm_rows(v: &mut [f32], d: usize, s: &[f32], b: Option<&[f32]>, eps: f32, rms: bool) {

@@ -1,10 +1,11 @@
 //! Reductions: Reduce (sum/mean/max/min/prod over axes), ArgMax and CumSum. Float sums and
 //! products accumulate in f64; max/min propagate NaN like PyTorch; integers wrap.
 
-use super::elem::{floats, from_f32, typed};
+use super::elem::{floats, out_stage_len, stage_len, store_f32, typed, typed_mut};
 use super::elementwise::IntElem;
+use super::into::{DataMut, DataRef, TensorRef, Workspace};
 use super::layout::{around_axis, strides_of, walk_rows};
-use hzp_ir::{DType, Data, ReduceOp, Tensor};
+use hzp_ir::{DType, ReduceOp};
 
 /// Strides that map every input position to its output slot (0 along reduced axes).
 fn output_strides(shape: &[usize], axes: &[usize]) -> Vec<isize> {
@@ -18,20 +19,18 @@ fn output_strides(shape: &[usize], axes: &[usize]) -> Vec<isize> {
     st
 }
 
-/// Folds every input element into its output slot: `acc[slot] = f(acc[slot], x)`.
-/// Reducing trailing axes only is the contiguous-rows fast path.
+/// Folds every input element into its output slot: `acc[slot] = f(acc[slot], x)`, with
+/// `acc` (one slot per output element) first set to `init`. Reducing trailing axes only is
+/// the contiguous-rows fast path.
 fn fold<A: Copy, X: Copy>(
     x: &[X],
     shape: &[usize],
     axes: &[usize],
+    acc: &mut [A],
     init: A,
     f: impl Fn(A, X) -> A,
-) -> Vec<A> {
-    let out_n: usize = (0..shape.len())
-        .filter(|d| !axes.contains(d))
-        .map(|d| shape[d])
-        .product();
-    let mut acc = vec![init; out_n];
+) {
+    acc.fill(init);
     // axes are sorted and deduplicated: reducing the trailing dims folds contiguous rows
     let (r, n) = (shape.len(), axes.len());
     if axes.iter().enumerate().all(|(i, &a)| a == r - n + i) {
@@ -45,7 +44,7 @@ fn fold<A: Copy, X: Copy>(
                 *a = s;
             }
         }
-        return acc;
+        return;
     }
     let ist = strides_of(shape);
     let ost = output_strides(shape, axes);
@@ -70,7 +69,6 @@ fn fold<A: Copy, X: Copy>(
             }
         }
     });
-    acc
 }
 
 fn nan_max(a: f32, b: f32) -> f32 {
@@ -89,76 +87,105 @@ fn nan_min(a: f32, b: f32) -> f32 {
     }
 }
 
-fn int_reduce<T: IntElem>(x: &Tensor, op: ReduceOp, axes: &[usize]) -> Result<Data, String> {
+fn int_reduce<T: IntElem>(
+    x: &TensorRef,
+    op: ReduceOp,
+    axes: &[usize],
+    out: &mut DataMut,
+) -> Result<(), String> {
     let v = typed::<T>(x)?;
-    let s = &x.shape;
-    let out = match op {
-        ReduceOp::Sum => fold(v, s, axes, T::ZERO, |a, b| a.wadd(b)),
-        ReduceOp::Prod => fold(v, s, axes, T::ONE, |a, b| a.wmul(b)),
-        ReduceOp::Max => fold(v, s, axes, T::MIN, |a, b| a.max(b)),
-        ReduceOp::Min => fold(v, s, axes, T::MAX, |a, b| a.min(b)),
+    let s = x.shape;
+    let o = typed_mut::<T>(out)?;
+    match op {
+        ReduceOp::Sum => fold(v, s, axes, o, T::ZERO, |a, b| a.wadd(b)),
+        ReduceOp::Prod => fold(v, s, axes, o, T::ONE, |a, b| a.wmul(b)),
+        ReduceOp::Max => fold(v, s, axes, o, T::MIN, |a, b| a.max(b)),
+        ReduceOp::Min => fold(v, s, axes, o, T::MAX, |a, b| a.min(b)),
         ReduceOp::Mean => return Err("Reduce mean needs a float input".into()),
-    };
-    Ok(T::wrap(out))
+    }
+    Ok(())
 }
 
-/// Reduce over `axes` (the output layout does not depend on `keep_dims`).
+/// Reduce over `axes` into `out` (the output layout does not depend on `keep_dims`).
 /// Over an empty set: sum 0, prod 1, max the dtype's lowest value, min its highest
 /// (like ONNX), mean NaN.
-pub fn reduce(x: &Tensor, op: ReduceOp, axes: &[usize]) -> Result<Data, String> {
-    let mut axes = axes.to_vec();
-    axes.sort_unstable();
-    axes.dedup();
-    let s = &x.shape;
+pub fn reduce(
+    x: &TensorRef,
+    op: ReduceOp,
+    axes: &[usize],
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    // sorted and deduplicated (as the type rule leaves them, usually: then no copy)
+    let owned;
+    let axes = if axes.windows(2).all(|w| w[0] < w[1]) {
+        axes
+    } else {
+        let mut v = axes.to_vec();
+        v.sort_unstable();
+        v.dedup();
+        owned = v;
+        &owned[..]
+    };
+    let s = x.shape;
     match x.dtype() {
-        DType::I64 => int_reduce::<i64>(x, op, &axes),
-        DType::I32 => int_reduce::<i32>(x, op, &axes),
+        DType::I64 => int_reduce::<i64>(x, op, axes, out),
+        DType::I32 => int_reduce::<i32>(x, op, axes, out),
         DType::Bool => {
             let v = typed::<bool>(x)?;
-            Ok(Data::Bool(match op {
-                ReduceOp::Sum | ReduceOp::Max => fold(v, s, &axes, false, |a, b| a | b),
-                ReduceOp::Prod | ReduceOp::Min => fold(v, s, &axes, true, |a, b| a & b),
+            let o = typed_mut::<bool>(out)?;
+            match op {
+                ReduceOp::Sum | ReduceOp::Max => fold(v, s, axes, o, false, |a, b| a | b),
+                ReduceOp::Prod | ReduceOp::Min => fold(v, s, axes, o, true, |a, b| a & b),
                 ReduceOp::Mean => return Err("Reduce mean needs a float input".into()),
-            }))
-        }
-        dt => {
-            let v = floats(x);
-            if let Some(out) = float_rows(&v, s, &axes, op) {
-                return Ok(from_f32(dt, out));
             }
-            let out: Vec<f32> = match op {
-                ReduceOp::Sum => fold(&v, s, &axes, 0f64, |a, b| a + b as f64)
-                    .into_iter()
-                    .map(|a| a as f32)
-                    .collect(),
-                ReduceOp::Mean => {
-                    let n: usize = axes.iter().map(|&a| s[a]).product();
-                    fold(&v, s, &axes, 0f64, |a, b| a + b as f64)
-                        .into_iter()
-                        .map(|a| (a / n as f64) as f32)
-                        .collect()
+            Ok(())
+        }
+        _ => {
+            let n_out = out.len();
+            let wide = !matches!(op, ReduceOp::Max | ReduceOp::Min);
+            let [xs, os] = ws.f32s.take([stage_len(x.data), out_stage_len(out)]);
+            let [acc] = ws.f64s.take([if wide { n_out } else { 0 }]);
+            let v = floats(x.data, xs);
+            store_f32(out, os, |o| {
+                if float_rows(v, s, axes, op, o) {
+                    return;
                 }
-                ReduceOp::Prod => fold(&v, s, &axes, 1f64, |a, b| a * b as f64)
-                    .into_iter()
-                    .map(|a| a as f32)
-                    .collect(),
-                ReduceOp::Max => fold(&v, s, &axes, f32::NEG_INFINITY, nan_max),
-                ReduceOp::Min => fold(&v, s, &axes, f32::INFINITY, nan_min),
-            };
-            Ok(from_f32(dt, out))
+                match op {
+                    ReduceOp::Sum => {
+                        fold(v, s, axes, acc, 0f64, |a, b| a + b as f64);
+                        o.iter_mut().zip(&*acc).for_each(|(o, &a)| *o = a as f32);
+                    }
+                    ReduceOp::Mean => {
+                        let n: usize = axes.iter().map(|&a| s[a]).product();
+                        fold(v, s, axes, acc, 0f64, |a, b| a + b as f64);
+                        o.iter_mut()
+                            .zip(&*acc)
+                            .for_each(|(o, &a)| *o = (a / n as f64) as f32);
+                    }
+                    ReduceOp::Prod => {
+                        fold(v, s, axes, acc, 1f64, |a, b| a * b as f64);
+                        o.iter_mut().zip(&*acc).for_each(|(o, &a)| *o = a as f32);
+                    }
+                    ReduceOp::Max => fold(v, s, axes, o, f32::NEG_INFINITY, nan_max),
+                    ReduceOp::Min => fold(v, s, axes, o, f32::INFINITY, nan_min),
+                }
+            });
+            Ok(())
         }
     }
 }
 
 /// Reduces contiguous rows (the reduced axes are the trailing ones): sums with four f64
-/// accumulators, max/min eight lanes wide (NaN wins, as in the general fold). Rows in
-/// parallel when there are threads. `None` for other layouts and Prod.
-fn float_rows(v: &[f32], shape: &[usize], axes: &[usize], op: ReduceOp) -> Option<Vec<f32>> {
+/// accumulators, max/min eight lanes wide (NaN wins, as in the general fold), into `out`.
+/// Rows in parallel when there are threads. `false` (nothing written) for other layouts
+/// and Prod.
+fn float_rows(v: &[f32], shape: &[usize], axes: &[usize], op: ReduceOp, out: &mut [f32]) -> bool {
     let (r, n) = (shape.len(), axes.len());
     let trailing = axes.iter().enumerate().all(|(i, &a)| a == r - n + i);
     let row: usize = shape[r - n..].iter().product();
     if !trailing || row == 0 || matches!(op, ReduceOp::Prod) {
-        return None;
+        return false;
     }
     fn lanes(row: &[f32], init: f32, f: fn(f32, f32) -> f32) -> f32 {
         let mut acc = [init; 8];
@@ -183,25 +210,29 @@ fn float_rows(v: &[f32], shape: &[usize], axes: &[usize], op: ReduceOp) -> Optio
             ReduceOp::Prod => f32::NAN,
         }
     };
-    let rows = v.len() / row;
-    let mut out = vec![0f32; rows];
+    debug_assert_eq!(out.len(), v.len() / row);
     let per = (1 << 14) / row + 1; // rows per parallel piece
-    super::threads::for_each_chunk(&mut out, per, |i, o| {
+    super::threads::for_each_chunk(out, per, |i, o| {
         for (k, o) in o.iter_mut().enumerate() {
             let j = i * per + k;
             *o = one(&v[j * row..(j + 1) * row]);
         }
     });
-    Some(out)
+    true
 }
 
 /// Index of the first maximum along `axis` (NaN counts as the maximum, like PyTorch).
-pub fn argmax(x: &Tensor, axis: usize) -> Result<Data, String> {
-    let (outer, dim, inner) = around_axis(&x.shape, axis);
+pub fn argmax(
+    x: &TensorRef,
+    axis: usize,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let (outer, dim, inner) = around_axis(x.shape, axis);
     if dim == 0 && outer * inner > 0 {
         return Err(format!("ArgMax over axis {axis} of size 0"));
     }
-    let mut out = vec![0i64; outer * inner];
+    let out = typed_mut::<i64>(out)?;
     // better(a, b): a strictly beats b
     fn scan<T: Copy>(
         v: &[T],
@@ -227,31 +258,34 @@ pub fn argmax(x: &Tensor, axis: usize) -> Result<Data, String> {
             }
         }
     }
-    match &x.data {
-        Data::I64(v) => scan(v, outer, dim, inner, &mut out, |a, b| a > b),
-        Data::I32(v) => scan(v, outer, dim, inner, &mut out, |a, b| a > b),
-        Data::Bool(v) => scan(v, outer, dim, inner, &mut out, |a, b| a & !b),
+    match x.data {
+        DataRef::I64(v) => scan(v, outer, dim, inner, out, |a, b| a > b),
+        DataRef::I32(v) => scan(v, outer, dim, inner, out, |a, b| a > b),
+        DataRef::Bool(v) => scan(v, outer, dim, inner, out, |a, b| a & !b),
         _ => {
-            let v = floats(x);
-            scan(&v, outer, dim, inner, &mut out, |a: f32, b: f32| {
+            let [xs] = ws.f32s.take([stage_len(x.data)]);
+            let v = floats(x.data, xs);
+            scan(v, outer, dim, inner, out, |a: f32, b: f32| {
                 !b.is_nan() && (a.is_nan() || a > b)
             })
         }
     }
-    Ok(Data::I64(out))
+    Ok(())
 }
 
-fn scan_axis<A: Copy, T: Copy>(
+/// Running `add` along `axis` of `v` into `out` (every element written).
+#[allow(clippy::too_many_arguments)]
+fn scan_axis<A: Copy, T: Copy, R>(
     v: &[T],
     shape: &[usize],
     axis: usize,
     (exclusive, reverse): (bool, bool),
+    out: &mut [R],
     zero: A,
     add: impl Fn(A, T) -> A,
-    store: impl Fn(A) -> T,
-) -> Vec<T> {
+    store: impl Fn(A) -> R,
+) {
     let (outer, dim, inner) = around_axis(shape, axis);
-    let mut out = v.to_vec();
     for o in 0..outer {
         for i in 0..inner {
             let base = o * dim * inner + i;
@@ -269,44 +303,45 @@ fn scan_axis<A: Copy, T: Copy>(
             }
         }
     }
-    out
 }
 
-/// Running sum along `axis` (ONNX CumSum with `exclusive` and `reverse`).
-pub fn cumsum(x: &Tensor, axis: usize, exclusive: bool, reverse: bool) -> Result<Data, String> {
-    let s = &x.shape;
-    Ok(match &x.data {
-        Data::I64(v) => Data::I64(scan_axis(
-            v,
-            s,
-            axis,
-            (exclusive, reverse),
-            0i64,
-            |a, b| a.wrapping_add(b),
-            |a| a,
-        )),
-        Data::I32(v) => Data::I32(scan_axis(
-            v,
-            s,
-            axis,
-            (exclusive, reverse),
-            0i32,
-            |a, b| a.wrapping_add(b),
-            |a| a,
-        )),
-        Data::Bool(_) => return Err("CumSum is not defined for bool".into()),
-        _ => {
-            let v = floats(x);
-            let r = scan_axis(
-                &v,
-                s,
-                axis,
-                (exclusive, reverse),
-                0f64,
-                |a, b| a + b as f64,
-                |a| a as f32,
-            );
-            from_f32(x.dtype(), r)
+/// Running sum along `axis` (ONNX CumSum with `exclusive` and `reverse`) into `out`.
+pub fn cumsum(
+    x: &TensorRef,
+    axis: usize,
+    exclusive: bool,
+    reverse: bool,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let s = x.shape;
+    let flags = (exclusive, reverse);
+    match x.data {
+        DataRef::I64(v) => {
+            let o = typed_mut::<i64>(out)?;
+            scan_axis(v, s, axis, flags, o, 0i64, |a, b| a.wrapping_add(b), |a| a)
         }
-    })
+        DataRef::I32(v) => {
+            let o = typed_mut::<i32>(out)?;
+            scan_axis(v, s, axis, flags, o, 0i32, |a, b| a.wrapping_add(b), |a| a)
+        }
+        DataRef::Bool(_) => return Err("CumSum is not defined for bool".into()),
+        _ => {
+            let [xs, os] = ws.f32s.take([stage_len(x.data), out_stage_len(out)]);
+            let v = floats(x.data, xs);
+            store_f32(out, os, |o| {
+                scan_axis(
+                    v,
+                    s,
+                    axis,
+                    flags,
+                    o,
+                    0f64,
+                    |a, b| a + b as f64,
+                    |a| a as f32,
+                )
+            });
+        }
+    }
+    Ok(())
 }

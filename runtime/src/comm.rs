@@ -1,0 +1,550 @@
+//! An in-process communicator: the ranks of a mesh are threads of one process, and each
+//! collective is a real exchange of data between them.
+//!
+//! One [`Communicator`] serves one group instance (the ranks of one group, in
+//! [`hzp_ir::Mesh::group_members`] order) on one stream, as NCCL communicators do: its members
+//! call [`Communicator::run`] with the same collectives in the same order. A call is a
+//! rendezvous: every member publishes where its input and output bytes are, then each member
+//! computes its own part of the result by reading the others' inputs in place (no staging
+//! copies), and no member leaves before every member has finished reading.
+//!
+//! Results are exactly those of the lockstep reference runner ([`crate::spmd::SpmdRunner`]):
+//! reductions run in member order (`((x0 + x1) + x2) + ...`, each partial result rounded to
+//! the dtype as the `Add` kernel rounds it), so a run is reproducible bit for bit. An
+//! all-reduce is split by elements: member `i` reduces the `i`-th chunk and writes it into
+//! every member's output, which is the same arithmetic per element, done once.
+//!
+//! Links can be emulated: a [`LinkModel`] says how long a collective takes, and the call does
+//! not return before that time has passed since the last member arrived.
+
+use half::{bf16, f16};
+use hzp_ir::{DType, Group, Op, ReduceOp};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a collective takes on emulated links.
+pub trait LinkModel: Send + Sync {
+    /// The duration of `op` over `group` moving `bytes` per rank (the output of an
+    /// all-gather, the input of the other collectives).
+    fn duration(&self, op: &Op, group: &Group, bytes: u64) -> Duration;
+}
+
+/// The bytes per rank a [`LinkModel`] is asked about: the output of an all-gather, the input
+/// otherwise (the convention of the cost model).
+pub fn collective_bytes(op: &Op, in_bytes: usize, out_bytes: usize) -> u64 {
+    match op {
+        Op::AllGather { .. } => out_bytes as u64,
+        _ => in_bytes as u64,
+    }
+}
+
+/// Where one member's operands are (set before the arrival barrier, read after it).
+#[derive(Default)]
+struct Slot {
+    input: AtomicUsize,
+    input_len: AtomicUsize,
+    output: AtomicUsize,
+    output_len: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Round {
+    arrived: usize,
+    arrive_gen: u64,
+    ready_at: Option<Instant>,
+    done: usize,
+    done_gen: u64,
+    /// An error any member found in its arguments; every member returns it.
+    error: Option<String>,
+}
+
+/// One group instance on one stream (see the [module docs](self)).
+pub struct Communicator {
+    n: usize,
+    slots: Vec<Slot>,
+    round: Mutex<Round>,
+    cv: Condvar,
+}
+
+/// How the members wait: an abort flag (set when any thread of the run fails) is polled so
+/// that a failed run never hangs.
+const POLL: Duration = Duration::from_millis(20);
+
+/// The reason a wait ended without its condition.
+pub const ABORTED: &str = "aborted: another rank or stream failed";
+
+impl Communicator {
+    /// A communicator for `n` members.
+    pub fn new(n: usize) -> Communicator {
+        Communicator {
+            n: n.max(1),
+            slots: (0..n.max(1)).map(|_| Slot::default()).collect(),
+            round: Mutex::new(Round::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> usize {
+        self.n
+    }
+
+    /// Runs one collective as member `me`. `dtype` and `in_shape` describe the input (the
+    /// same on every member); `input`/`output` are this member's bytes. Returns when the
+    /// result is in `output` (and, with `link`, not before the emulated duration).
+    ///
+    /// # Safety
+    /// `input` must stay valid and unmodified, and `output` valid and not accessed by
+    /// anyone else, until the call returns; other members read `input` and (all-reduce)
+    /// write `output` from their threads meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        me: usize,
+        op: &Op,
+        dtype: DType,
+        in_shape: &[usize],
+        input: *const u8,
+        input_len: usize,
+        output: *mut u8,
+        output_len: usize,
+        link: Option<(&dyn LinkModel, &Group)>,
+        abort: &AtomicBool,
+    ) -> Result<(), String> {
+        let n = self.n;
+        let slot = &self.slots[me];
+        slot.input.store(input as usize, Ordering::Relaxed);
+        slot.input_len.store(input_len, Ordering::Relaxed);
+        slot.output.store(output as usize, Ordering::Relaxed);
+        slot.output_len.store(output_len, Ordering::Relaxed);
+        let mine = check_args(op, dtype, in_shape, n, input_len, output_len);
+
+        // Arrive: the mutex orders the slot stores before every member's reads.
+        let ready_at = {
+            let mut r = self.lock()?;
+            if let Err(e) = &mine {
+                r.error.get_or_insert_with(|| e.clone());
+            }
+            let gen = r.arrive_gen;
+            r.arrived += 1;
+            if r.arrived == n {
+                r.arrived = 0;
+                r.arrive_gen += 1;
+                r.ready_at = Some(Instant::now());
+                self.cv.notify_all();
+            } else {
+                while r.arrive_gen == gen {
+                    r = self.wait(r, abort)?;
+                }
+            }
+            (r.ready_at.unwrap_or_else(Instant::now), r.error.clone())
+        };
+        let (ready_at, error) = ready_at;
+        let result = match error {
+            Some(e) => Err(e),
+            // SAFETY: every member has published valid operands (the caller's contract),
+            // checked against the op's shapes above.
+            None => unsafe { self.compute(me, op, dtype, in_shape) },
+        };
+
+        // Leave together: nobody's input may change before everyone has read it.
+        {
+            let mut r = self.lock()?;
+            let gen = r.done_gen;
+            r.done += 1;
+            if r.done == n {
+                r.done = 0;
+                r.done_gen += 1;
+                r.error = None;
+                self.cv.notify_all();
+            } else {
+                while r.done_gen == gen {
+                    r = self.wait(r, abort)?;
+                }
+            }
+        }
+        if let (Some((model, group)), Ok(())) = (link, &result) {
+            let d = model.duration(op, group, collective_bytes(op, input_len, output_len));
+            let until = ready_at + d;
+            let now = Instant::now();
+            if until > now {
+                std::thread::sleep(until - now);
+            }
+        }
+        result
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Round>, String> {
+        self.round
+            .lock()
+            .map_err(|_| "a communicator's lock was poisoned".to_string())
+    }
+
+    fn wait<'a>(
+        &self,
+        g: std::sync::MutexGuard<'a, Round>,
+        abort: &AtomicBool,
+    ) -> Result<std::sync::MutexGuard<'a, Round>, String> {
+        if abort.load(Ordering::Relaxed) {
+            return Err(ABORTED.into());
+        }
+        self.cv
+            .wait_timeout(g, POLL)
+            .map(|(g, _)| g)
+            .map_err(|_| "a communicator's lock was poisoned".to_string())
+    }
+
+    fn input(&self, j: usize) -> (*const u8, usize) {
+        let s = &self.slots[j];
+        (
+            s.input.load(Ordering::Relaxed) as *const u8,
+            s.input_len.load(Ordering::Relaxed),
+        )
+    }
+
+    fn output(&self, j: usize) -> *mut u8 {
+        self.slots[j].output.load(Ordering::Relaxed) as *mut u8
+    }
+
+    /// # Safety
+    /// Between the two barriers of [`Communicator::run`], with checked operands.
+    unsafe fn compute(&self, me: usize, op: &Op, dtype: DType, s: &[usize]) -> Result<(), String> {
+        let n = self.n;
+        let es = dtype.size_bytes();
+        let out = self.output(me);
+        match op {
+            Op::AllGather { axis, .. } => {
+                let outer: usize = s[..*axis].iter().product();
+                let blk = s[*axis..].iter().product::<usize>() * es;
+                for j in 0..n {
+                    let (src, _) = self.input(j);
+                    for o in 0..outer {
+                        std::ptr::copy_nonoverlapping(
+                            src.add(o * blk),
+                            out.add((o * n + j) * blk),
+                            blk,
+                        );
+                    }
+                }
+            }
+            Op::ReduceScatter { axis, reduce, .. } => {
+                let outer: usize = s[..*axis].iter().product();
+                let inner: usize = s[*axis + 1..].iter().product();
+                let len = s[*axis] / n;
+                let run = len * inner;
+                for o in 0..outer {
+                    let src = (o * s[*axis] + me * len) * inner;
+                    reduce_run(self, dtype, *reduce, src, &[out.add(o * run * es)], run)?;
+                }
+            }
+            Op::AllReduce { reduce, .. } => {
+                let total: usize = s.iter().product();
+                let (lo, hi) = (total * me / n, total * (me + 1) / n);
+                // Reduce this member's chunk once, into its own output, then copy it to the
+                // others' outputs.
+                let dst = out.add(lo * es);
+                reduce_run(self, dtype, *reduce, lo, &[dst], hi - lo)?;
+                for j in (0..n).filter(|&j| j != me) {
+                    std::ptr::copy_nonoverlapping(dst, self.output(j).add(lo * es), (hi - lo) * es);
+                }
+            }
+            Op::AllToAll {
+                split_axis,
+                concat_axis,
+                ..
+            } => {
+                // Member j's piece `me` along split_axis goes to block j along concat_axis.
+                let mut piece = s.to_vec();
+                piece[*split_axis] /= n;
+                let mut out_shape = piece.clone();
+                out_shape[*concat_axis] *= n;
+                for j in 0..n {
+                    let (src, _) = self.input(j);
+                    let mut src_at = vec![0; s.len()];
+                    src_at[*split_axis] = me * piece[*split_axis];
+                    let mut dst_at = vec![0; s.len()];
+                    dst_at[*concat_axis] = j * piece[*concat_axis];
+                    copy_block(src, s, &src_at, out, &out_shape, &dst_at, &piece, es);
+                }
+            }
+            Op::Broadcast { root, .. } => {
+                let (src, len) = self.input(*root);
+                std::ptr::copy_nonoverlapping(src, out, len);
+            }
+            other => return Err(format!("{} is not a collective", other.name())),
+        }
+        Ok(())
+    }
+}
+
+/// Checks one member's operands against the op (sizes, divisibility, supported reduction).
+fn check_args(
+    op: &Op,
+    dtype: DType,
+    s: &[usize],
+    n: usize,
+    input_len: usize,
+    output_len: usize,
+) -> Result<(), String> {
+    let es = dtype.size_bytes();
+    let numel: usize = s.iter().product();
+    let name = op.name();
+    if input_len != numel * es {
+        return Err(format!(
+            "{name}: the input holds {input_len} bytes, {dtype}{s:?} needs {}",
+            numel * es
+        ));
+    }
+    let axis_ok = |a: usize| -> Result<(), String> {
+        if a >= s.len() {
+            return Err(format!("{name}: axis {a} is out of range for {s:?}"));
+        }
+        Ok(())
+    };
+    let divisible = |a: usize| -> Result<(), String> {
+        axis_ok(a)?;
+        if !s[a].is_multiple_of(n) {
+            return Err(format!(
+                "{name}: dim {a} of {s:?} does not divide by the group size {n}"
+            ));
+        }
+        Ok(())
+    };
+    let want_out = match op {
+        Op::AllGather { axis, .. } => {
+            axis_ok(*axis)?;
+            numel * n
+        }
+        Op::ReduceScatter { axis, reduce, .. } => {
+            divisible(*axis)?;
+            check_reduce(*reduce, dtype)?;
+            numel / n
+        }
+        Op::AllReduce { reduce, .. } => {
+            check_reduce(*reduce, dtype)?;
+            numel
+        }
+        Op::AllToAll {
+            split_axis,
+            concat_axis,
+            ..
+        } => {
+            divisible(*split_axis)?;
+            axis_ok(*concat_axis)?;
+            numel
+        }
+        Op::Broadcast { root, .. } => {
+            if *root >= n {
+                return Err(format!(
+                    "{name}: root {root} is not below the group size {n}"
+                ));
+            }
+            numel
+        }
+        other => return Err(format!("{} is not a collective", other.name())),
+    };
+    if output_len != want_out * es {
+        return Err(format!(
+            "{name}: the output holds {output_len} bytes, the result needs {}",
+            want_out * es
+        ));
+    }
+    Ok(())
+}
+
+fn check_reduce(how: ReduceOp, dtype: DType) -> Result<(), String> {
+    if dtype == DType::Bool && matches!(how, ReduceOp::Mean) {
+        return Err("a mean reduction of bool data".into());
+    }
+    Ok(())
+}
+
+/// Copies a `block`-shaped box from `src` (of shape `ss`, starting at `sa`) into `dst` (of
+/// shape `ds`, starting at `da`); elements of `es` bytes, row-major.
+///
+/// # Safety
+/// Both boxes lie inside their buffers.
+#[allow(clippy::too_many_arguments)]
+unsafe fn copy_block(
+    src: *const u8,
+    ss: &[usize],
+    sa: &[usize],
+    dst: *mut u8,
+    ds: &[usize],
+    da: &[usize],
+    block: &[usize],
+    es: usize,
+) {
+    let r = block.len();
+    if r == 0 {
+        std::ptr::copy_nonoverlapping(src, dst, es);
+        return;
+    }
+    if block.contains(&0) {
+        return;
+    }
+    let strides = |shape: &[usize]| -> Vec<usize> {
+        let mut st = vec![1usize; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            st[i] = st[i + 1] * shape[i + 1];
+        }
+        st
+    };
+    let (sst, dst_st) = (strides(ss), strides(ds));
+    let run = block[r - 1] * es;
+    let mut idx = vec![0usize; r - 1];
+    loop {
+        let mut so = sa[r - 1];
+        let mut d_o = da[r - 1];
+        for k in 0..r - 1 {
+            so += (sa[k] + idx[k]) * sst[k];
+            d_o += (da[k] + idx[k]) * dst_st[k];
+        }
+        std::ptr::copy_nonoverlapping(src.add(so * es), dst.add(d_o * es), run);
+        // next index over the outer dims
+        let mut k = r - 1;
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            idx[k] += 1;
+            if idx[k] < block[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
+/// Reduces elements `from..from + count` of every member's input, in member order, into
+/// each of `dsts`.
+///
+/// # Safety
+/// Inside the barriers of a checked collective.
+unsafe fn reduce_run(
+    c: &Communicator,
+    dtype: DType,
+    how: ReduceOp,
+    from: usize,
+    dsts: &[*mut u8],
+    count: usize,
+) -> Result<(), String> {
+    if count == 0 {
+        return Ok(());
+    }
+    let n = c.n;
+    macro_rules! go {
+        ($t:ty, $add:expr, $mul:expr, $max:expr, $min:expr, $inv:expr) => {{
+            let dst = std::slice::from_raw_parts_mut(dsts[0] as *mut $t, count);
+            let (p0, _) = c.input(0);
+            let first = std::slice::from_raw_parts((p0 as *const $t).add(from), count);
+            dst.copy_from_slice(first);
+            for j in 1..n {
+                let (pj, _) = c.input(j);
+                let x = std::slice::from_raw_parts((pj as *const $t).add(from), count);
+                match how {
+                    ReduceOp::Sum | ReduceOp::Mean => {
+                        dst.iter_mut().zip(x).for_each(|(a, &b)| *a = $add(*a, b))
+                    }
+                    ReduceOp::Prod => dst.iter_mut().zip(x).for_each(|(a, &b)| *a = $mul(*a, b)),
+                    ReduceOp::Max => dst.iter_mut().zip(x).for_each(|(a, &b)| *a = $max(*a, b)),
+                    ReduceOp::Min => dst.iter_mut().zip(x).for_each(|(a, &b)| *a = $min(*a, b)),
+                }
+            }
+            if how == ReduceOp::Mean {
+                let s: $t = $inv(n);
+                dst.iter_mut().for_each(|a| *a = $mul(*a, s));
+            }
+            for &d in &dsts[1..] {
+                std::ptr::copy_nonoverlapping(dst.as_ptr(), d as *mut $t, count);
+            }
+        }};
+    }
+    fn fmax(a: f32, b: f32) -> f32 {
+        if a.is_nan() || b.is_nan() {
+            f32::NAN
+        } else {
+            a.max(b)
+        }
+    }
+    fn fmin(a: f32, b: f32) -> f32 {
+        if a.is_nan() || b.is_nan() {
+            f32::NAN
+        } else {
+            a.min(b)
+        }
+    }
+    fn half2<T>(
+        to: fn(T) -> f32,
+        from: fn(f32) -> T,
+        f: fn(f32, f32) -> f32,
+    ) -> impl Fn(T, T) -> T {
+        move |a, b| from(f(to(a), to(b)))
+    }
+    match dtype {
+        DType::F32 => go!(
+            f32,
+            |a: f32, b: f32| a + b,
+            |a: f32, b: f32| a * b,
+            fmax,
+            fmin,
+            |n: usize| (1.0 / n as f64) as f32
+        ),
+        DType::BF16 => go!(
+            bf16,
+            half2(bf16::to_f32, bf16::from_f32, |a, b| a + b),
+            half2(bf16::to_f32, bf16::from_f32, |a, b| a * b),
+            half2(bf16::to_f32, bf16::from_f32, fmax),
+            half2(bf16::to_f32, bf16::from_f32, fmin),
+            |n: usize| bf16::from_f64(1.0 / n as f64)
+        ),
+        DType::F16 => go!(
+            f16,
+            half2(f16::to_f32, f16::from_f32, |a, b| a + b),
+            half2(f16::to_f32, f16::from_f32, |a, b| a * b),
+            half2(f16::to_f32, f16::from_f32, fmax),
+            half2(f16::to_f32, f16::from_f32, fmin),
+            |n: usize| f16::from_f64(1.0 / n as f64)
+        ),
+        DType::I64 => go!(
+            i64,
+            |a: i64, b: i64| a.wrapping_add(b),
+            |a: i64, b: i64| a.wrapping_mul(b),
+            |a: i64, b: i64| a.max(b),
+            |a: i64, b: i64| a.min(b),
+            |n: usize| (1.0 / n as f64) as i64
+        ),
+        DType::I32 => go!(
+            i32,
+            |a: i32, b: i32| a.wrapping_add(b),
+            |a: i32, b: i32| a.wrapping_mul(b),
+            |a: i32, b: i32| a.max(b),
+            |a: i32, b: i32| a.min(b),
+            |n: usize| (1.0 / n as f64) as i32
+        ),
+        DType::Bool => {
+            // bool bytes are 0/1; sum = or, prod/min = and, max = or
+            let dst = std::slice::from_raw_parts_mut(dsts[0], count);
+            let (p0, _) = c.input(0);
+            dst.copy_from_slice(std::slice::from_raw_parts(p0.add(from), count));
+            for j in 1..n {
+                let (pj, _) = c.input(j);
+                let x = std::slice::from_raw_parts(pj.add(from), count);
+                match how {
+                    ReduceOp::Sum | ReduceOp::Max | ReduceOp::Mean => {
+                        dst.iter_mut().zip(x).for_each(|(a, &b)| *a |= b)
+                    }
+                    ReduceOp::Prod | ReduceOp::Min => {
+                        dst.iter_mut().zip(x).for_each(|(a, &b)| *a &= b)
+                    }
+                }
+            }
+            for &d in &dsts[1..] {
+                std::ptr::copy_nonoverlapping(dst.as_ptr(), d, count);
+            }
+        }
+    }
+    Ok(())
+}

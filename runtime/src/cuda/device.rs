@@ -1,0 +1,954 @@
+//! The CUDA executor (feature `cuda`): one process per GPU runs one rank of a lowered plan.
+//!
+//! Per rank: one device allocation (the arena, plus a 4-byte error word after it) holding
+//! every value at its planned offset; one CUDA stream per plan stream; one host thread per
+//! plan stream issuing that stream's work in program order (the compute thread launches
+//! kernels and cuBLAS products, the background threads issue the NCCL collectives), so the
+//! compute thread never waits to launch a collective. `RecordEvent`/`WaitEvent` are CUDA
+//! events; a waiting thread first waits on the host until the recording thread has *issued*
+//! the record of this step (never for its completion), then makes its stream wait on the
+//! event. NCCL communicators: one per (group instance, stream); rank 0 creates the unique ids
+//! and hands them to the others over the TCP rendezvous.
+//!
+//! Timing: CUDA events around every node give each stream's busy time; the compute stream's
+//! exposed communication is the time it stands still at waits on events of comm streams
+//! (events recorded just before and just after each such wait). In sync mode every node,
+//! collectives included, is issued on the compute stream in program order, and the
+//! collectives' time is the exposed communication.
+
+use super::kernels;
+use super::lower::{Arg, CollKind, Collective, Gemm, LoweredPlan, Work};
+use super::probe::{self, Lib};
+use super::rendezvous::{DistEnv, Rendezvous};
+use crate::exec::arena::{scalar_f64, tensor_from_bytes, write_tensor};
+use crate::exec::{cut_parameters, CommMode, ExecError, StepStats};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{result as drv, sys, CudaContext};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use cudarc::nvrtc::sys as nvrtc_sys;
+use hzp_ir::{DType, Plan, ReduceOp, Tensor, ValueId};
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How to run on the GPU.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    pub comm: CommMode,
+    /// How long the rendezvous and host-side event waits may take.
+    pub timeout: Duration,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            comm: CommMode::Async,
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+fn run_err(s: impl Into<String>) -> ExecError {
+    ExecError::Run(s.into())
+}
+
+fn drv_err(what: &str, e: drv::DriverError) -> ExecError {
+    let name = e
+        .error_name()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    run_err(format!("CUDA: {what}: {name}"))
+}
+
+/// Raw driver handles shared with the issuing threads.
+#[derive(Clone, Copy)]
+struct Handles {
+    streams: [sys::CUstream; 3],
+    base: sys::CUdeviceptr,
+}
+// SAFETY: CUDA streams and device pointers may be used from any thread of the context.
+unsafe impl Send for Handles {}
+unsafe impl Sync for Handles {}
+
+struct Events(Vec<sys::CUevent>);
+// SAFETY: events may be recorded and waited on from any thread of the context.
+unsafe impl Send for Events {}
+unsafe impl Sync for Events {}
+
+struct Comms(Vec<Option<nccl_sys::ncclComm_t>>);
+// SAFETY: each communicator is used by the one thread of its stream (and at set-up/teardown
+// by the main thread while no other runs).
+unsafe impl Send for Comms {}
+unsafe impl Sync for Comms {}
+
+struct Blas(sys_handle::Handle);
+mod sys_handle {
+    pub struct Handle(pub cudarc::cublas::sys::cublasHandle_t);
+    // SAFETY: the handle is used only by the compute-stream thread (or the sync thread).
+    unsafe impl Send for Handle {}
+    unsafe impl Sync for Handle {}
+}
+
+/// Host-side "the record of event e for step s was issued".
+struct Issued {
+    stamp: Mutex<Vec<u64>>,
+    cv: Condvar,
+}
+
+/// One rank of a plan on this process's GPU.
+pub struct CudaExecutor {
+    plan: Plan,
+    low: LoweredPlan,
+    dist: DistEnv,
+    rdv: Rendezvous,
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    functions: HashMap<String, sys::CUfunction>,
+    h: Handles,
+    /// Plan events (dense index).
+    events: Events,
+    /// Per node: (start, end) timing events; per compute-stream wait on a comm stream, the
+    /// (before, after) pair in `wait_timing`.
+    node_timing: Events,
+    wait_timing: Vec<Option<(usize, usize)>>,
+    comms: Comms,
+    blas: Blas,
+    opts: CudaOptions,
+    steps_run: usize,
+}
+
+// SAFETY: all raw handles are owned by the executor and used under the rules above.
+unsafe impl Send for CudaExecutor {}
+// SAFETY: the issuing threads share the executor read-only: module and function handles are
+// immutable once loaded and usable from any thread of the context; each stream, its
+// communicators and the cuBLAS handle (compute stream) are used by one thread at a time.
+unsafe impl Sync for CudaExecutor {}
+
+impl CudaExecutor {
+    /// Probes the libraries, opens this process's GPU (`LOCAL_RANK` modulo the device count),
+    /// compiles the kernels, allocates the arena, places this rank's parameter shards, states
+    /// and constants, connects the process group and creates the NCCL communicators.
+    pub fn new(
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        opts: CudaOptions,
+    ) -> Result<CudaExecutor, ExecError> {
+        let dist = DistEnv::from_env().map_err(run_err)?;
+        let world = plan.mesh.world_size();
+        if dist.world_size != world {
+            return Err(ExecError::Plan(format!(
+                "the plan's mesh {} has {world} ranks, but WORLD_SIZE is {} (start {world} processes: hzp launch --nproc-per-node {world} -- run ...)",
+                plan.mesh, dist.world_size
+            )));
+        }
+        let mut need = vec![Lib::Driver, Lib::Nvrtc, Lib::Cublas, Lib::CublasLt];
+        if world > 1 {
+            need.push(Lib::Nccl);
+        }
+        let pr = probe::probe();
+        pr.require(&need, "hzp run --backend cuda")
+            .map_err(run_err)?;
+        pr.preload(&need).map_err(run_err)?;
+
+        // Refuse what the backend cannot run before touching the device.
+        let low = super::lower::lower_program(plan, dist.rank).map_err(ExecError::Plan)?;
+        let shards = cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
+
+        drv::init()
+            .map_err(|e| drv_err("cuInit (the driver loaded, but found no usable GPU)", e))?;
+        let count = drv::device::get_count().map_err(|e| drv_err("cuDeviceGetCount", e))?;
+        if count <= 0 {
+            return Err(run_err(
+                "hzp run --backend cuda: the CUDA driver loaded but reports no CUDA device",
+            ));
+        }
+        if dist.local_world_size > count as usize {
+            return Err(run_err(format!(
+                "LOCAL_WORLD_SIZE is {} but this machine has {count} CUDA device(s)",
+                dist.local_world_size
+            )));
+        }
+        let ordinal = dist.local_rank % count as usize;
+        let ctx = CudaContext::new(ordinal).map_err(|e| drv_err("creating the context", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| drv_err("reading the compute capability", e))?;
+        let image = compile_kernels(major, minor)?;
+        // SAFETY: the image is a complete cubin from NVRTC; the context is current.
+        let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(|e| drv_err("loading the compiled kernels", e))?;
+
+        let mut functions = HashMap::new();
+        for nw in &low.nodes {
+            for w in &nw.work {
+                if let Work::Kernel(l) = w {
+                    if !functions.contains_key(&l.kernel) {
+                        let name = CString::new(l.kernel.clone()).expect("kernel names are ASCII");
+                        // SAFETY: module is loaded.
+                        let f =
+                            unsafe { drv::module::get_function(module, name) }.map_err(|e| {
+                                drv_err(&format!("kernel `{}` (node `{}`)", l.kernel, nw.name), e)
+                            })?;
+                        functions.insert(l.kernel.clone(), f);
+                    }
+                }
+            }
+        }
+
+        // The arena: one allocation for the whole run.
+        // SAFETY: plain allocation on the current context.
+        let base = unsafe { drv::malloc_sync(low.alloc_bytes as usize) }
+            .map_err(|e| drv_err(&format!("allocating the {}-byte arena", low.alloc_bytes), e))?;
+        // SAFETY: base..base+alloc_bytes was just allocated.
+        unsafe { drv::memset_d8_sync(base, 0, low.alloc_bytes as usize) }
+            .map_err(|e| drv_err("clearing the arena", e))?;
+        let mut streams = [std::ptr::null_mut(); 3];
+        for s in streams.iter_mut() {
+            *s = drv::stream::create(drv::stream::StreamKind::NonBlocking)
+                .map_err(|e| drv_err("creating a stream", e))?;
+        }
+        let h = Handles { streams, base };
+
+        let mk = |flags| drv::event::create(flags).map_err(|e| drv_err("creating an event", e));
+        let events = Events(
+            (0..low.n_events)
+                .map(|_| mk(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .collect::<Result<_, _>>()?,
+        );
+        let mut timing = Vec::new();
+        let mut wait_timing = vec![None; low.nodes.len()];
+        for (i, nw) in low.nodes.iter().enumerate() {
+            timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+            timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+            if nw.stream == 0 {
+                if let Some(Work::Wait(e)) = nw.work.first() {
+                    if low.event_stream[*e] != 0 {
+                        timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+                        timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+                        wait_timing[i] = Some((timing.len() - 2, timing.len() - 1));
+                    }
+                }
+            }
+        }
+
+        let blas_h = blas::create_handle()
+            .map_err(|e| run_err(format!("cuBLAS: creating a handle: {e:?}")))?;
+        // SAFETY: both handles are live.
+        unsafe { blas::set_stream(blas_h, streams[0] as _) }
+            .map_err(|e| run_err(format!("cuBLAS: setting the stream: {e:?}")))?;
+
+        let rdv = Rendezvous::connect(&dist, opts.timeout).map_err(|e| run_err(e.to_string()))?;
+        let mut ex = CudaExecutor {
+            plan: plan.clone(),
+            low,
+            dist,
+            rdv,
+            ctx,
+            module,
+            functions,
+            h,
+            events,
+            node_timing: Events(timing),
+            wait_timing,
+            comms: Comms(Vec::new()),
+            blas: Blas(sys_handle::Handle(blas_h)),
+            opts,
+            steps_run: 0,
+        };
+        ex.check_same_plan()?;
+        ex.create_comms()?;
+        for (v, t) in &shards[ex.dist.rank] {
+            ex.write(*v, t)?;
+        }
+        let consts: Vec<(ValueId, Tensor)> = ex
+            .plan
+            .program
+            .consts
+            .iter()
+            .map(|c| (c.value, c.data.clone()))
+            .collect();
+        for (v, t) in &consts {
+            ex.write(*v, t)?;
+        }
+        Ok(ex)
+    }
+
+    /// Every rank must run the same plan: all-gather the content hashes.
+    fn check_same_plan(&mut self) -> Result<(), ExecError> {
+        let all = self
+            .rdv
+            .all_gather(self.plan.content_hash.as_bytes())
+            .map_err(|e| run_err(e.to_string()))?;
+        if let Some((r, h)) = all
+            .iter()
+            .enumerate()
+            .find(|(_, h)| h.as_slice() != self.plan.content_hash.as_bytes())
+        {
+            return Err(run_err(format!(
+                "rank {r} runs a different plan (content hash {}) than rank {} ({})",
+                String::from_utf8_lossy(h),
+                self.dist.rank,
+                self.plan.content_hash
+            )));
+        }
+        Ok(())
+    }
+
+    /// NCCL communicators: rank 0 makes one unique id per (communicator key, instance) and
+    /// broadcasts them; each rank joins its instances in the one order every rank uses.
+    fn create_comms(&mut self) -> Result<(), ExecError> {
+        let mesh = self.plan.mesh.clone();
+        let world = mesh.world_size();
+        // instances of each key: the distinct member lists over all ranks, by first member
+        let mut table: Vec<Vec<Vec<usize>>> = Vec::new();
+        for k in &self.low.comms {
+            let g = hzp_ir::Group {
+                axes: k.axes.clone(),
+            };
+            let mut inst: Vec<Vec<usize>> = Vec::new();
+            for r in 0..world {
+                let m = mesh.group_members(&g, r).unwrap_or_default();
+                if !inst.contains(&m) {
+                    inst.push(m);
+                }
+            }
+            inst.sort();
+            table.push(inst);
+        }
+        let n_ids: usize = table
+            .iter()
+            .zip(&self.low.comms)
+            .filter(|(_, k)| k.members.len() > 1)
+            .map(|(t, _)| t.len())
+            .sum();
+        const ID: usize = 128;
+        let ids = if n_ids == 0 {
+            Vec::new()
+        } else if self.dist.rank == 0 {
+            let mut b = Vec::with_capacity(n_ids * ID);
+            for _ in 0..n_ids {
+                let id = nccl::get_uniqueid()
+                    .map_err(|e| run_err(format!("NCCL: ncclGetUniqueId: {e:?}")))?;
+                b.extend(id.internal.iter().map(|&c| c as u8));
+            }
+            self.rdv
+                .broadcast(Some(&b))
+                .map_err(|e| run_err(e.to_string()))?
+        } else {
+            self.rdv
+                .broadcast(None)
+                .map_err(|e| run_err(e.to_string()))?
+        };
+        if ids.len() != n_ids * ID {
+            return Err(run_err(format!(
+                "rank 0 sent {} bytes of NCCL ids, expected {}",
+                ids.len(),
+                n_ids * ID
+            )));
+        }
+        let mut at = 0;
+        let mut comms = Vec::new();
+        for (k, inst) in self.low.comms.iter().zip(&table) {
+            if k.members.len() <= 1 {
+                comms.push(None);
+                continue;
+            }
+            let which = inst.iter().position(|m| *m == k.members).unwrap_or(0);
+            let slot = at + which;
+            at += inst.len();
+            let mut id = nccl_sys::ncclUniqueId { internal: [0; 128] };
+            for (d, s) in id.internal.iter_mut().zip(&ids[slot * ID..(slot + 1) * ID]) {
+                *d = *s as _;
+            }
+            let mut comm = std::ptr::null_mut();
+            // SAFETY: a fresh communicator handle; every member calls this with the same id.
+            unsafe { nccl::comm_init_rank(&mut comm, k.members.len() as i32, id, k.member as i32) }
+                .map_err(|e| {
+                    run_err(format!(
+                        "NCCL: joining the communicator of group [{}] (ranks {:?}) on stream {}: {e:?}",
+                        k.axes.join(","),
+                        k.members,
+                        k.stream
+                    ))
+                })?;
+            comms.push(Some(comm));
+        }
+        self.comms = Comms(comms);
+        Ok(())
+    }
+
+    fn write(&self, v: ValueId, t: &Tensor) -> Result<(), ExecError> {
+        let (off, bytes) = self.low.loc[v.index()];
+        let mut host = vec![0u8; bytes as usize];
+        write_tensor(t, &mut host).map_err(run_err)?;
+        if bytes > 0 {
+            // SAFETY: the value's buffer lies inside the arena; synchronous copy.
+            unsafe { drv::memcpy_htod_sync(self.h.base + off, &host) }
+                .map_err(|e| drv_err("copying to the GPU", e))?;
+        }
+        Ok(())
+    }
+
+    fn read(&self, v: ValueId) -> Result<Tensor, ExecError> {
+        let (off, bytes) = self.low.loc[v.index()];
+        let mut host = vec![0u8; bytes as usize];
+        if bytes > 0 {
+            // SAFETY: inside the arena; no stream runs between steps.
+            unsafe { drv::memcpy_dtoh_sync(&mut host, self.h.base + off) }
+                .map_err(|e| drv_err("copying from the GPU", e))?;
+        }
+        Ok(tensor_from_bytes(self.plan.program.ty(v), &host))
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.dist.rank
+    }
+
+    /// Sets the global batch; this rank takes rows `[r*b, (r+1)*b)` of every input.
+    pub fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        let w = self.plan.mesh.world_size();
+        let r = self.dist.rank;
+        for &v in &self.plan.program.inputs.clone() {
+            let val = self.plan.program.value(v).clone();
+            let (_, t) = global.iter().find(|(k, _)| *k == val.name).ok_or_else(|| {
+                ExecError::Inputs(format!("no array `{}` in the inputs", val.name))
+            })?;
+            let mut want = val.ty.clone();
+            if let Some(d) = want.shape.first_mut() {
+                *d *= w;
+            }
+            if t.ty() != want {
+                return Err(ExecError::Inputs(format!(
+                    "input `{}` is {}, but the plan needs {want} (the global batch for {w} ranks of {})",
+                    val.name,
+                    t.ty(),
+                    val.ty
+                )));
+            }
+            let (off, bytes) = self.low.loc[v.index()];
+            let src = crate::exec::arena::data_bytes(&t.data);
+            let part = &src[r * bytes as usize..(r + 1) * bytes as usize];
+            if bytes > 0 {
+                // SAFETY: the input's buffer; between steps.
+                unsafe { drv::memcpy_htod_sync(self.h.base + off, part) }
+                    .map_err(|e| drv_err("copying inputs to the GPU", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step; every rank must call it.
+    pub fn step(&mut self) -> Result<StepStats, ExecError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv_err("binding the context", e))?;
+        let step = self.steps_run + 1;
+        let t0 = Instant::now();
+        let issued = Issued {
+            stamp: Mutex::new(vec![0; self.low.n_events]),
+            cv: Condvar::new(),
+        };
+        let abort = AtomicBool::new(false);
+        let sync = self.opts.comm == CommMode::Sync;
+        let threads: Vec<usize> = if sync { vec![0] } else { vec![0, 1, 2] };
+        let this = &*self;
+        let results: Vec<Result<(), ExecError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = threads
+                .iter()
+                .map(|&st| {
+                    let (issued, abort) = (&issued, &abort);
+                    s.spawn(move || {
+                        let r = this.issue_stream(st, sync, step as u64, issued, abort);
+                        if r.is_err() {
+                            abort.store(true, Ordering::SeqCst);
+                            issued.cv.notify_all();
+                        }
+                        r
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(run_err("an issuing thread panicked")))
+                })
+                .collect()
+        });
+        for r in results {
+            r?;
+        }
+        for &st in &self.h.streams {
+            // SAFETY: live stream.
+            unsafe { drv::stream::synchronize(st) }
+                .map_err(|e| drv_err("finishing the step", e))?;
+        }
+        self.check_error_word(step)?;
+        // updates, in order, on the compute stream
+        for &(v, t, bytes) in &self.low.updates {
+            if bytes > 0 && v != t {
+                // SAFETY: both ranges inside the arena; the streams are idle.
+                unsafe { drv::memcpy_dtod_sync(self.h.base + t, self.h.base + v, bytes as usize) }
+                    .map_err(|e| drv_err("applying the updates", e))?;
+            }
+        }
+        let wall = t0.elapsed();
+        let loss = match self.plan.program.outputs.first() {
+            Some(&o) => {
+                let t = self.read(o)?;
+                let b = crate::exec::arena::data_bytes(&t.data).to_vec();
+                scalar_f64(t.dtype(), &b)
+            }
+            None => None,
+        };
+        let mut busy = [Duration::ZERO; 3];
+        let mut exposed = Duration::ZERO;
+        for (i, nw) in self.low.nodes.iter().enumerate() {
+            let ms = self.elapsed(2 * i, 2 * i + 1)?;
+            let d = Duration::from_secs_f64(ms as f64 / 1e3);
+            let is_coll = nw.work.iter().any(|w| matches!(w, Work::Collective(_)));
+            busy[nw.stream] += d;
+            if sync && is_coll {
+                exposed += d;
+            }
+            if let (false, Some((a, b))) = (sync, self.wait_timing[i]) {
+                exposed += Duration::from_secs_f64(self.elapsed(a, b)? as f64 / 1e3);
+            }
+        }
+        self.steps_run = step;
+        Ok(StepStats {
+            step,
+            loss,
+            wall,
+            busy,
+            exposed_comm: exposed,
+        })
+    }
+
+    fn elapsed(&self, a: usize, b: usize) -> Result<f32, ExecError> {
+        // SAFETY: both events were recorded this step and the streams are synchronized.
+        unsafe { drv::event::elapsed(self.node_timing.0[a], self.node_timing.0[b]) }
+            .map_err(|e| drv_err("reading the timing events", e))
+    }
+
+    fn check_error_word(&self, step: usize) -> Result<(), ExecError> {
+        let mut word = [0i32; 1];
+        // SAFETY: the 4-byte error word after the arena.
+        unsafe { drv::memcpy_dtoh_sync(&mut word, self.h.base + self.low.err_offset) }
+            .map_err(|e| drv_err("reading the error word", e))?;
+        if word[0] == 0 {
+            return Ok(());
+        }
+        let ni = (word[0] - 1) as usize;
+        let n = &self.plan.program.nodes[ni.min(self.plan.program.nodes.len() - 1)];
+        let message = match n.op.name() {
+            "Div" | "Mod" => "integer division by zero",
+            "Pow" => "0 raised to a negative integer power",
+            _ => "an index is out of range",
+        };
+        Err(ExecError::Node {
+            step,
+            rank: self.dist.rank,
+            node: n.name.clone(),
+            op: n.op.name(),
+            message: message.into(),
+        })
+    }
+
+    /// Issues stream `st`'s nodes (all nodes in sync mode) in program order.
+    fn issue_stream(
+        &self,
+        st: usize,
+        sync: bool,
+        step: u64,
+        issued: &Issued,
+        abort: &AtomicBool,
+    ) -> Result<(), ExecError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv_err("binding the context", e))?;
+        let stream = self.h.streams[st];
+        let t = &self.node_timing.0;
+        for (i, nw) in self.low.nodes.iter().enumerate() {
+            if !sync && nw.stream != st {
+                continue;
+            }
+            if abort.load(Ordering::SeqCst) {
+                return Err(run_err("stopped: another stream failed"));
+            }
+            let node_err = |m: String| ExecError::Node {
+                step: step as usize,
+                rank: self.dist.rank,
+                node: nw.name.clone(),
+                op: nw.op,
+                message: m,
+            };
+            // SAFETY (all driver calls below): live handles of the current context; every
+            // pointer is base + an offset inside the arena, as lowered from the plan.
+            unsafe {
+                if let (false, Some((a, _))) = (sync, self.wait_timing[i]) {
+                    drv::event::record(t[a], stream).map_err(|e| drv_err("recording", e))?;
+                }
+                drv::event::record(t[2 * i], stream).map_err(|e| drv_err("recording", e))?;
+                for w in &nw.work {
+                    match w {
+                        Work::Record(e) => {
+                            if !sync {
+                                drv::event::record(self.events.0[*e], stream)
+                                    .map_err(|e| drv_err("recording an event", e))?;
+                                let mut g = issued.stamp.lock().map_err(|_| run_err("poisoned"))?;
+                                g[*e] = step;
+                                issued.cv.notify_all();
+                            }
+                        }
+                        Work::Wait(e) => {
+                            if !sync {
+                                self.wait_issued(*e, step, issued, abort)?;
+                                drv::stream::wait_event(
+                                    stream,
+                                    self.events.0[*e],
+                                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                                )
+                                .map_err(|e| drv_err("waiting on an event", e))?;
+                            }
+                        }
+                        Work::Copy { src, dst, bytes } => {
+                            drv::memcpy_dtod_async(
+                                self.h.base + dst,
+                                self.h.base + src,
+                                *bytes as usize,
+                                stream,
+                            )
+                            .map_err(|e| drv_err("copying", e))?;
+                        }
+                        Work::Kernel(l) => self.launch(l, stream).map_err(node_err)?,
+                        Work::Gemm(g) => self.gemm(g).map_err(node_err)?,
+                        Work::Collective(c) => self.collective(c, stream).map_err(node_err)?,
+                    }
+                }
+                drv::event::record(t[2 * i + 1], stream).map_err(|e| drv_err("recording", e))?;
+                if let (false, Some((_, b))) = (sync, self.wait_timing[i]) {
+                    drv::event::record(t[b], stream).map_err(|e| drv_err("recording", e))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_issued(
+        &self,
+        e: usize,
+        step: u64,
+        issued: &Issued,
+        abort: &AtomicBool,
+    ) -> Result<(), ExecError> {
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut g = issued.stamp.lock().map_err(|_| run_err("poisoned"))?;
+        while g[e] < step {
+            if abort.load(Ordering::SeqCst) {
+                return Err(run_err("stopped: another stream failed"));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(run_err(format!(
+                    "timed out waiting for event {e} to be recorded"
+                )));
+            }
+            g = issued
+                .cv
+                .wait_timeout(g, left.min(Duration::from_millis(100)))
+                .map_err(|_| run_err("poisoned"))?
+                .0;
+        }
+        Ok(())
+    }
+
+    unsafe fn launch(&self, l: &super::lower::Launch, stream: sys::CUstream) -> Result<(), String> {
+        let f = *self
+            .functions
+            .get(&l.kernel)
+            .ok_or_else(|| format!("kernel `{}` not loaded", l.kernel))?;
+        // each argument's bytes, 8-byte aligned storage
+        let mut store: Vec<Vec<u64>> = Vec::with_capacity(l.args.len());
+        for a in &l.args {
+            let bytes: Vec<u8> = match a {
+                Arg::I32(v) => v.to_le_bytes().to_vec(),
+                Arg::I64(v) => v.to_le_bytes().to_vec(),
+                Arg::F32(v) => v.to_le_bytes().to_vec(),
+                Arg::Ptr(off) => (self.h.base + off).to_le_bytes().to_vec(),
+                Arg::Null => 0u64.to_le_bytes().to_vec(),
+                Arg::ErrFlag => (self.h.base + self.low.err_offset).to_le_bytes().to_vec(),
+                Arg::Nd(nd) => nd.to_bytes(),
+                Arg::Bits { bits, len } => bits.to_le_bytes()[..*len].to_vec(),
+            };
+            let mut words = vec![0u64; bytes.len().div_ceil(8)];
+            // SAFETY: words holds at least bytes.len() bytes.
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                words.as_mut_ptr() as *mut u8,
+                bytes.len(),
+            );
+            store.push(words);
+        }
+        let mut params: Vec<*mut c_void> = store
+            .iter_mut()
+            .map(|w| w.as_mut_ptr() as *mut c_void)
+            .collect();
+        drv::launch_kernel(f, (l.grid, 1, 1), (l.block, 1, 1), 0, stream, &mut params).map_err(
+            |e| {
+                format!(
+                    "launching `{}`: {:?}",
+                    l.kernel,
+                    e.error_name().map(|c| c.to_owned())
+                )
+            },
+        )
+    }
+
+    unsafe fn gemm(&self, g: &Gemm) -> Result<(), String> {
+        use blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let ty = match g.dtype {
+            DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            DType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+            d => return Err(format!("MatMul of {d}")),
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        for &(a, b, c) in &g.calls {
+            // row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T
+            blas::gemm_strided_batched_ex(
+                self.blas.0 .0,
+                CUBLAS_OP_N,
+                CUBLAS_OP_N,
+                g.n as i32,
+                g.m as i32,
+                g.k as i32,
+                &alpha as *const f32 as *const c_void,
+                (self.h.base + b) as *const c_void,
+                ty,
+                g.n as i32,
+                g.stride_b,
+                (self.h.base + a) as *const c_void,
+                ty,
+                g.k as i32,
+                g.stride_a,
+                &beta as *const f32 as *const c_void,
+                (self.h.base + c) as *mut c_void,
+                ty,
+                g.n as i32,
+                g.stride_c,
+                g.batch as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+            .map_err(|e| format!("cuBLAS: {e:?}"))?;
+        }
+        Ok(())
+    }
+
+    unsafe fn collective(&self, c: &Collective, stream: sys::CUstream) -> Result<(), String> {
+        let esz = match c.dtype {
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::I64 => 8,
+            DType::Bool => 1,
+        };
+        let (send, recv) = (self.h.base + c.send, self.h.base + c.recv);
+        let Some(comm) = self.comms.0.get(c.comm).copied().flatten() else {
+            // a group of one: the result is the input
+            let bytes = c.count * esz;
+            return drv::memcpy_dtod_async(recv, send, bytes, stream).map_err(|e| format!("{e:?}"));
+        };
+        let ty = match c.dtype {
+            DType::F32 => nccl_sys::ncclDataType_t::ncclFloat32,
+            DType::BF16 => nccl_sys::ncclDataType_t::ncclBfloat16,
+            DType::F16 => nccl_sys::ncclDataType_t::ncclFloat16,
+            DType::I64 => nccl_sys::ncclDataType_t::ncclInt64,
+            DType::I32 => nccl_sys::ncclDataType_t::ncclInt32,
+            DType::Bool => nccl_sys::ncclDataType_t::ncclUint8,
+        };
+        let op = match (c.reduce, c.dtype == DType::Bool) {
+            (ReduceOp::Sum, false) => nccl_sys::ncclRedOp_t::ncclSum,
+            (ReduceOp::Mean, _) => nccl_sys::ncclRedOp_t::ncclAvg,
+            (ReduceOp::Prod, false) => nccl_sys::ncclRedOp_t::ncclProd,
+            (ReduceOp::Max, _) | (ReduceOp::Sum, true) => nccl_sys::ncclRedOp_t::ncclMax,
+            (ReduceOp::Min, _) | (ReduceOp::Prod, true) => nccl_sys::ncclRedOp_t::ncclMin,
+        };
+        let s = stream as nccl_sys::cudaStream_t;
+        let (sp, rp) = (send as *const c_void, recv as *mut c_void);
+        let r = match c.kind {
+            CollKind::AllGather => nccl::all_gather(sp, rp, c.count, ty, comm, s),
+            CollKind::ReduceScatter => {
+                nccl::reduce_scatter(sp, rp, c.count / c.size, ty, op, comm, s)
+            }
+            CollKind::AllReduce => nccl::all_reduce(sp, rp, c.count, ty, op, comm, s),
+            CollKind::Broadcast => nccl::broadcast(sp, rp, c.count, ty, c.root as i32, comm, s),
+            CollKind::AllToAll => {
+                let chunk = c.count / c.size;
+                nccl::group_start().map_err(|e| format!("NCCL: {e:?}"))?;
+                for peer in 0..c.size {
+                    let off = (peer * chunk * esz) as u64;
+                    nccl::send(
+                        (send + off) as *const c_void,
+                        chunk,
+                        ty,
+                        peer as i32,
+                        comm,
+                        s,
+                    )
+                    .map_err(|e| format!("NCCL: {e:?}"))?;
+                    nccl::recv((recv + off) as *mut c_void, chunk, ty, peer as i32, comm, s)
+                        .map_err(|e| format!("NCCL: {e:?}"))?;
+                }
+                nccl::group_end()
+            }
+        };
+        r.map(|_| ()).map_err(|e| format!("NCCL: {e:?}"))
+    }
+
+    /// The full parameters, put back together from every rank's master shard (gathered to
+    /// every rank over the rendezvous connection). Every rank must call it.
+    pub fn parameters(&mut self) -> Result<Vec<(String, Tensor)>, ExecError> {
+        let p = self.plan.program.clone();
+        let mut mine = Vec::new();
+        for prm in &p.params {
+            let t = self.read(prm.value)?;
+            mine.extend_from_slice(crate::exec::arena::data_bytes(&t.data));
+        }
+        let all = self
+            .rdv
+            .all_gather(&mine)
+            .map_err(|e| run_err(e.to_string()))?;
+        let mut out = Vec::new();
+        for l in &self.plan.layouts {
+            let Some(k) = p
+                .params
+                .iter()
+                .position(|x| p.value(x.value).name == l.name)
+            else {
+                continue;
+            };
+            // byte offset of parameter k in every rank's concatenation
+            let off: usize = p.params[..k]
+                .iter()
+                .map(|x| p.ty(x.value).size_bytes())
+                .sum();
+            let len = p.ty(p.params[k].value).size_bytes();
+            let members = self
+                .plan
+                .mesh
+                .group_members(&l.optim_group, 0)
+                .unwrap_or_else(|| vec![0]);
+            let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
+            for m in members {
+                let b = all
+                    .get(m)
+                    .and_then(|b| b.get(off..off + len))
+                    .ok_or_else(|| run_err(format!("rank {m} sent too few parameter bytes")))?;
+                flat.extend(
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+            }
+            flat.truncate(l.numel);
+            out.push((l.name.clone(), Tensor::f32(l.shape.clone(), flat)));
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: tear-down of handles this executor created; errors are ignored on the way out.
+        unsafe {
+            for &s in &self.h.streams {
+                let _ = drv::stream::synchronize(s);
+            }
+            for c in self.comms.0.iter().flatten() {
+                let _ = nccl::comm_destroy(*c);
+            }
+            let _ = blas::destroy_handle(self.blas.0 .0);
+            for &e in self.events.0.iter().chain(&self.node_timing.0) {
+                let _ = drv::event::destroy(e);
+            }
+            for &s in &self.h.streams {
+                let _ = drv::stream::destroy(s);
+            }
+            let _ = drv::free_sync(self.h.base);
+            let _ = drv::module::unload(self.module);
+        }
+    }
+}
+
+/// Compiles the kernel sources for compute capability `major.minor` to a cubin (no PTX JIT,
+/// so a driver older than the NVRTC is fine).
+pub fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, ExecError> {
+    compile(&format!("--gpu-architecture=sm_{major}{minor}"), true)
+        .map_err(|e| run_err(format!("NVRTC: {e}")))
+}
+
+/// Compiles the kernel sources with NVRTC for `arch` (e.g. `--gpu-architecture=compute_80`);
+/// returns the cubin (`cubin`) or the PTX. Errors carry NVRTC's log.
+pub fn compile(arch: &str, cubin: bool) -> Result<Vec<u8>, String> {
+    let src = CString::new(kernels::source()).map_err(|_| "the kernel source holds a NUL byte")?;
+    let name = CString::new("hzp_kernels.cu").expect("no NUL");
+    let opts: Vec<CString> = [arch, "--std=c++17", "--use_fast_math=false"]
+        .iter()
+        .filter(|o| !o.contains("fast_math"))
+        .map(|o| CString::new(*o).expect("no NUL"))
+        .collect();
+    let ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    let ok = nvrtc_sys::nvrtcResult::NVRTC_SUCCESS;
+    // SAFETY: NVRTC calls with valid C strings and out-pointers; the program is destroyed
+    // on every path.
+    unsafe {
+        let mut prog = std::ptr::null_mut();
+        let r = nvrtc_sys::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            name.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        );
+        if r != ok {
+            return Err(format!("nvrtcCreateProgram: {r:?}"));
+        }
+        let r = nvrtc_sys::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr());
+        let result = if r != ok {
+            let mut n = 0usize;
+            nvrtc_sys::nvrtcGetProgramLogSize(prog, &mut n);
+            let mut log = vec![0 as std::ffi::c_char; n.max(1)];
+            nvrtc_sys::nvrtcGetProgramLog(prog, log.as_mut_ptr());
+            let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+            Err(format!("compiling the kernels failed ({r:?}):\n{log}"))
+        } else {
+            let mut n = 0usize;
+            let r = if cubin {
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut n)
+            } else {
+                nvrtc_sys::nvrtcGetPTXSize(prog, &mut n)
+            };
+            if r != ok {
+                Err(format!("reading the compiled code: {r:?}"))
+            } else {
+                let mut out = vec![0u8; n];
+                let r = if cubin {
+                    nvrtc_sys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut std::ffi::c_char)
+                } else {
+                    nvrtc_sys::nvrtcGetPTX(prog, out.as_mut_ptr() as *mut std::ffi::c_char)
+                };
+                if r != ok {
+                    Err(format!("reading the compiled code: {r:?}"))
+                } else {
+                    Ok(out)
+                }
+            }
+        };
+        nvrtc_sys::nvrtcDestroyProgram(&mut prog);
+        result
+    }
+}

@@ -1,0 +1,71 @@
+//! The CUDA kernel sources (compiled at run time by NVRTC) and what they define.
+
+/// Common definitions (types, bf16/f16 conversions, the n-d walk, block reductions).
+pub const COMMON: &str = include_str!("kernels/common.cuh");
+/// Unary, Binary, Where, Cast, Fill.
+pub const ELEMENTWISE: &str = include_str!("kernels/elementwise.cu");
+/// Softmax, LayerNorm/RmsNorm, Reduce, ArgMax, CumSum.
+pub const REDUCE: &str = include_str!("kernels/reduce.cu");
+/// Copies through n-d walks, Trilu, Gather*, Scatter*, OneHot, TopK.
+pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
+
+/// The whole program NVRTC compiles, in dependency order.
+pub fn source() -> String {
+    [COMMON, ELEMENTWISE, REDUCE, MOVEMENT].join("\n")
+}
+
+/// Threads per block of the one-block-per-lane kernels (softmax, norm, float reduce); the
+/// kernels' shared arrays have this size.
+pub const REDUCE_THREADS: u32 = 256;
+
+/// The largest rank the n-d walks take (`MAXD` in the sources).
+pub const MAXD: usize = 8;
+
+/// Every kernel the sources define (their `extern "C"` names), as the instantiation macros
+/// spell them: `<family>_<dtype>` (`f32`, `bf16`, `f16`, `i64`, `i32`, `b8`),
+/// `cast_<from>_<to>`, and `<family>_<element size>` (`b1`, `b2`, `b4`, `b8`) for movement.
+pub fn kernel_names() -> Vec<String> {
+    const FLOATS: [&str; 3] = ["f32", "bf16", "f16"];
+    const INTS: [&str; 2] = ["i64", "i32"];
+    const ALL: [&str; 6] = ["f32", "bf16", "f16", "i64", "i32", "b8"];
+    let mut v = Vec::new();
+    let mut add = |fams: &[&str], types: &[&str]| {
+        for f in fams {
+            for t in types {
+                v.push(format!("{f}_{t}"));
+            }
+        }
+    };
+    add(
+        &[
+            "unary", "isnan", "binary", "compare", "softmax", "norm", "reduce", "argmax", "cumsum",
+        ],
+        &FLOATS,
+    );
+    add(
+        &["unary", "binary", "compare", "reduce", "argmax", "cumsum"],
+        &INTS,
+    );
+    add(&["unary", "binary", "compare", "reduce", "argmax"], &["b8"]);
+    add(
+        &[
+            "where",
+            "fill",
+            "scatter_elements",
+            "scatter_nd",
+            "one_hot",
+            "topk",
+        ],
+        &ALL,
+    );
+    add(
+        &["copy_nd", "trilu", "gather", "gather_elements", "gather_nd"],
+        &["b1", "b2", "b4", "b8"],
+    );
+    for s in ALL {
+        for d in ALL {
+            v.push(format!("cast_{s}_{d}"));
+        }
+    }
+    v
+}

@@ -1,0 +1,1160 @@
+//! Lowering a plan's per-rank program to CUDA work: for every node, the kernel launches,
+//! device copies, cuBLAS products, NCCL collectives and event operations that run it, with
+//! every operand an offset in the rank's arena. This part needs no GPU (and no `cuda`
+//! feature), so its coverage is tested on any machine; the backend turns it into driver calls.
+//!
+//! Covered: every compute op the CPU evaluator runs (see [`lower_program`]), with these
+//! limits, each refused at load time with the node's name: tensors of rank above 8 in n-d
+//! walks; AllGather/ReduceScatter on an axis with a non-trivial dim before it (the shards would
+//! not be contiguous: it needs a staging buffer the plan does not have); AllToAll other than
+//! split and concat on axis 0; Sub/Div/Pow/Mod of bools; CumSum of bools; ArgMax over an
+//! empty axis.
+
+use super::kernels::{MAXD, REDUCE_THREADS};
+use hzp_ir::{
+    numel, BinaryOp, DType, Mesh, Op, Plan, Program, ReduceOp, Tensor, TensorType, UnaryOp,
+};
+use std::collections::BTreeMap;
+
+/// An n-d walk (the `Nd` struct of the kernel sources): a shape and up to four strides.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Nd {
+    pub shape: Vec<i64>,
+    pub s: [Vec<i64>; 4],
+}
+
+impl Nd {
+    fn new(shape: &[usize]) -> Nd {
+        let n = shape.len();
+        Nd {
+            shape: shape.iter().map(|&d| d as i64).collect(),
+            s: [vec![0; n], vec![0; n], vec![0; n], vec![0; n]],
+        }
+    }
+
+    /// The struct's bytes as the kernel takes it by value: `int rank` (padded to 8), then
+    /// five arrays of `MAXD` i64.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + 5 * 8 * MAXD);
+        out.extend_from_slice(&(self.shape.len() as i32).to_le_bytes());
+        out.extend_from_slice(&[0u8; 4]);
+        for arr in std::iter::once(&self.shape).chain(self.s.iter()) {
+            for k in 0..MAXD {
+                out.extend_from_slice(&arr.get(k).copied().unwrap_or(0).to_le_bytes());
+            }
+        }
+        out
+    }
+}
+
+/// A kernel argument.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Arg {
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    /// A device pointer: the arena's base plus this byte offset.
+    Ptr(u64),
+    /// A null pointer (an absent optional operand).
+    Null,
+    /// The pointer to the rank's error word (see [`LoweredPlan::err_offset`]).
+    ErrFlag,
+    /// An n-d walk, by value.
+    Nd(Nd),
+    /// A value of `len` bytes (1, 2, 4 or 8), little-endian in the low bytes.
+    Bits {
+        bits: u64,
+        len: usize,
+    },
+}
+
+/// One kernel launch (1-d grid).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    pub kernel: String,
+    pub grid: u32,
+    pub block: u32,
+    pub args: Vec<Arg>,
+}
+
+/// A batched matrix product `C = A B` (row-major, as numpy's matmul), run as cuBLAS's
+/// column-major `C^T = B^T A^T`: for each entry of `calls`, `batch` products at the given
+/// offsets, strides in elements.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemm {
+    pub dtype: DType,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub batch: usize,
+    pub stride_a: i64,
+    pub stride_b: i64,
+    pub stride_c: i64,
+    /// (a, b, c) byte offsets of each strided-batched call.
+    pub calls: Vec<(u64, u64, u64)>,
+}
+
+/// A collective on this rank's instance of `group` on `stream`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Collective {
+    pub kind: CollKind,
+    /// Key of the communicator (see [`LoweredPlan::comms`]).
+    pub comm: usize,
+    pub send: u64,
+    pub recv: u64,
+    /// Elements this rank sends (AllGather: its shard; ReduceScatter: the whole input;
+    /// AllReduce/Broadcast: the tensor; AllToAll: the whole input).
+    pub count: usize,
+    pub dtype: DType,
+    pub reduce: ReduceOp,
+    pub root: usize,
+    /// The group's size.
+    pub size: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollKind {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+}
+
+/// One piece of a node's work, in issue order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Work {
+    Kernel(Launch),
+    /// Device-to-device copy of `bytes` bytes.
+    Copy {
+        src: u64,
+        dst: u64,
+        bytes: u64,
+    },
+    Gemm(Gemm),
+    Collective(Collective),
+    /// Record plan event number `.0` (dense index) on the node's stream.
+    Record(usize),
+    /// The node's stream waits for plan event `.0` (dense index).
+    Wait(usize),
+}
+
+/// A node's work.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeWork {
+    pub node: usize,
+    pub name: String,
+    pub op: &'static str,
+    /// Stream index (0 compute, 1 all-gather, 2 reduce-scatter).
+    pub stream: usize,
+    pub work: Vec<Work>,
+}
+
+/// A communicator this rank joins: the group's axes, the stream, this rank's instance (its
+/// members, in group order) and its place in it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CommKey {
+    pub stream: usize,
+    pub axes: Vec<String>,
+    pub members: Vec<usize>,
+    pub member: usize,
+}
+
+/// A plan lowered for one rank.
+#[derive(Clone, Debug)]
+pub struct LoweredPlan {
+    pub rank: usize,
+    pub nodes: Vec<NodeWork>,
+    /// Number of distinct plan events (dense indices).
+    pub n_events: usize,
+    /// Plan event index -> the stream that records it.
+    pub event_stream: Vec<usize>,
+    /// The rank's communicators, in the order every rank creates them.
+    pub comms: Vec<CommKey>,
+    /// Bytes to allocate: the arena plus the error word.
+    pub alloc_bytes: u64,
+    /// Offset of the 4-byte error word (after the arena, aligned).
+    pub err_offset: u64,
+    /// (value offset, target offset, bytes) per update, in the plan's order.
+    pub updates: Vec<(u64, u64, u64)>,
+    /// Buffer of each value: (offset, bytes); bytes 0 for empty values.
+    pub loc: Vec<(u64, u64)>,
+}
+
+/// Stream index of a node.
+fn stream_idx(s: hzp_ir::StreamKind) -> usize {
+    match s {
+        hzp_ir::StreamKind::Compute => 0,
+        hzp_ir::StreamKind::AllGather => 1,
+        hzp_ir::StreamKind::ReduceScatter => 2,
+    }
+}
+
+/// Kernel-name suffix of a dtype.
+pub fn dt(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::I64 => "i64",
+        DType::I32 => "i32",
+        DType::Bool => "b8",
+    }
+}
+
+/// Kernel-name suffix of an element size (movement kernels).
+fn bsz(d: DType) -> &'static str {
+    match d.size_bytes() {
+        1 => "b1",
+        2 => "b2",
+        4 => "b4",
+        _ => "b8",
+    }
+}
+
+fn contiguous(shape: &[usize]) -> Vec<i64> {
+    let mut s = vec![0i64; shape.len()];
+    let mut acc = 1i64;
+    for k in (0..shape.len()).rev() {
+        s[k] = acc;
+        acc *= shape[k] as i64;
+    }
+    s
+}
+
+/// Strides of `x` (contiguous) broadcast to `out` (right-aligned; 0 on broadcast dims).
+fn bcast(x: &[usize], out: &[usize]) -> Vec<i64> {
+    let cs = contiguous(x);
+    let off = out.len() - x.len();
+    (0..out.len())
+        .map(|k| {
+            if k < off || (x[k - off] == 1 && out[k] != 1) {
+                0
+            } else {
+                cs[k - off]
+            }
+        })
+        .collect()
+}
+
+fn around(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    (
+        shape[..axis].iter().product(),
+        shape[axis],
+        shape[axis + 1..].iter().product(),
+    )
+}
+
+fn flat_grid(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 1 << 20) as u32
+}
+
+fn lane_grid(lanes: usize) -> u32 {
+    lanes.clamp(1, 1 << 20) as u32
+}
+
+fn elementwise(kernel: String, n: usize, args: Vec<Arg>) -> Work {
+    Work::Kernel(Launch {
+        kernel,
+        grid: flat_grid(n),
+        block: 256,
+        args,
+    })
+}
+
+fn lanes(kernel: String, lanes: usize, args: Vec<Arg>) -> Work {
+    Work::Kernel(Launch {
+        kernel,
+        grid: lane_grid(lanes),
+        block: REDUCE_THREADS,
+        args,
+    })
+}
+
+/// The bytes of one element of `dtype` holding `value` converted as Fill converts it.
+pub fn fill_bits(dtype: DType, value: f64) -> u64 {
+    let t = Tensor::from_f64(dtype, Vec::<usize>::new(), &[value]);
+    let mut b = [0u8; 8];
+    let bytes: Vec<u8> = match &t.data {
+        hzp_ir::Data::F32(v) => v[0].to_le_bytes().to_vec(),
+        hzp_ir::Data::BF16(v) => v[0].to_bits().to_le_bytes().to_vec(),
+        hzp_ir::Data::F16(v) => v[0].to_bits().to_le_bytes().to_vec(),
+        hzp_ir::Data::I64(v) => v[0].to_le_bytes().to_vec(),
+        hzp_ir::Data::I32(v) => v[0].to_le_bytes().to_vec(),
+        hzp_ir::Data::Bool(v) => vec![v[0] as u8],
+    };
+    b[..bytes.len()].copy_from_slice(&bytes);
+    u64::from_le_bytes(b)
+}
+
+/// Lowers `plan` for `rank`. Every node is checked here: a plan using an op (or a form of
+/// an op) the backend does not run is refused with the node's name, before any device work.
+pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
+    let p: &Program = &plan.program;
+    let mesh: &Mesh = &plan.mesh;
+    if rank >= mesh.world_size() {
+        return Err(format!(
+            "rank {rank} is outside the plan's mesh {mesh} ({} ranks)",
+            mesh.world_size()
+        ));
+    }
+    let mut loc = vec![(0u64, 0u64); p.values.len()];
+    let mut has = vec![false; p.values.len()];
+    for b in &plan.buffers {
+        let i = b.value.index();
+        if i >= p.values.len() || b.end() > plan.arena_bytes || b.offset % 8 != 0 {
+            return Err(format!(
+                "a buffer ({} bytes at offset {}) is not an aligned range of the {}-byte arena",
+                b.bytes, b.offset, plan.arena_bytes
+            ));
+        }
+        loc[i] = (b.offset, b.bytes);
+        has[i] = true;
+    }
+    for (i, v) in p.values.iter().enumerate() {
+        let need = v.ty.size_bytes() as u64;
+        if need == 0 {
+            loc[i] = (0, 0);
+        } else if !has[i] || loc[i].1 < need {
+            return Err(format!(
+                "value `{}` ({}) has no buffer of {need} bytes in the plan",
+                v.name, v.ty
+            ));
+        } else {
+            loc[i].1 = need;
+        }
+    }
+    let mut events: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut event_stream = Vec::new();
+    for n in &p.nodes {
+        if let Op::RecordEvent { event } = n.op {
+            if events.contains_key(&event) {
+                return Err(format!(
+                    "event {event} is recorded twice (node `{}`)",
+                    n.name
+                ));
+            }
+            events.insert(event, event_stream.len());
+            event_stream.push(stream_idx(n.stream));
+        }
+    }
+    // communicators in first-use order here; renumbered in sorted order below
+    let mut comm_list: Vec<CommKey> = Vec::new();
+    let mut nodes = Vec::with_capacity(p.nodes.len());
+    for (ni, n) in p.nodes.iter().enumerate() {
+        let ins: Vec<(u64, &TensorType)> = n
+            .inputs
+            .iter()
+            .map(|&v| (loc[v.index()].0, p.ty(v)))
+            .collect();
+        let outs: Vec<(u64, &TensorType)> = n
+            .outputs
+            .iter()
+            .map(|&v| (loc[v.index()].0, p.ty(v)))
+            .collect();
+        let stream = stream_idx(n.stream);
+        let ctx = NodeCtx {
+            code: (ni + 1) as i32,
+            ins,
+            outs,
+        };
+        let work = match &n.op {
+            Op::RecordEvent { event } => vec![Work::Record(events[event])],
+            Op::WaitEvent { event } => match events.get(event) {
+                Some(&e) => vec![Work::Wait(e)],
+                None => {
+                    return Err(format!(
+                        "node `{}` waits on event {event}, which nothing records",
+                        n.name
+                    ))
+                }
+            },
+            op if op.is_collective() => {
+                let group = op.group().expect("collectives have a group");
+                let members = mesh.group_members(group, rank).ok_or_else(|| {
+                    format!(
+                        "node `{}`: group {group} names an axis the mesh {mesh} lacks",
+                        n.name
+                    )
+                })?;
+                let member = members.iter().position(|&m| m == rank).unwrap_or(0);
+                let size = members.len();
+                let key = CommKey {
+                    stream,
+                    axes: group.axes.clone(),
+                    members,
+                    member,
+                };
+                let comm = match comm_list.iter().position(|k| *k == key) {
+                    Some(i) => i,
+                    None => {
+                        comm_list.push(key);
+                        comm_list.len() - 1
+                    }
+                };
+                lower_collective(op, &ctx, comm, size)
+                    .map_err(|m| format!("node `{}` ({}): {m}", n.name, op.name()))?
+            }
+            op => lower_compute(op, &ctx)
+                .map_err(|m| format!("node `{}` ({}): {m}", n.name, op.name()))?,
+        };
+        nodes.push(NodeWork {
+            node: ni,
+            name: n.name.clone(),
+            op: n.op.name(),
+            stream,
+            work,
+        });
+    }
+    // every rank creates its communicators in one order: by (stream, axes)
+    let mut comms = comm_list.clone();
+    comms.sort();
+    let renumber: Vec<usize> = comm_list
+        .iter()
+        .map(|k| comms.iter().position(|s| s == k).unwrap_or(0))
+        .collect();
+    for nw in &mut nodes {
+        for w in &mut nw.work {
+            if let Work::Collective(c) = w {
+                c.comm = renumber[c.comm];
+            }
+        }
+    }
+    let mut updates = Vec::new();
+    for u in &p.updates {
+        let (v, t) = (loc[u.value.index()], loc[u.target.index()]);
+        if v.1 != t.1 {
+            return Err(format!(
+                "update of `{}` by `{}` of another size",
+                p.value(u.target).name,
+                p.value(u.value).name
+            ));
+        }
+        updates.push((v.0, t.0, v.1));
+    }
+    for &(v, _, vb) in &updates {
+        for &(_, t, tb) in &updates {
+            if vb > 0 && tb > 0 && v != t && v < t + tb && t < v + vb {
+                return Err("an update's new value overlaps another update's target; the CUDA backend applies updates in place and does not run such plans".into());
+            }
+        }
+    }
+    let err_offset = plan.arena_bytes.div_ceil(256) * 256;
+    Ok(LoweredPlan {
+        rank,
+        nodes,
+        n_events: event_stream.len(),
+        event_stream,
+        comms,
+        alloc_bytes: err_offset + 256,
+        err_offset,
+        updates,
+        loc,
+    })
+}
+
+struct NodeCtx<'a> {
+    code: i32,
+    ins: Vec<(u64, &'a TensorType)>,
+    outs: Vec<(u64, &'a TensorType)>,
+}
+
+fn check_rank(shape: &[usize]) -> Result<(), String> {
+    if shape.len() > MAXD {
+        return Err(format!(
+            "tensors of rank {} (the CUDA kernels take rank {MAXD} at most)",
+            shape.len()
+        ));
+    }
+    Ok(())
+}
+
+fn copy_nd(
+    ty: DType,
+    shape: &[usize],
+    s_in: Vec<i64>,
+    s_out: Vec<i64>,
+    modulo: Vec<i64>,
+    (x, in_base): (u64, i64),
+    (y, out_base): (u64, i64),
+) -> Result<Option<Work>, String> {
+    check_rank(shape)?;
+    let n = numel(shape);
+    if n == 0 {
+        return Ok(None);
+    }
+    let mut nd = Nd::new(shape);
+    nd.s[0] = s_in;
+    nd.s[1] = s_out;
+    nd.s[2] = modulo;
+    Ok(Some(elementwise(
+        format!("copy_nd_{}", bsz(ty)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::Nd(nd),
+            Arg::I64(in_base),
+            Arg::I64(out_base),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    )))
+}
+
+fn idx_args(off: u64, ty: &TensorType) -> [Arg; 2] {
+    [Arg::Ptr(off), Arg::I32((ty.dtype == DType::I64) as i32)]
+}
+
+fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.ins.first().copied().unwrap_or((0, &EMPTY));
+    let (y, yt) = c.outs.first().copied().unwrap_or((0, &EMPTY));
+    let n = yt.numel();
+    let err = || [Arg::ErrFlag, Arg::I32(c.code)];
+    let mut w: Vec<Work> = Vec::new();
+    match op {
+        Op::Identity | Op::Copy | Op::Reshape { .. } => {
+            if n > 0 {
+                w.push(Work::Copy {
+                    src: x,
+                    dst: y,
+                    bytes: yt.size_bytes() as u64,
+                });
+            }
+        }
+        Op::Free => {}
+        _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => {}
+        Op::Unary(u) => {
+            let code = UnaryOp::ALL.iter().position(|v| v == u).unwrap_or(0) as i32;
+            let kernel = if *u == UnaryOp::IsNaN {
+                format!("isnan_{}", dt(xt.dtype))
+            } else {
+                format!("unary_{}", dt(xt.dtype))
+            };
+            let mut args = vec![];
+            if *u != UnaryOp::IsNaN {
+                args.push(Arg::I32(code));
+            }
+            args.extend([Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)]);
+            w.push(elementwise(kernel, n, args));
+        }
+        Op::Binary(b) => {
+            let (bo, bt) = c.ins[1];
+            check_rank(&yt.shape)?;
+            if xt.dtype == DType::Bool
+                && matches!(
+                    b,
+                    BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow | BinaryOp::Mod
+                )
+            {
+                return Err(format!("{} is not defined for bool operands", b.name()));
+            }
+            let code = BinaryOp::ALL.iter().position(|v| v == b).unwrap_or(0) as i32;
+            let mut nd = Nd::new(&yt.shape);
+            nd.s[0] = bcast(&xt.shape, &yt.shape);
+            nd.s[1] = bcast(&bt.shape, &yt.shape);
+            let mut args = vec![
+                Arg::I32(code),
+                Arg::I64(n as i64),
+                Arg::Nd(nd),
+                Arg::Ptr(x),
+                Arg::Ptr(bo),
+                Arg::Ptr(y),
+            ];
+            let kernel = if b.is_predicate() {
+                format!("compare_{}", dt(xt.dtype))
+            } else {
+                args.extend(err());
+                format!("binary_{}", dt(xt.dtype))
+            };
+            w.push(elementwise(kernel, n, args));
+        }
+        Op::Where => {
+            check_rank(&yt.shape)?;
+            let mut nd = Nd::new(&yt.shape);
+            for k in 0..3 {
+                nd.s[k] = bcast(&c.ins[k].1.shape, &yt.shape);
+            }
+            w.push(elementwise(
+                format!("where_{}", dt(yt.dtype)),
+                n,
+                vec![
+                    Arg::I64(n as i64),
+                    Arg::Nd(nd),
+                    Arg::Ptr(c.ins[0].0),
+                    Arg::Ptr(c.ins[1].0),
+                    Arg::Ptr(c.ins[2].0),
+                    Arg::Ptr(y),
+                ],
+            ));
+        }
+        Op::Cast { to } => {
+            if *to == xt.dtype {
+                w.push(Work::Copy {
+                    src: x,
+                    dst: y,
+                    bytes: yt.size_bytes() as u64,
+                });
+            } else {
+                w.push(elementwise(
+                    format!("cast_{}_{}", dt(xt.dtype), dt(*to)),
+                    n,
+                    vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)],
+                ));
+            }
+        }
+        Op::MatMul => w.push(Work::Gemm(lower_matmul(c)?)),
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            let (o, d, i) = around(&xt.shape, *axis);
+            let log = matches!(op, Op::LogSoftmax { .. }) as i32;
+            if d > 0 {
+                w.push(lanes(
+                    format!("softmax_{}", dt(xt.dtype)),
+                    o * i,
+                    vec![
+                        Arg::I64(o as i64),
+                        Arg::I64(d as i64),
+                        Arg::I64(i as i64),
+                        Arg::I32(log),
+                        Arg::Ptr(x),
+                        Arg::Ptr(y),
+                    ],
+                ));
+            }
+        }
+        Op::LayerNorm { axis, epsilon } | Op::RmsNorm { axis, epsilon } => {
+            let norm = &xt.shape[*axis..];
+            check_rank(norm)?;
+            let rows: usize = xt.shape[..*axis].iter().product();
+            let d: usize = norm.iter().product();
+            let mut nd = Nd::new(norm);
+            nd.s[0] = bcast(&c.ins[1].1.shape, norm);
+            let bias = c.ins.get(2).map(|(o, t)| {
+                nd.s[1] = bcast(&t.shape, norm);
+                Arg::Ptr(*o)
+            });
+            if d > 0 {
+                w.push(lanes(
+                    format!("norm_{}", dt(xt.dtype)),
+                    rows,
+                    vec![
+                        Arg::I64(rows as i64),
+                        Arg::I64(d as i64),
+                        Arg::F32(*epsilon),
+                        Arg::I32(matches!(op, Op::RmsNorm { .. }) as i32),
+                        Arg::Nd(nd),
+                        Arg::Ptr(x),
+                        Arg::Ptr(c.ins[1].0),
+                        bias.unwrap_or(Arg::Null),
+                        Arg::Ptr(y),
+                    ],
+                ));
+            } else {
+                w.push(Work::Copy {
+                    src: x,
+                    dst: y,
+                    bytes: yt.size_bytes() as u64,
+                });
+            }
+        }
+        Op::Reduce { op: rop, axes, .. } => {
+            let mut axes = axes.clone();
+            axes.sort_unstable();
+            axes.dedup();
+            let s = &xt.shape;
+            check_rank(s)?;
+            let cs = contiguous(s);
+            let kept: Vec<usize> = (0..s.len()).filter(|d| !axes.contains(d)).collect();
+            let mut kn = Nd::new(&kept.iter().map(|&d| s[d]).collect::<Vec<_>>());
+            kn.s[0] = kept.iter().map(|&d| cs[d]).collect();
+            let mut rn = Nd::new(&axes.iter().map(|&d| s[d]).collect::<Vec<_>>());
+            rn.s[0] = axes.iter().map(|&d| cs[d]).collect();
+            let nout: usize = kept.iter().map(|&d| s[d]).product();
+            let nred: usize = axes.iter().map(|&d| s[d]).product();
+            let code = ReduceOp::ALL.iter().position(|r| r == rop).unwrap_or(0) as i32;
+            let args = vec![
+                Arg::I32(code),
+                Arg::I64(nout as i64),
+                Arg::I64(nred as i64),
+                Arg::Nd(kn),
+                Arg::Nd(rn),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+            ];
+            let kernel = format!("reduce_{}", dt(xt.dtype));
+            if xt.dtype.is_float() {
+                w.push(lanes(kernel, nout, args));
+            } else {
+                w.push(elementwise(kernel, nout, args));
+            }
+        }
+        Op::ArgMax { axis, .. } => {
+            let (o, d, i) = around(&xt.shape, *axis);
+            if d == 0 {
+                return Err(format!("ArgMax over axis {axis} of size 0"));
+            }
+            w.push(elementwise(
+                format!("argmax_{}", dt(xt.dtype)),
+                o * i,
+                vec![
+                    Arg::I64(o as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(i as i64),
+                    Arg::Ptr(x),
+                    Arg::Ptr(y),
+                ],
+            ));
+        }
+        Op::CumSum {
+            axis,
+            exclusive,
+            reverse,
+        } => {
+            if xt.dtype == DType::Bool {
+                return Err("CumSum is not defined for bool".into());
+            }
+            let (o, d, i) = around(&xt.shape, *axis);
+            w.push(elementwise(
+                format!("cumsum_{}", dt(xt.dtype)),
+                o * i,
+                vec![
+                    Arg::I64(o as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(i as i64),
+                    Arg::I32(*exclusive as i32),
+                    Arg::I32(*reverse as i32),
+                    Arg::Ptr(x),
+                    Arg::Ptr(y),
+                ],
+            ));
+        }
+        Op::Transpose { perm } => {
+            let cs = contiguous(&xt.shape);
+            let s_in = perm.iter().map(|&p| cs[p]).collect();
+            w.extend(copy_nd(
+                xt.dtype,
+                &yt.shape,
+                s_in,
+                contiguous(&yt.shape),
+                vec![0; perm.len()],
+                (x, 0),
+                (y, 0),
+            )?);
+        }
+        Op::Slice {
+            axes,
+            starts,
+            steps,
+            ..
+        } => {
+            let cs = contiguous(&xt.shape);
+            let mut s_in = cs.clone();
+            let mut base = 0i64;
+            for k in 0..axes.len() {
+                base += starts[k] * cs[axes[k]];
+                s_in[axes[k]] = cs[axes[k]] * steps[k];
+            }
+            let r = yt.rank();
+            w.extend(copy_nd(
+                xt.dtype,
+                &yt.shape,
+                s_in,
+                contiguous(&yt.shape),
+                vec![0; r],
+                (x, base),
+                (y, 0),
+            )?);
+        }
+        Op::Concat { axis } => {
+            let os = contiguous(&yt.shape);
+            let mut at = 0i64;
+            for &(io, it) in &c.ins {
+                let r = it.rank();
+                w.extend(copy_nd(
+                    it.dtype,
+                    &it.shape,
+                    contiguous(&it.shape),
+                    os.clone(),
+                    vec![0; r],
+                    (io, 0),
+                    (y, at * os[*axis]),
+                )?);
+                at += it.shape[*axis] as i64;
+            }
+        }
+        Op::Split { axis, .. } => {
+            let cs = contiguous(&xt.shape);
+            let mut at = 0i64;
+            for &(oo, ot) in &c.outs {
+                let r = ot.rank();
+                w.extend(copy_nd(
+                    ot.dtype,
+                    &ot.shape,
+                    cs.clone(),
+                    contiguous(&ot.shape),
+                    vec![0; r],
+                    (x, at * cs[*axis]),
+                    (oo, 0),
+                )?);
+                at += ot.shape[*axis] as i64;
+            }
+        }
+        Op::Expand { shape } => {
+            w.extend(copy_nd(
+                xt.dtype,
+                shape,
+                bcast(&xt.shape, shape),
+                contiguous(shape),
+                vec![0; shape.len()],
+                (x, 0),
+                (y, 0),
+            )?);
+        }
+        Op::Tile { .. } => {
+            let modulo = xt.shape.iter().map(|&d| d as i64).collect();
+            w.extend(copy_nd(
+                xt.dtype,
+                &yt.shape,
+                contiguous(&xt.shape),
+                contiguous(&yt.shape),
+                modulo,
+                (x, 0),
+                (y, 0),
+            )?);
+        }
+        Op::Trilu { upper, k } => {
+            let r = xt.rank();
+            let (rows, cols) = (xt.shape[r - 2], xt.shape[r - 1]);
+            w.push(elementwise(
+                format!("trilu_{}", bsz(xt.dtype)),
+                n,
+                vec![
+                    Arg::I64(n as i64),
+                    Arg::I64(rows as i64),
+                    Arg::I64(cols as i64),
+                    Arg::I32(*upper as i32),
+                    Arg::I64(*k),
+                    Arg::Ptr(x),
+                    Arg::Ptr(y),
+                ],
+            ));
+        }
+        Op::Gather { axis } => {
+            let (io, it) = c.ins[1];
+            let (o, d, i) = around(&xt.shape, *axis);
+            let mut args = vec![
+                Arg::I64(o as i64),
+                Arg::I64(d as i64),
+                Arg::I64(it.numel() as i64),
+                Arg::I64(i as i64),
+            ];
+            args.extend(idx_args(io, it));
+            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+            args.extend(err());
+            w.push(elementwise(format!("gather_{}", bsz(xt.dtype)), n, args));
+        }
+        Op::GatherElements { axis } => {
+            let (io, it) = c.ins[1];
+            check_rank(&it.shape)?;
+            let mut nd = Nd::new(&it.shape);
+            nd.s[0] = contiguous(&xt.shape);
+            let mut args = vec![
+                Arg::I64(n as i64),
+                Arg::Nd(nd),
+                Arg::I32(*axis as i32),
+                Arg::I64(xt.shape[*axis] as i64),
+            ];
+            args.extend(idx_args(io, it));
+            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+            args.extend(err());
+            w.push(elementwise(
+                format!("gather_elements_{}", bsz(xt.dtype)),
+                n,
+                args,
+            ));
+        }
+        Op::GatherND { batch_dims } => {
+            let (io, it) = c.ins[1];
+            let b = *batch_dims;
+            let last = it.shape[it.rank() - 1];
+            check_rank(&xt.shape[b..b + last])?;
+            let ds = &xt.shape;
+            let slice: usize = ds[b + last..].iter().product();
+            let tpb: usize = it.shape[b..it.rank() - 1].iter().product();
+            let batch_stride: usize = ds[b..].iter().product();
+            let mut nd = Nd::new(&ds[b..b + last]);
+            nd.s[0] = (0..last)
+                .map(|k| ds[b + k + 1..].iter().product::<usize>() as i64)
+                .collect();
+            let mut args = vec![
+                Arg::I64(n as i64),
+                Arg::I64(slice.max(1) as i64),
+                Arg::I64(tpb.max(1) as i64),
+                Arg::I64(batch_stride as i64),
+                Arg::I32(last as i32),
+                Arg::Nd(nd),
+            ];
+            args.extend(idx_args(io, it));
+            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+            args.extend(err());
+            w.push(elementwise(format!("gather_nd_{}", bsz(xt.dtype)), n, args));
+        }
+        Op::ScatterElements { axis, add } => {
+            let (io, it) = c.ins[1];
+            let (uo, _) = c.ins[2];
+            check_rank(&it.shape)?;
+            w.push(Work::Copy {
+                src: x,
+                dst: y,
+                bytes: yt.size_bytes() as u64,
+            });
+            let mut lane_shape = it.shape.clone();
+            lane_shape[*axis] = 1;
+            let lanes_n = numel(&lane_shape);
+            if it.numel() > 0 {
+                let mut nd = Nd::new(&lane_shape);
+                nd.s[0] = contiguous(&xt.shape);
+                nd.s[1] = contiguous(&it.shape);
+                let mut args = vec![
+                    Arg::I64(lanes_n as i64),
+                    Arg::Nd(nd),
+                    Arg::I32(*axis as i32),
+                    Arg::I64(it.shape[*axis] as i64),
+                    Arg::I64(xt.shape[*axis] as i64),
+                ];
+                args.extend(idx_args(io, it));
+                args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
+                args.extend(err());
+                w.push(elementwise(
+                    format!("scatter_elements_{}", dt(xt.dtype)),
+                    lanes_n,
+                    args,
+                ));
+            }
+        }
+        Op::ScatterND { add } => {
+            let (io, it) = c.ins[1];
+            let (uo, _) = c.ins[2];
+            let last = it.shape[it.rank() - 1];
+            check_rank(&xt.shape[..last])?;
+            w.push(Work::Copy {
+                src: x,
+                dst: y,
+                bytes: yt.size_bytes() as u64,
+            });
+            let slice: usize = xt.shape[last..].iter().product();
+            let tuples: usize = it.shape[..it.rank() - 1].iter().product();
+            if slice > 0 && tuples > 0 {
+                let mut nd = Nd::new(&xt.shape[..last]);
+                nd.s[0] = (0..last)
+                    .map(|k| xt.shape[k + 1..].iter().product::<usize>() as i64)
+                    .collect();
+                let mut args = vec![
+                    Arg::I64(slice as i64),
+                    Arg::I64(tuples as i64),
+                    Arg::I32(last as i32),
+                    Arg::Nd(nd),
+                ];
+                args.extend(idx_args(io, it));
+                args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
+                args.extend(err());
+                w.push(elementwise(
+                    format!("scatter_nd_{}", dt(xt.dtype)),
+                    slice,
+                    args,
+                ));
+            }
+        }
+        Op::OneHot { axis, depth } => {
+            let (vo, vt) = c.ins[1];
+            let outer: usize = xt.shape[..*axis].iter().product();
+            let inner: usize = xt.shape[*axis..].iter().product();
+            let mut args = vec![
+                Arg::I64(outer as i64),
+                Arg::I64(*depth as i64),
+                Arg::I64(inner as i64),
+            ];
+            args.extend(idx_args(x, xt));
+            args.extend([Arg::Ptr(vo), Arg::Ptr(y)]);
+            w.push(elementwise(format!("one_hot_{}", dt(vt.dtype)), n, args));
+        }
+        Op::TopK {
+            axis, k, largest, ..
+        } => {
+            let (o, d, i) = around(&xt.shape, *axis);
+            if *k > 0 && o * i > 0 {
+                w.push(elementwise(
+                    format!("topk_{}", dt(xt.dtype)),
+                    o * i,
+                    vec![
+                        Arg::I64(o as i64),
+                        Arg::I64(d as i64),
+                        Arg::I64(i as i64),
+                        Arg::I64(*k as i64),
+                        Arg::I32(*largest as i32),
+                        Arg::Ptr(x),
+                        Arg::Ptr(y),
+                        Arg::Ptr(c.outs[1].0),
+                    ],
+                ));
+            }
+        }
+        Op::Fill { value, dtype, .. } => {
+            w.push(elementwise(
+                format!("fill_{}", dt(*dtype)),
+                n,
+                vec![
+                    Arg::I64(n as i64),
+                    Arg::Bits {
+                        bits: fill_bits(*dtype, *value),
+                        len: dtype.size_bytes(),
+                    },
+                    Arg::Ptr(y),
+                ],
+            ));
+        }
+        other => {
+            return Err(format!(
+                "the CUDA backend has no kernel for {}",
+                other.name()
+            ))
+        }
+    }
+    Ok(w)
+}
+
+static EMPTY: TensorType = TensorType {
+    dtype: DType::F32,
+    shape: Vec::new(),
+};
+
+fn lower_matmul(c: &NodeCtx) -> Result<Gemm, String> {
+    let (ao, at) = c.ins[0];
+    let (bo, bt) = c.ins[1];
+    let (yo, _) = c.outs[0];
+    let dtype = at.dtype;
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(format!("MatMul of {dtype}"));
+    }
+    let mut sa = at.shape.clone();
+    let mut sb = bt.shape.clone();
+    if sa.len() == 1 {
+        sa.insert(0, 1);
+    }
+    if sb.len() == 1 {
+        sb.push(1);
+    }
+    let (m, k) = (sa[sa.len() - 2], sa[sa.len() - 1]);
+    let n = sb[sb.len() - 1];
+    let batch = hzp_ir::broadcast_shapes(&sa[..sa.len() - 2], &sb[..sb.len() - 2])
+        .ok_or("batch dims do not broadcast")?;
+    check_rank(&batch)?;
+    let esz = dtype.size_bytes() as i64;
+    // element strides of each operand's batch dims in the broadcast batch shape
+    let ba = bcast_batch(&sa[..sa.len() - 2], &batch, (m * k) as i64);
+    let bb = bcast_batch(&sb[..sb.len() - 2], &batch, (k * n) as i64);
+    let bc = bcast_batch(&batch, &batch, (m * n) as i64);
+    let (inner, outer_shape) = match batch.split_last() {
+        Some((&last, rest)) => (last, rest.to_vec()),
+        None => (1, vec![]),
+    };
+    let r = batch.len();
+    let (sa_in, sb_in, sc_in) = if r > 0 {
+        (ba[r - 1], bb[r - 1], bc[r - 1])
+    } else {
+        (0, 0, 0)
+    };
+    let mut calls = Vec::new();
+    let outer: usize = outer_shape.iter().product();
+    for o in 0..outer {
+        let mut rem = o;
+        let (mut oa, mut ob, mut oc) = (0i64, 0i64, 0i64);
+        for d in (0..outer_shape.len()).rev() {
+            let cd = (rem % outer_shape[d]) as i64;
+            rem /= outer_shape[d];
+            oa += cd * ba[d];
+            ob += cd * bb[d];
+            oc += cd * bc[d];
+        }
+        calls.push((
+            ao + (oa * esz) as u64,
+            bo + (ob * esz) as u64,
+            yo + (oc * esz) as u64,
+        ));
+    }
+    Ok(Gemm {
+        dtype,
+        m,
+        n,
+        k,
+        batch: inner,
+        stride_a: sa_in,
+        stride_b: sb_in,
+        stride_c: sc_in,
+        calls,
+    })
+}
+
+/// Element strides (matrix size `mat`) of batch dims `x` broadcast to `batch`.
+fn bcast_batch(x: &[usize], batch: &[usize], mat: i64) -> Vec<i64> {
+    let st: Vec<i64> = bcast(x, batch).into_iter().map(|s| s * mat).collect();
+    st
+}
+
+fn lower_collective(op: &Op, c: &NodeCtx, comm: usize, size: usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.ins[0];
+    let (y, yt) = c.outs[0];
+    let contiguous_axis = |axis: usize| -> Result<(), String> {
+        if xt.shape[..axis].iter().product::<usize>() > 1 {
+            return Err(format!(
+                "on axis {axis} of {xt}: the shards are not contiguous (the CUDA backend runs gathers and scatters on the leading non-trivial axis only)"
+            ));
+        }
+        Ok(())
+    };
+    let coll = |kind, count: usize, reduce, root| Collective {
+        kind,
+        comm,
+        send: x,
+        recv: y,
+        count,
+        dtype: xt.dtype,
+        reduce,
+        root,
+        size,
+    };
+    if yt.numel() == 0 {
+        return Ok(vec![]);
+    }
+    let c = match op {
+        Op::AllGather { axis, .. } => {
+            contiguous_axis(*axis)?;
+            coll(CollKind::AllGather, xt.numel(), ReduceOp::Sum, 0)
+        }
+        Op::ReduceScatter { axis, reduce, .. } => {
+            contiguous_axis(*axis)?;
+            coll(CollKind::ReduceScatter, xt.numel(), *reduce, 0)
+        }
+        Op::AllReduce { reduce, .. } => coll(CollKind::AllReduce, xt.numel(), *reduce, 0),
+        Op::AllToAll {
+            split_axis,
+            concat_axis,
+            ..
+        } => {
+            if *split_axis != 0 || *concat_axis != 0 {
+                return Err(format!(
+                    "split axis {split_axis}, concat axis {concat_axis}: the CUDA backend runs AllToAll on axis 0 only"
+                ));
+            }
+            coll(CollKind::AllToAll, xt.numel(), ReduceOp::Sum, 0)
+        }
+        Op::Broadcast { root, .. } => coll(CollKind::Broadcast, xt.numel(), ReduceOp::Sum, *root),
+        other => return Err(format!("{} is not a collective", other.name())),
+    };
+    if c.dtype == DType::Bool
+        && matches!(c.kind, CollKind::ReduceScatter | CollKind::AllReduce)
+        && c.reduce == ReduceOp::Mean
+    {
+        return Err("a mean of bools".into());
+    }
+    Ok(vec![Work::Collective(c)])
+}

@@ -1,0 +1,1032 @@
+//! The plan executor: runs a compiled [`Plan`] on W ranks as threads of this process.
+//!
+//! Per rank: one arena of `plan.arena_bytes` (allocated once, 64-byte aligned) holding every
+//! value at its planned offset; one compute thread and one background thread per comm stream
+//! (all-gather, reduce-scatter), each running its stream's nodes in program order.
+//! `RecordEvent` / `WaitEvent` are real synchronisation between a rank's threads
+//! ([`sync::EventTable`]); collectives are real exchanges between the ranks' threads through
+//! one [`Communicator`] per (group instance, stream). After every stream of every rank has
+//! finished a step, each rank applies the program's updates (the new value's bytes are copied
+//! over the target's), and the next step starts.
+//!
+//! `CommMode::Sync` is the baseline: each rank runs every node, collectives included, in
+//! program order on its compute thread.
+//!
+//! Safety rests on the plan: two buffers whose bytes overlap are never in use at the same
+//! time. [`Executor::new`] checks what it can cheaply (every buffer inside the arena and as
+//! large as its value, events recorded once and before their waits, groups in the mesh, no
+//! node writing over its own inputs); callers must also have run the plan verifier
+//! (`hzp_passes::verify_plan`), which checks the happens-before order of overlapping
+//! buffers. `hzp run` and the tests do.
+
+pub mod arena;
+pub mod sync;
+
+use crate::comm::{Communicator, LinkModel};
+use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
+use arena::{data_bytes, data_mut, data_ref, scalar_f64, tensor_from_bytes, write_tensor, Arena};
+use hzp_ir::{
+    DType, Group, Mesh, Op, ParamLayout, Plan, Program, StreamKind, Tensor, TensorType, ValueDef,
+    ValueId,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use sync::{EventTable, StepBarrier};
+
+/// Where collectives are issued.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CommMode {
+    /// On background threads, one per comm stream (the plan's schedule).
+    #[default]
+    Async,
+    /// On the compute thread, in program order (the baseline).
+    Sync,
+}
+
+/// How to run.
+#[derive(Clone, Default)]
+pub struct ExecOptions {
+    pub comm: CommMode,
+    /// Emulated links: every collective takes at least what the model says.
+    pub link: Option<Arc<dyn LinkModel>>,
+    /// Record a timeline of every node (see [`Executor::trace`]).
+    pub trace: bool,
+}
+
+/// Why a plan cannot run, or a step failed. Messages use the plan's names.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ExecError {
+    #[error("the plan cannot run: {0}")]
+    Plan(String),
+    #[error("{0}")]
+    Params(String),
+    #[error("{0}")]
+    Inputs(String),
+    #[error("step {step}, rank {rank}, node `{node}` ({op}): {message}")]
+    Node {
+        step: usize,
+        rank: usize,
+        node: String,
+        op: &'static str,
+        message: String,
+    },
+    #[error("{0}")]
+    Run(String),
+}
+
+/// Index of a stream in per-stream arrays.
+pub fn stream_index(s: StreamKind) -> usize {
+    match s {
+        StreamKind::Compute => 0,
+        StreamKind::AllGather => 1,
+        StreamKind::ReduceScatter => 2,
+    }
+}
+
+/// The streams, by [`stream_index`].
+pub const STREAMS: [StreamKind; 3] = [
+    StreamKind::Compute,
+    StreamKind::AllGather,
+    StreamKind::ReduceScatter,
+];
+
+/// What one step cost (means over the ranks, except the wall time).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepStats {
+    /// 1-based.
+    pub step: usize,
+    /// Output 0 (the loss) of rank 0, if the program has outputs.
+    pub loss: Option<f64>,
+    /// From the start of the step to the end of its updates.
+    pub wall: Duration,
+    /// Per stream ([`stream_index`]): time spent running nodes (collectives included; waits
+    /// on events excluded). In sync mode a collective counts for the stream the plan put it
+    /// on, though the compute thread ran it.
+    pub busy: [Duration; 3],
+    /// Time the compute thread could not compute because of communication: blocked on
+    /// events of comm streams (async), or running collectives (sync).
+    pub exposed_comm: Duration,
+}
+
+impl StepStats {
+    /// Busy time of the comm streams.
+    pub fn comm(&self) -> Duration {
+        self.busy[1] + self.busy[2]
+    }
+}
+
+/// One node run, for the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceEvent {
+    pub rank: usize,
+    pub stream: StreamKind,
+    pub node: usize,
+    /// 1-based.
+    pub step: usize,
+    /// Since the start of the run.
+    pub start: Duration,
+    pub dur: Duration,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Loc {
+    off: usize,
+    bytes: usize,
+}
+
+enum Kind {
+    Compute,
+    /// Identity / Copy / Reshape: the bytes unchanged.
+    Move,
+    Nop,
+    Record(usize),
+    Wait(usize),
+    Collective,
+}
+
+struct NodeRt {
+    kind: Kind,
+    stream: usize,
+    ins: Vec<(Loc, TensorType)>,
+    outs: Vec<(Loc, TensorType)>,
+}
+
+/// Per rank and collective node: its communicator and this rank's place in it.
+#[derive(Clone, Copy)]
+struct CommRef {
+    comm: usize,
+    member: usize,
+}
+
+/// Executes a plan (see the [module docs](self)).
+pub struct Executor {
+    program: Program,
+    mesh: Mesh,
+    layouts: Vec<ParamLayout>,
+    world: usize,
+    nodes: Vec<NodeRt>,
+    loc: Vec<Loc>,
+    arenas: Vec<Arena>,
+    comms: Vec<Communicator>,
+    comm_of: Vec<Vec<Option<CommRef>>>,
+    n_events: usize,
+    /// (value, target) pairs of updates; through `staging` when values and targets overlap.
+    updates: Vec<(Loc, Loc)>,
+    staging: Option<Vec<Arena>>,
+    opts: ExecOptions,
+    trace: Vec<TraceEvent>,
+    steps_run: usize,
+}
+
+fn plan_err(s: impl Into<String>) -> ExecError {
+    ExecError::Plan(s.into())
+}
+
+fn value_bytes(ty: &TensorType) -> Option<usize> {
+    ty.shape
+        .iter()
+        .try_fold(ty.dtype.size_bytes(), |a, &d| a.checked_mul(d))
+}
+
+impl Executor {
+    /// Prepares `plan` with the model's full parameters (by name): allocates each rank's
+    /// arena, cuts the parameters into master and compute shards as the plan's layouts say,
+    /// places states and constants. Inputs are set with [`Executor::set_inputs`].
+    pub fn new(
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        opts: ExecOptions,
+    ) -> Result<Executor, ExecError> {
+        let p = &plan.program;
+        match &p.mesh {
+            Some(m) if *m == plan.mesh => {}
+            Some(m) => {
+                return Err(plan_err(format!(
+                    "the program's mesh {m} is not the plan's mesh {}",
+                    plan.mesh
+                )))
+            }
+            None => return Err(plan_err("the program has no mesh")),
+        }
+        let mesh = plan.mesh.clone();
+        let world = mesh.world_size();
+        let arena_bytes = usize::try_from(plan.arena_bytes)
+            .map_err(|_| plan_err("the arena does not fit this machine's address space"))?;
+
+        // Every value at its buffer.
+        let mut loc = vec![Loc::default(); p.values.len()];
+        let mut has = vec![false; p.values.len()];
+        for b in &plan.buffers {
+            let i = b.value.index();
+            if i >= p.values.len() {
+                return Err(plan_err(format!("a buffer names value {}", b.value.0)));
+            }
+            if b.end() > plan.arena_bytes || b.offset % 8 != 0 {
+                return Err(plan_err(format!(
+                    "the buffer of `{}` ({} bytes at offset {}) is not an aligned range of the \
+                     {}-byte arena",
+                    p.values[i].name, b.bytes, b.offset, plan.arena_bytes
+                )));
+            }
+            loc[i] = Loc {
+                off: b.offset as usize,
+                bytes: b.bytes as usize,
+            };
+            has[i] = true;
+        }
+        for (i, v) in p.values.iter().enumerate() {
+            let need = value_bytes(&v.ty)
+                .ok_or_else(|| plan_err(format!("value `{}` ({}) is too large", v.name, v.ty)))?;
+            if need == 0 {
+                loc[i] = Loc { off: 0, bytes: 0 };
+                continue;
+            }
+            if !has[i] || loc[i].bytes < need {
+                return Err(plan_err(format!(
+                    "value `{}` ({}, {need} bytes) has {}",
+                    v.name,
+                    v.ty,
+                    if has[i] {
+                        format!("a buffer of only {} bytes", loc[i].bytes)
+                    } else {
+                        "no buffer".to_string()
+                    }
+                )));
+            }
+            loc[i].bytes = need;
+        }
+
+        // Events: dense indices; each recorded once, before its waits.
+        let mut event_idx: HashMap<u32, (usize, usize)> = HashMap::new(); // id -> (index, record node)
+        for (ni, n) in p.nodes.iter().enumerate() {
+            if let Op::RecordEvent { event } = n.op {
+                let k = event_idx.len();
+                if event_idx.insert(event, (k, ni)).is_some() {
+                    return Err(plan_err(format!(
+                        "event {event} is recorded twice (node `{}`)",
+                        n.name
+                    )));
+                }
+            }
+        }
+        let mut nodes = Vec::with_capacity(p.nodes.len());
+        let ty = |v: ValueId| p.ty(v).clone();
+        for (ni, n) in p.nodes.iter().enumerate() {
+            let kind = match &n.op {
+                Op::RecordEvent { event } => Kind::Record(event_idx[event].0),
+                Op::WaitEvent { event } => match event_idx.get(event) {
+                    Some(&(k, r)) if r < ni => Kind::Wait(k),
+                    Some(_) => {
+                        return Err(plan_err(format!(
+                            "node `{}` waits on event {event} before it is recorded (a deadlock)",
+                            n.name
+                        )))
+                    }
+                    None => {
+                        return Err(plan_err(format!(
+                            "node `{}` waits on event {event}, which nothing records",
+                            n.name
+                        )))
+                    }
+                },
+                Op::Free => Kind::Nop,
+                Op::Identity | Op::Copy | Op::Reshape { .. } => Kind::Move,
+                op if op.is_collective() => Kind::Collective,
+                _ => Kind::Compute,
+            };
+            let ins: Vec<(Loc, TensorType)> =
+                n.inputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
+            let outs: Vec<(Loc, TensorType)> =
+                n.outputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
+            for (o, _) in &outs {
+                for (i, _) in &ins {
+                    if o.bytes > 0
+                        && i.bytes > 0
+                        && o.off < i.off + i.bytes
+                        && i.off < o.off + o.bytes
+                    {
+                        return Err(plan_err(format!(
+                            "node `{}` writes its result over one of its inputs",
+                            n.name
+                        )));
+                    }
+                }
+            }
+            nodes.push(NodeRt {
+                kind,
+                stream: stream_index(n.stream),
+                ins,
+                outs,
+            });
+        }
+
+        // Communicators: one per (stream, group instance).
+        let mut comms: Vec<Communicator> = Vec::new();
+        let mut comm_key: HashMap<(usize, Vec<usize>), usize> = HashMap::new();
+        let mut comm_of = vec![vec![None; p.nodes.len()]; world];
+        for (ni, n) in p.nodes.iter().enumerate() {
+            let Some(group) = n.op.group() else { continue };
+            for (r, row) in comm_of.iter_mut().enumerate() {
+                let members = mesh.group_members(group, r).ok_or_else(|| {
+                    plan_err(format!(
+                        "node `{}` runs on group {group}, which names an axis the mesh {mesh} lacks",
+                        n.name
+                    ))
+                })?;
+                let member = members.iter().position(|&m| m == r).unwrap_or(0);
+                let size = members.len();
+                let key = (stream_index(n.stream), members);
+                let comm = *comm_key.entry(key).or_insert_with(|| {
+                    comms.push(Communicator::new(size));
+                    comms.len() - 1
+                });
+                row[ni] = Some(CommRef { comm, member });
+            }
+        }
+
+        let arenas = (0..world)
+            .map(|_| Arena::new(arena_bytes).map_err(plan_err))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        // Updates, and whether a value is read after another update overwrote it.
+        let mut updates = Vec::new();
+        for u in &p.updates {
+            let (v, t) = (loc[u.value.index()], loc[u.target.index()]);
+            if v.bytes != t.bytes {
+                return Err(plan_err(format!(
+                    "update of `{}` by `{}` of another size",
+                    p.value(u.target).name,
+                    p.value(u.value).name
+                )));
+            }
+            updates.push((v, t));
+        }
+        let overlap = |a: Loc, b: Loc| {
+            a.bytes > 0 && b.bytes > 0 && a.off < b.off + b.bytes && b.off < a.off + a.bytes
+        };
+        let needs_staging = updates.iter().any(|&(v, _)| {
+            updates
+                .iter()
+                .any(|&(_, t)| overlap(v, t) && v.off != t.off)
+        });
+        let staging = if needs_staging {
+            let total: usize = updates.iter().map(|(v, _)| v.bytes.div_ceil(8) * 8).sum();
+            Some(
+                (0..world)
+                    .map(|_| Arena::new(total).map_err(plan_err))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+        } else {
+            None
+        };
+
+        let mut ex = Executor {
+            program: p.clone(),
+            mesh,
+            layouts: plan.layouts.clone(),
+            world,
+            nodes,
+            loc,
+            arenas,
+            comms,
+            comm_of,
+            n_events: event_idx.len(),
+            updates,
+            staging,
+            opts,
+            trace: Vec::new(),
+            steps_run: 0,
+        };
+        ex.place_persistent(full_params)?;
+        Ok(ex)
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The per-rank program.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    fn write(&self, rank: usize, v: ValueId, t: &Tensor) -> Result<(), ExecError> {
+        let l = self.loc[v.index()];
+        let want = self.program.ty(v);
+        if t.ty() != *want {
+            return Err(ExecError::Params(format!(
+                "internal: `{}` is {} but {} was placed",
+                self.program.value(v).name,
+                want,
+                t.ty()
+            )));
+        }
+        // SAFETY: no thread runs; the range is this value's buffer, inside the arena.
+        let out = unsafe { self.arenas[rank].bytes_mut(l.off, l.bytes) };
+        write_tensor(t, out).map_err(ExecError::Run)
+    }
+
+    fn read(&self, rank: usize, v: ValueId) -> Tensor {
+        let l = self.loc[v.index()];
+        // SAFETY: no thread runs (only called between runs).
+        let b = unsafe { self.arenas[rank].bytes(l.off, l.bytes) };
+        tensor_from_bytes(self.program.ty(v), b)
+    }
+
+    /// Master shards, compute shards, other states and constants into every arena.
+    fn place_persistent(&mut self, full: &[(String, Tensor)]) -> Result<(), ExecError> {
+        let shards = cut_parameters(&self.program, &self.mesh, &self.layouts, full)?;
+        for (r, per_rank) in shards.into_iter().enumerate() {
+            for (v, t) in per_rank {
+                self.write(r, v, &t)?;
+            }
+        }
+        let consts: Vec<(ValueId, Tensor)> = self
+            .program
+            .consts
+            .iter()
+            .map(|c| (c.value, c.data.clone()))
+            .collect();
+        for r in 0..self.world {
+            for (v, t) in &consts {
+                self.write(r, *v, t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the global batch: every input of the per-rank program is given with `W` times
+    /// its rows; rank r takes rows `[r*b, (r+1)*b)` (b: the per-rank rows, micro-batches
+    /// included). The batch stays until set again.
+    pub fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        let w = self.world;
+        let inputs = self.program.inputs.clone();
+        for v in inputs {
+            let val = self.program.value(v);
+            let (_, t) = global.iter().find(|(k, _)| *k == val.name).ok_or_else(|| {
+                ExecError::Inputs(format!(
+                    "no array `{}` in the inputs (the plan takes {} per rank, {} in all)",
+                    val.name,
+                    val.ty,
+                    global_type(&val.ty, w)
+                ))
+            })?;
+            let want = global_type(&val.ty, w);
+            if t.ty() != want {
+                return Err(ExecError::Inputs(format!(
+                    "input `{}` is {}, but the plan needs {} (the global batch for {w} rank{} of {})",
+                    val.name,
+                    t.ty(),
+                    want,
+                    if w == 1 { "" } else { "s" },
+                    val.ty
+                )));
+            }
+            let l = self.loc[v.index()];
+            let src = data_bytes(&t.data);
+            for r in 0..w {
+                // SAFETY: between runs; this input's buffer.
+                let out = unsafe { self.arenas[r].bytes_mut(l.off, l.bytes) };
+                out.copy_from_slice(&src[r * l.bytes..(r + 1) * l.bytes]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step.
+    pub fn step(&mut self) -> Result<StepStats, ExecError> {
+        let mut s = self.run(1)?;
+        Ok(s.remove(0))
+    }
+
+    /// Runs `steps` steps on the batch set last; the threads are started once.
+    pub fn run(&mut self, steps: usize) -> Result<Vec<StepStats>, ExecError> {
+        if steps == 0 {
+            return Ok(Vec::new());
+        }
+        let w = self.world;
+        let sync_mode = self.opts.comm == CommMode::Sync;
+        // The node lists of each thread: (rank, stream, nodes).
+        let mut lists: Vec<(usize, usize, Vec<usize>)> = Vec::new();
+        for r in 0..w {
+            if sync_mode {
+                let all = (0..self.nodes.len())
+                    .filter(|&i| !matches!(self.nodes[i].kind, Kind::Record(_) | Kind::Wait(_)))
+                    .collect();
+                lists.push((r, 0, all));
+            } else {
+                for s in 0..3 {
+                    let on: Vec<usize> = (0..self.nodes.len())
+                        .filter(|&i| self.nodes[i].stream == s)
+                        .collect();
+                    if s == 0 || !on.is_empty() {
+                        lists.push((r, s, on));
+                    }
+                }
+            }
+        }
+        let n_threads = lists.len();
+        let barrier = StepBarrier::new(n_threads);
+        let abort = AtomicBool::new(false);
+        let failure: Mutex<Option<ExecError>> = Mutex::new(None);
+        let events: Vec<EventTable> = (0..w).map(|_| EventTable::new(self.n_events)).collect();
+        // Per step, rank and stream: [busy, wait] in ns.
+        let stats: Vec<Mutex<Vec<[u64; 4]>>> = (0..steps)
+            .map(|_| Mutex::new(vec![[0u64; 4]; w * 3]))
+            .collect();
+        let walls: Mutex<Vec<Duration>> = Mutex::new(Vec::with_capacity(steps));
+        let losses: Mutex<Vec<Option<f64>>> = Mutex::new(Vec::with_capacity(steps));
+        let epoch = Instant::now();
+        let base_step = self.steps_run;
+        let traces: Mutex<Vec<Vec<TraceEvent>>> = Mutex::new(Vec::new());
+        let this = &*self;
+        std::thread::scope(|scope| {
+            for (r, s, list) in &lists {
+                let (r, s) = (*r, *s);
+                let ctx = ThreadCtx {
+                    ex: this,
+                    rank: r,
+                    stream: s,
+                    list,
+                    barrier: &barrier,
+                    abort: &abort,
+                    events: &events[r],
+                    sync_mode,
+                };
+                let failure = &failure;
+                let stats = &stats;
+                let walls = &walls;
+                let losses = &losses;
+                let traces = &traces;
+                let abort = &abort;
+                std::thread::Builder::new()
+                    .name(format!("hzp-r{r}-{}", STREAMS[s].name()))
+                    .spawn_scoped(scope, move || {
+                        let mut trace = if this.opts.trace {
+                            Vec::with_capacity(list.len() * steps)
+                        } else {
+                            Vec::new()
+                        };
+                        let mut scratch = Scratch::default();
+                        let res = ctx.run(
+                            steps,
+                            base_step,
+                            epoch,
+                            stats,
+                            walls,
+                            losses,
+                            &mut trace,
+                            &mut scratch,
+                        );
+                        if let Err(e) = res {
+                            abort.store(true, Ordering::Relaxed);
+                            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
+                            // the first real error wins over the aborts it caused
+                            let is_abort =
+                                matches!(&e, ExecError::Run(m) if m == crate::comm::ABORTED);
+                            if f.is_none() || (!is_abort && matches!(&*f, Some(ExecError::Run(m)) if m == crate::comm::ABORTED)) {
+                                *f = Some(e);
+                            }
+                        }
+                        if this.opts.trace {
+                            traces
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push(trace);
+                        }
+                    })
+                    .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+            }
+            Ok::<(), ExecError>(())
+        })?;
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
+        let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
+        let losses = losses.into_inner().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(steps);
+        for (k, st) in stats.into_iter().enumerate() {
+            let st = st.into_inner().unwrap_or_else(|e| e.into_inner());
+            let mut busy = [0u64; 3];
+            let mut exposed = 0u64;
+            for r in 0..w {
+                for s in 0..3 {
+                    busy[s] += st[r * 3 + s][0];
+                }
+                exposed += st[r * 3][1];
+            }
+            let mean = |x: u64| Duration::from_nanos(x / w as u64);
+            out.push(StepStats {
+                step: base_step + k + 1,
+                loss: losses.get(k).copied().flatten(),
+                wall: walls.get(k).copied().unwrap_or_default(),
+                busy: [mean(busy[0]), mean(busy[1]), mean(busy[2])],
+                exposed_comm: mean(exposed),
+            });
+        }
+        self.steps_run += steps;
+        if self.opts.trace {
+            for t in traces.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                self.trace.extend(t);
+            }
+            self.trace
+                .sort_by_key(|e| (e.rank, stream_index(e.stream), e.start, e.node));
+        }
+        Ok(out)
+    }
+
+    /// The nodes run so far, when the executor was made with `trace: true`.
+    pub fn trace(&self) -> &[TraceEvent] {
+        &self.trace
+    }
+
+    /// Rank `rank`'s program outputs (the loss first), by name.
+    pub fn outputs(&self, rank: usize) -> Vec<(String, Tensor)> {
+        self.program
+            .outputs
+            .iter()
+            .map(|&o| (self.program.value(o).name.clone(), self.read(rank, o)))
+            .collect()
+    }
+
+    /// The full parameters, put back together from the master shards of rank 0's optimizer
+    /// group, by name, in layout order.
+    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        self.layouts
+            .iter()
+            .filter_map(|l| {
+                let v = self.program.find_value(&l.name)?;
+                let members = self.mesh.group_members(&l.optim_group, 0)?;
+                let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
+                for m in members {
+                    flat.extend(self.read(m, v).to_f32_vec());
+                }
+                flat.truncate(l.numel);
+                Some((l.name.clone(), Tensor::f32(l.shape.clone(), flat)))
+            })
+            .collect()
+    }
+
+    /// The value named `name` on `rank` (persistent values hold their current contents;
+    /// other values what the last step left).
+    pub fn value(&self, rank: usize, name: &str) -> Option<Tensor> {
+        let v = self.program.find_value(name)?;
+        (rank < self.world).then(|| self.read(rank, v))
+    }
+
+    fn apply_updates(&self, rank: usize) {
+        let a = &self.arenas[rank];
+        match &self.staging {
+            None => {
+                for &(v, t) in &self.updates {
+                    if v.off != t.off && v.bytes > 0 {
+                        // SAFETY: all streams of this rank are done with the step and no
+                        // collective reads it; value and target do not overlap here.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(a.ptr(v.off), a.ptr(t.off), v.bytes)
+                        };
+                    }
+                }
+            }
+            Some(st) => {
+                let s = &st[rank];
+                let mut at = 0;
+                for &(v, _) in &self.updates {
+                    // SAFETY: as above; the staging arena is this rank's own.
+                    unsafe { std::ptr::copy_nonoverlapping(a.ptr(v.off), s.ptr(at), v.bytes) };
+                    at += v.bytes.div_ceil(8) * 8;
+                }
+                let mut at = 0;
+                for &(v, t) in &self.updates {
+                    unsafe { std::ptr::copy_nonoverlapping(s.ptr(at), a.ptr(t.off), v.bytes) };
+                    at += v.bytes.div_ceil(8) * 8;
+                }
+            }
+        }
+    }
+
+    fn loss(&self) -> Option<f64> {
+        let o = *self.program.outputs.first()?;
+        let l = self.loc[o.index()];
+        // SAFETY: called after the end-of-step barrier, before updates of the next step.
+        let b = unsafe { self.arenas[0].bytes(l.off, l.bytes) };
+        scalar_f64(self.program.ty(o).dtype, b)
+    }
+}
+
+fn global_type(per_rank: &TensorType, w: usize) -> TensorType {
+    let mut shape = per_rank.shape.clone();
+    if let Some(d) = shape.first_mut() {
+        *d *= w;
+    }
+    TensorType::new(per_rank.dtype, shape)
+}
+
+struct ThreadCtx<'a> {
+    ex: &'a Executor,
+    rank: usize,
+    stream: usize,
+    list: &'a [usize],
+    barrier: &'a StepBarrier,
+    abort: &'a AtomicBool,
+    events: &'a EventTable,
+    sync_mode: bool,
+}
+
+/// A thread's reusable kernel scratch: the workspace and the view lists (so that running a
+/// node allocates nothing once the first step has sized them).
+#[derive(Default)]
+struct Scratch<'a> {
+    ws: Workspace,
+    ins: Vec<TensorRef<'a>>,
+    outs: Vec<TensorMut<'a>>,
+}
+
+impl<'a> ThreadCtx<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        steps: usize,
+        base_step: usize,
+        epoch: Instant,
+        stats: &[Mutex<Vec<[u64; 4]>>],
+        walls: &Mutex<Vec<Duration>>,
+        losses: &Mutex<Vec<Option<f64>>>,
+        trace: &mut Vec<TraceEvent>,
+        scratch: &mut Scratch<'a>,
+    ) -> Result<(), ExecError> {
+        let ex = self.ex;
+        let leader = self.rank == 0 && self.stream == 0;
+        let run_err = ExecError::Run;
+        for (k, step_stats) in stats.iter().enumerate().take(steps) {
+            let stamp = (base_step + k + 1) as u64;
+            self.barrier.wait(self.abort).map_err(run_err)?;
+            let t0 = Instant::now();
+            // [busy per stream..., wait]
+            let mut busy = [0u64; 3];
+            let mut waited = 0u64;
+            for &ni in self.list {
+                let node = &ex.nodes[ni];
+                let start = Instant::now();
+                let charged = match node.kind {
+                    Kind::Record(e) => {
+                        self.events.record(e, stamp);
+                        None
+                    }
+                    Kind::Wait(e) => {
+                        self.events.wait(e, stamp, self.abort).map_err(run_err)?;
+                        waited += start.elapsed().as_nanos() as u64;
+                        None
+                    }
+                    Kind::Nop => None,
+                    _ => {
+                        self.exec_node(ni, scratch).map_err(|message| {
+                            if message == crate::comm::ABORTED {
+                                return ExecError::Run(message);
+                            }
+                            let n = &ex.program.nodes[ni];
+                            ExecError::Node {
+                                step: base_step + k + 1,
+                                rank: self.rank,
+                                node: n.name.clone(),
+                                op: n.op.name(),
+                                message,
+                            }
+                        })?;
+                        Some(start.elapsed())
+                    }
+                };
+                if let Some(d) = charged {
+                    let ns = d.as_nanos() as u64;
+                    busy[node.stream] += ns;
+                    if self.sync_mode && matches!(node.kind, Kind::Collective) {
+                        waited += ns;
+                    }
+                }
+                if ex.opts.trace && !matches!(node.kind, Kind::Nop) {
+                    trace.push(TraceEvent {
+                        rank: self.rank,
+                        stream: STREAMS[node.stream],
+                        node: ni,
+                        step: base_step + k + 1,
+                        start: start - epoch,
+                        dur: start.elapsed(),
+                    });
+                }
+            }
+            {
+                let mut st = step_stats.lock().unwrap_or_else(|e| e.into_inner());
+                for (s, &b) in busy.iter().enumerate() {
+                    st[self.rank * 3 + s][0] += b;
+                }
+                if self.stream == 0 {
+                    st[self.rank * 3][1] += waited;
+                }
+            }
+            self.barrier.wait(self.abort).map_err(run_err)?;
+            if leader {
+                losses
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(ex.loss());
+            }
+            if self.stream == 0 {
+                ex.apply_updates(self.rank);
+            }
+            self.barrier.wait(self.abort).map_err(run_err)?;
+            if leader {
+                walls
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(t0.elapsed());
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a compute, move or collective node of this thread's rank.
+    fn exec_node(&self, ni: usize, scratch: &mut Scratch<'a>) -> Result<(), String> {
+        let ex = self.ex;
+        let node = &ex.nodes[ni];
+        let arena = &ex.arenas[self.rank];
+        let op = &ex.program.nodes[ni].op;
+        match node.kind {
+            Kind::Move => {
+                let (i, _) = &node.ins[0];
+                let (o, _) = &node.outs[0];
+                if i.bytes != o.bytes {
+                    return Err(format!(
+                        "moves {} bytes into a {}-byte result",
+                        i.bytes, o.bytes
+                    ));
+                }
+                // SAFETY: the plan keeps a node's result apart from its inputs (checked in
+                // `new`) and from every buffer in use meanwhile (the verifier).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(arena.ptr(i.off), arena.ptr(o.off), i.bytes)
+                };
+                Ok(())
+            }
+            Kind::Collective => {
+                let c = ex.comm_of[self.rank][ni].ok_or("no communicator")?;
+                let comm = &ex.comms[c.comm];
+                let (i, ity) = &node.ins[0];
+                let (o, _) = &node.outs[0];
+                let link = match (&ex.opts.link, op.group()) {
+                    (Some(l), Some(g)) => Some((l.as_ref(), g)),
+                    _ => None,
+                };
+                // SAFETY: the input and output buffers stay in use by this node until the
+                // call returns (the plan's buffer discipline).
+                unsafe {
+                    comm.run(
+                        c.member,
+                        op,
+                        ity.dtype,
+                        &ity.shape,
+                        arena.ptr(i.off),
+                        i.bytes,
+                        arena.ptr(o.off),
+                        o.bytes,
+                        link.map(|(l, g)| (l as &dyn LinkModel, g as &Group)),
+                        self.abort,
+                    )
+                }
+            }
+            _ => {
+                scratch.ins.clear();
+                scratch.outs.clear();
+                for (l, ty) in &node.ins {
+                    // SAFETY: inputs are not written while this node runs; offsets are
+                    // 8-aligned and hold values of this type.
+                    let data = unsafe { data_ref(ty.dtype, arena.bytes(l.off, l.bytes)) };
+                    scratch.ins.push(TensorRef {
+                        shape: &ty.shape,
+                        data,
+                    });
+                }
+                for (l, ty) in &node.outs {
+                    // SAFETY: the result's buffer is this node's alone while it runs (the
+                    // plan's buffer discipline; `new` checked it overlaps no input).
+                    let data = unsafe { data_mut(ty.dtype, arena.bytes_mut(l.off, l.bytes)) };
+                    scratch.outs.push(TensorMut {
+                        shape: &ty.shape,
+                        data,
+                    });
+                }
+                let r = eval_op_into(op, &scratch.ins, &mut scratch.outs, &mut scratch.ws);
+                scratch.ins.clear();
+                scratch.outs.clear();
+                r
+            }
+        }
+    }
+}
+
+/// Cuts full parameters into each rank's persistent values, as the plan's layouts say: the
+/// fp32 master shard (chunk `group_index(optim_group)` of the flattened, zero-padded
+/// parameter) and the compute shard state (chunk `group_index(params_group)`, in its dtype);
+/// other states take their initial value (zeros when none). Returns, per rank, (value,
+/// tensor) pairs.
+pub fn cut_parameters(
+    p: &Program,
+    mesh: &Mesh,
+    layouts: &[ParamLayout],
+    full: &[(String, Tensor)],
+) -> Result<Vec<Vec<(ValueId, Tensor)>>, ExecError> {
+    let w = mesh.world_size();
+    let mut out: Vec<Vec<(ValueId, Tensor)>> = vec![Vec::new(); w];
+    let find = |name: &str| -> Result<&Tensor, ExecError> {
+        full.iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, t)| t)
+            .ok_or_else(|| {
+                ExecError::Params(format!(
+                    "the parameters lack `{name}`, which the plan trains"
+                ))
+            })
+    };
+    let flat = |l: &ParamLayout, t: &Tensor| -> Result<Vec<f32>, ExecError> {
+        if t.shape != l.shape {
+            return Err(ExecError::Params(format!(
+                "parameter `{}` is {}, the plan was compiled for {}",
+                l.name,
+                t.ty(),
+                TensorType::new(t.dtype(), l.shape.clone())
+            )));
+        }
+        if l.padded < l.numel || t.numel() != l.numel {
+            return Err(ExecError::Params(format!(
+                "the layout of `{}` does not match its shape",
+                l.name
+            )));
+        }
+        let mut v = t.to_f32_vec();
+        v.resize(l.padded, 0.0);
+        Ok(v)
+    };
+    let chunk = |v: &[f32], g: &Group, r: usize, name: &str| -> Result<Vec<f32>, ExecError> {
+        let n = mesh.group_size(g).unwrap_or(1);
+        let i = mesh.group_index(g, r).unwrap_or(0);
+        if n == 0 || !v.len().is_multiple_of(n) {
+            return Err(ExecError::Params(format!(
+                "`{name}` ({} elements padded) does not split over group {g}",
+                v.len()
+            )));
+        }
+        let len = v.len() / n;
+        Ok(v[i * len..(i + 1) * len].to_vec())
+    };
+    for prm in &p.params {
+        let name = &p.value(prm.value).name;
+        let l = layouts.iter().find(|l| &l.name == name).ok_or_else(|| {
+            ExecError::Plan(format!("parameter `{name}` has no layout in the plan"))
+        })?;
+        let v = flat(l, find(name)?)?;
+        let ty = p.ty(prm.value);
+        for (r, dst) in out.iter_mut().enumerate() {
+            let c = chunk(&v, &l.optim_group, r, name)?;
+            if ty.dtype != DType::F32 || ty.shape != [c.len()] {
+                return Err(ExecError::Plan(format!(
+                    "master shard `{name}` is {ty}, its layout gives f32[{}]",
+                    c.len()
+                )));
+            }
+            dst.push((prm.value, Tensor::f32(vec![c.len()], c)));
+        }
+    }
+    for st in &p.states {
+        let name = &p.value(st.value).name;
+        let ty = p.ty(st.value).clone();
+        if let Some(l) = layouts.iter().find(|l| &l.compute_shard == name) {
+            let v = flat(l, find(&l.name)?)?;
+            for (r, dst) in out.iter_mut().enumerate() {
+                let c: Vec<f64> = chunk(&v, &l.params_group, r, &l.name)?
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect();
+                if ty.numel() != c.len() {
+                    return Err(ExecError::Plan(format!(
+                        "compute shard `{name}` is {ty}, its layout gives {} elements",
+                        c.len()
+                    )));
+                }
+                dst.push((st.value, Tensor::from_f64(ty.dtype, ty.shape.clone(), &c)));
+            }
+        } else {
+            let init = st.init.clone().unwrap_or_else(|| Tensor::zeros(&ty));
+            for dst in out.iter_mut() {
+                dst.push((st.value, init.clone()));
+            }
+        }
+    }
+    // A plan value that is neither: nothing to place.
+    debug_assert!(p
+        .values
+        .iter()
+        .all(|v| !matches!(v.def, ValueDef::Param) || layouts.iter().any(|l| l.name == v.name)));
+    Ok(out)
+}

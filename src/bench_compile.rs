@@ -1,0 +1,232 @@
+//! `hzp bench compile`: how long `hzp compile` takes and how much memory it needs, for one
+//! model on several meshes. A plan is SPMD (one program for every rank), so its compile time
+//! and size should not grow with the number of ranks; the table says whether they do.
+
+use crate::compile::{build_plan, CompileArgs};
+use crate::{ModelArgs, TrainArgs};
+use clap::Parser;
+use miette::{miette, Result};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Flags of `hzp bench compile`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct BenchCompileArgs {
+    /// The model: FILE.onnx, FILE.hzp or preset:NAME.
+    #[arg(default_value = "preset:gpt3-175b")]
+    pub model: String,
+    /// Bind symbolic input dims (the global batch), as for `hzp compile`.
+    #[arg(long = "shape", value_name = "NAME=AxB")]
+    pub shapes: Vec<String>,
+    /// A mesh to compile for (repeat the flag). Default: node=8,gpu=8 (64 ranks) and
+    /// node=1024,gpu=8 (8192 ranks).
+    #[arg(long)]
+    pub mesh: Vec<String>,
+    /// Compiles per mesh (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Cluster spec (TOML). Default: the 8xH100 DGX spec.
+    #[arg(long, value_name = "SPEC.toml")]
+    pub cluster: Option<PathBuf>,
+    /// Memory budget per rank.
+    #[arg(long, default_value = "80GiB")]
+    pub memory: String,
+    /// asynchzp, zero1, zero2, zero3, hsdp or ddp.
+    #[arg(long, default_value = "asynchzp")]
+    pub strategy: String,
+    /// Per-layer activation recomputation (on by default here).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub recompute: bool,
+    /// Skip collective rewriting, as `hzp compile --no-rewrite`.
+    #[arg(long)]
+    pub no_rewrite: bool,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// `hzp compile`'s own flags, parsed from an argument list: every flag not named keeps the
+/// default `hzp compile` gives it.
+#[derive(Parser)]
+struct CompileFlags {
+    #[command(flatten)]
+    c: CompileArgs,
+}
+
+fn compile_args(a: &BenchCompileArgs, mesh: &str) -> Result<CompileArgs> {
+    let mut argv: Vec<String> = ["compile", "--mesh", mesh, "--memory", &a.memory]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    argv.extend(["--strategy".to_string(), a.strategy.clone()]);
+    if a.recompute {
+        argv.push("--recompute".into());
+    }
+    if a.no_rewrite {
+        argv.push("--no-rewrite".into());
+    }
+    if let Some(c) = &a.cluster {
+        argv.extend(["--cluster".to_string(), c.display().to_string()]);
+    }
+    CompileFlags::try_parse_from(argv)
+        .map(|f| f.c)
+        .map_err(|e| miette!("{e}"))
+}
+
+/// Resets the peak resident set size of this process (Linux: `5` to /proc/self/clear_refs),
+/// so that each mesh reports its own peak. Returns whether it could.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// The peak resident set size (VmHWM), if the OS reports it.
+fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+struct Row {
+    mesh: String,
+    ranks: usize,
+    groups: String,
+    times: Vec<f64>,
+    peak_rss: Option<u64>,
+    nodes: usize,
+    json_bytes: usize,
+    arena: u64,
+    fits: bool,
+}
+
+impl Row {
+    fn median(&self) -> f64 {
+        self.times[self.times.len() / 2]
+    }
+}
+
+fn secs(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.0} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
+    let meshes: Vec<String> = if a.mesh.is_empty() {
+        vec!["node=8,gpu=8".into(), "node=1024,gpu=8".into()]
+    } else {
+        a.mesh.clone()
+    };
+    let repeat = a.repeat.max(1);
+    let model = ModelArgs {
+        model: a.model.clone(),
+        shapes: a.shapes.clone(),
+    };
+    let resets = reset_peak_rss();
+    let mut rows = Vec::new();
+    for mesh in &meshes {
+        let c = compile_args(a, mesh)?;
+        if resets {
+            reset_peak_rss();
+        }
+        let mut times = Vec::new();
+        let mut last = None;
+        for _ in 0..repeat {
+            let start = Instant::now();
+            // The budget is reported below, not enforced: a plan over it still times the
+            // whole compile.
+            let built = build_plan(&model, None, &a.train, &c, false)
+                .map_err(miette::Report::from)
+                .map_err(|e| e.wrap_err(format!("compiling {} for {mesh}", a.model)))?;
+            times.push(start.elapsed().as_secs_f64());
+            last = Some(built);
+        }
+        let peak_rss = peak_rss_bytes();
+        times.sort_by(f64::total_cmp);
+        let built = last.expect("repeat >= 1");
+        let plan = &built.plan;
+        rows.push(Row {
+            mesh: mesh.clone(),
+            ranks: plan.mesh.world_size(),
+            groups: format!(
+                "{} {} {}",
+                plan.groups.params, plan.groups.grads, plan.groups.optim
+            ),
+            times,
+            peak_rss,
+            nodes: plan.program.nodes.len(),
+            json_bytes: plan.to_json().len(),
+            arena: plan.arena_bytes,
+            fits: built.budget.is_none_or(|b| plan.arena_bytes <= b),
+        });
+    }
+    print_table(a, &rows, repeat, resets);
+    Ok(())
+}
+
+fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) {
+    println!(
+        "compile {} (strategy {}, budget {}{}{}), {} compile(s) per mesh, build only (no file written)",
+        a.model,
+        a.strategy,
+        a.memory,
+        if a.recompute { ", recompute" } else { "" },
+        if a.no_rewrite { ", no rewrite" } else { "" },
+        repeat
+    );
+    let gw = rows
+        .iter()
+        .map(|r| r.groups.len())
+        .max()
+        .unwrap_or(0)
+        .max(13);
+    let mw = rows.iter().map(|r| r.mesh.len()).max().unwrap_or(0).max(4);
+    println!(
+        "  {:<mw$}  {:>6}  {:<gw$}  {:>9}  {:>9}  {:>9}  {:>10}  {:>6}  {:>10}  {:>11}",
+        "mesh",
+        "ranks",
+        "groups P G O",
+        "median",
+        "min",
+        "max",
+        "peak RSS",
+        "nodes",
+        "plan.json",
+        "arena/rank"
+    );
+    for r in rows {
+        println!(
+            "  {:<mw$}  {:>6}  {:<gw$}  {:>9}  {:>9}  {:>9}  {:>10}  {:>6}  {:>10}  {:>10}{}",
+            r.mesh,
+            r.ranks,
+            r.groups,
+            secs(r.median()),
+            secs(r.times[0]),
+            secs(r.times[r.times.len() - 1]),
+            r.peak_rss
+                .map_or("n/a".to_string(), hzp_ir::plan::format_bytes),
+            r.nodes,
+            hzp_ir::plan::format_bytes(r.json_bytes as u64),
+            hzp_ir::plan::format_bytes(r.arena),
+            if r.fits { " " } else { "*" }
+        );
+    }
+    if rows.iter().any(|r| !r.fits) {
+        println!("  * the plan's arena is over the budget ({})", a.memory);
+    }
+    if !resets {
+        println!("  peak RSS: the peak of the process so far (it could not be reset per mesh)");
+    }
+    if let Some((first, rest)) = rows.split_first() {
+        for r in rest {
+            println!(
+                "compile time {} / {}: {:.3}x (medians); plan.json {:.3}x",
+                r.mesh,
+                first.mesh,
+                r.median() / first.median(),
+                r.json_bytes as f64 / first.json_bytes as f64
+            );
+        }
+    }
+}

@@ -1,0 +1,517 @@
+//! `hzp run`: execute a compiled plan on W ranks (threads of this process) on the CPU.
+
+use crate::Format;
+use hzp_frontends::{load_model, npz, LoadOptions};
+use hzp_ir::plan::Plan;
+use hzp_ir::{Group, Op, Program, Tensor};
+use hzp_passes::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
+use hzp_passes::cost::{CollectiveKind, CostModel};
+use hzp_runtime::comm::LinkModel;
+use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent, STREAMS};
+use miette::{miette, IntoDiagnostic, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The cluster `--link` starts from (its device is irrelevant: only links are used).
+const BASE_CLUSTER: &str = include_str!("../examples/clusters/h100-dgx.toml");
+
+/// Flags of `hzp run`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct RunArgs {
+    /// A plan written by `hzp compile -o`.
+    pub plan: PathBuf,
+    /// The global batch: arrays keyed by input name, axis 0 split across the ranks.
+    #[arg(long, value_name = "IN.npz")]
+    pub inputs: PathBuf,
+    /// Number of optimizer steps (the same batch every step).
+    #[arg(long, default_value_t = 1)]
+    pub steps: usize,
+    /// cpu, or cuda (needs a build with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Save the trained parameters (keyed by initializer name) to this .npz.
+    #[arg(long, value_name = "P.npz")]
+    pub save_params: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) of every node: pid = rank, tid = stream.
+    #[arg(long, value_name = "run.json")]
+    pub trace: Option<PathBuf>,
+    /// async: collectives on background threads, one per comm stream (the plan's schedule);
+    /// sync: collectives on the compute thread, in program order (the baseline).
+    #[arg(long, default_value = "async")]
+    pub comm: String,
+    /// Emulate the links of this cluster spec: every collective takes at least the time the
+    /// alpha-beta cost model gives.
+    #[arg(long, value_name = "SPEC.toml", conflicts_with = "link")]
+    pub emulate_links: Option<PathBuf>,
+    /// Emulate links by bandwidth: intra=300GB/s,inter=25GB/s[,latency=5us] (intra: the
+    /// innermost mesh axis; inter: the others).
+    #[arg(long, value_name = "intra=..,inter=..")]
+    pub link: Option<String>,
+    /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
+    #[arg(long, value_name = "P.npz")]
+    pub params: Option<PathBuf>,
+    /// Read the parameters from this model instead of the one the plan names.
+    #[arg(long, value_name = "MODEL")]
+    pub model: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+/// A [`LinkModel`] from the cost model: the fastest algorithm's alpha-beta time.
+struct CostLinks(CostModel);
+
+impl LinkModel for CostLinks {
+    fn duration(&self, op: &Op, group: &Group, bytes: u64) -> Duration {
+        let Some(kind) = CollectiveKind::of(op) else {
+            return Duration::ZERO;
+        };
+        match self.0.best_collective(kind, bytes as f64, group) {
+            Ok(c) if c.seconds.is_finite() && c.seconds > 0.0 => Duration::from_secs_f64(c.seconds),
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+/// Builds a cluster whose links are `intra` for the innermost mesh axis and `inter` for the
+/// others, from `intra=300GB/s,inter=25GB/s[,latency=5us]`.
+pub fn links_from_flag(s: &str, mesh: &hzp_ir::Mesh) -> Result<ClusterSpec> {
+    let mut intra = None;
+    let mut inter = None;
+    let mut latency = 0.0;
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| miette!("--link `{part}` must look like intra=300GB/s"))?;
+        match k.trim() {
+            "intra" => intra = Some(parse_rate(v.trim()).map_err(|e| miette!("--link: {e}"))?),
+            "inter" => inter = Some(parse_rate(v.trim()).map_err(|e| miette!("--link: {e}"))?),
+            "latency" => latency = parse_duration(v.trim()).map_err(|e| miette!("--link: {e}"))?,
+            other => {
+                return Err(miette!(
+                    "--link: unknown key `{other}` (expected intra, inter, latency)"
+                ))
+            }
+        }
+    }
+    let mut spec = ClusterSpec::from_toml_str(BASE_CLUSTER, "examples/clusters/h100-dgx.toml")
+        .map_err(|e| miette!("{e}"))?;
+    let (last, outer) = mesh
+        .axes
+        .split_last()
+        .ok_or_else(|| miette!("the plan's mesh has no axes"))?;
+    let intra = intra.ok_or_else(|| miette!("--link needs intra=RATE (e.g. intra=300GB/s)"))?;
+    spec.links = vec![Link {
+        name: "intra".into(),
+        axes: vec![last.name.clone()],
+        bandwidth: intra,
+        latency,
+        efficiency: 1.0,
+    }];
+    if !outer.is_empty() {
+        let inter = inter.ok_or_else(|| {
+            miette!(
+                "--link needs inter=RATE: the mesh {mesh} has axes outside `{}`",
+                last.name
+            )
+        })?;
+        spec.links.push(Link {
+            name: "inter".into(),
+            axes: outer.iter().map(|a| a.name.clone()).collect(),
+            bandwidth: inter,
+            latency,
+            efficiency: 1.0,
+        });
+    }
+    for l in &spec.links {
+        if !(l.bandwidth.is_finite() && l.bandwidth > 0.0) {
+            return Err(miette!("--link: bandwidths must be positive"));
+        }
+    }
+    spec.mesh = mesh.clone();
+    Ok(spec)
+}
+
+/// Reads and checks a plan file.
+pub fn read_plan(path: &Path) -> Result<Plan> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
+    let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
+    let vopts = hzp_passes::verify_plan::VerifyOptions {
+        budget: None,
+        communicator_per_stream: true,
+    };
+    if let Err(v) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
+        let list: Vec<String> = v.iter().map(|x| format!("  - {x}")).collect();
+        return Err(miette!(
+            "{} does not verify, so it cannot run:\n{}",
+            path.display(),
+            list.join("\n")
+        ));
+    }
+    Ok(plan)
+}
+
+/// The model's forward program at the plan's per-rank micro-batch shapes.
+fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
+    let m = plan.micro_batches.max(1);
+    let p = &plan.program;
+    let shapes = p
+        .inputs
+        .iter()
+        .map(|&v| {
+            let val = p.value(v);
+            let mut s = val.ty.shape.clone();
+            if let Some(d) = s.first_mut() {
+                *d /= m;
+            }
+            (val.name.clone(), s)
+        })
+        .collect();
+    let opts = LoadOptions { shapes };
+    load_model(model, &opts).map_err(miette::Report::new)
+}
+
+/// The full parameters the plan trains: from `--params`, else from the model (checked
+/// against the plan's fingerprint).
+fn parameters(args: &RunArgs, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
+    if let Some(path) = &args.params {
+        let arrays = npz::read(path).map_err(|e| miette!("{e}"))?;
+        for l in &plan.layouts {
+            match arrays.iter().find(|(k, _)| *k == l.name) {
+                None => {
+                    return Err(miette!(
+                        "{} has no array `{}`, a parameter the plan trains",
+                        path.display(),
+                        l.name
+                    ))
+                }
+                Some((_, t)) if t.shape != l.shape => {
+                    return Err(miette!(
+                        "`{}` in {} has shape {:?}; the plan was compiled for {:?}",
+                        l.name,
+                        path.display(),
+                        t.shape,
+                        l.shape
+                    ))
+                }
+                _ => {}
+            }
+        }
+        return Ok(arrays);
+    }
+    let model = args.model.clone().unwrap_or_else(|| plan.model.clone());
+    if model.starts_with("preset:") {
+        return Err(miette!(
+            "the plan was compiled from {model}, which has shapes but no weights: give the parameters with --params P.npz"
+        ));
+    }
+    if args.model.is_none() && !Path::new(&model).exists() {
+        return Err(miette!(
+            "the plan was compiled from {model}, which is not there (relative paths are read from the current directory): pass --model PATH or --params P.npz"
+        ));
+    }
+    let fwd = load_forward(&model, plan)?;
+    let found = crate::compile::fingerprint_of(&fwd);
+    if !plan.model_fingerprint.is_empty() && found != plan.model_fingerprint {
+        return Err(miette!(
+            "the plan was compiled for another model: {model} has parameter fingerprint {}..., the plan records {}... (compiled from {}); recompile, or pass --params to run these weights anyway",
+            &found[..12.min(found.len())],
+            &plan.model_fingerprint[..12.min(plan.model_fingerprint.len())],
+            plan.model
+        ));
+    }
+    fwd.params
+        .iter()
+        .map(|p| {
+            let name = fwd.value(p.value).name.clone();
+            let data = p
+                .data
+                .clone()
+                .ok_or_else(|| miette!("parameter `{name}` of {model} has no data"))?;
+            Ok((name, data))
+        })
+        .collect()
+}
+
+fn mean(v: &[Duration]) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.iter().sum::<Duration>() / v.len() as u32
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Steps that count in the summary: all but the first (warm-up) when there are several.
+fn measured(stats: &[StepStats]) -> &[StepStats] {
+    if stats.len() > 1 {
+        &stats[1..]
+    } else {
+        stats
+    }
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    let cuda = match args.backend.as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        other => return Err(miette!("unknown backend `{other}` (expected cpu or cuda)")),
+    };
+    let comm = match args.comm.as_str() {
+        "async" => CommMode::Async,
+        "sync" => CommMode::Sync,
+        other => return Err(miette!("--comm `{other}`: expected async or sync")),
+    };
+    let plan = read_plan(&args.plan)?;
+    let link: Option<Arc<dyn LinkModel>> = match (&args.emulate_links, &args.link) {
+        (Some(path), _) => {
+            let spec = ClusterSpec::load(path).map_err(|e| miette!("{e}"))?;
+            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
+            Some(Arc::new(CostLinks(cm)))
+        }
+        (None, Some(s)) => {
+            let spec = links_from_flag(s, &plan.mesh)?;
+            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
+            Some(Arc::new(CostLinks(cm)))
+        }
+        (None, None) => None,
+    };
+    let mut outs: Vec<&Path> = vec![args.plan.as_path(), args.inputs.as_path()];
+    outs.extend(args.params.as_deref());
+    for out in args.save_params.iter().chain(&args.trace) {
+        crate::commands::check_not_input(out, &outs)?;
+    }
+    let inputs = npz::read(&args.inputs).map_err(|e| miette!("{e}"))?;
+    let params = parameters(args, &plan)?;
+    if cuda {
+        return run_cuda(args, &plan, &params, &inputs, comm);
+    }
+    let opts = ExecOptions {
+        comm,
+        link: link.clone(),
+        trace: args.trace.is_some(),
+    };
+    let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
+    ex.set_inputs(&inputs)
+        .map_err(|e| miette!("{}: {e}", args.inputs.display()))?;
+    let stats = ex.run(args.steps).map_err(|e| miette!("{e}"))?;
+
+    let w = plan.mesh.world_size();
+    let text = args.format == Format::Text;
+    if text {
+        println!(
+            "ran {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
+            args.plan.display(),
+            plan.model,
+            plan.mesh,
+            if w == 1 { "" } else { "s" },
+            plan.strategy,
+            args.comm,
+            match (&args.emulate_links, &args.link) {
+                (Some(p), _) => format!(", links emulated from {}", p.display()),
+                (None, Some(s)) => format!(", links emulated at {s}"),
+                _ => String::new(),
+            }
+        );
+        for s in &stats {
+            println!(
+                "step {:>4}  loss {}  ({:.1} ms)",
+                s.step,
+                s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
+                ms(s.wall)
+            );
+        }
+        let m = measured(&stats);
+        let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
+        println!(
+            "per step, mean over {} step{}{} and the ranks:",
+            m.len(),
+            if m.len() == 1 { "" } else { "s" },
+            if stats.len() > 1 {
+                " (the first, warm-up, left out)"
+            } else {
+                ""
+            }
+        );
+        println!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
+        for (k, s) in STREAMS.iter().enumerate() {
+            let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
+            println!(
+                "  {:<16} {:>10.3}  {:>6.1}%",
+                s.name(),
+                ms(b),
+                100.0 * b.as_secs_f64() / wall.as_secs_f64().max(1e-12)
+            );
+        }
+        let comm_t = mean(&m.iter().map(|x| x.comm()).collect::<Vec<_>>());
+        let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
+        println!("  step time        {:>10.3} ms", ms(wall));
+        println!(
+            "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
+            ms(exposed),
+            100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
+            ms(comm_t)
+        );
+    }
+    let mut saved = None;
+    if let Some(out) = &args.save_params {
+        let p = ex.parameters();
+        npz::write(out, &p).map_err(|e| miette!("{e}"))?;
+        saved = Some(p.len());
+        if text {
+            println!("saved {} parameters to {}", p.len(), out.display());
+        }
+    }
+    if let Some(out) = &args.trace {
+        let json = trace_json(&ex, ex.trace());
+        let tmp = out.with_extension("json.tmp");
+        std::fs::write(&tmp, json).into_diagnostic()?;
+        std::fs::rename(&tmp, out).into_diagnostic()?;
+        if text {
+            println!(
+                "wrote a trace of {} node runs to {}",
+                ex.trace().len(),
+                out.display()
+            );
+        }
+    }
+    if !text {
+        let m = measured(&stats);
+        let secs = |f: &dyn Fn(&StepStats) -> Duration| -> Vec<f64> {
+            stats.iter().map(|s| f(s).as_secs_f64()).collect()
+        };
+        let mut streams = BTreeMap::new();
+        for (k, s) in STREAMS.iter().enumerate() {
+            streams.insert(s.name(), secs(&|x: &StepStats| x.busy[k]));
+        }
+        let v = serde_json::json!({
+            "plan": args.plan.display().to_string(),
+            "model": plan.model,
+            "strategy": plan.strategy,
+            "mesh": plan.mesh.to_string(),
+            "world_size": w,
+            "backend": args.backend,
+            "comm": args.comm,
+            "steps": args.steps,
+            "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+            "step_seconds": secs(&|x: &StepStats| x.wall),
+            "busy_seconds": streams,
+            "comm_seconds": secs(&|x: &StepStats| x.comm()),
+            "exposed_comm_seconds": secs(&|x: &StepStats| x.exposed_comm),
+            "summary": {
+                "steps_measured": m.len(),
+                "step_seconds": mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>()).as_secs_f64(),
+                "comm_seconds": mean(&m.iter().map(|s| s.comm()).collect::<Vec<_>>()).as_secs_f64(),
+                "exposed_comm_seconds": mean(&m.iter().map(|s| s.exposed_comm).collect::<Vec<_>>()).as_secs_f64(),
+            },
+            "saved_parameters": saved,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    }
+    Ok(())
+}
+
+/// `--backend cuda`: this process's rank of the plan on its GPU (see `hzp launch`). Without
+/// the libraries, or in a build without the `cuda` feature, the runtime says which.
+fn run_cuda(
+    args: &RunArgs,
+    plan: &Plan,
+    params: &[(String, Tensor)],
+    inputs: &[(String, Tensor)],
+    comm: CommMode,
+) -> Result<()> {
+    if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
+        return Err(miette!(
+            "--emulate-links, --link and --trace are options of the CPU backend"
+        ));
+    }
+    let text = args.format == Format::Text;
+    let mut on_step = |rank: usize, s: &StepStats| {
+        if text {
+            println!(
+                "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)",
+                s.step,
+                s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
+                ms(s.wall)
+            );
+        }
+    };
+    let res = hzp_runtime::cuda::run_plan(
+        plan,
+        params,
+        inputs,
+        args.steps,
+        comm,
+        args.save_params.is_some(),
+        &mut on_step,
+    )
+    .map_err(|e| miette!("{e}"))?;
+    if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
+        if res.rank == 0 {
+            npz::write(out, p).map_err(|e| miette!("{e}"))?;
+            if text {
+                println!("saved {} parameters to {}", p.len(), out.display());
+            }
+        }
+    }
+    if !text && res.rank == 0 {
+        let v = serde_json::json!({
+            "plan": args.plan.display().to_string(),
+            "backend": "cuda",
+            "comm": args.comm,
+            "steps": args.steps,
+            "losses": res.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
+            "step_seconds": res.steps.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    }
+    Ok(())
+}
+
+/// Chrome Trace Event JSON: one complete ("X") event per node run, pid = rank, tid =
+/// stream (0 compute, 1 all-gather, 2 reduce-scatter), microseconds; args name the node, its
+/// op and the bytes it wrote (a collective: the bytes the cost model counts).
+pub fn trace_json(ex: &Executor, events: &[TraceEvent]) -> String {
+    let p = ex.program();
+    let mut list = Vec::with_capacity(events.len() + 4 * ex.world_size());
+    for r in 0..ex.world_size() {
+        list.push(serde_json::json!({
+            "name": "process_name", "ph": "M", "pid": r, "tid": 0,
+            "args": {"name": format!("rank {r}")}
+        }));
+        for (k, s) in STREAMS.iter().enumerate() {
+            list.push(serde_json::json!({
+                "name": "thread_name", "ph": "M", "pid": r, "tid": k,
+                "args": {"name": s.name()}
+            }));
+        }
+    }
+    for e in events {
+        let n = &p.nodes[e.node];
+        let out_bytes: u64 = n.outputs.iter().map(|&o| p.ty(o).size_bytes() as u64).sum();
+        let bytes = if n.op.is_collective() {
+            let ib = n.inputs.first().map_or(0, |&i| p.ty(i).size_bytes());
+            hzp_runtime::comm::collective_bytes(&n.op, ib, out_bytes as usize)
+        } else {
+            out_bytes
+        };
+        list.push(serde_json::json!({
+            "name": n.name,
+            "cat": n.op.name(),
+            "ph": "X",
+            "ts": e.start.as_secs_f64() * 1e6,
+            "dur": e.dur.as_secs_f64() * 1e6,
+            "pid": e.rank,
+            "tid": hzp_runtime::exec::stream_index(e.stream),
+            "args": {"node": n.name, "op": n.op.name(), "bytes": bytes, "step": e.step},
+        }));
+    }
+    let v = serde_json::json!({ "traceEvents": list, "displayTimeUnit": "ms" });
+    let mut s = serde_json::to_string(&v).unwrap_or_default();
+    s.push('\n');
+    s
+}

@@ -1,0 +1,188 @@
+//! `hzp launch` (processes, rank-prefixed output, exit status) and the CUDA backend's
+//! lowering of compiled plans (every node of real plans maps to kernels that exist in the
+//! NVRTC sources), both without a GPU.
+
+use std::process::Command;
+
+fn hzp(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_hzp"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn launch_runs_one_process_per_rank_and_prefixes_their_output() {
+    let (code, out, err) = hzp(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "show",
+        "examples/models/mlp.hzp",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (_, alone, _) = hzp(&["show", "examples/models/mlp.hzp"]);
+    for r in 0..2 {
+        let prefix = format!("[rank {r}] ");
+        let mine: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix(prefix.as_str()))
+            .collect();
+        assert_eq!(mine, alone.lines().collect::<Vec<_>>(), "rank {r}:\n{out}");
+    }
+    assert!(out.lines().all(|l| l.starts_with("[rank ")), "{out}");
+}
+
+#[test]
+fn launch_exits_with_the_first_failure_and_names_the_rank() {
+    let (code, _, err) = hzp(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--",
+        "show",
+        "no-such-model.hzp",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("hzp launch: rank "), "{err}");
+    assert!(err.contains("exited with status 1"), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("[rank ") && l.contains("no-such-model.hzp")),
+        "{err}"
+    );
+}
+
+#[test]
+fn launch_checks_its_flags() {
+    for (args, word) in [
+        (
+            vec!["launch", "--nproc-per-node", "0", "--", "show", "x"],
+            "--nproc-per-node",
+        ),
+        (
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--",
+                "show",
+                "x",
+            ],
+            "--node-rank",
+        ),
+        (
+            vec!["launch", "--nproc-per-node", "1", "--", "launch"],
+            "itself",
+        ),
+    ] {
+        let (code, _, err) = hzp(&args);
+        assert_ne!(code, 0, "{args:?}");
+        assert!(err.contains(word), "{args:?}: {err}");
+    }
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("hzp-cli-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn compiled_plans_lower_to_kernels_that_exist() {
+    use hzp_runtime::cuda::{kernels, lower};
+    let names = kernels::kernel_names();
+    let dir = tempdir();
+    for (model, shape, mesh, strategy) in [
+        (
+            "tests/models/gpt2_tiny.dynamo.op18.onnx",
+            "input_ids=4x16",
+            "gpu=2",
+            "asynchzp",
+        ),
+        (
+            "tests/models/llama_tiny.dynamo.op18.onnx",
+            "input_ids=8x16",
+            "node=2,gpu=2",
+            "zero3",
+        ),
+    ] {
+        let out = dir.join(format!("{strategy}.json"));
+        let (code, _, err) = hzp(&[
+            "compile",
+            model,
+            "--shape",
+            shape,
+            "--mesh",
+            mesh,
+            "--strategy",
+            strategy,
+            "--memory",
+            "1GiB",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{model}: {err}");
+        let text = std::fs::read_to_string(&out).unwrap();
+        let plan = hzp_ir::Plan::from_json(&text, "plan.json").unwrap();
+        let mut n_collectives = 0;
+        for rank in 0..plan.mesh.world_size() {
+            let low = lower::lower_program(&plan, rank).unwrap_or_else(|e| panic!("{model}: {e}"));
+            assert_eq!(low.nodes.len(), plan.program.nodes.len());
+            for (nw, node) in low.nodes.iter().zip(&plan.program.nodes) {
+                let empty = node
+                    .outputs
+                    .iter()
+                    .all(|&v| plan.program.ty(v).numel() == 0);
+                let has_work = !nw.work.is_empty();
+                let silent = matches!(node.op, hzp_ir::Op::Free) || empty;
+                assert!(
+                    has_work || silent,
+                    "{model}: node `{}` ({}) lowers to nothing",
+                    nw.name,
+                    nw.op
+                );
+                for w in &nw.work {
+                    match w {
+                        lower::Work::Kernel(l) => {
+                            assert!(
+                                names.contains(&l.kernel),
+                                "{model}: node `{}` launches `{}`, which the sources do not define",
+                                nw.name,
+                                l.kernel
+                            );
+                            assert!(l.grid >= 1 && l.block >= 1);
+                        }
+                        lower::Work::Collective(c) => {
+                            n_collectives += 1;
+                            assert!(c.comm < low.comms.len());
+                            assert_eq!(low.comms[c.comm].members.len(), c.size);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            // every rank creates its communicators in the same (stream, group) order
+            let keys: Vec<_> = low
+                .comms
+                .iter()
+                .map(|k| (k.stream, k.axes.clone()))
+                .collect();
+            let mut sorted = keys.clone();
+            sorted.sort();
+            assert_eq!(keys, sorted);
+        }
+        assert!(n_collectives > 0, "{model}: a sharded plan has collectives");
+    }
+}

@@ -1,0 +1,270 @@
+//! `hzp simulate`, `hzp compare` and `hzp scale` as a user runs them: tables, JSON fields,
+//! files written (a valid Chrome trace, SVGs), calibration, and error messages.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Exit code, stdout, and stderr with miette's line wrapping undone (one space between words).
+fn hzp(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(hzp_bin()).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).replace('│', " ");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        err.split_whitespace().collect::<Vec<_>>().join(" "),
+    )
+}
+
+fn tempdir() -> PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "hzp-cli-sim-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+const TINY: &str = "preset:gpt,layers=2,hidden=64,heads=4,vocab=128,seq=16,batch=2";
+
+/// A 4-rank plan of the tiny llama ONNX model.
+fn compile_plan(dir: &Path) -> PathBuf {
+    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
+    let out = dir.join("plan.json");
+    let (code, stdout, err) = hzp(&[
+        "compile",
+        s(&model),
+        "--shape",
+        "input_ids=4x16",
+        "--mesh",
+        "node=2,gpu=2",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(code, 0, "{stdout}{err}");
+    out
+}
+
+#[test]
+fn simulate_writes_summary_trace_and_pictures() {
+    let dir = tempdir();
+    let plan = compile_plan(&dir);
+    let (trace, gantt, mem) = (dir.join("sim.json"), dir.join("t.svg"), dir.join("mem.svg"));
+    let (code, out, err) = hzp(&[
+        "simulate",
+        s(&plan),
+        "--trace",
+        s(&trace),
+        "--timeline",
+        s(&gantt),
+        "--memory-plot",
+        s(&mem),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for key in [
+        "step_time_s",
+        "critical_path_s",
+        "compute_busy_s",
+        "exposed_comm_fraction",
+        "mfu",
+        "tokens_per_s",
+        "peak_memory_bytes",
+        "issue_order_peak_bytes",
+        "arena_bytes",
+        "links",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}: {out}");
+    }
+    let step = v["step_time_s"].as_f64().unwrap();
+    assert!(step > 0.0 && step >= v["critical_path_s"].as_f64().unwrap() * (1.0 - 1e-9));
+    assert!(v["peak_memory_bytes"].as_u64().unwrap() <= v["arena_bytes"].as_u64().unwrap());
+    assert_eq!(v["world_size"], 4);
+    // the trace: valid Trace Event JSON, one process per rank (4), named streams
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let summary = hzp_ir::trace::validate(&text, "sim.json").unwrap();
+    assert_eq!(summary.pids, vec![0, 1, 2, 3]);
+    assert!(text.contains("\"thread_name\"") && text.contains("\"allgather\""));
+    for svg in [&gantt, &mem] {
+        let t = std::fs::read_to_string(svg).unwrap();
+        assert!(
+            t.starts_with("<?xml") && t.trim_end().ends_with("</svg>"),
+            "{t}"
+        );
+    }
+    // text output: the summary table
+    let (code, out, err) = hzp(&["simulate", s(&plan), "--serialize"]);
+    assert_eq!(code, 0, "{err}");
+    for want in [
+        "step time",
+        "exposed communication",
+        "MFU",
+        "tokens/s",
+        "memory peak per rank",
+        "serialized",
+    ] {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+    // calibration against a "measured" trace (here the prediction itself)
+    let (code, out, err) = hzp(&["simulate", s(&plan), "--calibrate", s(&trace)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("calibration against") && out.contains("prediction error"),
+        "{out}"
+    );
+}
+
+#[test]
+fn simulate_errors_say_what_is_wrong() {
+    let dir = tempdir();
+    let (code, _, err) = hzp(&["simulate", s(&dir.join("missing.json"))]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("cannot read") && err.contains("missing.json"),
+        "{err}"
+    );
+    let plan = compile_plan(&dir);
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"traceEvents": [{"name": "x", "ph": "X", "ts": 0}]}"#,
+    )
+    .unwrap();
+    let (code, _, err) = hzp(&["simulate", s(&plan), "--calibrate", s(&bad)]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("bad.json") && err.contains("needs \"dur\""),
+        "{err}"
+    );
+    let (code, _, err) = hzp(&["simulate", s(&plan), "--algorithm", "butterfly"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--algorithm butterfly"), "{err}");
+    // a cluster without a link for one of the plan's axes
+    let spec = dir.join("one_link.toml");
+    let toml = std::fs::read_to_string(repo().join("examples/clusters/h100-dgx.toml"))
+        .unwrap()
+        .replace("axes = [\"node\"]", "axes = [\"rack\"]");
+    std::fs::write(&spec, toml).unwrap();
+    let (code, _, err) = hzp(&["simulate", s(&plan), "--cluster", s(&spec)]);
+    assert_eq!(code, 1);
+    assert!(err.contains("node"), "{err}");
+}
+
+#[test]
+fn compare_strategies_json_and_markdown() {
+    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
+    let args = [
+        "compare",
+        s(&model),
+        "--shape",
+        "input_ids=4x16",
+        "--mesh",
+        "node=2,gpu=2",
+        "--strategies",
+        "asynchzp,zero3,hsdp,ddp",
+    ];
+    let mut json = args.to_vec();
+    json.extend(["--format", "json"]);
+    let (code, out, err) = hzp(&json);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    for (r, name) in rows.iter().zip(["asynchzp", "zero3", "hsdp", "ddp"]) {
+        assert_eq!(r["strategy"], name);
+        assert_eq!(r["fits"], true, "{r}");
+        assert!(r["step_time_s"].as_f64().unwrap() > 0.0);
+        assert!(r["mfu"].as_f64().unwrap() > 0.0);
+        let x = r["exposed_comm_fraction"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&x));
+        assert!(r["peak_memory_bytes"].as_u64().unwrap() > 0);
+    }
+    // zero3 shards everything over the whole world
+    assert_eq!(rows[1]["groups"], "P=[node,gpu] G=[node,gpu] O=[node,gpu]");
+    let mut md = args.to_vec();
+    md.extend(["--format", "markdown"]);
+    let (code, out, err) = hzp(&md);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("| strategy"), "{out}");
+    assert!(out.contains("| zero3"), "{out}");
+    // nothing fits 64 KiB: every row says so, and the comparison still completes
+    let mut tiny = json.clone();
+    tiny.extend(["--memory", "64KiB", "--quiet"]);
+    let (code, out, err) = hzp(&tiny);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for r in v.as_array().unwrap() {
+        assert_eq!(r["fits"], false, "{r}");
+        assert!(r["note"].as_str().unwrap().contains("does not fit"), "{r}");
+        assert_eq!(r["budget_bytes"], 64 * 1024, "{r}");
+        assert!(r["step_time_s"].as_f64().unwrap() > 0.0);
+    }
+    // an unknown strategy is refused up front
+    let mut bad = args.to_vec();
+    bad[7] = "asynchzp,zero9";
+    let (code, _, err) = hzp(&bad);
+    assert_eq!(code, 1);
+    assert!(err.contains("zero9"), "{err}");
+}
+
+#[test]
+fn scale_reports_linearity() {
+    let (code, out, err) = hzp(&[
+        "scale",
+        TINY,
+        "--ranks",
+        "4,8,16",
+        "--mesh-template",
+        "node=*,gpu=2",
+        "--strategies",
+        "asynchzp,zero3",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 6);
+    for r in rows {
+        for key in ["strategy", "ranks", "tokens_per_s", "linearity"] {
+            assert!(r.get(key).is_some(), "{key}: {r}");
+        }
+        let l = r["linearity"].as_f64().unwrap();
+        assert!(l > 0.0 && l <= 1.0 + 1e-9, "{r}");
+    }
+    assert_eq!(rows[0]["ranks"], 4);
+    assert_eq!(rows[0]["linearity"], 1.0);
+    assert_eq!(rows[2]["mesh"], "node=8,gpu=2");
+    // text: the paper's figure printed as a reference, labeled as such
+    let (code, out, err) = hzp(&[
+        "scale",
+        TINY,
+        "--ranks",
+        "4,8",
+        "--mesh-template",
+        "node=*,gpu=2",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("91.1%") && out.contains("paper"), "{out}");
+    // a template the ranks do not fill
+    let (code, _, err) = hzp(&[
+        "scale",
+        TINY,
+        "--ranks",
+        "6",
+        "--mesh-template",
+        "node=*,gpu=4",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("multiple of 4"), "{err}");
+}

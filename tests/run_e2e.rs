@@ -1,0 +1,334 @@
+//! The plan executor against single-rank training: for every model in tests/models (both
+//! exporters), on meshes gpu=2, gpu=4, node=2,gpu=2 and node=2,gpu=4 and for the strategies
+//! asynchzp, zero3, hsdp and ddp, five AdamW steps of the multi-threaded executor (async
+//! comm streams) give the parameters of `Trainer` on the unsharded step with the same global
+//! batch, within 1e-5 relative per parameter.
+
+mod common;
+use common::*;
+use hzp_ir::plan::{Plan, ShardGroups};
+use hzp_ir::{Mesh, Program, Tensor};
+use hzp_passes::cluster::ClusterSpec;
+use hzp_passes::shard_plan::{self, ShardOptions, Strategy};
+use hzp_passes::spmd::{shard_training_step, ShardSpec};
+use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
+use hzp_runtime::exec::{ExecOptions, Executor};
+use hzp_runtime::train::Trainer;
+use std::path::Path;
+
+const MESHES: [&str; 4] = ["gpu=2", "gpu=4", "node=2,gpu=2", "node=2,gpu=4"];
+const STRATEGIES: [&str; 4] = ["asynchzp", "zero3", "hsdp", "ddp"];
+const ROWS: usize = 8;
+const STEPS: usize = 5;
+
+fn config(loss: &str) -> TrainConfig {
+    TrainConfig {
+        loss: LossKind::parse(loss, None, None).unwrap(),
+        optimizer: Some(Optimizer::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }),
+        clip_grad_norm: None,
+        micro_batches: 1,
+        compute: hzp_ir::DType::F32,
+    }
+}
+
+/// A global batch of ROWS rows from the model's two example rows: token ids shifted per pair
+/// of rows, so that the ranks see different data; masks and token types repeated.
+fn global_batch(io: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    io.iter()
+        .filter(|(k, _)| k != "torch_out")
+        .map(|(k, t)| {
+            let v = t.to_i64_vec().expect("integer inputs");
+            let rows = t.shape[0];
+            let row = v.len() / rows;
+            let mut out = Vec::with_capacity(row * ROWS);
+            for r in 0..ROWS {
+                let src = &v[(r % rows) * row..(r % rows + 1) * row];
+                let shift = (r / rows) as i64 * 37;
+                if k == "input_ids" {
+                    out.extend(src.iter().map(|&x| (x + shift).rem_euclid(256)));
+                } else {
+                    out.extend_from_slice(src);
+                }
+            }
+            let mut shape = t.shape.clone();
+            shape[0] = ROWS;
+            (k.clone(), Tensor::i64(shape, out))
+        })
+        .collect()
+}
+
+fn import_at(model: &Path, batch: &[(String, Tensor)], rows: usize) -> Program {
+    let shaped: Vec<(String, Tensor)> = batch
+        .iter()
+        .map(|(k, t)| {
+            let mut s = t.shape.clone();
+            s[0] = rows;
+            (
+                k.clone(),
+                Tensor::zeros(&hzp_ir::TensorType::new(t.dtype(), s)),
+            )
+        })
+        .collect();
+    import(model, &shaped)
+}
+
+/// What `hzp compile` does, in-process: plan the groups, shard the step, plan memory,
+/// verify.
+fn build_plan(fwd: &Program, mesh: &Mesh, strategy: &str, cfg: &TrainConfig) -> Plan {
+    let cluster = ClusterSpec::load(repo().join("examples/clusters/h100-dgx.toml")).unwrap();
+    let opts = ShardOptions {
+        strategy: Strategy::parse(strategy).unwrap(),
+        compute: cfg.compute,
+        loss: Some(cfg.loss.clone()),
+        ..ShardOptions::default()
+    };
+    let report = shard_plan::plan_sharding(fwd, mesh, &cluster, &opts).unwrap();
+    let g = report.chosen.groups();
+    let spec = ShardSpec {
+        params: g.params.clone(),
+        grads: g.grads.clone(),
+        optim: g.optim.clone(),
+    };
+    let step = shard_training_step(fwd, cfg, mesh, &spec).unwrap();
+    let prog = step.program;
+    let kinds = hzp_passes::memory::default_kind(&prog);
+    let persistent = hzp_passes::memory::default_persistent(&prog);
+    let mem = hzp_passes::memory::plan_memory(&prog, &kinds, &persistent);
+    let plan = Plan::new(
+        "test",
+        strategy,
+        mesh.clone(),
+        ShardGroups {
+            params: step.groups.params,
+            grads: step.groups.grads,
+            optim: step.groups.optim,
+        },
+        prog.clone(),
+        mem.arena_bytes,
+        mem.buffers.clone(),
+    )
+    .with_training(step.layouts, 1, String::new());
+    let vopts = hzp_passes::verify_plan::VerifyOptions {
+        budget: None,
+        communicator_per_stream: true,
+    };
+    hzp_passes::verify_plan::verify_plan_with(&plan, &vopts).unwrap();
+    plan
+}
+
+/// Relative L2 error of `a` against `b` over the elements `keep` marks.
+fn rel(a: &Tensor, b: &Tensor, keep: &[bool]) -> f64 {
+    assert_eq!(a.shape, b.shape);
+    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+    let (mut d, mut n) = (0.0, 0.0);
+    for i in (0..x.len()).filter(|&i| keep[i]) {
+        d += (x[i] - y[i]) * (x[i] - y[i]);
+        n += y[i] * y[i];
+    }
+    d.sqrt() / n.sqrt().max(1e-30)
+}
+
+/// Per parameter, which elements have a gradient that is not round-off (at least 1e-6 of
+/// the parameter's largest): AdamW divides each gradient by its own running RMS, so an
+/// element whose gradient is zero in exact arithmetic (an attention key bias: softmax ignores
+/// a per-row constant) moves by O(lr) in a direction set by round-off, differently for any
+/// other summation order. Those elements are held by the whole-model check only (as in
+/// tests/training.rs).
+fn meaningful(fwd: &Program, cfg: &TrainConfig, batch: &[(String, Tensor)]) -> Vec<Vec<bool>> {
+    let gcfg = TrainConfig {
+        optimizer: None,
+        ..cfg.clone()
+    };
+    let gp = training_step(fwd, &gcfg).unwrap();
+    let outs = hzp_runtime::eval::evaluate(&gp, &program_inputs(&gp, batch)).unwrap();
+    let grads = &outs[outs.len() - fwd.params.len()..];
+    grads
+        .iter()
+        .map(|(_, g)| {
+            let g = g.to_f64_vec();
+            let gmax = g.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            g.iter().map(|x| x.abs() >= 1e-6 * gmax).collect()
+        })
+        .collect()
+}
+
+fn check_model(stem: &str, loss: &str) {
+    let model = own_models_dir().join(format!("{stem}.onnx"));
+    let model_name = stem.split('.').next().unwrap();
+    let io = read_npz(&own_models_dir().join(format!("{model_name}.io.npz")));
+    let batch = global_batch(&io);
+    let cfg = config(loss);
+
+    // The reference: one rank, the whole batch.
+    let fwd1 = import_at(&model, &batch, ROWS);
+    let full: Vec<(String, Tensor)> = fwd1
+        .params
+        .iter()
+        .map(|p| (fwd1.value(p.value).name.clone(), p.data.clone().unwrap()))
+        .collect();
+    let step1 = training_step(&fwd1, &cfg).unwrap();
+    let mut trainer = Trainer::new(&step1).unwrap();
+    let inputs1 = program_inputs(&step1, &batch);
+    let mut ref_losses = Vec::new();
+    for _ in 0..STEPS {
+        ref_losses.push(trainer.step(&inputs1).unwrap()[0].1.to_f64_vec()[0]);
+    }
+    let want = trainer.parameters();
+    let keep = meaningful(&fwd1, &cfg, &batch);
+    let all: Vec<Vec<bool>> = want.iter().map(|(_, t)| vec![true; t.numel()]).collect();
+
+    let mut failures = Vec::new();
+    for mesh_s in MESHES {
+        let mesh = Mesh::parse(mesh_s).unwrap();
+        let w = mesh.world_size();
+        let fwd = import_at(&model, &batch, ROWS / w);
+        for strategy in STRATEGIES {
+            let plan = build_plan(&fwd, &mesh, strategy, &cfg);
+            let mut ex = Executor::new(&plan, &full, ExecOptions::default()).unwrap();
+            ex.set_inputs(&batch).unwrap();
+            let stats = ex.run(STEPS).unwrap();
+            let got = ex.parameters();
+            assert_eq!(got.len(), want.len(), "{stem} {mesh_s} {strategy}");
+            let mut worst = (0.0f64, String::new());
+            for (((gn, g), (wn, wt)), k) in got.iter().zip(&want).zip(&keep) {
+                assert_eq!(gn, wn);
+                let r = rel(g, wt, k);
+                if r > worst.0 || r.is_nan() {
+                    worst = (r, gn.clone());
+                }
+            }
+            // the whole model, every element
+            let cat = |v: &[(String, Tensor)]| {
+                Tensor::f32(
+                    vec![v.iter().map(|(_, t)| t.numel()).sum::<usize>()],
+                    v.iter().flat_map(|(_, t)| t.to_f32_vec()).collect(),
+                )
+            };
+            let whole = rel(&cat(&got), &cat(&want), &all.concat());
+            let dl = stats
+                .iter()
+                .zip(&ref_losses)
+                .map(|(s, l)| (s.loss.unwrap() - l).abs() / l.abs())
+                .fold(0.0, f64::max);
+            // written so that NaN fails too
+            let within = |x: f64| x <= 1e-5;
+            if !within(worst.0) || !within(dl) || !within(whole) {
+                failures.push(format!(
+                    "{stem} on {mesh_s} ({strategy}, groups P={} G={} O={}): worst parameter `{}` \
+                     off by {:.3e} relative; whole model {whole:.3e}; losses off by {dl:.3e}",
+                    plan.groups.params, plan.groups.grads, plan.groups.optim, worst.1, worst.0
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn gpt2_legacy() {
+    check_model("gpt2_tiny.legacy.op17", "lm");
+}
+
+#[test]
+fn gpt2_dynamo() {
+    check_model("gpt2_tiny.dynamo.op18", "lm");
+}
+
+#[test]
+fn llama_legacy() {
+    check_model("llama_tiny.legacy.op17", "lm");
+}
+
+#[test]
+fn llama_dynamo() {
+    check_model("llama_tiny.dynamo.op18", "lm");
+}
+
+#[test]
+fn bert_legacy() {
+    check_model("bert_tiny.legacy.op17", "mean");
+}
+
+#[test]
+fn bert_dynamo() {
+    check_model("bert_tiny.dynamo.op18", "mean");
+}
+
+#[test]
+fn moe_legacy() {
+    check_model("moe_tiny.legacy.op17", "lm");
+}
+
+#[test]
+fn moe_dynamo() {
+    check_model("moe_tiny.dynamo.op18", "lm");
+}
+
+#[test]
+fn every_model_in_tests_models_is_covered() {
+    let mut stems: Vec<String> = std::fs::read_dir(own_models_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".onnx"))
+        .map(|f| f.trim_end_matches(".onnx").to_string())
+        .collect();
+    stems.sort();
+    assert_eq!(
+        stems,
+        [
+            "bert_tiny.dynamo.op18",
+            "bert_tiny.legacy.op17",
+            "gpt2_tiny.dynamo.op18",
+            "gpt2_tiny.legacy.op17",
+            "llama_tiny.dynamo.op18",
+            "llama_tiny.legacy.op17",
+            "moe_tiny.dynamo.op18",
+            "moe_tiny.legacy.op17",
+        ],
+        "a model was added to tests/models: give it a test above"
+    );
+}
+
+/// Bitwise: the executor (async and sync) and the lockstep reference runner give the same
+/// parameters and losses on a real plan.
+#[test]
+fn async_sync_and_reference_runner_agree_bitwise() {
+    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
+    let io = read_npz(&own_models_dir().join("llama_tiny.io.npz"));
+    let batch = global_batch(&io);
+    let cfg = config("lm");
+    let mesh = Mesh::parse("node=2,gpu=2").unwrap();
+    let fwd = import_at(&model, &batch, ROWS / 4);
+    let full: Vec<(String, Tensor)> = fwd
+        .params
+        .iter()
+        .map(|p| (fwd.value(p.value).name.clone(), p.data.clone().unwrap()))
+        .collect();
+    let plan = build_plan(&fwd, &mesh, "zero3", &cfg);
+    let mut spmd = hzp_runtime::spmd::SpmdRunner::new(&plan.program, &plan.layouts, &full).unwrap();
+    let inputs = program_inputs(&plan.program, &batch);
+    let ref_losses: Vec<f64> = (0..3)
+        .map(|_| spmd.step(&inputs).unwrap()[0].1.to_f64_vec()[0])
+        .collect();
+    let want = spmd.full_parameters();
+    for comm in [
+        hzp_runtime::exec::CommMode::Async,
+        hzp_runtime::exec::CommMode::Sync,
+    ] {
+        let opts = ExecOptions {
+            comm,
+            ..ExecOptions::default()
+        };
+        let mut ex = Executor::new(&plan, &full, opts).unwrap();
+        ex.set_inputs(&batch).unwrap();
+        let losses: Vec<f64> = ex.run(3).unwrap().iter().map(|s| s.loss.unwrap()).collect();
+        assert_eq!(losses, ref_losses, "{comm:?}");
+        assert_eq!(ex.parameters(), want, "{comm:?}");
+    }
+}
