@@ -354,24 +354,24 @@ pub fn build_plan(
         }
     }
     let prog = step.program;
-    let kinds = |v: ValueId| buffer_kind(&prog, v);
-    let persistent = hzp_passes::memory::default_persistent(&prog);
-    let mem = hzp_passes::memory::plan_memory(&prog, &kinds, &persistent);
+    let mem = {
+        let kinds = |v: ValueId| buffer_kind(&prog, v);
+        let persistent = hzp_passes::memory::default_persistent(&prog);
+        hzp_passes::memory::plan_memory(&prog, &kinds, &persistent)
+    };
     let plan_groups = ShardGroups {
         params: step.groups.params.clone(),
         grads: step.groups.grads.clone(),
         optim: step.groups.optim.clone(),
     };
-    let plan = Plan::new(
+    let plan = Plan::assemble(
         model.model.clone(),
         strategy.name(),
         mesh.clone(),
         plan_groups,
-        prog.clone(),
+        prog,
         mem.arena_bytes,
         mem.buffers.clone(),
-    )
-    .with_training(
         step.layouts.clone(),
         cfg.micro_batches,
         fingerprint_of(&fwd),

@@ -203,6 +203,38 @@ impl Plan {
         plan
     }
 
+    /// A training plan, every field given, its content hash computed once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn assemble(
+        model: impl Into<String>,
+        strategy: impl Into<String>,
+        mesh: Mesh,
+        groups: ShardGroups,
+        program: Program,
+        arena_bytes: u64,
+        buffers: Vec<Buffer>,
+        layouts: Vec<ParamLayout>,
+        micro_batches: usize,
+        model_fingerprint: String,
+    ) -> Plan {
+        let mut plan = Plan {
+            version: PLAN_VERSION,
+            model: model.into(),
+            strategy: strategy.into(),
+            mesh,
+            groups,
+            program,
+            arena_bytes,
+            buffers,
+            layouts,
+            micro_batches,
+            model_fingerprint,
+            content_hash: String::new(),
+        };
+        plan.content_hash = plan.compute_hash();
+        plan
+    }
+
     /// The same plan with parameter layouts, micro-batch count and model fingerprint set
     /// (the content hash is recomputed).
     pub fn with_training(

@@ -448,6 +448,18 @@ impl ConflictIndex {
         }
     }
 
+    /// Calls `f` with every indexed value whose window covers the producer at `def`, or that
+    /// was, like this one, produced before the step (`def` `None`): the values produced no
+    /// later that it may overwrite.
+    pub(crate) fn covering(&self, def: Option<(usize, u32)>, mut f: impl FnMut(u32)) {
+        match def {
+            Some((t, k)) => self.windows[t][(k / BUCKET) as usize]
+                .iter()
+                .for_each(|&i| f(i)),
+            None => self.before.iter().for_each(|&i| f(i)),
+        }
+    }
+
     /// Calls `f` with every indexed value whose window covers the producer at `def` (values
     /// produced no later), whose producer lies in `win` (values produced no earlier), or that
     /// was, like this one, produced before the step; possibly more than once.

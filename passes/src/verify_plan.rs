@@ -491,7 +491,8 @@ impl Verifier<'_> {
             let a = plan.buffers[i];
             let v = a.value.index();
             let def = crate::memory::def_slot(&self.hb, &lives[v]);
-            index.candidates(&wins[v], def, |y| {
+            // every pair is met from its later-produced side
+            index.covering(def, |y| {
                 let y = y as usize;
                 if y == x || stamp[y] == x as u32 {
                     return;
