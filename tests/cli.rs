@@ -252,3 +252,43 @@ fn compile_writes_a_verified_deterministic_plan_that_inspect_reads() {
     assert_eq!(code, 1);
     assert!(err.contains("modified"), "{err}");
 }
+
+/// `hzp compile` gives a verified plan for every test model (the project's own, and
+/// ../shared/onnx when present) on meshes of 1, 2, 4 and 8 ranks.
+#[test]
+fn every_model_compiles_on_1_2_4_and_8_ranks() {
+    let dir = tempdir();
+    for (model, io) in all_models() {
+        // the model's batch repeated to 8 rows, so that 8 ranks each get one
+        let rows: Vec<(String, hzp_ir::Tensor)> = read_npz(&io)
+            .into_iter()
+            .filter(|(k, t)| k != "torch_out" && !t.shape.is_empty())
+            .map(|(k, t)| {
+                let reps = 8 / t.shape[0].max(1);
+                let parts: Vec<&hzp_ir::Tensor> = (0..reps).map(|_| &t).collect();
+                let cat = hzp_runtime::cpu::eval_op(&hzp_ir::Op::Concat { axis: 0 }, &parts)
+                    .unwrap()
+                    .remove(0);
+                (k, cat)
+            })
+            .collect();
+        let batch = dir.join("batch8.npz");
+        hzp_frontends::npz::write(&batch, &rows).unwrap();
+        for mesh in ["gpu=1", "gpu=2", "gpu=4", "node=2,gpu=4"] {
+            let plan = dir.join("plan.json");
+            let (code, out, err) = hzp(&[
+                "compile",
+                model.to_str().unwrap(),
+                "--inputs",
+                batch.to_str().unwrap(),
+                "--mesh",
+                mesh,
+                "-o",
+                plan.to_str().unwrap(),
+            ]);
+            assert_eq!(code, 0, "{} on {mesh}: {out}{err}", model.display());
+            let (code, _, err) = hzp(&["inspect", plan.to_str().unwrap()]);
+            assert_eq!(code, 0, "inspect {} on {mesh}: {err}", model.display());
+        }
+    }
+}
