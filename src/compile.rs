@@ -209,6 +209,29 @@ impl From<BuildError> for miette::Report {
 
 /// The passes of `hzp compile` up to a verified plan (shared with `hzp compare` and `hzp
 /// scale`). `verify_budget`: the verifier also rejects an arena over `--memory`.
+/// Phase timings of a compile, printed to stderr when `HZP_PROFILE_COMPILE` is set.
+struct Phases {
+    on: bool,
+    last: std::cell::Cell<Instant>,
+}
+
+impl Phases {
+    fn new() -> Phases {
+        Phases {
+            on: std::env::var_os("HZP_PROFILE_COMPILE").is_some(),
+            last: std::cell::Cell::new(Instant::now()),
+        }
+    }
+
+    fn mark(&self, what: &str) {
+        if self.on {
+            let now = Instant::now();
+            eprintln!("  {what:<22} {:8.3} s", (now - self.last.get()).as_secs_f64());
+            self.last.set(now);
+        }
+    }
+}
+
 pub fn build_plan(
     model: &ModelArgs,
     inputs: Option<&Path>,
@@ -232,6 +255,7 @@ pub fn build_plan(
         },
         true,
     )?;
+    let phases = Phases::new();
     let fwd = load_for_compile(model, inputs, mesh.world_size() * cfg.micro_batches)?;
     show_stage(&stages, "import", || hzp_ir::text::print(&fwd));
     let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
@@ -282,6 +306,7 @@ pub fn build_plan(
         let step = hzp_passes::train::training_step(&fwd, &cfg).map_err(|e| miette!("{e}"))?;
         show_stage(&stages, "training", || hzp_ir::text::print(&step));
     }
+    phases.mark("load");
     let mut planned = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts);
     if recompute_mode.is_none() {
         if let Err(shard_plan::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
@@ -331,6 +356,7 @@ pub fn build_plan(
             ..Default::default()
         },
     });
+    phases.mark("plan shard groups");
     let step = hzp_passes::spmd::shard_training_step_rewritten(
         &fwd,
         &cfg,
@@ -354,6 +380,7 @@ pub fn build_plan(
         }
     }
     let prog = step.program;
+    phases.mark("build per-rank step");
     let mem = {
         let kinds = |v: ValueId| buffer_kind(&prog, v);
         let persistent = hzp_passes::memory::default_persistent(&prog);
@@ -364,6 +391,7 @@ pub fn build_plan(
         grads: step.groups.grads.clone(),
         optim: step.groups.optim.clone(),
     };
+    phases.mark("memory plan");
     let plan = Plan::assemble(
         model.model.clone(),
         strategy.name(),
@@ -383,6 +411,7 @@ pub fn build_plan(
         budget: if verify_budget { budget } else { None },
         communicator_per_stream: true,
     };
+    phases.mark("assemble plan");
     if let Err(violations) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
         let list: Vec<String> = violations.iter().map(|v| format!("  - {v}")).collect();
         return Err(miette!(
@@ -391,6 +420,7 @@ pub fn build_plan(
         )
         .into());
     }
+    phases.mark("verify plan");
     Ok(Built {
         plan,
         report,

@@ -936,8 +936,12 @@ fn profile(
     // The activation peak the compiled step will have, measured on the scheduled step of one
     // rank (activations do not depend on the shard groups); the estimate above stays for the
     // other setting of recompute and for models without a backward.
+    // Without recompute, the saved activations alone are a lower bound of the peak: when
+    // they exceed the budget, nothing fits and measuring the peak is not needed.
     let (mut act_bytes, mut act_recompute_bytes) = (act_bytes, act_recompute_bytes);
-    if fallback.is_none() {
+    let budget = opts.memory_budget.unwrap_or(cluster.device.memory_bytes);
+    let hopeless = !opts.recompute && act_bytes > budget;
+    if fallback.is_none() && !hopeless {
         if let Some(measured) = probe_activations(fwd, opts) {
             if opts.recompute {
                 act_recompute_bytes = measured;
