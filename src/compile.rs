@@ -226,7 +226,10 @@ impl Phases {
     fn mark(&self, what: &str) {
         if self.on {
             let now = Instant::now();
-            eprintln!("  {what:<22} {:8.3} s", (now - self.last.get()).as_secs_f64());
+            eprintln!(
+                "  {what:<22} {:8.3} s",
+                (now - self.last.get()).as_secs_f64()
+            );
             self.last.set(now);
         }
     }
