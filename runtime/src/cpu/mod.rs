@@ -1,4 +1,6 @@
-//! CPU kernels, one per compute op, behind one entry point: [`eval_op`].
+//! CPU kernels, one per compute op, behind two entry points: [`eval_op_into`] writes into
+//! caller-provided buffers (the executor's arena) with scratch from a [`Workspace`], and
+//! [`eval_op`] allocates the outputs and calls it.
 //!
 //! Layout: `layout` (strides, broadcasting, the strided walk), `elem` (dtype dispatch and
 //! the f32 view), and one file per family: `elementwise`, `matmul`, `norm`, `reduce`,
