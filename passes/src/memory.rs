@@ -469,12 +469,7 @@ impl ConflictIndex {
         def: Option<(usize, u32)>,
         mut f: impl FnMut(u32),
     ) {
-        match def {
-            Some((t, k)) => self.windows[t][(k / BUCKET) as usize]
-                .iter()
-                .for_each(|&i| f(i)),
-            None => self.before.iter().for_each(|&i| f(i)),
-        }
+        self.covering(def, &mut f);
         for (t, &(lo, hi)) in win.iter().enumerate() {
             if lo < hi {
                 for b in &self.defs[t][(lo / BUCKET) as usize..=((hi - 1) / BUCKET) as usize] {
