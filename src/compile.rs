@@ -173,6 +173,8 @@ fn memory_text(plan: &Plan) -> String {
 /// A compiled and verified plan, with what the planner weighed.
 pub struct Built {
     pub plan: Plan,
+    /// The plan's JSON ([`Plan::to_json`]), when `build_plan` was asked for it.
+    pub json: Option<String>,
     pub report: shard_plan::PlanReport,
     pub peak_by_kind: BTreeMap<BufferKind, u64>,
     pub cluster: ClusterSpec,
@@ -241,6 +243,7 @@ pub fn build_plan(
     t: &TrainArgs,
     c: &CompileArgs,
     verify_budget: bool,
+    want_json: bool,
 ) -> std::result::Result<Built, BuildError> {
     let mesh = Mesh::parse(&c.mesh).map_err(|e| miette!("--mesh: {e}"))?;
     let cluster = load_cluster(c.cluster.as_deref())?;
@@ -395,7 +398,7 @@ pub fn build_plan(
         optim: step.groups.optim.clone(),
     };
     phases.mark("memory plan");
-    let plan = Plan::assemble(
+    let mut plan = Plan::assemble_unhashed(
         model.model.clone(),
         strategy.name(),
         mesh.clone(),
@@ -415,7 +418,24 @@ pub fn build_plan(
         communicator_per_stream: true,
     };
     phases.mark("assemble plan");
-    if let Err(violations) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
+    // Verification and the content hash (with the JSON, when it is wanted) both only read the
+    // plan: they run side by side.
+    let (verified, (json, hash)) = std::thread::scope(|s| {
+        let hashing = s.spawn(|| {
+            if want_json {
+                let (j, h) = plan.to_json_and_hash();
+                (Some(j), h)
+            } else {
+                (None, plan.compute_hash())
+            }
+        });
+        let verified = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts);
+        (
+            verified,
+            hashing.join().expect("the hashing thread does not panic"),
+        )
+    });
+    if let Err(violations) = verified {
         let list: Vec<String> = violations.iter().map(|v| format!("  - {v}")).collect();
         return Err(miette!(
             "the compiled plan failed verification:\n{}",
@@ -423,9 +443,11 @@ pub fn build_plan(
         )
         .into());
     }
-    phases.mark("verify plan");
+    plan.content_hash = hash;
+    phases.mark("verify + hash + JSON");
     Ok(Built {
         plan,
+        json,
         report,
         peak_by_kind: mem.peak_by_kind,
         cluster,
@@ -443,16 +465,18 @@ pub fn compile(
     let start = Instant::now();
     let Built {
         plan,
+        json,
         report,
         peak_by_kind,
         ..
-    } = build_plan(model, inputs, t, c, true)?;
+    } = build_plan(model, inputs, t, c, true, c.output.is_some())?;
     if let Some(out) = &c.output {
         let mut ins: Vec<&Path> = vec![Path::new(&model.model)];
         ins.extend(inputs);
         crate::commands::check_not_input(out, &ins)?;
         let tmp = out.with_extension("json.tmp");
-        std::fs::write(&tmp, plan.to_json()).into_diagnostic()?;
+        let json = json.expect("build_plan writes the JSON when there is an output file");
+        std::fs::write(&tmp, json).into_diagnostic()?;
         std::fs::rename(&tmp, out).into_diagnostic()?;
     }
     let summary = summary(&plan, &report, &peak_by_kind, start.elapsed().as_secs_f64());

@@ -7,6 +7,11 @@ mod launch;
 mod run;
 mod simulate;
 
+// The compiler builds and frees millions of small vectors for a 100B-scale plan; mimalloc
+// takes about a fifth off `hzp compile` next to glibc's allocator.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 

@@ -450,7 +450,7 @@ fn evaluate(
     let mut c = c.clone();
     c.strategy = strategy.to_string();
     c.output = None;
-    let (built, no_fit) = match build_plan(model, inputs, t, &c, false) {
+    let (built, no_fit) = match build_plan(model, inputs, t, &c, false, false) {
         Ok(b) => (b, None),
         Err(BuildError::NoFit {
             need,
@@ -468,7 +468,8 @@ fn evaluate(
             forced.memory = Some((1u64 << 60).to_string());
             forced.explain = false;
             (
-                build_plan(model, inputs, t, &forced, false).map_err(miette::Report::from)?,
+                build_plan(model, inputs, t, &forced, false, false)
+                    .map_err(miette::Report::from)?,
                 Some((need, budget)),
             )
         }

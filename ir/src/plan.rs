@@ -217,7 +217,38 @@ impl Plan {
         micro_batches: usize,
         model_fingerprint: String,
     ) -> Plan {
-        let mut plan = Plan {
+        let mut plan = Plan::assemble_unhashed(
+            model,
+            strategy,
+            mesh,
+            groups,
+            program,
+            arena_bytes,
+            buffers,
+            layouts,
+            micro_batches,
+            model_fingerprint,
+        );
+        plan.content_hash = plan.compute_hash();
+        plan
+    }
+
+    /// [`Plan::assemble`] without the content hash (empty): for a caller that computes it
+    /// together with the JSON ([`Plan::to_json_and_hash`]) or on another thread.
+    #[allow(clippy::too_many_arguments)]
+    pub fn assemble_unhashed(
+        model: impl Into<String>,
+        strategy: impl Into<String>,
+        mesh: Mesh,
+        groups: ShardGroups,
+        program: Program,
+        arena_bytes: u64,
+        buffers: Vec<Buffer>,
+        layouts: Vec<ParamLayout>,
+        micro_batches: usize,
+        model_fingerprint: String,
+    ) -> Plan {
+        Plan {
             version: PLAN_VERSION,
             model: model.into(),
             strategy: strategy.into(),
@@ -230,9 +261,7 @@ impl Plan {
             micro_batches,
             model_fingerprint,
             content_hash: String::new(),
-        };
-        plan.content_hash = plan.compute_hash();
-        plan
+        }
     }
 
     /// The same plan with parameter layouts, micro-batch count and model fingerprint set
@@ -261,13 +290,19 @@ impl Plan {
     /// the same bytes. The content hash written is the one computed now, so a plan written by
     /// this function always reads back.
     pub fn to_json(&self) -> String {
+        self.to_json_and_hash().0
+    }
+
+    /// The JSON form (as [`Plan::to_json`]) and the content hash it records, computed once.
+    pub fn to_json_and_hash(&self) -> (String, String) {
         let printed = text::print(&self.program);
         let mut repr = self.repr(&printed, None);
-        repr.content_hash = Some(Cow::Owned(hash_repr(&repr)));
+        let hash = hash_repr(&repr);
+        repr.content_hash = Some(Cow::Borrowed(&hash));
         let mut s = serde_json::to_string_pretty(&repr)
             .expect("serializing strings, numbers and lists to JSON cannot fail");
         s.push('\n');
-        s
+        (s, hash)
     }
 
     /// Reads a plan. `file_name` is used in messages. Refuses another format version (before
@@ -809,25 +844,14 @@ fn base64_decode(s: &str) -> Result<Vec<u8>, String> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SHA-256 (FIPS 180-4).
+// SHA-256, from the `sha2` crate (SHA-NI / AVX2 where the CPU has them): a 100B-scale plan's
+// canonical form is tens of MiB.
 
-const K: [u32; 64] = [
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
-];
-
-/// A streaming SHA-256; write bytes with [`std::io::Write`] or [`Sha256::update`].
+/// A streaming SHA-256; write bytes with [`std::io::Write`] or [`Sha256::update`]. The
+/// canonical JSON writer sends many tiny pieces; they are gathered into blocks first.
 pub struct Sha256 {
-    h: [u32; 8],
-    buf: [u8; 64],
-    buf_len: usize,
-    total: u64,
+    inner: sha2::Sha256,
+    buf: Vec<u8>,
 }
 
 impl Default for Sha256 {
@@ -836,55 +860,32 @@ impl Default for Sha256 {
     }
 }
 
+const SHA_BUF: usize = 1 << 16;
+
 impl Sha256 {
     pub fn new() -> Sha256 {
         Sha256 {
-            h: [
-                0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
-                0x5be0cd19,
-            ],
-            buf: [0; 64],
-            buf_len: 0,
-            total: 0,
+            inner: <sha2::Sha256 as sha2::Digest>::new(),
+            buf: Vec::with_capacity(SHA_BUF),
         }
     }
 
-    pub fn update(&mut self, mut data: &[u8]) {
-        self.total = self.total.wrapping_add(data.len() as u64);
-        if self.buf_len > 0 {
-            let take = (64 - self.buf_len).min(data.len());
-            self.buf[self.buf_len..self.buf_len + take].copy_from_slice(&data[..take]);
-            self.buf_len += take;
-            data = &data[take..];
-            if self.buf_len == 64 {
-                let block = self.buf;
-                compress(&mut self.h, &block);
-                self.buf_len = 0;
+    pub fn update(&mut self, data: &[u8]) {
+        if self.buf.len() + data.len() > SHA_BUF {
+            sha2::Digest::update(&mut self.inner, &self.buf);
+            self.buf.clear();
+            if data.len() > SHA_BUF {
+                sha2::Digest::update(&mut self.inner, data);
+                return;
             }
         }
-        let mut blocks = data.chunks_exact(64);
-        for b in &mut blocks {
-            compress(&mut self.h, b);
-        }
-        let rest = blocks.remainder();
-        self.buf[..rest.len()].copy_from_slice(rest);
-        self.buf_len += rest.len();
+        self.buf.extend_from_slice(data);
     }
 
     pub fn finish(mut self) -> [u8; 32] {
-        let bits = self.total.wrapping_mul(8);
-        let mut tail = [0u8; 128];
-        tail[..self.buf_len].copy_from_slice(&self.buf[..self.buf_len]);
-        tail[self.buf_len] = 0x80;
-        let len = if self.buf_len < 56 { 64 } else { 128 };
-        tail[len - 8..len].copy_from_slice(&bits.to_be_bytes());
-        for b in tail[..len].chunks_exact(64) {
-            compress(&mut self.h, b);
-        }
+        sha2::Digest::update(&mut self.inner, &self.buf);
         let mut out = [0u8; 32];
-        for (o, h) in out.chunks_exact_mut(4).zip(self.h) {
-            o.copy_from_slice(&h.to_be_bytes());
-        }
+        out.copy_from_slice(&sha2::Digest::finalize(self.inner));
         out
     }
 }
@@ -904,45 +905,6 @@ pub fn sha256_hex(data: &[u8]) -> String {
     let mut h = Sha256::new();
     h.update(data);
     hex(&h.finish())
-}
-
-fn compress(h: &mut [u32; 8], block: &[u8]) {
-    let mut w = [0u32; 64];
-    for (i, c) in block.chunks_exact(4).enumerate().take(16) {
-        w[i] = u32::from_be_bytes([c[0], c[1], c[2], c[3]]);
-    }
-    for i in 16..64 {
-        let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
-        let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
-        w[i] = w[i - 16]
-            .wrapping_add(s0)
-            .wrapping_add(w[i - 7])
-            .wrapping_add(s1);
-    }
-    let [mut a, mut b, mut c, mut d, mut e, mut f, mut g, mut hh] = *h;
-    for i in 0..64 {
-        let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
-        let ch = (e & f) ^ (!e & g);
-        let t1 = hh
-            .wrapping_add(s1)
-            .wrapping_add(ch)
-            .wrapping_add(K[i])
-            .wrapping_add(w[i]);
-        let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
-        let maj = (a & b) ^ (a & c) ^ (b & c);
-        let t2 = s0.wrapping_add(maj);
-        hh = g;
-        g = f;
-        f = e;
-        e = d.wrapping_add(t1);
-        d = c;
-        c = b;
-        b = a;
-        a = t1.wrapping_add(t2);
-    }
-    for (x, y) in h.iter_mut().zip([a, b, c, d, e, f, g, hh]) {
-        *x = x.wrapping_add(y);
-    }
 }
 
 #[cfg(test)]
