@@ -552,6 +552,45 @@ fn parse_strategies(s: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// `f` over `items` on up to as many threads as the machine has cores (each item is a whole
+/// compile + simulation), results in the order of `items`.
+fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(items.len());
+    if workers <= 1 {
+        return items.iter().map(&f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<Option<R>> = (0..items.len()).map(|_| None).collect();
+    let done: Vec<Vec<(usize, R)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= items.len() {
+                            break mine;
+                        }
+                        mine.push((i, f(&items[i])));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    for (i, r) in done.into_iter().flatten() {
+        out[i] = Some(r);
+    }
+    out.into_iter()
+        .map(|r| r.expect("every item was taken by a worker"))
+        .collect()
+}
+
 fn progress(total: usize, quiet: bool) -> ProgressBar {
     if quiet || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
@@ -694,11 +733,16 @@ pub fn compare(
     let strategies = parse_strategies(&a.strategies)?;
     let sim = a.sim.options()?;
     let pb = progress(strategies.len(), a.quiet);
+    pb.set_message("compiling and simulating");
+    let results = par_map(&strategies, |s| {
+        let r = evaluate(model, inputs, t, c, s, &sim);
+        pb.inc(1);
+        r
+    });
     let mut rows = Vec::new();
     let mut first_error = None;
-    for s in &strategies {
-        pb.set_message(format!("compiling and simulating {s}"));
-        match evaluate(model, inputs, t, c, s, &sim) {
+    for (s, r) in strategies.iter().zip(results) {
+        match r {
             Ok(r) => rows.push(r),
             Err(e) => {
                 let msg = format!("{e}");
@@ -706,7 +750,6 @@ pub fn compare(
                 first_error.get_or_insert(e);
             }
         }
-        pb.inc(1);
     }
     pb.finish_and_clear();
     if rows.iter().all(|r| r.peak_memory_bytes == 0) {
@@ -905,11 +948,11 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
     }
     let sim = a.sim.options()?;
     let pb = progress(strategies.len() * ranks.len(), a.quiet);
-    let mut rows: Vec<ScaleRow> = Vec::new();
+    pb.set_message("compiling and simulating");
+    // Every (strategy, ranks) pair compiles independently; linearity is computed after.
+    let mut jobs = Vec::new();
     for s in &strategies {
-        let mut base: Option<(usize, f64)> = None;
         for (&n, mesh) in ranks.iter().zip(&meshes) {
-            pb.set_message(format!("{s} on {n} ranks"));
             let mut m = model.clone();
             if !preset {
                 if n % ranks[0] != 0 {
@@ -921,34 +964,45 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
                 }
                 m.shapes = scale_shapes(&model.shapes, n / ranks[0])?;
             }
-            let c = compile_args(a, mesh)?;
-            let row = match evaluate(&m, None, t, &c, s, &sim) {
-                Ok(r) => r,
-                Err(e) => empty_row(s, mesh, n, format!("{e}")),
-            };
-            let tps = row.tokens_per_s;
-            if base.is_none() && tps.is_finite() && tps > 0.0 {
-                base = Some((n, tps));
-            }
-            let linearity = match base {
-                Some((n0, t0)) if tps.is_finite() => tps / (n as f64 / n0 as f64 * t0),
-                _ => f64::NAN,
-            };
-            rows.push(ScaleRow {
-                strategy: s.clone(),
-                ranks: n,
-                mesh: mesh.clone(),
-                fits: row.fits,
-                step_time_s: row.step_time_s,
-                tokens_per_s: tps,
-                linearity,
-                mfu: row.mfu,
-                exposed_comm_fraction: row.exposed_comm_fraction,
-                cross_node_bytes: row.cross_node_bytes,
-                note: row.note,
-            });
-            pb.inc(1);
+            jobs.push((s.clone(), n, mesh.clone(), m, compile_args(a, mesh)?));
         }
+    }
+    let results = par_map(&jobs, |(s, n, mesh, m, c)| {
+        let row = match evaluate(m, None, t, c, s, &sim) {
+            Ok(r) => r,
+            Err(e) => empty_row(s, mesh, *n, format!("{e}")),
+        };
+        pb.inc(1);
+        row
+    });
+    let mut rows: Vec<ScaleRow> = Vec::new();
+    let mut base: Option<(&str, usize, f64)> = None;
+    for ((s, n, mesh, _, _), row) in jobs.iter().zip(results) {
+        let n = *n;
+        if base.is_some_and(|(bs, _, _)| bs != s.as_str()) {
+            base = None;
+        }
+        let tps = row.tokens_per_s;
+        if base.is_none() && tps.is_finite() && tps > 0.0 {
+            base = Some((s, n, tps));
+        }
+        let linearity = match base {
+            Some((_, n0, t0)) if tps.is_finite() => tps / (n as f64 / n0 as f64 * t0),
+            _ => f64::NAN,
+        };
+        rows.push(ScaleRow {
+            strategy: s.clone(),
+            ranks: n,
+            mesh: mesh.clone(),
+            fits: row.fits,
+            step_time_s: row.step_time_s,
+            tokens_per_s: tps,
+            linearity,
+            mfu: row.mfu,
+            exposed_comm_fraction: row.exposed_comm_fraction,
+            cross_node_bytes: row.cross_node_bytes,
+            note: row.note,
+        });
     }
     pb.finish_and_clear();
     if rows.iter().all(|r| !r.tokens_per_s.is_finite()) {
