@@ -6,6 +6,12 @@
 #
 #   examples/bench/run_overlap.sh [MODEL.onnx IO.npz] [STRATEGY] [STEPS]
 #
+# Without a model it builds an 8-layer GPT-2 (hidden 256, batch 8 x 128) with
+# make_overlap_model.py into $BENCH_DIR (default /tmp/hzp-bench/overlap), which needs
+# PyTorch + transformers in $PYTHON (default /work/venv-models/bin/python, else python3).
+# A deep model matters: the first gather and the last reductions of a step cannot be hidden
+# within the step, and on a 2-layer model they are most of its communication.
+#
 # 1. compile the model for gpu=2;
 # 2. run it without link emulation in sync mode: the compute time per step C (busy time of
 #    the compute stream, collectives excluded);
@@ -14,10 +20,23 @@
 #    the exposed communication as a share of communication time (target < 20%).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-MODEL=${1:-tests/models/llama_tiny.dynamo.op18.onnx}
-IO=${2:-tests/models/llama_tiny.io.npz}
-STRATEGY=${3:-zero3}
-STEPS=${4:-12}
+if [ "$#" -ge 2 ]; then
+  MODEL=$1
+  IO=$2
+  shift 2
+else
+  BENCH_DIR=${BENCH_DIR:-/tmp/hzp-bench/overlap}
+  MODEL=$BENCH_DIR/gpt2_8l.onnx
+  IO=$BENCH_DIR/gpt2_8l.npz
+  if [ ! -f "$MODEL" ] || [ ! -f "$IO" ]; then
+    PY=${PYTHON:-/work/venv-models/bin/python}
+    [ -x "$PY" ] || PY=python3
+    "$PY" examples/bench/make_overlap_model.py "$BENCH_DIR"
+  fi
+  COMPILE_FLAGS="--loss lm --retie ${COMPILE_FLAGS:-}"
+fi
+STRATEGY=${1:-zero3}
+STEPS=${2:-8}
 HZP=${HZP:-target/release/hzp}
 [ -x "$HZP" ] || cargo build --release --quiet
 TMP=$(mktemp -d)

@@ -993,6 +993,7 @@ pub fn shard_training_step_rewritten(
         rewrite_report = Some(rep.to_string());
     }
     let (order, waits) = prefetch_schedule(&q, &units, sched);
+    let order = defer_reduce_consumers(&q, &order, &waits);
     let q = insert_events_with(&q, &order, &waits);
     hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
     trace(STAGES[2], &q);
@@ -1159,6 +1160,107 @@ fn prefetch_schedule(
         }
     }
     (order, waits)
+}
+
+/// Moves the compute that reads a reduction's result (unpacking a gradient bucket, adding
+/// it to the accumulator, scaling) from right after the reduction to right after the next
+/// reduction is issued, so the compute stream goes on with the next layer's backward while
+/// the reduction runs instead of waiting for it at once. Nodes move only later, never past
+/// a node that reads them (a collective packed from them stays where it was, and so do
+/// they), and the result is a topological order that keeps `extra`'s (waiter, waited)
+/// pairs: the deferral costs at most one reduction's results held one layer longer.
+fn defer_reduce_consumers(
+    p: &Program,
+    order: &[NodeId],
+    extra: &[(NodeId, NodeId)],
+) -> Vec<NodeId> {
+    let n = order.len();
+    let mut pos = vec![usize::MAX; p.nodes.len()];
+    for (i, &id) in order.iter().enumerate() {
+        pos[id.index()] = i;
+    }
+    let users = p.users();
+    let reduces: Vec<usize> = order
+        .iter()
+        .enumerate()
+        .filter(|(_, id)| {
+            let nd = &p.nodes[id.index()];
+            nd.stream == StreamKind::ReduceScatter && nd.op.is_collective()
+        })
+        .map(|(i, _)| i)
+        .collect();
+    // The preferred place of the node at each position: (target, 0) goes just before the
+    // node at `target`, (own position, 1) stays.
+    let mut key: Vec<(usize, u8)> = (0..n).map(|i| (i, 1)).collect();
+    let mut stamp = vec![usize::MAX; n];
+    let mut chain: Vec<usize> = Vec::new();
+    let mut stack: Vec<usize> = Vec::new();
+    for (k, w) in reduces.windows(2).enumerate() {
+        let (r, limit) = (w[0], w[1] + 1);
+        chain.clear();
+        stack.clear();
+        stack.push(r);
+        let mut first_ext = limit;
+        while let Some(x) = stack.pop() {
+            for &o in &p.nodes[order[x].index()].outputs {
+                for u in &users[o.index()] {
+                    let pu = pos[u.index()];
+                    if pu >= limit || stamp[pu] == k {
+                        continue;
+                    }
+                    if p.nodes[u.index()].stream == StreamKind::Compute {
+                        stamp[pu] = k;
+                        chain.push(pu);
+                        stack.push(pu);
+                    } else {
+                        first_ext = first_ext.min(pu);
+                    }
+                }
+            }
+        }
+        for &c in &chain {
+            if c < first_ext && key[c].0 < first_ext {
+                key[c] = (first_ext, 0);
+            }
+        }
+    }
+    // Kahn's algorithm, smallest (key, position) first among the ready nodes.
+    let mut indeg = vec![0u32; n];
+    let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, &id) in order.iter().enumerate() {
+        for &v in &p.nodes[id.index()].inputs {
+            if let Some(pn) = p.producer(v) {
+                let j = pos[pn.index()];
+                if j != usize::MAX && j != i {
+                    succ[j].push(i);
+                    indeg[i] += 1;
+                }
+            }
+        }
+    }
+    for &(waiter, waited) in extra {
+        let (a, b) = (pos[waited.index()], pos[waiter.index()]);
+        if a != usize::MAX && b != usize::MAX && a != b {
+            succ[a].push(b);
+            indeg[b] += 1;
+        }
+    }
+    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(usize, u8, usize)>> = (0..n)
+        .filter(|&i| indeg[i] == 0)
+        .map(|i| std::cmp::Reverse((key[i].0, key[i].1, i)))
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    while let Some(std::cmp::Reverse((_, _, i))) = heap.pop() {
+        out.push(order[i]);
+        for &j in &succ[i] {
+            indeg[j] -= 1;
+            if indeg[j] == 0 {
+                heap.push(std::cmp::Reverse((key[j].0, key[j].1, j)));
+            }
+        }
+    }
+    debug_assert_eq!(out.len(), n, "the order given is topological");
+    out
 }
 
 /// Puts all-gathers on the all-gather stream and the other collectives on the
