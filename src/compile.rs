@@ -332,6 +332,7 @@ pub fn build_plan(
         max_inflight_bytes,
         recompute: opts.recompute,
         grad_dtype: opts.grad_dtype,
+        narrow_grads: None,
     };
     let report = planned.map_err(|e| match e {
         shard_plan::ShardPlanError::DoesNotFit {
@@ -350,6 +351,17 @@ pub fn build_plan(
         println!("{}", shard_plan::explain(&report));
     }
     let chosen = report.chosen.groups();
+    let sched = hzp_passes::spmd::ScheduleOptions {
+        narrow_grads: report
+            .chosen
+            .narrow
+            .as_ref()
+            .map(|n| hzp_passes::spmd::NarrowGrads {
+                group: n.group.clone(),
+                params: n.params.iter().cloned().collect(),
+            }),
+        ..sched
+    };
     let groups = hzp_passes::spmd::ShardSpec {
         params: chosen.params.clone(),
         grads: chosen.grads.clone(),
@@ -570,7 +582,7 @@ fn summary(
 ) -> Summary {
     let mut groups = BTreeMap::new();
     groups.insert("params", plan.groups.params.to_string());
-    groups.insert("grads", plan.groups.grads.to_string());
+    groups.insert("grads", plan.grads_label());
     groups.insert("optim", plan.groups.optim.to_string());
     Summary {
         model: plan.model.clone(),

@@ -511,7 +511,9 @@ fn evaluate(
         strategy: strategy.to_string(),
         groups: format!(
             "P={} G={} O={}",
-            plan.groups.params, plan.groups.grads, plan.groups.optim
+            plan.groups.params,
+            plan.grads_label(),
+            plan.groups.optim
         ),
         mesh: plan.mesh.to_string(),
         ranks: plan.mesh.world_size(),

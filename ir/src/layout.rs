@@ -21,4 +21,9 @@ pub struct ParamLayout {
     pub params_group: Group,
     pub compute_shard: String,
     pub compute_dtype: DType,
+    /// Set when this parameter's gradient is reduce-scattered per micro-batch over this
+    /// group (narrower than the plan's gradient group, inside a node) and accumulated there,
+    /// the rest of the gradient group reducing once per step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accumulate_group: Option<Group>,
 }

@@ -279,6 +279,26 @@ impl Plan {
         self
     }
 
+    /// The plan's gradient group as people read it: `[node,gpu]`, or
+    /// `[node,gpu] (accumulated in [gpu] for 322 of 723 parameters)` when some parameters'
+    /// gradients accumulate in a narrower group (`ParamLayout::accumulate_group`).
+    pub fn grads_label(&self) -> String {
+        let narrow: Vec<&Group> = self
+            .layouts
+            .iter()
+            .filter_map(|l| l.accumulate_group.as_ref())
+            .collect();
+        match narrow.first() {
+            None => self.groups.grads.to_string(),
+            Some(g) => format!(
+                "{} (accumulated in {g} for {} of {} parameters)",
+                self.groups.grads,
+                narrow.len(),
+                self.layouts.len()
+            ),
+        }
+    }
+
     /// Hex SHA-256 of the canonical JSON of the plan without its `content_hash` (see
     /// [`content_hash_of`]).
     pub fn compute_hash(&self) -> String {

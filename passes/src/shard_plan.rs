@@ -569,6 +569,20 @@ pub struct Candidate {
     pub bytes_per_link: BTreeMap<String, f64>,
     /// Bytes one rank sends per step over link classes that leave the node.
     pub cross_node_bytes: f64,
+    /// Layers whose gradients accumulate in a narrower, node-local group (see
+    /// [`crate::spmd::ScheduleOptions::narrow_grads`]).
+    pub narrow: Option<NarrowChoice>,
+}
+
+/// Gradients of some layers reduced per micro-batch inside a node and accumulated there, the
+/// rest of G reduced once per step: fewer bytes across nodes for the memory that fits.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct NarrowChoice {
+    pub group: Group,
+    /// How many of the model's layers (as the planner groups them).
+    pub layers: usize,
+    /// Their parameters, by name.
+    pub params: Vec<String>,
 }
 
 impl Candidate {
@@ -580,9 +594,23 @@ impl Candidate {
         }
     }
 
-    /// `P=[gpu] G=[gpu] O=[node,gpu]`
+    /// `P=[gpu] G=[gpu] O=[node,gpu]`; `G=[node,gpu]+[gpu]x40` when 40 layers accumulate
+    /// their gradients in [gpu].
     pub fn label(&self) -> String {
-        format!("P={} G={} O={}", self.params, self.grads, self.optim)
+        format!(
+            "P={} G={} O={}",
+            self.params,
+            self.grads_label(),
+            self.optim
+        )
+    }
+
+    /// The gradient group, with the narrower accumulation group and its layer count if any.
+    pub fn grads_label(&self) -> String {
+        match &self.narrow {
+            Some(n) => format!("{}+{}x{}", self.grads, n.group, n.layers),
+            None => self.grads.to_string(),
+        }
     }
 }
 
@@ -724,7 +752,8 @@ pub fn layer_params(fwd: &Program) -> Vec<(String, u64)> {
 struct Profile {
     /// What was estimated rather than derived.
     notes: Vec<String>,
-    /// Elements of each parameter and its layer.
+    /// Name and elements of each parameter and its layer.
+    param_names: Vec<String>,
     param_numel: Vec<u64>,
     param_layer: Vec<usize>,
     layers: usize,
@@ -952,6 +981,11 @@ fn profile(
     }
     Ok(Profile {
         notes: fallback.into_iter().collect(),
+        param_names: p
+            .params
+            .iter()
+            .map(|q| p.value(q.value).name.clone())
+            .collect(),
         param_numel: p
             .params
             .iter()
@@ -992,6 +1026,7 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
         max_inflight_bytes: None,
         recompute: opts.recompute,
         grad_dtype: opts.grad_dtype,
+        narrow_grads: None,
     };
     let none = Group::new(Vec::<String>::new());
     let spec = crate::spmd::ShardSpec {
@@ -1143,9 +1178,16 @@ fn evaluate(
     pg: &Group,
     gg: &Group,
     og: &Group,
+    narrow: Option<(&Group, &[bool])>,
 ) -> Result<Candidate, ShardPlanError> {
     let (mesh, opts, prof) = (ctx.mesh, ctx.opts, ctx.prof);
     let (p, g, o) = (gsize(mesh, pg), gsize(mesh, gg), gsize(mesh, og));
+    // Layers whose gradients accumulate in the narrower group `ng` (n ranks).
+    let (ng, in_narrow): (Group, Vec<bool>) = match narrow {
+        Some((n, flags)) => (n.clone(), flags.to_vec()),
+        None => (gg.clone(), vec![false; prof.layers]),
+    };
+    let n_size = gsize(mesh, &ng);
     let w = mesh.world_size();
     let m = opts.micro_batches.max(1);
     let c = opts.compute.size_bytes() as u64;
@@ -1164,8 +1206,14 @@ fn evaluate(
     let sharded_grads = g > 1 && (opts.reduce_grads == ReduceGrads::PerMicrobatch || m == 1);
     let params = c * psi / p as u64;
     let master = 4 * psi / o64;
+    let narrow_pad: u64 = layer_pad
+        .iter()
+        .zip(&in_narrow)
+        .filter(|(_, &f)| f)
+        .map(|(&n, _)| n)
+        .sum();
     let grads = if sharded_grads {
-        r * psi / g as u64
+        r * (psi - narrow_pad) / g as u64 + r * narrow_pad / n_size as u64
     } else {
         r * psi
     };
@@ -1221,13 +1269,16 @@ fn evaluate(
         .iter()
         .map(|l| l.name.clone())
         .collect();
-    let shared: Vec<String> = ctx
-        .model
-        .group_link_classes(gg)
-        .iter()
-        .map(|l| l.name.clone())
-        .filter(|l| p_links.contains(l))
-        .collect();
+    let shared_with = |grp: &Group| -> Vec<String> {
+        ctx.model
+            .group_link_classes(grp)
+            .iter()
+            .map(|l| l.name.clone())
+            .filter(|l| p_links.contains(l))
+            .collect()
+    };
+    let shared = shared_with(gg);
+    let shared_narrow = shared_with(&ng);
     let ag_times = if p > 1 {
         mf * if regather { 2.0 } else { 1.0 }
     } else {
@@ -1235,7 +1286,7 @@ fn evaluate(
     };
     let mut ag = Vec::with_capacity(prof.layers);
     let mut rs = Vec::with_capacity(prof.layers);
-    for &n in &layer_pad {
+    for (&n, &nar) in layer_pad.iter().zip(&in_narrow) {
         ag.push(collective(
             ctx,
             cache,
@@ -1247,14 +1298,19 @@ fn evaluate(
             &mut links,
             &mut comm_s,
         )?);
+        let (rg, rsize, rshared) = if nar {
+            (&ng, n_size, &shared_narrow)
+        } else {
+            (gg, g, &shared)
+        };
         rs.push(collective(
             ctx,
             cache,
             CollectiveKind::ReduceScatter,
             r * n,
-            gg,
-            rs_times,
-            &shared,
+            rg,
+            if rsize > 1 { rs_times } else { 0.0 },
+            rshared,
             &mut links,
             &mut comm_s,
         )?);
@@ -1267,7 +1323,7 @@ fn evaluate(
         ctx,
         cache,
         CollectiveKind::ReduceScatter,
-        r * psi / g as u64,
+        r * (psi - narrow_pad) / g as u64,
         &o_minus_g,
         1.0,
         &[],
@@ -1275,6 +1331,28 @@ fn evaluate(
         &mut comm_s,
     )?
     .seconds;
+    // A narrow layer's gradient crosses the rest of O once, right after its last
+    // accumulation: on the reduce stream during the last micro-batch's backward.
+    let mut narrow_cross = vec![0.0; prof.layers];
+    if narrow_pad > 0 {
+        let rest = minus(og, &ng);
+        for (l, (&n, &nar)) in layer_pad.iter().zip(&in_narrow).enumerate() {
+            if nar {
+                narrow_cross[l] = collective(
+                    ctx,
+                    cache,
+                    CollectiveKind::ReduceScatter,
+                    r * n / n_size as u64,
+                    &rest,
+                    1.0,
+                    &[],
+                    &mut links,
+                    &mut comm_s,
+                )?
+                .seconds;
+            }
+        }
+    }
     let ar_cross = if w > o {
         collective(
             ctx,
@@ -1345,6 +1423,11 @@ fn evaluate(
                 (false, true) => (0.0, rs[l].seconds),
                 (false, false) => (0.0, 0.0),
             };
+            let reduce = if k + 1 == m {
+                reduce + narrow_cross[l]
+            } else {
+                reduce
+            };
             tasks.push(Task {
                 compute: prof.bwd_s[l] + if opts.recompute { prof.fwd_s[l] } else { 0.0 },
                 gather,
@@ -1381,6 +1464,17 @@ fn evaluate(
         step_s,
         bytes_per_link: links,
         cross_node_bytes,
+        narrow: (narrow_pad > 0).then(|| NarrowChoice {
+            group: ng.clone(),
+            layers: in_narrow.iter().filter(|&&f| f).count(),
+            params: prof
+                .param_names
+                .iter()
+                .zip(&prof.param_layer)
+                .filter(|(_, &l)| in_narrow[l])
+                .map(|(n, _)| n.clone())
+                .collect(),
+        }),
     })
 }
 
@@ -1521,7 +1615,57 @@ pub fn plan_sharding(
     let mut cache = CostCache::new();
     let mut candidates = Vec::with_capacity(triples.len());
     for (pg, gg, og) in &triples {
-        candidates.push(evaluate(&ctx, &mut cache, pg, gg, og)?);
+        candidates.push(evaluate(&ctx, &mut cache, pg, gg, og, None)?);
+    }
+    // Mixed candidates: a plan that fits with G reaching across nodes keeps as many layers'
+    // gradients accumulating inside the node (G ∩ node-local) as the memory left allows:
+    // those cross the node boundary once per step instead of once per micro-batch.
+    if opts.strategy == Strategy::AsyncHzp
+        && opts.overrides.grads.is_none()
+        && opts.reduce_grads == ReduceGrads::PerMicrobatch
+        && opts.micro_batches > 1
+    {
+        let r = opts.grad_dtype.size_bytes() as u64;
+        let base = candidates.len();
+        for i in 0..base {
+            let c = &candidates[i];
+            let ng = Group {
+                axes: c
+                    .grads
+                    .axes
+                    .iter()
+                    .filter(|a| node_local.axes.contains(a))
+                    .cloned()
+                    .collect(),
+            };
+            let n = gsize(mesh, &ng);
+            if !c.fits || n >= c.g || !subset(&c.params, &ng) {
+                continue;
+            }
+            let o64 = c.o as u64;
+            let mut layer_pad = vec![0u64; prof.layers];
+            for (&e, &l) in prof.param_numel.iter().zip(&prof.param_layer) {
+                layer_pad[l] += e.div_ceil(o64).max(1) * o64;
+            }
+            let mut slack = budget.saturating_sub(c.memory.total);
+            let mut flags = vec![false; prof.layers];
+            for (l, &pad) in layer_pad.iter().enumerate() {
+                let extra = r * pad / n as u64 - r * pad / c.g as u64;
+                if extra <= slack {
+                    slack -= extra;
+                    flags[l] = true;
+                }
+            }
+            // none: nothing to mix; all: that is the candidate with G = the narrow group
+            if !flags.iter().any(|&f| f) || flags.iter().all(|&f| f) {
+                continue;
+            }
+            let (pg, gg, og) = (c.params.clone(), c.grads.clone(), c.optim.clone());
+            let mixed = evaluate(&ctx, &mut cache, &pg, &gg, &og, Some((&ng, &flags)))?;
+            if mixed.fits {
+                candidates.push(mixed);
+            }
+        }
     }
     // The fastest that fits; among those predicted within SAME_SPEED of it, the one that
     // sends the fewest bytes across nodes (the model cannot tell such step times apart, and
@@ -1736,7 +1880,7 @@ pub fn explain(r: &PlanReport) -> String {
         rows.push(vec![
             mark.to_string(),
             p,
-            c.grads.to_string(),
+            c.grads_label(),
             c.optim.to_string(),
             human_bytes(m.params),
             human_bytes(m.master),

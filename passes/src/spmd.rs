@@ -123,6 +123,18 @@ pub struct ScheduleOptions {
     /// dtype gradients are reduced and accumulated in (fp32, or bf16/f16 to halve gradient
     /// memory and traffic); the optimizer always sees fp32.
     pub grad_dtype: DType,
+    /// Parameters whose gradients are reduce-scattered per micro-batch over a group
+    /// narrower than G (inside a node) and accumulated there; the rest of G is reduced once
+    /// per step, after the last accumulation. Needs per-micro-batch reduction.
+    pub narrow_grads: Option<NarrowGrads>,
+}
+
+/// See [`ScheduleOptions::narrow_grads`]: `params ⊆ group ⊊ grads` must hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NarrowGrads {
+    pub group: Group,
+    /// Parameter names (as in the forward program).
+    pub params: BTreeSet<String>,
 }
 
 impl Default for ScheduleOptions {
@@ -134,6 +146,7 @@ impl Default for ScheduleOptions {
             max_inflight_bytes: None,
             recompute: false,
             grad_dtype: DType::F32,
+            narrow_grads: None,
         }
     }
 }
@@ -446,6 +459,47 @@ pub fn shard_training_step_rewritten(
         )));
     }
     let spec = canonical_groups(mesh, spec)?;
+    // The narrow gradient group, in mesh order, nested P ⊆ N ⊆ G.
+    let narrow_grads: Option<NarrowGrads> = match &sched.narrow_grads {
+        Some(nw) if !nw.params.is_empty() => {
+            if sched.reduce_grads != ReduceGrads::PerMicrobatch {
+                return Err(err(
+                    "accumulating gradients in a narrower group needs per-micro-batch reduction \
+                     (--reduce-grads per-microbatch)",
+                ));
+            }
+            let ng = canonical_groups(
+                mesh,
+                &ShardSpec {
+                    params: spec.params.clone(),
+                    grads: nw.group.clone(),
+                    optim: spec.grads.clone(),
+                },
+            )
+            .map_err(|e| {
+                err(format!(
+                    "the in-node gradient group {} must hold the parameter group {} and lie in \
+                     the gradient group {}: {e}",
+                    nw.group, spec.params, spec.grads
+                ))
+            })?;
+            if let Some(bad) = nw
+                .params
+                .iter()
+                .find(|n| !fwd.params.iter().any(|p| &fwd.value(p.value).name == *n))
+            {
+                return Err(err(format!(
+                    "the in-node gradient group lists `{bad}`, which is not a parameter of `{}`",
+                    fwd.name
+                )));
+            }
+            Some(NarrowGrads {
+                group: ng.grads,
+                params: nw.params.clone(),
+            })
+        }
+        _ => None,
+    };
     let world = Group {
         axes: mesh.axes.iter().map(|a| a.name.clone()).collect(),
     };
@@ -511,6 +565,10 @@ pub fn shard_training_step_rewritten(
         );
         masters.push(master);
         shards.push(shard);
+        let accumulate_group = narrow_grads
+            .as_ref()
+            .filter(|nw| nw.params.contains(&name))
+            .map(|nw| nw.group.clone());
         layouts.push(ParamLayout {
             name,
             shape: ty.shape.clone(),
@@ -520,6 +578,7 @@ pub fn shard_training_step_rewritten(
             params_group: spec.params.clone(),
             compute_shard: shard_name,
             compute_dtype: compute,
+            accumulate_group,
         });
     }
     let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
@@ -595,11 +654,21 @@ pub fn shard_training_step_rewritten(
         }
         Ok(v)
     };
-    let rs_g = |e: &mut Emitter, v: ValueId| -> Result<ValueId, String> {
-        if g > 1 {
+    // The group parameter `j`'s gradient is reduce-scattered over per micro-batch (or
+    // once, per step) and what of O it leaves to the step's end.
+    let narrow = |j: usize| -> Option<&Group> {
+        let nw = narrow_grads.as_ref()?;
+        nw.params.contains(&layouts[j].name).then_some(&nw.group)
+    };
+    let rs_g = |e: &mut Emitter, v: ValueId, j: usize| -> Result<ValueId, String> {
+        let (group, size_) = match narrow(j) {
+            Some(n) => (n.clone(), size(mesh, n)),
+            None => (spec.grads.clone(), g),
+        };
+        if size_ > 1 {
             e.op(
                 Op::ReduceScatter {
-                    group: spec.grads.clone(),
+                    group,
                     axis: 0,
                     reduce: ReduceOp::Sum,
                 },
@@ -631,16 +700,21 @@ pub fn shard_training_step_rewritten(
 
     // Reduces an accumulated gradient to the rank's O-shard, in fp32: right after its last
     // accumulation, so the cross-replica reduction overlaps the last micro-batch's backward.
-    let finish = |e: &mut Emitter, l: &ParamLayout, v: ValueId| -> Result<ValueId, String> {
+    let finish = |e: &mut Emitter, j: usize, v: ValueId| -> Result<ValueId, String> {
+        let l = &layouts[j];
         e.scope = format!("reduce.step/{}", l.name);
         let mut v = v;
         if !per_mb {
-            v = rs_g(e, v)?;
+            v = rs_g(e, v, j)?;
         }
-        if o > g {
+        let (rest, reduced) = match narrow(j) {
+            Some(n) => (minus(&spec.optim, n), size(mesh, n)),
+            None => (o_minus_g.clone(), g),
+        };
+        if o > reduced {
             v = e.op(
                 Op::ReduceScatter {
-                    group: o_minus_g.clone(),
+                    group: rest,
                     axis: 0,
                     reduce: ReduceOp::Sum,
                 },
@@ -767,7 +841,7 @@ pub fn shard_training_step_rewritten(
                     add_to(&mut e, &mut acc[j], v).map_err(err)?;
                     if mb + 1 == m {
                         let a = acc[j].expect("just accumulated");
-                        final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                        final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
                     }
                 }
                 // Recompute the layers whose activations this node reads.
@@ -834,14 +908,14 @@ pub fn shard_training_step_rewritten(
                         e.scope = format!("reduce.mb{mb}.{layer}/{}", l.name);
                         let f = flat_grad(&mut e, v, l).map_err(err)?;
                         if per_mb {
-                            let r = rs_g(&mut e, f).map_err(err)?;
+                            let r = rs_g(&mut e, f, j).map_err(err)?;
                             pending.push((j, r, bwd_layers_seen));
                         } else {
                             e.scope = format!("accumulate.mb{mb}/{}", l.name);
                             add_to(&mut e, &mut acc[j], f).map_err(err)?;
                             if mb + 1 == m {
                                 let a = acc[j].expect("just accumulated");
-                                final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                                final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
                             }
                         }
                     }
@@ -867,13 +941,13 @@ pub fn shard_training_step_rewritten(
             e.scope = format!("reduce.mb{mb}/{}", l.name);
             let f = flat_grad(&mut e, v, l).map_err(err)?;
             if per_mb {
-                let r = rs_g(&mut e, f).map_err(err)?;
+                let r = rs_g(&mut e, f, j).map_err(err)?;
                 pending.push((j, r, 0));
             } else {
                 add_to(&mut e, &mut acc[j], f).map_err(err)?;
                 if mb + 1 == m {
                     let a = acc[j].expect("just accumulated");
-                    final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                    final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
                 }
             }
         }
@@ -882,7 +956,7 @@ pub fn shard_training_step_rewritten(
             add_to(&mut e, &mut acc[j], v).map_err(err)?;
             if mb + 1 == m {
                 let a = acc[j].expect("just accumulated");
-                final_g[j] = Some(finish(&mut e, &layouts[j], a).map_err(err)?);
+                final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
             }
         }
         losses.push(vmap[&micro.outputs[0]]);

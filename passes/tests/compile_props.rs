@@ -121,6 +121,7 @@ fn case() -> impl Strategy<Value = Case> {
                 max_inflight_bytes: inflight,
                 recompute,
                 grad_dtype: if bf16_grads { DType::BF16 } else { DType::F32 },
+                narrow_grads: None,
             },
         );
     let training = (

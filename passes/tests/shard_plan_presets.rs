@@ -107,6 +107,38 @@ fn llama3_70b_at_its_own_length_is_compute_bound() {
     );
 }
 
+/// The acceptance configuration of the compiler issue, at the preset's own length: the
+/// chosen plan gathers every layer inside a node and sends at most half of ZeRO-3's bytes
+/// across nodes. With fp32 gradients an in-node gradient group does not fit for every layer
+/// (33 GiB of shards beside 35 GiB of recompute activations), so the planner accumulates as
+/// many layers' gradients inside the node as fit and reduces the rest across nodes per
+/// micro-batch.
+#[test]
+fn llama3_70b_at_its_own_length_sends_half_of_zero3_across_nodes() {
+    let p = preset("preset:llama3-70b");
+    let r = plan(&p, &opts(Strategy::AsyncHzp, true));
+    let z = plan(&p, &opts(Strategy::Zero3, true));
+    let (c, z) = (&r.chosen, &z.chosen);
+    eprintln!("{}", explain(&r));
+    assert_eq!(c.params, Group::new(["gpu"]), "{}", c.label());
+    assert!(c.fits && c.memory.total <= 80 * GIB);
+    let n = c.narrow.as_ref().expect("a mixed gradient group is chosen");
+    assert_eq!(n.group, Group::new(["gpu"]));
+    assert!(n.layers > 0 && n.layers < r.layers, "{}", c.label());
+    assert!(
+        c.cross_node_bytes <= 0.5 * z.cross_node_bytes,
+        "{} sends {:.1} GiB across nodes, zero3 {:.1} GiB",
+        c.label(),
+        gib(c.cross_node_bytes),
+        gib(z.cross_node_bytes)
+    );
+    // the candidate it was made from stays in the table, without the narrow group
+    assert!(r
+        .candidates
+        .iter()
+        .any(|x| x.narrow.is_none() && x.params == c.params && x.grads == c.grads));
+}
+
 #[test]
 fn gpt3_175b_needs_a_wider_gradient_group() {
     let p = preset("preset:gpt3-175b,seq=1024");

@@ -282,3 +282,86 @@ fn schedules_match_one_rank() {
         2e-2,
     );
 }
+
+/// Some parameters' gradients reduced per micro-batch inside the node and accumulated there,
+/// the others over the whole G; the node axis of the narrow ones reduced once per step. Same
+/// step as one rank, with and without collective rewriting.
+#[test]
+fn narrow_gradient_groups_match_one_rank() {
+    let mut c = cfg(Some(0.5), false);
+    c.micro_batches = 2;
+    let fwd = import("llama_tiny.legacy.op17.onnx", 8, 8);
+    // every other parameter, so both kinds meet in one layer and in one bucket
+    let params: std::collections::BTreeSet<String> = fwd
+        .params
+        .iter()
+        .step_by(2)
+        .map(|p| fwd.value(p.value).name.clone())
+        .collect();
+    assert!(params.len() >= 2);
+    let s = ScheduleOptions {
+        narrow_grads: Some(hzp_passes::spmd::NarrowGrads {
+            group: g(&["gpu"]),
+            params,
+        }),
+        ..ScheduleOptions::default()
+    };
+    for rewrite in [false, true] {
+        REWRITE.with(|r| r.set(rewrite));
+        check_with(
+            "llama_tiny.legacy.op17.onnx",
+            "llama_tiny",
+            "node=2,gpu=2",
+            ShardSpec {
+                params: g(&["gpu"]),
+                grads: g(&["node", "gpu"]),
+                optim: g(&["node", "gpu"]),
+            },
+            c.clone(),
+            &s,
+            1e-5,
+        );
+    }
+}
+
+/// A narrow group that does not hold the parameter group, or per-step reduction, is refused
+/// with a message that says why.
+#[test]
+fn narrow_gradient_groups_are_checked() {
+    let mut c = cfg(None, false);
+    c.micro_batches = 2;
+    let fwd = import("llama_tiny.legacy.op17.onnx", 8, 8);
+    let mesh = Mesh::parse("node=2,gpu=2").unwrap();
+    let first = fwd.value(fwd.params[0].value).name.clone();
+    let spec = ShardSpec {
+        params: g(&["gpu"]),
+        grads: g(&["node", "gpu"]),
+        optim: g(&["node", "gpu"]),
+    };
+    let narrow = |grp: &[&str], name: &str| hzp_passes::spmd::NarrowGrads {
+        group: g(grp),
+        params: [name.to_string()].into_iter().collect(),
+    };
+    let run = |s: &ScheduleOptions| {
+        shard_training_step_rewritten(&fwd, &c, &mesh, &spec, s, None, &mut |_, _| {})
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let e = run(&ScheduleOptions {
+        narrow_grads: Some(narrow(&["node"], &first)),
+        ..ScheduleOptions::default()
+    });
+    assert!(e.contains("must hold the parameter group"), "{e}");
+    let e = run(&ScheduleOptions {
+        narrow_grads: Some(narrow(&["gpu"], "no.such.weight")),
+        ..ScheduleOptions::default()
+    });
+    assert!(e.contains("`no.such.weight`"), "{e}");
+    let e = run(&ScheduleOptions {
+        reduce_grads: ReduceGrads::PerStep,
+        narrow_grads: Some(narrow(&["gpu"], &first)),
+        ..ScheduleOptions::default()
+    });
+    assert!(e.contains("per-micro-batch"), "{e}");
+}
