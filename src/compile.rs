@@ -54,9 +54,13 @@ pub struct CompileArgs {
     /// default: only --prefetch-depth bounds them.
     #[arg(long, value_name = "BYTES")]
     pub max_inflight_bytes: Option<String>,
-    /// Largest bucket of fused collectives (MiB) for collective rewriting; 0: no bucketing.
-    #[arg(long, default_value_t = 64, value_name = "MiB")]
-    pub bucket_mb: u64,
+    /// Largest bucket of fused collectives for collective rewriting, in MiB, or `unit`: one
+    /// bucket per gather or reduction unit (a layer's parameters or gradients, per
+    /// micro-batch and phase, as FSDP's flat parameter), however large; 0: no bucketing.
+    /// Fewer, larger collectives pay the per-message latency (a ring over 128 nodes pays it
+    /// 127 times) once per layer; the bucket costs one more layer-sized buffer in flight.
+    #[arg(long, default_value = "unit", value_name = "MiB|unit")]
+    pub bucket_mb: String,
     /// Skip collective rewriting (bucketing, hierarchical decomposition, RS+AG=AR, cast
     /// placement).
     #[arg(long)]
@@ -367,49 +371,75 @@ pub fn build_plan(
         grads: chosen.grads.clone(),
         optim: chosen.optim.clone(),
     };
-    let rewrite = (!c.no_rewrite).then(|| hzp_passes::spmd::Rewrite {
-        cluster: cluster.clone(),
-        options: hzp_passes::rewrite::RewriteOptions {
-            bucket_bytes: c.bucket_mb << 20,
-            ..Default::default()
-        },
-    });
+    let bucket_bytes = match c.bucket_mb.trim() {
+        "unit" => u64::MAX,
+        n => n
+            .parse::<u64>()
+            .ok()
+            .and_then(|m| m.checked_mul(1 << 20))
+            .ok_or_else(|| miette!("--bucket-mb {n}: expected a number of MiB or `unit`"))?,
+    };
     phases.mark("plan shard groups");
-    let step = hzp_passes::spmd::shard_training_step_rewritten(
-        &fwd,
-        &cfg,
-        &mesh,
-        &groups,
-        &sched,
-        rewrite.as_ref(),
-        &mut |stage, p| {
-            show_stage(&stages, stage, || hzp_ir::text::print(p));
-            if stage == "collectives" && rewrite.is_none() {
-                show_stage(&stages, "rewrite", || {
-                    "# collective rewriting is off (--no-rewrite): as after collectives".into()
-                });
-            }
-        },
-    )
-    .map_err(|e| miette!("{e}"))?;
+    // Builds the per-rank step and its memory plan with buckets of at most `bucket_bytes`.
+    let build = |bucket_bytes: u64| -> Result<_> {
+        let rewrite = (!c.no_rewrite).then(|| hzp_passes::spmd::Rewrite {
+            cluster: cluster.clone(),
+            options: hzp_passes::rewrite::RewriteOptions {
+                bucket_bytes,
+                ..Default::default()
+            },
+        });
+        let step = hzp_passes::spmd::shard_training_step_rewritten(
+            &fwd,
+            &cfg,
+            &mesh,
+            &groups,
+            &sched,
+            rewrite.as_ref(),
+            &mut |stage, p| {
+                show_stage(&stages, stage, || hzp_ir::text::print(p));
+                if stage == "collectives" && rewrite.is_none() {
+                    show_stage(&stages, "rewrite", || {
+                        "# collective rewriting is off (--no-rewrite): as after collectives".into()
+                    });
+                }
+            },
+        )
+        .map_err(|e| miette!("{e}"))?;
+        let mem = {
+            let kinds = |v: ValueId| buffer_kind(&step.program, v);
+            let persistent = hzp_passes::memory::default_persistent(&step.program);
+            hzp_passes::memory::plan_memory(&step.program, &kinds, &persistent)
+        };
+        Ok((step, mem))
+    };
+    let (mut step, mut mem) = build(bucket_bytes)?;
+    // Whole-unit buckets hold one more layer-sized buffer in flight; where that is what
+    // breaks the budget, buckets of the old fixed size are used instead, and compile says so.
+    const FALLBACK_BUCKET: u64 = 64 << 20;
+    if bucket_bytes == u64::MAX && !c.no_rewrite && budget.is_some_and(|b| mem.arena_bytes > b) {
+        let (s2, m2) = build(FALLBACK_BUCKET)?;
+        eprintln!(
+            "note: with one bucket per layer the arena needs {} (budget {}); buckets of at most \
+             64 MiB need {} (--bucket-mb sets the size)",
+            hzp_ir::plan::format_bytes(mem.arena_bytes),
+            hzp_ir::plan::format_bytes(budget.unwrap_or(0)),
+            hzp_ir::plan::format_bytes(m2.arena_bytes)
+        );
+        (step, mem) = (s2, m2);
+    }
     if c.explain {
         if let Some(r) = &step.rewrite_report {
             println!("collective rewriting:\n{r}");
         }
     }
-    let prog = step.program;
-    phases.mark("build per-rank step");
-    let mem = {
-        let kinds = |v: ValueId| buffer_kind(&prog, v);
-        let persistent = hzp_passes::memory::default_persistent(&prog);
-        hzp_passes::memory::plan_memory(&prog, &kinds, &persistent)
-    };
+    phases.mark("build per-rank step + memory plan");
     let plan_groups = ShardGroups {
         params: step.groups.params.clone(),
         grads: step.groups.grads.clone(),
         optim: step.groups.optim.clone(),
     };
-    phases.mark("memory plan");
+    let prog = std::mem::take(&mut step.program);
     let mut plan = Plan::assemble_unhashed(
         model.model.clone(),
         strategy.name(),
@@ -702,6 +732,7 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                     "grads": plan.groups.grads.to_string(),
                     "optim": plan.groups.optim.to_string(),
                 },
+                "grads_accumulated_in": plan.layouts.iter().filter_map(|l| l.accumulate_group.as_ref().map(|g| (l.name.clone(), g.to_string()))).collect::<BTreeMap<_, _>>(),
                 "arena_bytes": plan.arena_bytes,
                 "peak_by_kind": mem.peak_by_kind.iter().map(|(k, v)| (k.name().to_string(), *v)).collect::<BTreeMap<_, _>>(),
                 "nodes_per_stream": nodes_per_stream(p),
@@ -725,7 +756,9 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
             );
             println!(
                 "  groups: params {}  grads {}  optim {}",
-                plan.groups.params, plan.groups.grads, plan.groups.optim
+                plan.groups.params,
+                plan.grads_label(),
+                plan.groups.optim
             );
             println!(
                 "\nmemory per rank: arena {}",
