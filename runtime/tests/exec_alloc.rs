@@ -2,8 +2,9 @@
 //! the executor allocates per step (beyond the first, warm-up, step of a run) does not grow
 //! with the tensors, for elementwise kernels and collectives on both comm streams.
 
-use hzp_ir::plan::{Buffer, BufferKind, Plan, ShardGroups};
-use hzp_ir::{Group, Program, Tensor};
+mod common;
+use common::plan_of;
+use hzp_ir::Tensor;
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,38 +28,6 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static A: Counting = Counting;
-
-fn plan_of(p: Program) -> Plan {
-    let mut buffers = Vec::new();
-    let mut at = 0u64;
-    for (i, v) in p.values.iter().enumerate() {
-        let bytes = (v.ty.numel() * v.ty.dtype.size_bytes()) as u64;
-        if bytes > 0 {
-            buffers.push(Buffer {
-                value: hzp_ir::ValueId(i as u32),
-                offset: at,
-                bytes,
-                kind: BufferKind::Other,
-            });
-            at += bytes.div_ceil(64) * 64;
-        }
-    }
-    let mesh = p.mesh.clone().unwrap();
-    let none = Group::new(Vec::<String>::new());
-    Plan::new(
-        "test",
-        "test",
-        mesh,
-        ShardGroups {
-            params: none.clone(),
-            grads: none.clone(),
-            optim: none,
-        },
-        p,
-        at,
-        buffers,
-    )
-}
 
 fn executor(n: usize, comm: CommMode) -> Executor {
     let src = format!(

@@ -3,43 +3,11 @@
 //! gives rank 0 the same bits; every rank gets the collective's definition (checked in f64
 //! against a direct computation from the global data); sync and async modes agree bitwise.
 
-use hzp_ir::plan::{Buffer, BufferKind, Plan, ShardGroups};
+mod common;
+use common::plan_of;
 use hzp_ir::{DType, Group, Mesh, Program, ReduceOp, Tensor};
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor};
 use hzp_runtime::spmd::SpmdRunner;
-
-/// A plan from a program: every value in a buffer of its own (nothing shared).
-pub fn plan_of(p: Program) -> Plan {
-    let mut buffers = Vec::new();
-    let mut at = 0u64;
-    for (i, v) in p.values.iter().enumerate() {
-        let bytes = (v.ty.numel() * v.ty.dtype.size_bytes()) as u64;
-        if bytes > 0 {
-            buffers.push(Buffer {
-                value: hzp_ir::ValueId(i as u32),
-                offset: at,
-                bytes,
-                kind: BufferKind::Other,
-            });
-            at += bytes.div_ceil(64) * 64;
-        }
-    }
-    let mesh = p.mesh.clone().unwrap();
-    let none = Group::new(Vec::<String>::new());
-    Plan::new(
-        "test",
-        "test",
-        mesh,
-        ShardGroups {
-            params: none.clone(),
-            grads: none.clone(),
-            optim: none,
-        },
-        p,
-        at,
-        buffers,
-    )
-}
 
 /// Deterministic pseudo-random numbers in [-1, 1).
 fn random(n: usize, seed: u64) -> Vec<f64> {

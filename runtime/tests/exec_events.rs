@@ -3,41 +3,10 @@
 //! matrix products, and the compute stream must wait for the gather. The value changes every
 //! step, so a wait that did not hold would gather last step's value.
 
-use hzp_ir::plan::{Buffer, BufferKind, Plan, ShardGroups};
-use hzp_ir::{DType, Group, Program, Tensor};
+mod common;
+use common::plan_of;
+use hzp_ir::{DType, Tensor};
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor};
-
-fn plan_of(p: Program) -> Plan {
-    let mut buffers = Vec::new();
-    let mut at = 0u64;
-    for (i, v) in p.values.iter().enumerate() {
-        let bytes = (v.ty.numel() * v.ty.dtype.size_bytes()) as u64;
-        if bytes > 0 {
-            buffers.push(Buffer {
-                value: hzp_ir::ValueId(i as u32),
-                offset: at,
-                bytes,
-                kind: BufferKind::Other,
-            });
-            at += bytes.div_ceil(64) * 64;
-        }
-    }
-    let mesh = p.mesh.clone().unwrap();
-    let none = Group::new(Vec::<String>::new());
-    Plan::new(
-        "test",
-        "test",
-        mesh,
-        ShardGroups {
-            params: none.clone(),
-            grads: none.clone(),
-            optim: none,
-        },
-        p,
-        at,
-        buffers,
-    )
-}
 
 const SRC: &str = r#"program "ev"
 mesh gpu=2
