@@ -292,3 +292,44 @@ fn every_model_compiles_on_1_2_4_and_8_ranks() {
         }
     }
 }
+
+/// One bucket per layer is the default; when that is what breaks the budget, compile says so
+/// and uses 64 MiB buckets, and the plan it writes fits.
+#[test]
+fn unit_buckets_fall_back_to_fixed_buckets_under_a_tight_budget() {
+    let dir = tempdir();
+    let plan = dir.join("plan.json");
+    let args = |budget: &str| {
+        vec![
+            "compile".to_string(),
+            "preset:gpt3-175b,layers=8".into(),
+            "--mesh".into(),
+            "node=16,gpu=8".into(),
+            "--recompute".into(),
+            "on".into(),
+            "--memory".into(),
+            budget.into(),
+            "--format".into(),
+            "json".into(),
+            "-o".into(),
+            plan.to_str().unwrap().into(),
+        ]
+    };
+    let run = |budget: &str| {
+        let a = args(budget);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (code, out, err) = hzp(&a);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (v["arena_bytes"].as_u64().unwrap(), err)
+    };
+    let (roomy, err) = run("80GiB");
+    assert!(!err.contains("buckets of at most 64 MiB"), "{err}");
+    let budget = roomy - (1 << 30);
+    let (tight, err) = run(&budget.to_string());
+    assert!(
+        err.contains("with one bucket per layer the arena needs"),
+        "{err}"
+    );
+    assert!(tight <= budget && tight < roomy, "{tight} vs {roomy}");
+}
