@@ -1265,7 +1265,7 @@ fn defer_reduce_consumers(
         .collect();
     // The preferred place of the node at each position: (target, 0) goes just before the
     // node at `target`, (own position, 1) stays.
-    let mut key: Vec<(usize, u8)> = (0..n).map(|i| (i, 1)).collect();
+    let mut key: Vec<(usize, usize)> = (0..n).map(|i| (i, 1)).collect();
     let mut stamp = vec![usize::MAX; n];
     let mut chain: Vec<usize> = Vec::new();
     let mut stack: Vec<usize> = Vec::new();
@@ -1298,6 +1298,50 @@ fn defer_reduce_consumers(
             }
         }
     }
+    // After the last reduction (the optimizer, the re-gathers): work in the order its
+    // reductions were issued, so the updates of the parameters reduced first run while the
+    // last reductions (the first layers' gradients) are still on the wire. `dep`: the latest
+    // reduction a node depends on, through any path.
+    if let Some(&last) = reduces.last() {
+        let mut dep = vec![0usize; n]; // 0: none, else position + 1
+        for (i, &id) in order.iter().enumerate() {
+            if i <= last {
+                if reduces.binary_search(&i).is_ok() {
+                    dep[i] = i + 1;
+                    continue;
+                }
+            }
+            let nd = &p.nodes[id.index()];
+            let mut d = 0;
+            for &v in &nd.inputs {
+                if let Some(pn) = p.producer(v) {
+                    let j = pos[pn.index()];
+                    if j != usize::MAX {
+                        d = d.max(dep[j]);
+                    }
+                }
+            }
+            dep[i] = d;
+        }
+        // A node that waits for nothing goes with the earliest of its readers, not ahead of
+        // everything (that would hold its result longer, e.g. every parameter's decay).
+        let mut eff = dep.clone();
+        for i in (last + 1..n).rev() {
+            let mut first_reader = usize::MAX;
+            for &o in &p.nodes[order[i].index()].outputs {
+                for u in &users[o.index()] {
+                    let j = pos[u.index()];
+                    if j != usize::MAX && j > last {
+                        first_reader = first_reader.min(eff[j]);
+                    }
+                }
+            }
+            if first_reader != usize::MAX {
+                eff[i] = eff[i].max(first_reader);
+            }
+            key[i] = (last + 1, eff[i]);
+        }
+    }
     // Kahn's algorithm, smallest (key, position) first among the ready nodes.
     let mut indeg = vec![0u32; n];
     let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -1319,7 +1363,7 @@ fn defer_reduce_consumers(
             indeg[b] += 1;
         }
     }
-    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(usize, u8, usize)>> = (0..n)
+    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(usize, usize, usize)>> = (0..n)
         .filter(|&i| indeg[i] == 0)
         .map(|i| std::cmp::Reverse((key[i].0, key[i].1, i)))
         .collect();
