@@ -1305,11 +1305,9 @@ fn defer_reduce_consumers(
     if let Some(&last) = reduces.last() {
         let mut dep = vec![0usize; n]; // 0: none, else position + 1
         for (i, &id) in order.iter().enumerate() {
-            if i <= last {
-                if reduces.binary_search(&i).is_ok() {
-                    dep[i] = i + 1;
-                    continue;
-                }
+            if reduces.binary_search(&i).is_ok() {
+                dep[i] = i + 1;
+                continue;
             }
             let nd = &p.nodes[id.index()];
             let mut d = 0;
