@@ -57,11 +57,24 @@ comm = base["comm_seconds"][1:]
 compute = sum(b - c for b, c in zip(busy, comm)) / len(busy)
 # ring on 2 ranks: each collective sends half its bytes
 sent = sum(c["bytes"] for c in ins["collectives"]) / 2
-print(f"{sent / compute:.0f}")
+print(f"{sent / compute:.0f} {compute:.6f}")
+PY
+)
+read -r BW COMPUTE <<<"$BW"
+# The emulated links take what the cost model says (its algorithms, latency and efficiency),
+# not bytes / bandwidth: one sync run with the first guess measures it, and the bandwidth is
+# scaled so the step's communication matches its compute.
+"$HZP" run "$TMP/plan.json" --inputs "$IO" --steps 4 --comm sync --link "intra=${BW}" --format json >"$TMP/probe.json"
+BW=$(python3 - "$TMP" "$BW" "$COMPUTE" <<'PY'
+import json, sys
+d, bw, compute = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+probe = json.load(open(f"{d}/probe.json"))
+comm = probe["comm_seconds"][1:]
+print(f"{bw * (sum(comm) / len(comm)) / compute:.0f}")
 PY
 )
 echo "model $MODEL, strategy $STRATEGY, gpu=2, $STEPS steps (first left out)"
-echo "emulated link: ${BW} B/s, set so one step's collectives take about its compute time"
+echo "compute per step $(python3 -c "print(f'{$COMPUTE*1e3:.1f}')") ms; emulated link: ${BW} B/s, set so one step's collectives take about as long"
 for mode in async sync; do
   "$HZP" run "$TMP/plan.json" --inputs "$IO" --steps "$STEPS" --comm $mode --link "intra=${BW}" --format json >"$TMP/$mode.json"
 done
