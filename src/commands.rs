@@ -480,47 +480,7 @@ fn prepare(
             }
         }
     }
-    let freeze: Vec<String> = t
-        .freeze
-        .iter()
-        .flat_map(|s| s.split(','))
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect();
-    let skipped = ties::freeze(&mut fwd, &freeze).map_err(|e| miette!("{e}"))?;
-    if !skipped.is_empty() {
-        eprintln!(
-            "note: --freeze: not parameters of this program (constants, or folded away at import): {}",
-            skipped.join(", ")
-        );
-    }
-    let found = ties::find_ties(&fwd);
-    let made = if t.retie {
-        ties::retie(&mut fwd, &found).map_err(|e| miette!("{e}"))?;
-        for tie in &found {
-            eprintln!(
-                "retie: `{}` is {}`{}`; training them as one parameter",
-                tie.copy,
-                if tie.transposed {
-                    "the transpose of "
-                } else {
-                    "a copy of "
-                },
-                tie.canonical
-            );
-        }
-        found
-    } else {
-        if !found.is_empty() {
-            eprintln!(
-                "note: {} parameter(s) equal another up to a transpose (e.g. `{}` and `{}`); they train separately unless you pass --retie",
-                found.len(),
-                found[0].copy,
-                found[0].canonical
-            );
-        }
-        Vec::new()
-    };
+    let made = apply_freeze_and_ties(&mut fwd, t)?;
     let show = |stage: &str, p: &Program| {
         if t.print_after.iter().any(|s| s == stage) {
             println!("# --print-after {stage}\n{}", hzp_ir::text::print(p));
@@ -690,6 +650,57 @@ pub fn train(
         println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
+}
+
+/// `--freeze` and `--retie` on a forward program (what `grad`, `train` and `compile` share):
+/// frozen parameters become constants; with `--retie`, parameters the exporter stored twice
+/// train as one (and are reported); without it, a note says they train separately. Returns
+/// the ties made.
+pub(crate) fn apply_freeze_and_ties(
+    fwd: &mut Program,
+    t: &TrainArgs,
+) -> Result<Vec<ties::Tie>> {
+    let freeze: Vec<String> = t
+        .freeze
+        .iter()
+        .flat_map(|s| s.split(','))
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    let skipped = ties::freeze(fwd, &freeze).map_err(|e| miette!("{e}"))?;
+    if !skipped.is_empty() {
+        eprintln!(
+            "note: --freeze: not parameters of this program (constants, or folded away at import): {}",
+            skipped.join(", ")
+        );
+    }
+    let found = ties::find_ties(fwd);
+    Ok(if t.retie {
+        ties::retie(fwd, &found).map_err(|e| miette!("{e}"))?;
+        for tie in &found {
+            eprintln!(
+                "retie: `{}` is {}`{}`; training them as one parameter",
+                tie.copy,
+                if tie.transposed {
+                    "the transpose of "
+                } else {
+                    "a copy of "
+                },
+                tie.canonical
+            );
+        }
+        found
+    } else {
+        if !found.is_empty() {
+            eprintln!(
+                "note: {} parameter(s) equal another up to a transpose (e.g. `{}` and `{}`); they train separately unless you pass --retie",
+                found.len(),
+                found[0].copy,
+                found[0].canonical
+            );
+        }
+        Vec::new()
+    })
 }
 
 /// Reads the model for `hzp compile` at the per-rank micro-batch shape: the global batch

@@ -266,7 +266,10 @@ pub fn build_plan(
         true,
     )?;
     let phases = Phases::new();
-    let fwd = load_for_compile(model, inputs, mesh.world_size() * cfg.micro_batches)?;
+    let mut fwd = load_for_compile(model, inputs, mesh.world_size() * cfg.micro_batches)?;
+    // `hzp run` checks the model it loads against this, before any freezing or tying.
+    let fingerprint = fingerprint_of(&fwd);
+    crate::commands::apply_freeze_and_ties(&mut fwd, t)?;
     show_stage(&stages, "import", || hzp_ir::text::print(&fwd));
     let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
     let overrides = match &c.shard {
@@ -450,7 +453,7 @@ pub fn build_plan(
         mem.buffers.clone(),
         step.layouts.clone(),
         cfg.micro_batches,
-        fingerprint_of(&fwd),
+        fingerprint,
     );
     show_stage(&stages, "memory", || memory_text(&plan));
     // One communicator per (group, stream), as the runtime creates them: collectives of one

@@ -231,3 +231,93 @@ fn cuda_backend_names_what_is_missing() {
         "{err}"
     );
 }
+
+/// `hzp compile` honours the training flags that change the model: with `--retie` the tied
+/// embedding trains as one parameter and `--freeze` keeps a parameter fixed, so `hzp run`
+/// gives `hzp train`'s losses with the same flags (and not without them).
+#[test]
+fn compile_honours_retie_and_freeze() {
+    let d = tempdir("ties");
+    let (model, io) = (model(), io());
+    let losses = |out: &str| -> Vec<f64> {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap();
+        v["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let flags = ["--retie", "--freeze", "transformer.wpe.weight"];
+    let plan = d.join("tied.json");
+    let mut args = vec![
+        "compile",
+        s(&model),
+        "--inputs",
+        s(&io),
+        "--loss",
+        "lm",
+        "--mesh",
+        "gpu=2",
+        "-o",
+        s(&plan),
+    ];
+    args.extend(flags);
+    let (code, _, err) = hzp(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("retie:"), "{err}");
+    let (code, out, err) = hzp(&[
+        "run",
+        s(&plan),
+        "--inputs",
+        s(&io),
+        "--steps",
+        "3",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let run = losses(&out);
+    let mut args = vec![
+        "train",
+        s(&model),
+        "--inputs",
+        s(&io),
+        "--loss",
+        "lm",
+        "--steps",
+        "3",
+        "--format",
+        "json",
+    ];
+    args.extend(flags);
+    let (code, out, err) = hzp(&args);
+    assert_eq!(code, 0, "{err}");
+    let train = losses(&out);
+    assert_eq!(run.len(), 3);
+    for (a, b) in run.iter().zip(&train) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "run {run:?} vs train {train:?}"
+        );
+    }
+    // without the flags the steps after the first differ: the flags did something
+    let (code, out, err) = hzp(&[
+        "train",
+        s(&model),
+        "--inputs",
+        s(&io),
+        "--loss",
+        "lm",
+        "--steps",
+        "3",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let plain = losses(&out);
+    assert!(
+        (plain[2] - run[2]).abs() > 1e-6 * run[2].abs(),
+        "{plain:?} vs {run:?}"
+    );
+}
