@@ -656,10 +656,7 @@ pub fn train(
 /// frozen parameters become constants; with `--retie`, parameters the exporter stored twice
 /// train as one (and are reported); without it, a note says they train separately. Returns
 /// the ties made.
-pub(crate) fn apply_freeze_and_ties(
-    fwd: &mut Program,
-    t: &TrainArgs,
-) -> Result<Vec<ties::Tie>> {
+pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<Vec<ties::Tie>> {
     let freeze: Vec<String> = t
         .freeze
         .iter()
