@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Benchmark: `hzp run` next to PyTorch FSDP2 and DDP on the CPU, same model, same batch.
+
+A benchmark, not a test (PyTorch is needed only here). In one run it
+
+1. builds a GPT-2 from a `transformers` config with a fixed seed -- 4 layers, hidden 256,
+   4 heads, MLP 1024, vocab 8192, 64 positions, dropout 0, every initially-constant
+   parameter slightly perturbed (as train_vs_torch.py does, so --retie ties only the tied
+   embedding) -- exports it with the legacy exporter at opset 17 with a dynamic batch
+   dimension, and writes a global batch of 8 x 64 token ids;
+2. for N in --ranks (default 2 and 4) and strategy in asynchzp, zero3: `hzp compile
+   --mesh gpu=N --strategy S --loss lm --retie`, then `hzp run --steps K --format json`
+   with HZP_NUM_THREADS=1 (each of the N ranks is one compute thread of one process);
+3. for N in --ranks: `torchrun --standalone --nproc-per-node N` of this file in worker mode,
+   gloo on the CPU, torch.set_num_threads(1) per rank (N single-threaded processes, like
+   hzp's N compute threads): FSDP2 (`fully_shard` on each block, then on the model) and DDP.
+   Each rank takes its 8/N rows of the global batch; its loss is the mean cross-entropy of
+   its rows (logits[:, :-1] against ids[:, 1:]); FSDP2 and DDP average the gradients over the
+   ranks, so every step equals one step on the global batch, as hzp's does. AdamW lr 1e-3,
+   betas 0.9/0.999, eps 1e-8, weight decay 0.01 on both sides. Step time: from a barrier
+   before the step to a barrier after it, on rank 0;
+4. prints the median step time (after --warmup steps) of each, the ratios hzp / FSDP2 and
+   hzp / DDP (target: hzp at half of FSDP2's step time or less), and checks that hzp's loss
+   curve equals FSDP2's within 1e-4 relative at every step (the script fails otherwise).
+
+Usage, from the repository root, after `cargo build --release`:
+
+    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_vs_torch as base  # noqa: E402  (the GPT-2 builder and its batch)
+
+warnings.filterwarnings("ignore")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = dict(vocab=8192, hidden=256, layers=4, heads=4, seq=64, batch=8)
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def build():
+    base.CONFIG.update(CONFIG)
+    return base.build_model(), base.make_batch()
+
+
+def lm_loss(logits, ids):
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------
+# torchrun worker
+
+
+def worker(args) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ids = build()
+    state = torch.load(args.state, weights_only=True)
+    model.load_state_dict(state)
+    rows = ids.shape[0] // world
+    mine = ids[rank * rows : (rank + 1) * rows]
+    if args.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        wrapped = model
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+    losses, times = [], []
+    for _ in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(wrapped(mine), mine)
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        losses.append(avg.item() / world)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"losses": losses, "step_seconds": times}))
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# driver
+
+
+def run(cmd, env=None, what=""):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
+        raise SystemExit(f"{what or cmd[0]} failed (exit {r.returncode})")
+    return r.stdout
+
+
+def prepare(work: Path):
+    model_path, batch_path, state_path = (
+        work / "gpt2_side.onnx",
+        work / "gpt2_side.npz",
+        work / "gpt2_side.pt",
+    )
+    if not (model_path.exists() and batch_path.exists() and state_path.exists()):
+        model, ids = build()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            torch.onnx.export(
+                model,
+                (ids,),
+                str(model_path),
+                dynamo=False,
+                opset_version=17,
+                input_names=["input_ids"],
+                output_names=["logits"],
+                dynamic_axes={"input_ids": {0: "batch"}, "logits": {0: "batch"}},
+                do_constant_folding=True,
+            )
+        np.savez(batch_path, input_ids=ids.numpy())
+        torch.save(model.state_dict(), state_path)
+    return model_path, batch_path, state_path
+
+
+def median_after(v, warmup):
+    return statistics.median(v[warmup:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--workdir", default="/tmp/hzp-bench/side-by-side")
+    ap.add_argument("--hzp", default=str(ROOT / "target/release/hzp"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["fsdp2", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--state", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_path, batch_path, state_path = prepare(work)
+    ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    total = args.warmup + args.steps
+    results = {}  # (framework, N) -> (losses, median seconds)
+
+    env = dict(os.environ, HZP_NUM_THREADS="1")
+    for n in ranks:
+        for strategy in ("asynchzp", "zero3"):
+            plan = work / f"plan_{strategy}_{n}.json"
+            run(
+                [args.hzp, "compile", str(model_path), "--inputs", str(batch_path), "--loss", "lm",
+                 "--retie", "--mesh", f"gpu={n}", "--strategy", strategy, "-o", str(plan)],
+                env, f"hzp compile ({strategy}, {n} ranks)",
+            )
+            out = run(
+                [args.hzp, "run", str(plan), "--inputs", str(batch_path), "--steps", str(total),
+                 "--format", "json"],
+                env, f"hzp run ({strategy}, {n} ranks)",
+            )
+            r = json.loads(out)
+            results[(f"hzp {strategy}", n)] = (r["losses"], median_after(r["step_seconds"], args.warmup))
+        for mode in ("fsdp2", "ddp"):
+            out = work / f"torch_{mode}_{n}.json"
+            run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={n}", __file__, "--worker", "--mode", mode,
+                 "--state", str(state_path), "--out", str(out), "--steps", str(args.steps),
+                 "--warmup", str(args.warmup)],
+                dict(os.environ, OMP_NUM_THREADS="1"), f"torchrun {mode} ({n} ranks)",
+            )
+            r = json.loads(out.read_text())
+            results[(f"torch {mode}", n)] = (r["losses"], median_after(r["step_seconds"], args.warmup))
+
+    c = CONFIG
+    print(
+        f"GPT-2 {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, vocab {c['vocab']}, "
+        f"seq {c['seq']}, global batch {c['batch']}, AdamW; CPU, {os.cpu_count()} cores; "
+        f"median of {args.steps} steps after {args.warmup}; one thread per rank on both sides"
+    )
+    print(f"  {'ranks':>5}  {'framework':<16} {'step ms':>9}  {'vs FSDP2':>8}  {'vs DDP':>7}")
+    ok = True
+    for n in ranks:
+        fsdp = results[("torch fsdp2", n)][1]
+        ddp = results[("torch ddp", n)][1]
+        for key in ("hzp asynchzp", "hzp zero3", "torch fsdp2", "torch ddp"):
+            losses, t = results[(key, n)]
+            print(f"  {n:>5}  {key:<16} {t * 1e3:9.1f}  {t / fsdp:7.2f}x  {t / ddp:6.2f}x")
+        ref = results[("torch fsdp2", n)][0]
+        for key in ("hzp asynchzp", "hzp zero3", "torch ddp"):
+            got = results[(key, n)][0]
+            worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
+            if len(got) != len(ref) or worst > 1e-4:
+                ok = False
+                print(f"  {n} ranks: {key} loss curve differs from FSDP2's (worst {worst:.2e})")
+    print("loss curves (first 5 steps):")
+    for (key, n), (losses, _) in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"  {n} ranks {key:<16} " + " ".join(f"{x:.6f}" for x in losses[:5]))
+    if not ok:
+        print("FAILED: loss curves differ by more than 1e-4 relative")
+        return 1
+    print("loss curves equal within 1e-4 relative at every step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
