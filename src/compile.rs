@@ -416,10 +416,33 @@ pub fn build_plan(
         };
         Ok((step, mem))
     };
-    let (mut step, mut mem) = build(bucket_bytes)?;
-    // Whole-unit buckets hold one more layer-sized buffer in flight; where that is what
-    // breaks the budget, buckets of the old fixed size are used instead, and compile says so.
+    // Whole-unit buckets hold one more gathered layer and one more gradient layer than the
+    // planner counts; when its estimate with those is over the budget, start from 64 MiB
+    // buckets rather than build twice.
     const FALLBACK_BUCKET: u64 = 64 << 20;
+    let bucket_bytes = {
+        let m = &report.chosen.memory;
+        let extra = m.gathered / (opts.prefetch_depth as u64 + 1) + m.grad_buckets / 2;
+        if bucket_bytes == u64::MAX
+            && !c.no_rewrite
+            && budget.is_some_and(|b| m.total.saturating_add(extra) > b)
+        {
+            eprintln!(
+                "note: one bucket per layer would need about {} per rank (the planner's {} plus \
+                 a layer of gathered parameters and of gradients), over the budget of {}: \
+                 using buckets of at most 64 MiB (--bucket-mb sets the size)",
+                hzp_ir::plan::format_bytes(m.total.saturating_add(extra)),
+                hzp_ir::plan::format_bytes(m.total),
+                hzp_ir::plan::format_bytes(budget.unwrap_or(0))
+            );
+            FALLBACK_BUCKET
+        } else {
+            bucket_bytes
+        }
+    };
+    let (mut step, mut mem) = build(bucket_bytes)?;
+    // Where whole-unit buckets still break the budget, buckets of the old fixed size are used
+    // instead, and compile says so.
     if bucket_bytes == u64::MAX && !c.no_rewrite && budget.is_some_and(|b| mem.arena_bytes > b) {
         let (s2, m2) = build(FALLBACK_BUCKET)?;
         eprintln!(

@@ -327,9 +327,7 @@ fn unit_buckets_fall_back_to_fixed_buckets_under_a_tight_budget() {
     assert!(!err.contains("buckets of at most 64 MiB"), "{err}");
     let budget = roomy - (1 << 30);
     let (tight, err) = run(&budget.to_string());
-    assert!(
-        err.contains("with one bucket per layer the arena needs"),
-        "{err}"
-    );
+    // said before building (the planner's estimate) or after (the planned arena)
+    assert!(err.contains("buckets of at most 64 MiB"), "{err}");
     assert!(tight <= budget && tight < roomy, "{tight} vs {roomy}");
 }
