@@ -365,3 +365,68 @@ fn narrow_gradient_groups_are_checked() {
     });
     assert!(e.contains("per-micro-batch"), "{e}");
 }
+
+/// The schedule lets reductions overlap compute: the compute stream does not read a
+/// reduce-scatter's result before the next reduction is issued (it goes on with the next
+/// layer's backward meanwhile), except for the last one, whose result the optimizer needs.
+#[test]
+fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
+    let c = cfg(None, false);
+    let mesh = Mesh::parse("gpu=2").unwrap();
+    let spec = ShardSpec {
+        params: g(&["gpu"]),
+        grads: g(&["gpu"]),
+        optim: g(&["gpu"]),
+    };
+    for rewrite in [false, true] {
+        let cluster = hzp_passes::cluster::ClusterSpec::from_toml_str(
+            include_str!("../../examples/clusters/h100-dgx.toml"),
+            "h100-dgx.toml",
+        )
+        .unwrap();
+        let rw = hzp_passes::spmd::Rewrite {
+            cluster,
+            options: Default::default(),
+        };
+        let step = shard_training_step_rewritten(
+            &import("llama_tiny.legacy.op17.onnx", 4, 16),
+            &c,
+            &mesh,
+            &spec,
+            &ScheduleOptions::default(),
+            rewrite.then_some(&rw),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let p = &step.program;
+        let users = p.users();
+        let reductions: Vec<usize> = p
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| matches!(n.op, hzp_ir::Op::ReduceScatter { .. }))
+            .map(|(i, _)| i)
+            .collect();
+        assert!(reductions.len() >= 3, "{}", reductions.len());
+        for w in reductions.windows(2) {
+            let (r, next) = (w[0], w[1]);
+            let first_compute_reader = p.nodes[r]
+                .outputs
+                .iter()
+                .flat_map(|o| users[o.index()].iter())
+                .filter(|u| p.nodes[u.index()].stream == hzp_ir::StreamKind::Compute)
+                .map(|u| u.index())
+                .min();
+            if let Some(f) = first_compute_reader {
+                assert!(
+                    f > next,
+                    "rewrite {rewrite}: `{}` is read by `{}` on the compute stream before the \
+                     next reduction `{}` is issued",
+                    p.nodes[r].name,
+                    p.nodes[f].name,
+                    p.nodes[next].name
+                );
+            }
+        }
+    }
+}
