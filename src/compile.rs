@@ -466,7 +466,7 @@ pub fn build_plan(
         optim: step.groups.optim.clone(),
     };
     let prog = std::mem::take(&mut step.program);
-    let mut plan = Plan::assemble_unhashed(
+    let mut plan = Plan::assemble(
         model.model.clone(),
         strategy.name(),
         mesh.clone(),

@@ -278,22 +278,26 @@ fn compile_honours_retie_and_freeze() {
     ]);
     assert_eq!(code, 0, "{err}");
     let run = losses(&out);
-    let mut args = vec![
-        "train",
-        s(&model),
-        "--inputs",
-        s(&io),
-        "--loss",
-        "lm",
-        "--steps",
-        "3",
-        "--format",
-        "json",
-    ];
-    args.extend(flags);
-    let (code, out, err) = hzp(&args);
-    assert_eq!(code, 0, "{err}");
-    let train = losses(&out);
+    // `hzp train` with extra flags: its losses
+    let train_losses = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            s(&model),
+            "--inputs",
+            s(&io),
+            "--loss",
+            "lm",
+            "--steps",
+            "3",
+            "--format",
+            "json",
+        ];
+        args.extend(extra);
+        let (code, out, err) = hzp(&args);
+        assert_eq!(code, 0, "{err}");
+        losses(&out)
+    };
+    let train = train_losses(&flags);
     assert_eq!(run.len(), 3);
     for (a, b) in run.iter().zip(&train) {
         assert!(
@@ -302,20 +306,7 @@ fn compile_honours_retie_and_freeze() {
         );
     }
     // without the flags the steps after the first differ: the flags did something
-    let (code, out, err) = hzp(&[
-        "train",
-        s(&model),
-        "--inputs",
-        s(&io),
-        "--loss",
-        "lm",
-        "--steps",
-        "3",
-        "--format",
-        "json",
-    ]);
-    assert_eq!(code, 0, "{err}");
-    let plain = losses(&out);
+    let plain = train_losses(&[]);
     assert!(
         (plain[2] - run[2]).abs() > 1e-6 * run[2].abs(),
         "{plain:?} vs {run:?}"

@@ -31,8 +31,6 @@ Usage, from the repository root, after `cargo build --release`:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import statistics
@@ -134,18 +132,7 @@ def prepare(work: Path):
     )
     if not (model_path.exists() and batch_path.exists() and state_path.exists()):
         model, ids = build()
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            torch.onnx.export(
-                model,
-                (ids,),
-                str(model_path),
-                dynamo=False,
-                opset_version=17,
-                input_names=["input_ids"],
-                output_names=["logits"],
-                dynamic_axes={"input_ids": {0: "batch"}, "logits": {0: "batch"}},
-                do_constant_folding=True,
-            )
+        base.export(model, ids, model_path, dynamic_batch=True)
         np.savez(batch_path, input_ids=ids.numpy())
         torch.save(model.state_dict(), state_path)
     return model_path, batch_path, state_path

@@ -13,14 +13,11 @@ writes OUT_DIR/gpt2_8l.onnx and OUT_DIR/gpt2_8l.npz (key `input_ids`). Needs tor
 transformers and numpy (a benchmark dependency only).
 """
 
-import contextlib
-import io
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_vs_torch as base  # noqa: E402  (its model builder and batch maker)
@@ -37,18 +34,7 @@ def main() -> int:
     base.CONFIG.update(vocab=2048, hidden=256, layers=8, heads=4, seq=128, batch=8)
     model = base.build_model()
     ids = base.make_batch()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        torch.onnx.export(
-            model,
-            (ids,),
-            str(out / "gpt2_8l.onnx"),
-            dynamo=False,
-            opset_version=17,
-            input_names=["input_ids"],
-            output_names=["logits"],
-            dynamic_axes={"input_ids": {0: "batch"}, "logits": {0: "batch"}},
-            do_constant_folding=True,
-        )
+    base.export(model, ids, out / "gpt2_8l.onnx", dynamic_batch=True)
     np.savez(out / "gpt2_8l.npz", input_ids=ids.numpy())
     print(f"wrote {out / 'gpt2_8l.onnx'} and {out / 'gpt2_8l.npz'}")
     return 0

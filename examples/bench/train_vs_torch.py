@@ -117,7 +117,10 @@ def make_batch() -> torch.Tensor:
     return torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=gen, dtype=torch.int64)
 
 
-def export(model: torch.nn.Module, ids: torch.Tensor, path: Path):
+def export(model: torch.nn.Module, ids: torch.Tensor, path: Path, dynamic_batch: bool = False):
+    """Legacy exporter, opset 17; with `dynamic_batch` the batch dimension is symbolic (so
+    data-parallel ranks can each take part of it)."""
+    axes = {"input_ids": {0: "batch"}, "logits": {0: "batch"}} if dynamic_batch else None
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         torch.onnx.export(
             model,
@@ -127,6 +130,7 @@ def export(model: torch.nn.Module, ids: torch.Tensor, path: Path):
             opset_version=17,
             input_names=["input_ids"],
             output_names=["logits"],
+            dynamic_axes=axes,
             do_constant_folding=True,
         )
 

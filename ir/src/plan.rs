@@ -203,40 +203,11 @@ impl Plan {
         plan
     }
 
-    /// A training plan, every field given, its content hash computed once.
+    /// A training plan, every field given, with an empty content hash: the caller sets it,
+    /// computed together with the JSON ([`Plan::to_json_and_hash`]) or with
+    /// [`Plan::compute_hash`], on whichever thread suits it.
     #[allow(clippy::too_many_arguments)]
     pub fn assemble(
-        model: impl Into<String>,
-        strategy: impl Into<String>,
-        mesh: Mesh,
-        groups: ShardGroups,
-        program: Program,
-        arena_bytes: u64,
-        buffers: Vec<Buffer>,
-        layouts: Vec<ParamLayout>,
-        micro_batches: usize,
-        model_fingerprint: String,
-    ) -> Plan {
-        let mut plan = Plan::assemble_unhashed(
-            model,
-            strategy,
-            mesh,
-            groups,
-            program,
-            arena_bytes,
-            buffers,
-            layouts,
-            micro_batches,
-            model_fingerprint,
-        );
-        plan.content_hash = plan.compute_hash();
-        plan
-    }
-
-    /// [`Plan::assemble`] without the content hash (empty): for a caller that computes it
-    /// together with the JSON ([`Plan::to_json_and_hash`]) or on another thread.
-    #[allow(clippy::too_many_arguments)]
-    pub fn assemble_unhashed(
         model: impl Into<String>,
         strategy: impl Into<String>,
         mesh: Mesh,

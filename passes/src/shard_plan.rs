@@ -1172,6 +1172,15 @@ fn simulate(tasks: &[Task], prefetch_depth: usize) -> f64 {
     comp_end.max(rs_free)
 }
 
+/// Elements per layer, each parameter padded to a multiple of `o` (as the layouts pad).
+fn layer_pad(prof: &Profile, o: u64) -> Vec<u64> {
+    let mut pad = vec![0u64; prof.layers];
+    for (&n, &l) in prof.param_numel.iter().zip(&prof.param_layer) {
+        pad[l] += n.div_ceil(o).max(1) * o;
+    }
+    pad
+}
+
 fn evaluate(
     ctx: &Ctx,
     cache: &mut CostCache,
@@ -1193,10 +1202,7 @@ fn evaluate(
     let c = opts.compute.size_bytes() as u64;
     let r = opts.grad_dtype.size_bytes() as u64;
     let o64 = o as u64;
-    let mut layer_pad = vec![0u64; prof.layers];
-    for (&n, &l) in prof.param_numel.iter().zip(&prof.param_layer) {
-        layer_pad[l] += n.div_ceil(o64).max(1) * o64;
-    }
+    let layer_pad = layer_pad(prof, o64);
     let psi: u64 = layer_pad.iter().sum();
     let mut sorted = layer_pad.clone();
     sorted.sort_unstable_by(|a, b| b.cmp(a));
@@ -1642,11 +1648,7 @@ pub fn plan_sharding(
             if !c.fits || n >= c.g || !subset(&c.params, &ng) {
                 continue;
             }
-            let o64 = c.o as u64;
-            let mut layer_pad = vec![0u64; prof.layers];
-            for (&e, &l) in prof.param_numel.iter().zip(&prof.param_layer) {
-                layer_pad[l] += e.div_ceil(o64).max(1) * o64;
-            }
+            let layer_pad = layer_pad(&prof, c.o as u64);
             let mut slack = budget.saturating_sub(c.memory.total);
             let mut flags = vec![false; prof.layers];
             for (l, &pad) in layer_pad.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! on every rank by the lockstep reference runner, trains to the same parameters as the
 //! program before rewriting (exact rules: 1e-6 relative; bf16 reductions: a loose bound).
 
-use hzp_frontends::{load_model, npz, LoadOptions};
+mod sharded_common;
 use hzp_ir::{DType, Group, Mesh, Program, Tensor};
 use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
@@ -10,38 +10,11 @@ use hzp_passes::spmd::{shard_training_step, ShardSpec, ShardedStep};
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;
+use sharded_common::{batch, import, rel, root, slow_cluster};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 const FILE: &str = "llama_tiny.legacy.op17.onnx";
 const ROWS: usize = 8;
-
-fn batch() -> Vec<(String, Tensor)> {
-    let io = npz::read(&root().join("tests/models/llama_tiny.io.npz")).unwrap();
-    io.into_iter()
-        .filter(|(k, _)| k != "torch_out")
-        .map(|(k, t)| {
-            let reps = ROWS / t.shape[0];
-            let parts: Vec<&Tensor> = (0..reps).map(|_| &t).collect();
-            let cat = hzp_runtime::cpu::eval_op(&hzp_ir::Op::Concat { axis: 0 }, &parts).unwrap();
-            (k, cat.into_iter().next().unwrap())
-        })
-        .collect()
-}
-
-fn import(rows: usize) -> Program {
-    let mut shapes = BTreeMap::new();
-    shapes.insert("input_ids".to_string(), vec![rows, 16]);
-    load_model(
-        root().join("tests/models").join(FILE).to_str().unwrap(),
-        &LoadOptions { shapes },
-    )
-    .unwrap()
-}
 
 fn cfg(compute: DType) -> TrainConfig {
     TrainConfig {
@@ -57,53 +30,12 @@ fn cfg(compute: DType) -> TrainConfig {
     }
 }
 
-/// Bandwidth-bound links (node 10x slower than gpu) so that the tiny model's collectives
-/// behave like a large model's.
-fn slow_cluster() -> ClusterSpec {
-    ClusterSpec::from_toml_str(
-        r#"
-name = "slow"
-mesh = "node=2,gpu=4"
-devices_per_node = 4
-[device]
-memory = "1GiB"
-peak_bf16 = "1000TFLOPS"
-peak_fp32 = "1000TFLOPS"
-memory_bandwidth = "1000TB/s"
-[[links]]
-name = "fast"
-axes = ["gpu"]
-bandwidth = "10MB/s"
-latency = "1us"
-[[links]]
-name = "slow"
-axes = ["node"]
-bandwidth = "1MB/s"
-latency = "1us"
-"#,
-        "slow.toml",
-    )
-    .unwrap()
-}
-
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
-    let d: f64 = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let n: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
-    d / n.max(1e-12)
-}
-
 fn train(
     step: &ShardedStep,
     program: &Program,
     init: &[(String, Tensor)],
 ) -> Vec<(String, Tensor)> {
-    let global = batch();
+    let global = batch("llama_tiny", ROWS);
     let mut r = SpmdRunner::new(program, &step.layouts, init).unwrap();
     for _ in 0..3 {
         r.step(&global).unwrap();
@@ -122,9 +54,10 @@ fn check(
 ) -> RewriteReport {
     let mesh = Mesh::parse(mesh).unwrap();
     let w = mesh.world_size();
-    let single = training_step(&import(ROWS), &cfg(compute)).unwrap();
+    let single = training_step(&import(FILE, ROWS, 16), &cfg(compute)).unwrap();
     let init = Trainer::new(&single).unwrap().parameters();
-    let step = shard_training_step(&import(ROWS / w), &cfg(compute), &mesh, &spec).unwrap();
+    let step =
+        shard_training_step(&import(FILE, ROWS / w, 16), &cfg(compute), &mesh, &spec).unwrap();
     let (q, rep) = rewrite_collectives(&step.program, &mesh, cluster, opts).unwrap();
     hzp_ir::verify(&q).unwrap();
     let (q2, _) = rewrite_collectives(&step.program, &mesh, cluster, opts).unwrap();

@@ -2,39 +2,11 @@
 //! run on every rank of the mesh by the lockstep reference runner and compared with the
 //! original. Data-movement rules must be bitwise exact; reductions may reassociate sums.
 
+mod sharded_common;
 use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Tensor, TensorType};
-use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
 use hzp_runtime::spmd::SpmdRunner;
-
-/// Links so slow that the bandwidth term dominates even for tiny test tensors, with the
-/// slow axis (`node`) ten times slower than `gpu`; memory is fast, so local copies are cheap.
-fn slow_cluster() -> ClusterSpec {
-    ClusterSpec::from_toml_str(
-        r#"
-name = "slow"
-mesh = "node=2,gpu=4"
-devices_per_node = 4
-[device]
-memory = "1GiB"
-peak_bf16 = "1000TFLOPS"
-peak_fp32 = "1000TFLOPS"
-memory_bandwidth = "1000TB/s"
-[[links]]
-name = "fast"
-axes = ["gpu"]
-bandwidth = "10MB/s"
-latency = "1us"
-[[links]]
-name = "slow"
-axes = ["node"]
-bandwidth = "1MB/s"
-latency = "1us"
-"#,
-        "slow.toml",
-    )
-    .unwrap()
-}
+use sharded_common::slow_cluster;
 
 fn mesh() -> Mesh {
     Mesh::parse("node=2,gpu=4").unwrap()

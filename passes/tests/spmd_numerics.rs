@@ -2,10 +2,11 @@
 //! 5 AdamW steps of the per-rank program on every rank (the lockstep reference runner) give
 //! the same parameters as one rank training on the whole batch.
 
-use hzp_frontends::{load_model, npz, LoadOptions};
-use hzp_ir::{Group, Mesh, Program, Tensor};
+mod sharded_common;
+use hzp_ir::{Group, Mesh};
 use hzp_passes::shard_plan::ReduceGrads;
 use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardSpec};
+use sharded_common::{batch, import, rel};
 
 thread_local! {
     /// Whether `check_with` rewrites collectives (set per test).
@@ -14,35 +15,6 @@ thread_local! {
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;
-use std::path::PathBuf;
-
-fn models() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/models")
-}
-
-/// The model's batch of 2 rows repeated to `rows` rows.
-fn batch(name: &str, rows: usize) -> Vec<(String, Tensor)> {
-    let io = npz::read(&models().join(format!("{name}.io.npz"))).unwrap();
-    io.into_iter()
-        .filter(|(k, _)| k != "torch_out")
-        .map(|(k, t)| {
-            let reps = rows / t.shape[0];
-            let parts: Vec<&Tensor> = (0..reps).map(|_| &t).collect();
-            let cat = hzp_runtime::cpu::eval_op(&hzp_ir::Op::Concat { axis: 0 }, &parts).unwrap();
-            (k, cat.into_iter().next().unwrap())
-        })
-        .collect()
-}
-
-fn import(file: &str, rows: usize, seq: usize) -> Program {
-    let mut shapes = std::collections::BTreeMap::new();
-    shapes.insert("input_ids".to_string(), vec![rows, seq]);
-    load_model(
-        models().join(file).to_str().unwrap(),
-        &LoadOptions { shapes },
-    )
-    .unwrap()
-}
 
 fn cfg(clip: Option<f64>, sgd: bool) -> TrainConfig {
     TrainConfig {
@@ -61,18 +33,6 @@ fn cfg(clip: Option<f64>, sgd: bool) -> TrainConfig {
         micro_batches: 1,
         compute: hzp_ir::DType::F32,
     }
-}
-
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
-    let d: f64 = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let n: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
-    d / n.max(1e-12)
 }
 
 fn g(axes: &[&str]) -> Group {

@@ -1,0 +1,81 @@
+//! Helpers shared by the tests of sharded steps and collective rewriting: the test models'
+//! batches and imports, a bandwidth-bound cluster, a relative distance.
+#![allow(dead_code)]
+
+use hzp_frontends::{load_model, npz, LoadOptions};
+use hzp_ir::{Program, Tensor};
+use hzp_passes::cluster::ClusterSpec;
+use std::path::PathBuf;
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The batch of test model `name` (`tests/models/NAME.io.npz`, without PyTorch's output)
+/// repeated to `rows` rows.
+pub fn batch(name: &str, rows: usize) -> Vec<(String, Tensor)> {
+    let io = npz::read(&root().join(format!("tests/models/{name}.io.npz"))).unwrap();
+    io.into_iter()
+        .filter(|(k, _)| k != "torch_out")
+        .map(|(k, t)| {
+            let reps = rows / t.shape[0];
+            let parts: Vec<&Tensor> = (0..reps).map(|_| &t).collect();
+            let cat = hzp_runtime::cpu::eval_op(&hzp_ir::Op::Concat { axis: 0 }, &parts).unwrap();
+            (k, cat.into_iter().next().unwrap())
+        })
+        .collect()
+}
+
+/// Test model `file` imported with `input_ids` of `rows` x `seq`.
+pub fn import(file: &str, rows: usize, seq: usize) -> Program {
+    let mut shapes = std::collections::BTreeMap::new();
+    shapes.insert("input_ids".to_string(), vec![rows, seq]);
+    load_model(
+        root().join("tests/models").join(file).to_str().unwrap(),
+        &LoadOptions { shapes },
+    )
+    .unwrap()
+}
+
+/// Links so slow that the bandwidth term dominates even for tiny test tensors, with the
+/// slow axis (`node`) ten times slower than `gpu`; memory is fast, so local copies are cheap.
+pub fn slow_cluster() -> ClusterSpec {
+    ClusterSpec::from_toml_str(
+        r#"
+name = "slow"
+mesh = "node=2,gpu=4"
+devices_per_node = 4
+[device]
+memory = "1GiB"
+peak_bf16 = "1000TFLOPS"
+peak_fp32 = "1000TFLOPS"
+memory_bandwidth = "1000TB/s"
+[[links]]
+name = "fast"
+axes = ["gpu"]
+bandwidth = "10MB/s"
+latency = "1us"
+[[links]]
+name = "slow"
+axes = ["node"]
+bandwidth = "1MB/s"
+latency = "1us"
+"#,
+        "slow.toml",
+    )
+    .unwrap()
+}
+
+/// ||a - b|| / ||b||.
+pub fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+    let d: f64 = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let n: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
+    d / n.max(1e-12)
+}
