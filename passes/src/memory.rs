@@ -277,6 +277,62 @@ pub(crate) fn lives(
     lives
 }
 
+/// Views: for each value, the value whose bytes it is (itself for most values). The result of
+/// a `Reshape` or `Identity` is its input's bytes unchanged, so it is the same view root as
+/// its input: the planner may give both one buffer and the runtime then has nothing to copy.
+/// Structural only (see [`view_roots`] for the ones the planner actually shares).
+pub(crate) fn view_sources(p: &Program) -> Vec<ValueId> {
+    let mut root: Vec<ValueId> = (0..p.values.len()).map(|i| ValueId(i as u32)).collect();
+    for n in &p.nodes {
+        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) {
+            continue;
+        }
+        let (Some(&x), Some(&y)) = (n.inputs.first(), n.outputs.first()) else {
+            continue;
+        };
+        if n.outputs.len() != 1 || x.index() >= root.len() || y.index() >= root.len() {
+            continue;
+        }
+        if p.ty(x).dtype == p.ty(y).dtype && value_bytes(p, x) == value_bytes(p, y) {
+            root[y.index()] = root[x.index()];
+        }
+    }
+    root
+}
+
+/// The views the planner gives their root's buffer: those of [`view_sources`] except where
+/// an update's new value takes part (it keeps a buffer of its own, or its target's). A root
+/// may be persistent (a reshaped parameter or input lies in its bytes); the views of a root
+/// extend its life, so an update is written over its target only once no view of the
+/// target is read any more (see [`plan_memory`]). Members are produced after their root (a
+/// reshape reads its input), so the root's producer starts the class's life.
+fn view_roots(p: &Program) -> Vec<ValueId> {
+    let src = view_sources(p);
+    let mut in_update = vec![false; p.values.len()];
+    for u in &p.updates {
+        if let Some(f) = in_update.get_mut(u.value.index()) {
+            *f = true;
+        }
+    }
+    let mut root: Vec<ValueId> = (0..p.values.len()).map(|i| ValueId(i as u32)).collect();
+    for n in &p.nodes {
+        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) {
+            continue;
+        }
+        let (Some(&x), Some(&y)) = (n.inputs.first(), n.outputs.first()) else {
+            continue;
+        };
+        if src[y.index()] == y || value_bytes(p, y) == 0 {
+            continue;
+        }
+        let r = root[x.index()];
+        if !in_update[x.index()] && !in_update[y.index()] && !in_update[r.index()] {
+            root[y.index()] = r;
+        }
+    }
+    root
+}
+
 /// Bytes of a value as stored (saturating; a verified program's sizes fit).
 pub fn value_bytes(p: &Program, v: ValueId) -> u64 {
     let ty = p.ty(v);
@@ -542,6 +598,27 @@ pub fn plan_memory(
     // Update values that can be written over their target (it is not read any more) take its
     // bytes: a re-gathered parameter shard needs no second copy at the end of the step.
     let mut aliased = vec![false; p.values.len()];
+    // Reshapes and identities share their input's buffer: the class of a view root lives
+    // from the root's producer to the last use of any of its views (and to the end of the
+    // step if one of them is an output).
+    let roots = view_roots(p);
+    let mut lives = lives;
+    for i in 0..p.values.len() {
+        let r = roots[i].index();
+        if r == i {
+            continue;
+        }
+        aliased[i] = true;
+        let (m, l) = (lives[i].clone(), &mut lives[r]);
+        for (a, b) in l.last.iter_mut().zip(m.last) {
+            *a = (*a).max(b);
+        }
+        l.last_issue = match (l.last_issue, m.last_issue) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        l.to_end |= m.to_end;
+    }
     for (t, v) in in_place_updates(p, &hb, &lives) {
         offset[v.index()] = offset[t.index()];
         aliased[v.index()] = true;
@@ -605,6 +682,12 @@ pub fn plan_memory(
         placed.push((at, at.saturating_add(need), sb));
         stamp.push(u32::MAX);
         index.insert(id, &wins[b], def);
+    }
+    // (persistent roots were placed first, transient ones just now)
+    for (i, r) in roots.iter().enumerate() {
+        if r.index() != i {
+            offset[i] = offset[r.index()];
+        }
     }
 
     let buffers: Vec<Buffer> = (0..p.values.len())

@@ -47,8 +47,9 @@
 //! Every buffer of the plan is allocated when its producer starts and freed when the last of
 //! its readers (in simulated time; readers after a `Free` do not count) ends; parameters,
 //! states and inputs live for the whole step; program outputs and update values from their
-//! producer to the end, except update values the plan stores over their target (same offset),
-//! which take no bytes of their own. The memory planner ([`crate::memory::plan_memory`])
+//! producer to the end, except update values the plan stores over their target (same offset)
+//! and reshapes stored in their input's bytes, which take no bytes of their own (a reshape's
+//! readers keep its input's buffer alive instead). The memory planner ([`crate::memory::plan_memory`])
 //! measures the same lifetimes in issue order (one node at a time): [`SimOptions::serialize`]
 //! runs the plan that way, and its peak equals the planner's `peak_bytes` exactly (tested). Run concurrently, the
 //! streams overlap lifetimes that issue order keeps apart, so the concurrent peak may exceed
@@ -773,6 +774,23 @@ fn memory_timeline(plan: &Plan, run: &Run, step: f64) -> MemoryTimeline {
             && offset.get(&u.target) == offset.get(&u.value)
         {
             aliased[u.value.index()] = true;
+        }
+    }
+    // A reshape or identity the plan stores in its input's bytes (see
+    // `memory::view_sources`) takes no bytes of its own: its uses extend its root's life.
+    let views = memory::view_sources(p);
+    for (i, r) in views.iter().enumerate() {
+        let (m, r) = (ValueId(i as u32), *r);
+        if r == m || offset.get(&m).is_none() || offset.get(&m) != offset.get(&r) {
+            continue;
+        }
+        aliased[i] = true;
+        to_end[r.index()] |= to_end[i];
+        if let Some(l) = last[i] {
+            let later = |j: usize| (run.end[l], seq[l]) > (run.end[j], seq[j]);
+            if last[r.index()].is_none_or(later) {
+                last[r.index()] = Some(l);
+            }
         }
     }
     // Events: (time, seq, 0 = alloc | 1 = free, kind, bytes); persistent ones first.

@@ -21,7 +21,7 @@
 //! Every violation is collected (not only the first) and names the nodes involved.
 
 use crate::memory::{lives, value_bytes, EventProblem, HappensBefore, Life, NUM_STREAMS};
-use hzp_ir::{format_bytes, Group, Mesh, NodeId, Op, Plan, Program, ValueDef, ValueId};
+use hzp_ir::{format_bytes, Buffer, Group, Mesh, NodeId, Op, Plan, Program, ValueDef, ValueId};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
@@ -449,6 +449,14 @@ impl Verifier<'_> {
             crate::memory::in_place_updates(p, &self.hb, &lives)
                 .into_iter()
                 .collect();
+        // A reshape or identity may lie in its input's very bytes: the two are one view of the
+        // same data (see `memory::view_sources`); each is still checked against all others.
+        let views = crate::memory::view_sources(p);
+        let same_view = |a: &Buffer, b: &Buffer| {
+            views[a.value.index()] == views[b.value.index()]
+                && a.offset == b.offset
+                && a.bytes == b.bytes
+        };
         let mut by_addr: Vec<usize> = whole.clone();
         by_addr.sort_by_key(|&k| (plan.buffers[k].offset, plan.buffers[k].end()));
         let mut reach: Vec<u64> = Vec::with_capacity(by_addr.len()); // max end of a prefix
@@ -469,7 +477,12 @@ impl Verifier<'_> {
                 let exempt = in_place.contains(&(b.value, a.value))
                     && a.offset >= b.offset
                     && a.end() <= b.end();
-                if j != i && b.end() > a.offset && (x >= whole.len() || j < i) && !exempt {
+                if j != i
+                    && b.end() > a.offset
+                    && (x >= whole.len() || j < i)
+                    && !exempt
+                    && !same_view(&a, &b)
+                {
                     found.push((i.min(j), i.max(j)));
                 }
             }
@@ -500,7 +513,7 @@ impl Verifier<'_> {
                 stamp[y] = x as u32;
                 let j = ok[y];
                 let b = plan.buffers[j];
-                if b.offset >= a.end() || a.offset >= b.end() {
+                if b.offset >= a.end() || a.offset >= b.end() || same_view(&a, &b) {
                     return;
                 }
                 let (la, lb) = (&lives[v], &lives[b.value.index()]);

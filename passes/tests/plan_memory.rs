@@ -167,6 +167,88 @@ output %n
 }
 
 #[test]
+fn reshapes_share_their_input_bytes() {
+    // `r` and `i` are views of `a`: one buffer, no copy. `r` is read last by `d`, so `a`'s
+    // bytes stay in use until then: `c` may not take them although `a` itself is dead.
+    let src = r#"program "views"
+input %x : f32[16,16]
+%a = Relu(%x) "a"
+%r = Reshape{shape=[256]}(%a) "r"
+%i = Identity(%r) "i"
+%b = Relu(%i) "b"
+%c = Relu(%b) "c"
+%e = Reshape{shape=[16,16]}(%c) "e"
+%d = Add(%e, %x) "d"
+%f = Reshape{shape=[256]}(%d) "f"
+%g = Add(%f, %r) "g"
+%xr = Reshape{shape=[256]}(%x) "xr"
+%h = Add(%g, %xr) "h"
+output %h
+"#;
+    let p = parse(src);
+    let m = plan_mem(&p);
+    check_report(&m);
+    let off = |n: &str| offset(&m, &p, n);
+    assert_eq!(off("r"), off("a"));
+    assert_eq!(off("i"), off("a"));
+    assert_eq!(off("e"), off("c"));
+    for other in ["b", "c", "d"] {
+        assert_ne!(off(other), off("a"), "{other} is live with r");
+    }
+    // a view of a persistent input lies in the input's bytes too
+    assert_eq!(off("xr"), off("x"));
+    // views add no bytes to the timeline: a, b and x are live while b is computed
+    assert_eq!(m.timeline[3].1, 3 * 1024);
+    let plan = plan_of(p.clone());
+    verify_plan(&plan, None).unwrap_or_else(|v| panic!("{v:#?}"));
+
+    // the verifier still checks every view against the other buffers: `c` over `a`'s bytes
+    // overwrites `r` before `g` reads it
+    let mut bad = plan.clone();
+    let (a, c) = (p.find_value("a").unwrap(), p.find_value("c").unwrap());
+    let at = bad.buffers.iter().find(|b| b.value == a).unwrap().offset;
+    for b in bad.buffers.iter_mut() {
+        if b.value == c || p.value(b.value).name == "e" {
+            b.offset = at;
+        }
+    }
+    let v = verify_plan(&bad, None).unwrap_err();
+    assert!(
+        v.iter()
+            .any(|x| x.message.contains("%r") && x.message.contains("%c")),
+        "{v:#?}"
+    );
+}
+
+#[test]
+fn an_update_waits_for_the_views_of_its_target() {
+    // `new` may be written over `w` only once nothing reads `w`'s bytes any more: its view
+    // `wv` counts as a reader.
+    let src = |late: bool| {
+        let y = "%y = Add(%wv, %x) \"y\"\n";
+        format!(
+            "program \"upd\"\ninput %x : f32[16,16]\nparam %w : f32[16,16]\n\
+             %wv = Identity(%w) \"wv\"\n{}%new = Relu(%x) \"new\"\n{}output %y\n\
+             update %w = %new\n",
+            if late { "" } else { y },
+            if late { y } else { "" },
+        )
+    };
+    for late in [false, true] {
+        let p = parse(&src(late));
+        let m = plan_mem(&p);
+        check_report(&m);
+        assert_eq!(offset(&m, &p, "wv"), offset(&m, &p, "w"));
+        assert_eq!(
+            offset(&m, &p, "new") == offset(&m, &p, "w"),
+            !late,
+            "late = {late}"
+        );
+        verify_plan(&plan_of(p), None).unwrap_or_else(|v| panic!("{v:#?}"));
+    }
+}
+
+#[test]
 fn the_good_two_stream_plan() {
     let p = parse(TWO_STREAMS);
     let m = plan_mem(&p);

@@ -513,7 +513,8 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
     let mut w: Vec<Work> = Vec::new();
     match op {
         Op::Identity | Op::Copy | Op::Reshape { .. } => {
-            if n > 0 {
+            // a reshape may share its input's bytes (the memory plan's views): nothing to copy
+            if n > 0 && x != y {
                 w.push(Work::Copy {
                     src: x,
                     dst: y,

@@ -300,9 +300,17 @@ impl Executor {
                 n.inputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
             let outs: Vec<(Loc, TensorType)> =
                 n.outputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
+            // A move may lie in its input's very bytes (the planner shares a reshape's buffer
+            // with its input): then it has nothing to do.
+            let in_place_move = matches!(kind, Kind::Move)
+                && ins.len() == 1
+                && outs.len() == 1
+                && ins[0].0.off == outs[0].0.off
+                && ins[0].0.bytes == outs[0].0.bytes;
             for (o, _) in &outs {
                 for (i, _) in &ins {
-                    if o.bytes > 0
+                    if !in_place_move
+                        && o.bytes > 0
                         && i.bytes > 0
                         && o.off < i.off + i.bytes
                         && i.off < o.off + o.bytes
@@ -862,6 +870,10 @@ impl<'a> ThreadCtx<'a> {
                         "moves {} bytes into a {}-byte result",
                         i.bytes, o.bytes
                     ));
+                }
+                if i.off == o.off {
+                    // the result shares its input's bytes (checked in `new`): nothing to move
+                    return Ok(());
                 }
                 // SAFETY: the plan keeps a node's result apart from its inputs (checked in
                 // `new`) and from every buffer in use meanwhile (the verifier).
