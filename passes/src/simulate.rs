@@ -781,7 +781,7 @@ fn memory_timeline(plan: &Plan, run: &Run, step: f64) -> MemoryTimeline {
     let views = memory::view_sources(p);
     for (i, r) in views.iter().enumerate() {
         let (m, r) = (ValueId(i as u32), *r);
-        if r == m || offset.get(&m).is_none() || offset.get(&m) != offset.get(&r) {
+        if r == m || !offset.contains_key(&m) || offset.get(&m) != offset.get(&r) {
             continue;
         }
         aliased[i] = true;
