@@ -98,7 +98,7 @@ fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
                 || val.name.starts_with("grad/")
             {
                 BufferKind::Grad
-            } else if n.name.starts_with("regather/") {
+            } else if n.name.starts_with("regather.") {
                 BufferKind::Param
             } else if n.name.starts_with("step/") {
                 BufferKind::OptimState

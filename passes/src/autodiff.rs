@@ -7,7 +7,7 @@
 //! An op on such a path without a gradient rule fails with the op and the node's name.
 
 use crate::emit::Emitter;
-use hzp_ir::{BinaryOp, Node, Op, Program, ReduceOp, UnaryOp, ValueId};
+use hzp_ir::{BinaryOp, Node, Op, Program, ReduceOp, UnaryOp, ValueDef, ValueId};
 use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +189,27 @@ fn swap_last2(e: &mut Emitter, a: ValueId) -> R<ValueId> {
     let r = e.ty(a).rank();
     let mut perm: Vec<usize> = (0..r).collect();
     perm.swap(r - 2, r - 1);
+    transpose(e, a, perm)
+}
+
+/// `Transpose{perm}(a)`, or the value `a` was transposed from when the two transposes undo
+/// each other (the backward of `x @ Transpose(w)` reads `w` itself, not a copy of it).
+fn transpose(e: &mut Emitter, a: ValueId, perm: Vec<usize>) -> R<ValueId> {
+    if let ValueDef::Node { node, .. } = e.p.value(a).def {
+        if let Some(n) = e.p.nodes.get(node.index()) {
+            if let (Op::Transpose { perm: first }, [x]) = (&n.op, n.inputs.as_slice()) {
+                // z[i] = x[first[perm[i]]]
+                if first.len() == perm.len()
+                    && perm
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &p)| first.get(p) == Some(&i))
+                {
+                    return Ok(*x);
+                }
+            }
+        }
+    }
     e.op(Op::Transpose { perm }, &[a])
 }
 
@@ -477,7 +498,7 @@ fn rule(
             for (i, &p) in perm.iter().enumerate() {
                 inv[p] = i;
             }
-            vec![Some(e.op(Op::Transpose { perm: inv }, &[dy0])?)]
+            vec![Some(transpose(e, dy0, inv)?)]
         }
         Op::Expand { .. } => vec![Some(unbroadcast(e, dy0, &in_shape(e, 0))?)],
         Op::Tile { repeats } => {

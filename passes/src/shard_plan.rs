@@ -1042,7 +1042,7 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
             "reduce.",
             "accumulate.",
             "optimizer",
-            "regather/",
+            "regather.",
             "step/",
         ]
         .iter()

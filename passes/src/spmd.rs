@@ -1020,7 +1020,10 @@ pub fn shard_training_step_rewritten(
             .find(|u| u.target == master)
             .map(|u| u.value)
             .ok_or_else(|| err("the optimizer did not update a parameter"))?;
-        e.scope = format!("regather/{}", layouts[k].name);
+        // one regather unit per layer, as the gathers: a layer's new shards go out as soon
+        // as its optimizer step is done, while the next layers' steps run
+        let layer = an.layer_names[an.param_layer[k]].replace('/', ".");
+        e.scope = format!("regather.{layer}/{}", layouts[k].name);
         let run = |e: &mut Emitter| -> Result<ValueId, String> {
             let mut v = new_master;
             if compute != DType::F32 {
@@ -1242,7 +1245,9 @@ fn prefetch_schedule(
 /// the reduction runs instead of waiting for it at once. Nodes move only later, never past
 /// a node that reads them (a collective packed from them stays where it was, and so do
 /// they), and the result is a topological order that keeps `extra`'s (waiter, waited)
-/// pairs: the deferral costs at most one reduction's results held one layer longer.
+/// pairs: the deferral costs at most one reduction's results held one layer longer. After
+/// the last reduction the optimizer steps run in reduction order, and the compute that
+/// reads a layer's re-gathered parameters waits until the next layer's step is done.
 fn defer_reduce_consumers(
     p: &Program,
     order: &[NodeId],
@@ -1302,24 +1307,54 @@ fn defer_reduce_consumers(
     // reductions were issued, so the updates of the parameters reduced first run while the
     // last reductions (the first layers' gradients) are still on the wire. `dep`: the latest
     // reduction a node depends on, through any path.
+    // The compute that reads a re-gather (an all-gather issued after the last reduction)
+    // goes with the work of the next re-gather's layer, so the compute stream runs that
+    // layer's optimizer step while the re-gather is on the wire instead of waiting for it.
     if let Some(&last) = reduces.last() {
-        let mut dep = vec![0usize; n]; // 0: none, else position + 1
-        for (i, &id) in order.iter().enumerate() {
-            if reduces.binary_search(&i).is_ok() {
-                dep[i] = i + 1;
-                continue;
-            }
-            let nd = &p.nodes[id.index()];
-            let mut d = 0;
-            for &v in &nd.inputs {
-                if let Some(pn) = p.producer(v) {
-                    let j = pos[pn.index()];
-                    if j != usize::MAX {
-                        d = d.max(dep[j]);
+        let regathers: Vec<usize> = (last + 1..n)
+            .filter(|&i| {
+                let nd = &p.nodes[order[i].index()];
+                nd.stream == StreamKind::AllGather && nd.op.is_collective()
+            })
+            .collect();
+        let deps = |defer: &[Option<usize>]| {
+            // 0: none, else 2 * (position + 1) of the reduction; odd: after that reduction's
+            // work (a deferred re-gather reader)
+            let mut dep = vec![0usize; n];
+            for (i, &id) in order.iter().enumerate() {
+                if reduces.binary_search(&i).is_ok() {
+                    dep[i] = 2 * (i + 1);
+                    continue;
+                }
+                let nd = &p.nodes[id.index()];
+                let mut d = 0;
+                for &v in &nd.inputs {
+                    if let Some(pn) = p.producer(v) {
+                        let j = pos[pn.index()];
+                        if j != usize::MAX {
+                            d = d.max(defer[j].unwrap_or(dep[j]));
+                        }
                     }
                 }
+                dep[i] = d;
             }
-            dep[i] = d;
+            dep
+        };
+        let mut dep = deps(&vec![None; n]);
+        if !regathers.is_empty() {
+            // in the order they go out: by the reductions they wait for
+            let mut by_dep = regathers.clone();
+            by_dep.sort_by_key(|&g| (dep[g], g));
+            let mut defer = vec![None; n];
+            for (k, &g) in by_dep.iter().enumerate() {
+                // the last one's readers go after everything else
+                defer[g] = Some(
+                    by_dep
+                        .get(k + 1)
+                        .map_or(2 * n + 3, |&h| dep[h].max(dep[g]) + 1),
+                );
+            }
+            dep = deps(&defer);
         }
         // A node that waits for nothing goes with the earliest of its readers, not ahead of
         // everything (that would hold its result longer, e.g. every parameter's decay).
@@ -1334,7 +1369,8 @@ fn defer_reduce_consumers(
                     }
                 }
             }
-            if first_reader != usize::MAX {
+            // (a re-gather goes out as soon as its inputs are there)
+            if first_reader != usize::MAX && regathers.binary_search(&i).is_err() {
                 eff[i] = eff[i].max(first_reader);
             }
             key[i] = (last + 1, eff[i]);

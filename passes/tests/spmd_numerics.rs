@@ -331,13 +331,45 @@ fn narrow_gradient_groups_are_checked() {
 /// layer's backward meanwhile), except for the last one, whose result the optimizer needs.
 #[test]
 fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
-    let c = cfg(None, false);
-    let mesh = Mesh::parse("gpu=2").unwrap();
     let spec = ShardSpec {
         params: g(&["gpu"]),
         grads: g(&["gpu"]),
         optim: g(&["gpu"]),
     };
+    let n = each_read_after_the_next_is_issued(&spec, "reduction", &|n| {
+        matches!(n.op, hzp_ir::Op::ReduceScatter { .. })
+    });
+    assert!(n >= 3, "{n} reductions");
+}
+
+/// Parameters kept whole (P = 1) are re-gathered from the new optimizer shards after the
+/// step, one unit per layer: each layer's new parameters go out while the next layers'
+/// optimizer steps run, and nothing on the compute stream waits for one before the next is
+/// issued.
+#[test]
+fn compute_does_not_wait_for_a_regather_before_the_next_is_issued() {
+    let spec = ShardSpec {
+        params: g(&[]),
+        grads: g(&["gpu"]),
+        optim: g(&["gpu"]),
+    };
+    let n = each_read_after_the_next_is_issued(&spec, "re-gather", &|n| {
+        matches!(n.op, hzp_ir::Op::AllGather { .. }) && n.name.starts_with("regather.")
+    });
+    assert!(n >= 3, "{n} re-gathers");
+}
+
+/// Compiles llama_tiny on gpu=2 with `spec`, with and without collective rewriting, and
+/// checks that the compute stream first reads each collective `is` picks only after the next
+/// one is issued. Returns how many there were (with rewriting).
+fn each_read_after_the_next_is_issued(
+    spec: &ShardSpec,
+    what: &str,
+    is: &dyn Fn(&hzp_ir::Node) -> bool,
+) -> usize {
+    let c = cfg(None, false);
+    let mesh = Mesh::parse("gpu=2").unwrap();
+    let mut count = 0;
     for rewrite in [false, true] {
         let cluster = hzp_passes::cluster::ClusterSpec::from_toml_str(
             include_str!("../../examples/clusters/h100-dgx.toml"),
@@ -352,7 +384,7 @@ fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
             &import("llama_tiny.legacy.op17.onnx", 4, 16),
             &c,
             &mesh,
-            &spec,
+            spec,
             &ScheduleOptions::default(),
             rewrite.then_some(&rw),
             &mut |_, _| {},
@@ -360,15 +392,15 @@ fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
         .unwrap();
         let p = &step.program;
         let users = p.users();
-        let reductions: Vec<usize> = p
+        let picked: Vec<usize> = p
             .nodes
             .iter()
             .enumerate()
-            .filter(|(_, n)| matches!(n.op, hzp_ir::Op::ReduceScatter { .. }))
+            .filter(|(_, n)| is(n))
             .map(|(i, _)| i)
             .collect();
-        assert!(reductions.len() >= 3, "{}", reductions.len());
-        for w in reductions.windows(2) {
+        count = picked.len();
+        for w in picked.windows(2) {
             let (r, next) = (w[0], w[1]);
             let first_compute_reader = p.nodes[r]
                 .outputs
@@ -380,8 +412,8 @@ fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
             if let Some(f) = first_compute_reader {
                 assert!(
                     f > next,
-                    "rewrite {rewrite}: `{}` is read by `{}` on the compute stream before the \
-                     next reduction `{}` is issued",
+                    "rewrite {rewrite}: the {what} `{}` is read by `{}` on the compute stream \
+                     before the next {what} `{}` is issued",
                     p.nodes[r].name,
                     p.nodes[f].name,
                     p.nodes[next].name
@@ -389,4 +421,5 @@ fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
             }
         }
     }
+    count
 }
