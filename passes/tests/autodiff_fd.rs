@@ -418,3 +418,81 @@ fn a_missing_rule_names_the_op_and_node() {
         .to_string();
     assert!(e.contains("Reduce") && e.contains("`op`"), "{e}");
 }
+
+/// `x @ Transpose(w)` (a tied LM head): the backward reads `w` itself where it needs the
+/// transpose of `Transpose(w)`, instead of transposing it back; the gradients still match
+/// finite differences.
+#[test]
+fn the_transpose_of_a_transpose_is_its_input() {
+    let mut p = Program::new("tied");
+    let x = p.add_param(
+        "x",
+        TensorType::new(DType::F32, vec![3, 4]),
+        Some(Tensor::f32(vec![3, 4], rand_vec(12, 1))),
+    );
+    let w = p.add_param(
+        "w",
+        TensorType::new(DType::F32, vec![5, 4]),
+        Some(Tensor::f32(vec![5, 4], rand_vec(20, 2))),
+    );
+    let wt = p
+        .add_node(
+            "wt",
+            Op::Transpose { perm: vec![1, 0] },
+            vec![w],
+            vec!["wt".into()],
+        )
+        .unwrap()[0];
+    let y = p
+        .add_node("y", Op::MatMul, vec![x, wt], vec!["y".into()])
+        .unwrap()[0];
+    let c = p.add_const("c", Tensor::f32(vec![3, 5], rand_vec(15, 3)));
+    let prod = p
+        .add_node(
+            "prod",
+            Op::Binary(BinaryOp::Mul),
+            vec![y, c],
+            vec!["prod".into()],
+        )
+        .unwrap()[0];
+    let loss = p
+        .add_node(
+            "loss",
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![0, 1],
+                keep_dims: false,
+            },
+            vec![prod],
+            vec!["loss".into()],
+        )
+        .unwrap()[0];
+    let mut fwd = p.clone();
+    fwd.outputs = vec![loss];
+    let grads = differentiate(&mut p, loss, &[x, w]).unwrap();
+    let transposes_of_wt = p
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Transpose { .. }) && n.inputs.contains(&wt))
+        .count();
+    assert_eq!(transposes_of_wt, 0, "{}", hzp_ir::text::print(&p));
+    p.outputs = grads;
+    let got = evaluate(&p, &[]).unwrap();
+    // d loss / d x = c @ w, d loss / d w = c^T @ x
+    let (xv, wv, cv) = (rand_vec(12, 1), rand_vec(20, 2), rand_vec(15, 3));
+    let mut dx = vec![0f64; 12];
+    let mut dw = vec![0f64; 20];
+    for i in 0..3 {
+        for j in 0..5 {
+            for k in 0..4 {
+                dx[i * 4 + k] += (cv[i * 5 + j] * wv[j * 4 + k]) as f64;
+                dw[j * 4 + k] += (cv[i * 5 + j] * xv[i * 4 + k]) as f64;
+            }
+        }
+    }
+    for (g, want) in got.iter().zip([dx, dw]) {
+        for (a, b) in g.1.to_f64_vec().iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+}
