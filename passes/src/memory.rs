@@ -277,25 +277,33 @@ pub(crate) fn lives(
     lives
 }
 
+/// The (input, result) pairs of the nodes whose result is its input's bytes unchanged: a
+/// `Reshape` or `Identity` of one result with the input's dtype and size, in node order.
+fn view_pairs(p: &Program) -> impl Iterator<Item = (ValueId, ValueId)> + '_ {
+    let nv = p.values.len();
+    p.nodes.iter().filter_map(move |n| {
+        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) {
+            return None;
+        }
+        let ([x, ..], [y]) = (n.inputs.as_slice(), n.outputs.as_slice()) else {
+            return None;
+        };
+        let same = x.index() < nv
+            && y.index() < nv
+            && p.ty(*x).dtype == p.ty(*y).dtype
+            && value_bytes(p, *x) == value_bytes(p, *y);
+        same.then_some((*x, *y))
+    })
+}
+
 /// Views: for each value, the value whose bytes it is (itself for most values). The result of
 /// a `Reshape` or `Identity` is its input's bytes unchanged, so it is the same view root as
 /// its input: the planner may give both one buffer and the runtime then has nothing to copy.
 /// Structural only (see [`view_roots`] for the ones the planner actually shares).
 pub(crate) fn view_sources(p: &Program) -> Vec<ValueId> {
     let mut root: Vec<ValueId> = (0..p.values.len()).map(|i| ValueId(i as u32)).collect();
-    for n in &p.nodes {
-        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) {
-            continue;
-        }
-        let (Some(&x), Some(&y)) = (n.inputs.first(), n.outputs.first()) else {
-            continue;
-        };
-        if n.outputs.len() != 1 || x.index() >= root.len() || y.index() >= root.len() {
-            continue;
-        }
-        if p.ty(x).dtype == p.ty(y).dtype && value_bytes(p, x) == value_bytes(p, y) {
-            root[y.index()] = root[x.index()];
-        }
+    for (x, y) in view_pairs(p) {
+        root[y.index()] = root[x.index()];
     }
     root
 }
@@ -307,7 +315,6 @@ pub(crate) fn view_sources(p: &Program) -> Vec<ValueId> {
 /// target is read any more (see [`plan_memory`]). Members are produced after their root (a
 /// reshape reads its input), so the root's producer starts the class's life.
 fn view_roots(p: &Program) -> Vec<ValueId> {
-    let src = view_sources(p);
     let mut in_update = vec![false; p.values.len()];
     for u in &p.updates {
         if let Some(f) = in_update.get_mut(u.value.index()) {
@@ -315,18 +322,13 @@ fn view_roots(p: &Program) -> Vec<ValueId> {
         }
     }
     let mut root: Vec<ValueId> = (0..p.values.len()).map(|i| ValueId(i as u32)).collect();
-    for n in &p.nodes {
-        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) {
-            continue;
-        }
-        let (Some(&x), Some(&y)) = (n.inputs.first(), n.outputs.first()) else {
-            continue;
-        };
-        if src[y.index()] == y || value_bytes(p, y) == 0 {
-            continue;
-        }
+    for (x, y) in view_pairs(p) {
         let r = root[x.index()];
-        if !in_update[x.index()] && !in_update[y.index()] && !in_update[r.index()] {
+        if value_bytes(p, y) > 0
+            && !in_update[x.index()]
+            && !in_update[y.index()]
+            && !in_update[r.index()]
+        {
             root[y.index()] = r;
         }
     }

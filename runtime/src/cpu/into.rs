@@ -101,39 +101,50 @@ fn bytes_err<T>(addr: usize, len: usize) -> String {
     )
 }
 
+/// What [`DataRef`] and [`DataMut`] share: the dtype, the element count, and the view of
+/// owned [`Data`] (writable for `DataMut`).
+macro_rules! view_common {
+    ($view:ident $(, $m:tt)?) => {
+        impl<'a> $view<'a> {
+            pub fn dtype(&self) -> DType {
+                match self {
+                    Self::F32(_) => DType::F32,
+                    Self::BF16(_) => DType::BF16,
+                    Self::F16(_) => DType::F16,
+                    Self::I64(_) => DType::I64,
+                    Self::I32(_) => DType::I32,
+                    Self::Bool(_) => DType::Bool,
+                }
+            }
+
+            /// Number of elements.
+            pub fn len(&self) -> usize {
+                each_variant!(self, v => v.len())
+            }
+
+            pub fn is_empty(&self) -> bool {
+                self.len() == 0
+            }
+
+            /// A view of owned tensor data.
+            pub fn of(d: &'a $($m)? Data) -> $view<'a> {
+                match d {
+                    Data::F32(v) => Self::F32(v),
+                    Data::BF16(v) => Self::BF16(v),
+                    Data::F16(v) => Self::F16(v),
+                    Data::I64(v) => Self::I64(v),
+                    Data::I32(v) => Self::I32(v),
+                    Data::Bool(v) => Self::Bool(v),
+                }
+            }
+        }
+    };
+}
+
+view_common!(DataRef);
+view_common!(DataMut, mut);
+
 impl<'a> DataRef<'a> {
-    pub fn dtype(&self) -> DType {
-        match self {
-            Self::F32(_) => DType::F32,
-            Self::BF16(_) => DType::BF16,
-            Self::F16(_) => DType::F16,
-            Self::I64(_) => DType::I64,
-            Self::I32(_) => DType::I32,
-            Self::Bool(_) => DType::Bool,
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        each_variant!(self, v => v.len())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// A view of owned tensor data.
-    pub fn of(d: &'a Data) -> DataRef<'a> {
-        match d {
-            Data::F32(v) => Self::F32(v),
-            Data::BF16(v) => Self::BF16(v),
-            Data::F16(v) => Self::F16(v),
-            Data::I64(v) => Self::I64(v),
-            Data::I32(v) => Self::I32(v),
-            Data::Bool(v) => Self::Bool(v),
-        }
-    }
-
     /// Views raw bytes (a slice of an arena) as elements of `dtype`. The bytes must be
     /// aligned to the element size and a whole number of elements; bool elements must be
     /// bytes 0 or 1 (checked: an arena is zero-initialized and kernels only store 0/1).
@@ -176,38 +187,6 @@ impl<'a> DataRef<'a> {
 }
 
 impl<'a> DataMut<'a> {
-    pub fn dtype(&self) -> DType {
-        match self {
-            Self::F32(_) => DType::F32,
-            Self::BF16(_) => DType::BF16,
-            Self::F16(_) => DType::F16,
-            Self::I64(_) => DType::I64,
-            Self::I32(_) => DType::I32,
-            Self::Bool(_) => DType::Bool,
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        each_variant!(self, v => v.len())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// A writable view of owned tensor data.
-    pub fn of(d: &'a mut Data) -> DataMut<'a> {
-        match d {
-            Data::F32(v) => Self::F32(v),
-            Data::BF16(v) => Self::BF16(v),
-            Data::F16(v) => Self::F16(v),
-            Data::I64(v) => Self::I64(v),
-            Data::I32(v) => Self::I32(v),
-            Data::Bool(v) => Self::Bool(v),
-        }
-    }
-
     /// Views raw bytes (a slice of an arena) as writable elements of `dtype`, with the
     /// alignment and length rules of [`DataRef::from_bytes`]. A bool buffer's bytes are
     /// first normalized to 0/1 (a bool may hold no other value); kernels overwrite every
