@@ -97,9 +97,7 @@ pub fn differentiate(
         for ((&x, dx), &w) in node.inputs.iter().zip(dxs).zip(&want) {
             let (Some(dx), true) = (dx, w) else { continue };
             let acc = match grads.get(&x) {
-                Some(&prev) => e
-                    .op(Op::Binary(BinaryOp::Add), &[prev, dx])
-                    .map_err(AutodiffError)?,
+                Some(&prev) => accumulate(&mut e, prev, dx).map_err(AutodiffError)?,
                 None => dx,
             };
             grads.insert(x, acc);
@@ -122,6 +120,39 @@ pub fn differentiate(
 }
 
 type R<T> = Result<T, String>;
+
+/// `prev + dx`, the gradient of a value read twice. When `dx` scatter-adds into zeros (a
+/// gather's gradient, e.g. a tied embedding's rows), the updates are scatter-added into
+/// `prev` instead: no zero tensor and no dense addition (the sums per row are the same up to
+/// the order of their terms). The zeros and the first scatter are left to dead-code
+/// elimination.
+fn accumulate(e: &mut Emitter, prev: ValueId, dx: ValueId) -> R<ValueId> {
+    let scatter_into_zeros = |e: &Emitter, v: ValueId| -> Option<(ValueId, ValueId)> {
+        let ValueDef::Node { node, .. } = e.p.value(v).def else {
+            return None;
+        };
+        let n = e.p.nodes.get(node.index())?;
+        let (Op::ScatterND { add: true }, [z, idx, upd]) = (&n.op, n.inputs.as_slice()) else {
+            return None;
+        };
+        let ValueDef::Node { node: zn, .. } = e.p.value(*z).def else {
+            return None;
+        };
+        let zero = matches!(
+            e.p.nodes.get(zn.index()).map(|n| &n.op),
+            Some(Op::Fill { value, .. }) if *value == 0.0
+        );
+        zero.then_some((*idx, *upd))
+    };
+    if e.ty(prev) == e.ty(dx) {
+        for (dense, sparse) in [(prev, dx), (dx, prev)] {
+            if let Some((idx, upd)) = scatter_into_zeros(e, sparse) {
+                return e.op(Op::ScatterND { add: true }, &[dense, idx, upd]);
+            }
+        }
+    }
+    e.op(Op::Binary(BinaryOp::Add), &[prev, dx])
+}
 
 fn bin(e: &mut Emitter, op: BinaryOp, a: ValueId, b: ValueId) -> R<ValueId> {
     e.op(Op::Binary(op), &[a, b])

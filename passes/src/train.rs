@@ -203,19 +203,28 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
                     )))
                 }
             };
+            let head = sliceable_head(&p, y);
             let mut e = Emitter::new(&mut p);
             e.scope = "loss".into();
             (|| -> Result<ValueId, String> {
-                let y = to_f32(&mut e, y)?;
-                let lg = e.op(
-                    Op::Slice {
-                        axes: vec![1],
-                        starts: vec![0],
-                        ends: vec![t as i64 - 1],
-                        steps: vec![1],
-                    },
-                    &[y],
-                )?;
+                let shift = Op::Slice {
+                    axes: vec![1],
+                    starts: vec![0],
+                    ends: vec![t as i64 - 1],
+                    steps: vec![1],
+                };
+                // The last position predicts nothing: leave it out before the LM head's
+                // product rather than after (the logits are the largest tensor of the step)
+                let lg = match head {
+                    Some((h, w)) => {
+                        let hs = e.op(shift, &[h])?;
+                        e.op(Op::MatMul, &[hs, w])?
+                    }
+                    None => {
+                        let y = to_f32(&mut e, y)?;
+                        e.op(shift, &[y])?
+                    }
+                };
                 let lb = e.op(
                     Op::Slice {
                         axes: vec![1],
@@ -283,6 +292,27 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
     p.outputs = vec![loss];
     p.eliminate_dead_code();
     Ok(p)
+}
+
+/// When the logits `y` are an f32 `MatMul(h, w)` of hidden states `h` [batch, seq, hidden]
+/// and a matrix `w`, read by nothing else: `(h, w)`. Slicing positions of `h` then gives the
+/// same rows of the product as slicing the logits.
+fn sliceable_head(p: &Program, y: ValueId) -> Option<(ValueId, ValueId)> {
+    let ValueDef::Node { node, .. } = p.value(y).def else {
+        return None;
+    };
+    let n = p.nodes.get(node.index())?;
+    let (Op::MatMul, [h, w]) = (&n.op, n.inputs.as_slice()) else {
+        return None;
+    };
+    let read_elsewhere = p.nodes.iter().any(|m| m.inputs.contains(&y));
+    let ok = p.ty(y).dtype == DType::F32
+        && p.ty(*h).rank() == 3
+        && p.ty(*w).rank() == 2
+        && p.ty(*h).shape[..2] == p.ty(y).shape[..2]
+        && !read_elsewhere
+        && p.outputs.iter().filter(|&&o| o == y).count() == 1;
+    ok.then_some((*h, *w))
 }
 
 fn to_f32(e: &mut Emitter, v: ValueId) -> Result<ValueId, String> {

@@ -100,15 +100,19 @@ fn loss_of(p: &Program) -> f64 {
 }
 
 fn check(op: Op, ins: Vec<In>, out: usize) {
-    let (mut p, params, loss) = build(&op, &ins, out);
-    let fwd = p.clone();
-    let mut fwd = fwd;
+    let (p, params, loss) = build(&op, &ins, out);
+    check_program(p, &params, loss, op.name());
+}
+
+/// Differentiates `loss` of `p` with respect to `params` (parameters with data) and compares
+/// the gradients with central finite differences. Returns the differentiated program.
+fn check_program(mut p: Program, params: &[ValueId], loss: ValueId, what: &str) -> Program {
+    let mut fwd = p.clone();
     fwd.outputs = vec![loss];
-    let grads =
-        differentiate(&mut p, loss, &params).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+    let grads = differentiate(&mut p, loss, params).unwrap_or_else(|e| panic!("{what}: {e}"));
     p.outputs = grads.clone();
-    hzp_ir::verify(&p).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
-    let got = evaluate(&p, &[]).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+    hzp_ir::verify(&p).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = evaluate(&p, &[]).unwrap_or_else(|e| panic!("{what}: {e}"));
     let h = 1e-2f32;
     for (k, &pv) in params.iter().enumerate() {
         let g = got[k].1.to_f64_vec();
@@ -136,11 +140,11 @@ fn check(op: Op, ins: Vec<In>, out: usize) {
         let den: f64 = fd.iter().map(|b| b * b).sum::<f64>().sqrt().max(1e-3);
         assert!(
             num / den < 2e-2,
-            "{} input {k}: autodiff {g:?} vs finite differences {fd:?} (rel err {})",
-            op.name(),
+            "{what} input {k}: autodiff {g:?} vs finite differences {fd:?} (rel err {})",
             num / den
         );
     }
+    p
 }
 
 use In::*;
@@ -495,4 +499,55 @@ fn the_transpose_of_a_transpose_is_its_input() {
             assert!((a - b).abs() < 1e-4, "{a} vs {b}");
         }
     }
+}
+
+/// A tied embedding: `w` is gathered (the embedding) and read through `Transpose(w)` (the LM
+/// head). Its two gradients are summed by scatter-adding the embedding rows into the head's
+/// gradient: no zeros tensor and no dense `Add`, and the gradient still matches finite
+/// differences (a repeated index included).
+#[test]
+fn a_tied_embedding_scatters_into_the_head_gradient() {
+    let mut p = Program::new("tied_embedding");
+    let w = p.add_param(
+        "w",
+        TensorType::new(DType::F32, vec![5, 4]),
+        Some(Tensor::f32(vec![5, 4], rand_vec(20, 4))),
+    );
+    let ids = p.add_const("ids", Tensor::i64(vec![3], vec![1, 3, 1]));
+    let node = |p: &mut Program, name: &str, op: Op, ins: Vec<ValueId>| {
+        p.add_node(name, op, ins, vec![name.into()]).unwrap()[0]
+    };
+    let emb = node(&mut p, "emb", Op::Gather { axis: 0 }, vec![w, ids]);
+    let wt = node(&mut p, "wt", Op::Transpose { perm: vec![1, 0] }, vec![w]);
+    let y = node(&mut p, "y", Op::MatMul, vec![emb, wt]);
+    let c = p.add_const("c", Tensor::f32(vec![3, 5], rand_vec(15, 5)));
+    let prod = node(&mut p, "prod", Op::Binary(BinaryOp::Mul), vec![y, c]);
+    let loss = node(
+        &mut p,
+        "loss",
+        Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: vec![0, 1],
+            keep_dims: false,
+        },
+        vec![prod],
+    );
+    let mut q = check_program(p, &[w], loss, "tied embedding");
+    q.eliminate_dead_code();
+    let adds_of_w_shape = q
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Binary(BinaryOp::Add)) && q.ty(n.outputs[0]).shape == [5, 4])
+        .count();
+    let zero_fills = q
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Fill { .. }))
+        .count();
+    assert_eq!(
+        (adds_of_w_shape, zero_fills),
+        (0, 0),
+        "{}",
+        hzp_ir::text::print(&q)
+    );
 }
