@@ -832,3 +832,71 @@ pub(crate) fn optimizer(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hzp_ir::{Tensor, TensorType};
+
+    /// logits = h @ w, with `extra_reader` another node reading the logits.
+    fn head(extra_reader: bool) -> Program {
+        let mut p = Program::new("head");
+        let ids = p.add_input("input_ids", TensorType::new(DType::I64, vec![2, 4]));
+        let vals = |n: usize, k: f32| (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) * k).collect();
+        let h = p.add_param(
+            "h",
+            TensorType::new(DType::F32, vec![2, 4, 3]),
+            Some(Tensor::f32(vec![2, 4, 3], vals(24, 0.1))),
+        );
+        let w = p.add_param(
+            "w",
+            TensorType::new(DType::F32, vec![3, 5]),
+            Some(Tensor::f32(vec![3, 5], vals(15, 0.2))),
+        );
+        let y = p
+            .add_node("lm_head", Op::MatMul, vec![h, w], vec!["logits".into()])
+            .unwrap()[0];
+        p.outputs = vec![y];
+        if extra_reader {
+            let z = p
+                .add_node(
+                    "other",
+                    Op::Unary(hzp_ir::UnaryOp::Neg),
+                    vec![y],
+                    vec!["z".into()],
+                )
+                .unwrap()[0];
+            p.outputs.push(z);
+        }
+        let _ = ids;
+        p
+    }
+
+    #[test]
+    fn lm_loss_drops_the_last_position_before_the_head() {
+        let lm = LossKind::Lm { labels: None };
+        let pushed = attach_loss(&head(false), &lm).unwrap();
+        let kept = attach_loss(&head(true), &lm).unwrap();
+        let slices_of = |p: &Program, last_dim: usize| {
+            p.nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::Slice { .. }))
+                .filter(|n| p.ty(n.inputs[0]).shape.last() == Some(&last_dim))
+                .count()
+        };
+        // the hidden states (last dim 3) are sliced, not the logits (last dim 5)
+        assert_eq!((slices_of(&pushed, 3), slices_of(&pushed, 5)), (1, 0));
+        assert_eq!((slices_of(&kept, 3), slices_of(&kept, 5)), (0, 1));
+        let ids = Tensor::i64(vec![2, 4], vec![1, 4, 0, 2, 3, 3, 1, 0]);
+        let loss = |p: &Program| {
+            let out =
+                hzp_runtime::eval::evaluate(p, &[("input_ids".to_string(), ids.clone())]).unwrap();
+            out[0].1.to_f64_vec()[0]
+        };
+        let (a, b) = (loss(&pushed), loss(&kept));
+        assert!(
+            a.is_finite() && (a - b).abs() <= 1e-6 * b.abs(),
+            "{a} vs {b}"
+        );
+    }
+}
