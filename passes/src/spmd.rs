@@ -1066,6 +1066,7 @@ pub fn shard_training_step_rewritten(
         let (r, rep) = crate::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
             .map_err(|e| err(format!("collective rewriting: {e}")))?;
         q = r;
+        drop_redundant_copies(&mut q);
         trace(STAGES[1], &q);
         rewrite_report = Some(rep.to_string());
     }
@@ -1237,6 +1238,56 @@ fn prefetch_schedule(
         }
     }
     (order, waits)
+}
+
+/// Removes `c = Copy(x)` where `x` is computed on the compute stream by a node that is not a
+/// collective and read by nothing else, and neither value is a program output or takes part
+/// in an update: readers of `c` read `x`. An accumulator starts as a copy of its first
+/// reduced gradient so that the compute stream, not the reduce-scatter stream, is the last
+/// to read the collective's result (see `add_to`); after bucketing that value is a slice of
+/// the bucket computed on the compute stream, and the copy only costs a pass over the
+/// gradients.
+fn drop_redundant_copies(q: &mut Program) {
+    let users = q.users();
+    let mut escapes = vec![false; q.values.len()];
+    for &o in &q.outputs {
+        escapes[o.index()] = true;
+    }
+    for u in &q.updates {
+        escapes[u.value.index()] = true;
+        escapes[u.target.index()] = true;
+    }
+    let mut subst: Vec<Option<ValueId>> = vec![None; q.values.len()];
+    let mut any = false;
+    for n in &q.nodes {
+        let (Op::Copy, [x], [c]) = (&n.op, n.inputs.as_slice(), n.outputs.as_slice()) else {
+            continue;
+        };
+        let computed = q.producer(*x).is_some_and(|pn| {
+            let pn = q.node(pn);
+            pn.stream == StreamKind::Compute && !pn.op.is_collective()
+        });
+        if computed
+            && n.stream == StreamKind::Compute
+            && !escapes[x.index()]
+            && !escapes[c.index()]
+            && users[x.index()].len() == 1
+        {
+            subst[c.index()] = Some(*x);
+            any = true;
+        }
+    }
+    if !any {
+        return;
+    }
+    for n in q.nodes.iter_mut() {
+        for v in n.inputs.iter_mut() {
+            while let Some(x) = subst[v.index()] {
+                *v = x;
+            }
+        }
+    }
+    q.eliminate_dead_code();
 }
 
 /// Moves the compute that reads a reduction's result (unpacking a gradient bucket, adding

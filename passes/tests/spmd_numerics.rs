@@ -423,3 +423,59 @@ fn each_read_after_the_next_is_issued(
     }
     count
 }
+
+/// After bucketing, an accumulator's first gradient is a slice of the bucket computed on the
+/// compute stream: it is read as it is, not copied first (the copy only mattered when the
+/// compute stream read the collective's own result).
+#[test]
+fn no_accumulator_copies_a_bucket_slice() {
+    let mesh = Mesh::parse("gpu=2").unwrap();
+    let spec = ShardSpec {
+        params: g(&["gpu"]),
+        grads: g(&["gpu"]),
+        optim: g(&["gpu"]),
+    };
+    let cluster = hzp_passes::cluster::ClusterSpec::from_toml_str(
+        include_str!("../../examples/clusters/h100-dgx.toml"),
+        "h100-dgx.toml",
+    )
+    .unwrap();
+    let rw = hzp_passes::spmd::Rewrite {
+        cluster,
+        options: Default::default(),
+    };
+    for (rewrite, copies_wanted) in [(false, false), (true, false)] {
+        let step = shard_training_step_rewritten(
+            &import("llama_tiny.legacy.op17.onnx", 4, 16),
+            &cfg(None, false),
+            &mesh,
+            &spec,
+            &ScheduleOptions::default(),
+            rewrite.then_some(&rw),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let p = &step.program;
+        // accumulator copies of a value computed on the compute stream (not a collective's)
+        let copies = p
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, hzp_ir::Op::Copy) && n.name.starts_with("accumulate."))
+            .filter(|n| {
+                p.producer(n.inputs[0])
+                    .is_some_and(|pn| !p.node(pn).op.is_collective())
+            })
+            .count();
+        let all = p
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, hzp_ir::Op::Copy) && n.name.starts_with("accumulate."))
+            .count();
+        assert!(all > 0 || rewrite, "without rewriting the copies stay");
+        assert_eq!(
+            copies > 0,
+            copies_wanted,
+            "rewrite {rewrite}: {copies} copies"
+        );
+    }
+}
