@@ -239,15 +239,6 @@ fn cuda_backend_names_what_is_missing() {
 fn compile_honours_retie_and_freeze() {
     let d = tempdir("ties");
     let (model, io) = (model(), io());
-    let losses = |out: &str| -> Vec<f64> {
-        let v: serde_json::Value = serde_json::from_str(out).unwrap();
-        v["losses"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect()
-    };
     let flags = ["--retie", "--freeze", "transformer.wpe.weight"];
     let plan = d.join("tied.json");
     let mut args = vec![
@@ -277,7 +268,7 @@ fn compile_honours_retie_and_freeze() {
         "json",
     ]);
     assert_eq!(code, 0, "{err}");
-    let run = losses(&out);
+    let run = json_losses(&out);
     // `hzp train` with extra flags: its losses
     let train_losses = |extra: &[&str]| {
         let mut args = vec![
@@ -295,7 +286,7 @@ fn compile_honours_retie_and_freeze() {
         args.extend(extra);
         let (code, out, err) = hzp(&args);
         assert_eq!(code, 0, "{err}");
-        losses(&out)
+        json_losses(&out)
     };
     let train = train_losses(&flags);
     assert_eq!(run.len(), 3);

@@ -89,17 +89,6 @@ fn hzp(r: &Ref, cmd: &str, extra: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The per-step losses of `hzp train --format json`.
-fn json_losses(stdout: &str) -> Vec<f64> {
-    let v: serde_json::Value = serde_json::from_str(stdout).unwrap();
-    v["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
-
 fn get<'a>(npz: &'a [(String, Tensor)], key: &str) -> Option<&'a Tensor> {
     npz.iter().find(|(k, _)| k == key).map(|(_, t)| t)
 }

@@ -597,8 +597,6 @@ pub fn plan_memory(
     // value's bytes is the first whose clock has seen every use (clocks grow along a stream);
     // the latest of these over the streams (n: never) ends the issue range `span_end` in which
     // a later producer can conflict with the value.
-    // Update values that can be written over their target (it is not read any more) take its
-    // bytes: a re-gathered parameter shard needs no second copy at the end of the step.
     let mut aliased = vec![false; p.values.len()];
     // Reshapes and identities share their input's buffer: the class of a view root lives
     // from the root's producer to the last use of any of its views (and to the end of the
@@ -621,6 +619,9 @@ pub fn plan_memory(
         };
         l.to_end |= m.to_end;
     }
+    // Update values that can be written over their target (it is not read any more, views
+    // included) take its bytes: a re-gathered parameter shard needs no second copy at the end
+    // of the step.
     for (t, v) in in_place_updates(p, &hb, &lives) {
         offset[v.index()] = offset[t.index()];
         aliased[v.index()] = true;

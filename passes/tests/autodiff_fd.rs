@@ -423,82 +423,49 @@ fn a_missing_rule_names_the_op_and_node() {
     assert!(e.contains("Reduce") && e.contains("`op`"), "{e}");
 }
 
+/// A parameter `name` of `shape` with seeded values.
+fn tied_param(p: &mut Program, name: &str, shape: &[usize], seed: u64) -> ValueId {
+    let n = shape.iter().product();
+    let t = Tensor::f32(shape.to_vec(), rand_vec(n, seed));
+    p.add_param(name, TensorType::new(DType::F32, shape.to_vec()), Some(t))
+}
+
+/// Node `name` with one result named after it.
+fn tied_node(p: &mut Program, name: &str, op: Op, ins: Vec<ValueId>) -> ValueId {
+    p.add_node(name, op, ins, vec![name.into()]).unwrap()[0]
+}
+
+/// `x @ Transpose(w)` for a `[3, 5]` result `y = x @ w^T`, then the scalar loss
+/// `sum(y * c)` with fixed weights `c`; returns `(transpose of w, loss)`.
+fn tied_head(p: &mut Program, x: ValueId, w: ValueId) -> (ValueId, ValueId) {
+    let wt = tied_node(p, "wt", Op::Transpose { perm: vec![1, 0] }, vec![w]);
+    let y = tied_node(p, "y", Op::MatMul, vec![x, wt]);
+    let c = p.add_const("c", Tensor::f32(vec![3, 5], rand_vec(15, 3)));
+    let prod = tied_node(p, "prod", Op::Binary(BinaryOp::Mul), vec![y, c]);
+    let sum = Op::Reduce {
+        op: ReduceOp::Sum,
+        axes: vec![0, 1],
+        keep_dims: false,
+    };
+    (wt, tied_node(p, "loss", sum, vec![prod]))
+}
+
 /// `x @ Transpose(w)` (a tied LM head): the backward reads `w` itself where it needs the
 /// transpose of `Transpose(w)`, instead of transposing it back; the gradients still match
 /// finite differences.
 #[test]
 fn the_transpose_of_a_transpose_is_its_input() {
     let mut p = Program::new("tied");
-    let x = p.add_param(
-        "x",
-        TensorType::new(DType::F32, vec![3, 4]),
-        Some(Tensor::f32(vec![3, 4], rand_vec(12, 1))),
-    );
-    let w = p.add_param(
-        "w",
-        TensorType::new(DType::F32, vec![5, 4]),
-        Some(Tensor::f32(vec![5, 4], rand_vec(20, 2))),
-    );
-    let wt = p
-        .add_node(
-            "wt",
-            Op::Transpose { perm: vec![1, 0] },
-            vec![w],
-            vec!["wt".into()],
-        )
-        .unwrap()[0];
-    let y = p
-        .add_node("y", Op::MatMul, vec![x, wt], vec!["y".into()])
-        .unwrap()[0];
-    let c = p.add_const("c", Tensor::f32(vec![3, 5], rand_vec(15, 3)));
-    let prod = p
-        .add_node(
-            "prod",
-            Op::Binary(BinaryOp::Mul),
-            vec![y, c],
-            vec!["prod".into()],
-        )
-        .unwrap()[0];
-    let loss = p
-        .add_node(
-            "loss",
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                axes: vec![0, 1],
-                keep_dims: false,
-            },
-            vec![prod],
-            vec!["loss".into()],
-        )
-        .unwrap()[0];
-    let mut fwd = p.clone();
-    fwd.outputs = vec![loss];
-    let grads = differentiate(&mut p, loss, &[x, w]).unwrap();
-    let transposes_of_wt = p
+    let x = tied_param(&mut p, "x", &[3, 4], 1);
+    let w = tied_param(&mut p, "w", &[5, 4], 2);
+    let (wt, loss) = tied_head(&mut p, x, w);
+    let q = check_program(p, &[x, w], loss, "tied head");
+    let transposes_of_wt = q
         .nodes
         .iter()
         .filter(|n| matches!(n.op, Op::Transpose { .. }) && n.inputs.contains(&wt))
         .count();
-    assert_eq!(transposes_of_wt, 0, "{}", hzp_ir::text::print(&p));
-    p.outputs = grads;
-    let got = evaluate(&p, &[]).unwrap();
-    // d loss / d x = c @ w, d loss / d w = c^T @ x
-    let (xv, wv, cv) = (rand_vec(12, 1), rand_vec(20, 2), rand_vec(15, 3));
-    let mut dx = vec![0f64; 12];
-    let mut dw = vec![0f64; 20];
-    for i in 0..3 {
-        for j in 0..5 {
-            for k in 0..4 {
-                dx[i * 4 + k] += (cv[i * 5 + j] * wv[j * 4 + k]) as f64;
-                dw[j * 4 + k] += (cv[i * 5 + j] * xv[i * 4 + k]) as f64;
-            }
-        }
-    }
-    for (g, want) in got.iter().zip([dx, dw]) {
-        for (a, b) in g.1.to_f64_vec().iter().zip(&want) {
-            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
-        }
-    }
+    assert_eq!(transposes_of_wt, 0, "{}", hzp_ir::text::print(&q));
 }
 
 /// A tied embedding: `w` is gathered (the embedding) and read through `Transpose(w)` (the LM
@@ -508,30 +475,10 @@ fn the_transpose_of_a_transpose_is_its_input() {
 #[test]
 fn a_tied_embedding_scatters_into_the_head_gradient() {
     let mut p = Program::new("tied_embedding");
-    let w = p.add_param(
-        "w",
-        TensorType::new(DType::F32, vec![5, 4]),
-        Some(Tensor::f32(vec![5, 4], rand_vec(20, 4))),
-    );
+    let w = tied_param(&mut p, "w", &[5, 4], 4);
     let ids = p.add_const("ids", Tensor::i64(vec![3], vec![1, 3, 1]));
-    let node = |p: &mut Program, name: &str, op: Op, ins: Vec<ValueId>| {
-        p.add_node(name, op, ins, vec![name.into()]).unwrap()[0]
-    };
-    let emb = node(&mut p, "emb", Op::Gather { axis: 0 }, vec![w, ids]);
-    let wt = node(&mut p, "wt", Op::Transpose { perm: vec![1, 0] }, vec![w]);
-    let y = node(&mut p, "y", Op::MatMul, vec![emb, wt]);
-    let c = p.add_const("c", Tensor::f32(vec![3, 5], rand_vec(15, 5)));
-    let prod = node(&mut p, "prod", Op::Binary(BinaryOp::Mul), vec![y, c]);
-    let loss = node(
-        &mut p,
-        "loss",
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0, 1],
-            keep_dims: false,
-        },
-        vec![prod],
-    );
+    let emb = tied_node(&mut p, "emb", Op::Gather { axis: 0 }, vec![w, ids]);
+    let (_, loss) = tied_head(&mut p, emb, w);
     let mut q = check_program(p, &[w], loss, "tied embedding");
     q.eliminate_dead_code();
     let adds_of_w_shape = q

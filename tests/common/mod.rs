@@ -89,3 +89,14 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 pub fn hzp_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_hzp"))
 }
+
+/// The per-step losses that `hzp train` or `hzp run` print with `--format json`.
+pub fn json_losses(stdout: &str) -> Vec<f64> {
+    let v: serde_json::Value = serde_json::from_str(stdout).unwrap();
+    v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}

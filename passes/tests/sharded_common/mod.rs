@@ -38,6 +38,18 @@ pub fn import(file: &str, rows: usize, seq: usize) -> Program {
     .unwrap()
 }
 
+/// Collective rewriting on the 8xH100 DGX spec of `examples/clusters`, default options.
+pub fn h100_rewrite() -> hzp_passes::spmd::Rewrite {
+    hzp_passes::spmd::Rewrite {
+        cluster: ClusterSpec::from_toml_str(
+            include_str!("../../../examples/clusters/h100-dgx.toml"),
+            "h100-dgx.toml",
+        )
+        .unwrap(),
+        options: Default::default(),
+    }
+}
+
 /// Links so slow that the bandwidth term dominates even for tiny test tensors, with the
 /// slow axis (`node`) ten times slower than `gpu`; memory is fast, so local copies are cheap.
 pub fn slow_cluster() -> ClusterSpec {
