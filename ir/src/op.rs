@@ -261,6 +261,17 @@ pub enum Op {
     LogSoftmax {
         axis: usize,
     },
+    /// (logits, labels: int, logits' shape without `axis`) -> per-position loss
+    /// `logsumexp(logits) - logits[label]` along `axis` (ONNX SoftmaxCrossEntropyLoss with
+    /// reduction none and no weights). Labels must lie in `0..dim`.
+    SoftmaxCrossEntropy {
+        axis: usize,
+    },
+    /// (logits, labels, dloss) -> dlogits = (softmax(logits) - onehot(label)) * dloss along
+    /// `axis`: the gradient of [`Op::SoftmaxCrossEntropy`].
+    SoftmaxCrossEntropyGrad {
+        axis: usize,
+    },
     /// (x, scale, bias?): normalize over axes `axis..rank`.
     LayerNorm {
         axis: usize,
@@ -552,6 +563,8 @@ impl Op {
             "MatMul",
             "Softmax",
             "LogSoftmax",
+            "SoftmaxCrossEntropy",
+            "SoftmaxCrossEntropyGrad",
             "LayerNorm",
             "RmsNorm",
             "Reduce",
@@ -597,6 +610,8 @@ impl Op {
             Op::MatMul => "MatMul",
             Op::Softmax { .. } => "Softmax",
             Op::LogSoftmax { .. } => "LogSoftmax",
+            Op::SoftmaxCrossEntropy { .. } => "SoftmaxCrossEntropy",
+            Op::SoftmaxCrossEntropyGrad { .. } => "SoftmaxCrossEntropyGrad",
             Op::LayerNorm { .. } => "LayerNorm",
             Op::RmsNorm { .. } => "RmsNorm",
             Op::Reduce { .. } => "Reduce",
@@ -665,7 +680,10 @@ impl Op {
             | Op::Copy
             | Op::Free => vec![],
             Op::Cast { to } => vec![("to", Word(to.name().into()))],
-            Op::Softmax { axis } | Op::LogSoftmax { axis } => vec![("axis", Int(*axis as i64))],
+            Op::Softmax { axis }
+            | Op::LogSoftmax { axis }
+            | Op::SoftmaxCrossEntropy { axis }
+            | Op::SoftmaxCrossEntropyGrad { axis } => vec![("axis", Int(*axis as i64))],
             Op::LayerNorm { axis, epsilon } | Op::RmsNorm { axis, epsilon } => vec![
                 ("axis", Int(*axis as i64)),
                 ("epsilon", Float(*epsilon as f64)),
@@ -796,6 +814,12 @@ impl Op {
                 axis: a.usize("axis")?,
             },
             "LogSoftmax" => Op::LogSoftmax {
+                axis: a.usize("axis")?,
+            },
+            "SoftmaxCrossEntropy" => Op::SoftmaxCrossEntropy {
+                axis: a.usize("axis")?,
+            },
+            "SoftmaxCrossEntropyGrad" => Op::SoftmaxCrossEntropyGrad {
                 axis: a.usize("axis")?,
             },
             "LayerNorm" => Op::LayerNorm {
@@ -1136,6 +1160,36 @@ impl Op {
                     return Err(format!("{name} needs a float input"));
                 }
                 one(ins[0].clone())
+            }
+            Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } => {
+                let grad = matches!(self, Op::SoftmaxCrossEntropyGrad { .. });
+                let n = if grad { 3 } else { 2 };
+                check_arity(self, ins, n, n)?;
+                let (x, lab) = (ins[0], ins[1]);
+                check_axis(self, *axis, x.rank())?;
+                if !x.dtype.is_float() {
+                    return Err(format!("{name} needs float logits, got {x}"));
+                }
+                let mut lead = x.shape.clone();
+                lead.remove(*axis);
+                if !lab.dtype.is_int() || lab.shape != lead {
+                    return Err(format!(
+                        "{name}: labels must be integers shaped {} (the logits {x} without axis {axis}), got {lab}",
+                        fmt_shape(&lead)
+                    ));
+                }
+                if grad {
+                    let dy = ins[2];
+                    if !dy.dtype.is_float() || dy.shape != lead {
+                        return Err(format!(
+                            "{name}: the loss gradient must be float shaped {}, got {dy}",
+                            fmt_shape(&lead)
+                        ));
+                    }
+                    one(x.clone())
+                } else {
+                    one(TensorType::new(x.dtype, lead))
+                }
             }
             Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => {
                 let max = if matches!(self, Op::LayerNorm { .. }) {

@@ -486,6 +486,13 @@ fn rule(
             let t = mul(e, p, s)?;
             vec![Some(sub(e, dy0, t)?)]
         }
+        Op::SoftmaxCrossEntropy { axis } => {
+            let g = e.op(
+                Op::SoftmaxCrossEntropyGrad { axis: *axis },
+                &[ins[0], ins[1], dy0],
+            )?;
+            vec![Some(g), None]
+        }
         Op::LayerNorm { axis, epsilon } => norm_rule(e, ins, dy0, *axis, *epsilon, true, want)?,
         Op::RmsNorm { axis, epsilon } => norm_rule(e, ins, dy0, *axis, *epsilon, false, want)?,
         Op::Reduce {

@@ -336,15 +336,12 @@ fn mean_all(e: &mut Emitter, v: ValueId) -> Result<ValueId, String> {
 }
 
 /// Mean over all positions of -log softmax(logits)[label]; logits [..., C], labels [...].
+/// One fused op per direction: the loss never materializes the log-probabilities, and its
+/// gradient is softmax - onehot in one pass over the logits.
 fn cross_entropy(e: &mut Emitter, logits: ValueId, labels: ValueId) -> Result<ValueId, String> {
     let r = e.ty(logits).rank();
-    let logp = e.op(Op::LogSoftmax { axis: r - 1 }, &[logits])?;
-    let mut ls = e.shape(labels);
-    ls.push(1);
-    let lab = e.op(Op::Reshape { shape: ls }, &[labels])?;
-    let picked = e.op(Op::GatherElements { axis: r - 1 }, &[logp, lab])?;
-    let m = mean_all(e, picked)?;
-    e.op(Op::Unary(UnaryOp::Neg), &[m])
+    let per = e.op(Op::SoftmaxCrossEntropy { axis: r - 1 }, &[logits, labels])?;
+    mean_all(e, per)
 }
 
 /// Forward + loss + backward for one micro-batch: outputs `[loss, grad of each parameter]`

@@ -217,6 +217,18 @@ fn matmul_shapes() {
 fn normalizations_and_softmax() {
     check(Op::Softmax { axis: 1 }, vec![F(vec![2, 5])], 0);
     check(Op::LogSoftmax { axis: 2 }, vec![F(vec![2, 2, 5])], 0);
+    // the fused cross-entropy over the last axis and over a middle one (strided lanes)
+    let labels = Tensor::i64(vec![2, 2], vec![4, 0, 2, 3]);
+    check(
+        Op::SoftmaxCrossEntropy { axis: 2 },
+        vec![F(vec![2, 2, 5]), Fixed(labels.clone())],
+        0,
+    );
+    check(
+        Op::SoftmaxCrossEntropy { axis: 1 },
+        vec![F(vec![2, 5, 2]), Fixed(labels)],
+        0,
+    );
     check(
         Op::LayerNorm {
             axis: 1,

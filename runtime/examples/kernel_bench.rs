@@ -16,6 +16,14 @@ fn data(shape: &[usize]) -> Tensor {
     Tensor::f32(shape.to_vec(), v)
 }
 
+/// `n` labels in `0..classes`.
+fn labels(n: usize, classes: usize) -> Tensor {
+    Tensor::i64(
+        vec![n],
+        (0..n).map(|i| ((i * 7919) % classes) as i64).collect(),
+    )
+}
+
 fn main() {
     // as the hzp binary does: large tensors from the heap, not fresh mmaps
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -36,6 +44,16 @@ fn main() {
             "logsoftmax [4,255,8192]",
             Op::LogSoftmax { axis: 2 },
             vec![data(&[4, 255, 8192])],
+        ),
+        (
+            "softmax-xent [252,8192]",
+            Op::SoftmaxCrossEntropy { axis: 1 },
+            vec![data(&[252, 8192]), labels(252, 8192)],
+        ),
+        (
+            "softmax-xent grad [252,8192]",
+            Op::SoftmaxCrossEntropyGrad { axis: 1 },
+            vec![data(&[252, 8192]), labels(252, 8192), data(&[252])],
         ),
         (
             "reduce sum rows [4,8,256,256]",

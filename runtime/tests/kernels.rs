@@ -770,6 +770,51 @@ fn softmax_of_1_2_3() {
 }
 
 #[test]
+fn softmax_cross_entropy_and_its_gradient() {
+    // rows [1,2,3] (label 2) and [3,2,1] (label 0): loss = log(e + e^2 + e^3) - 3
+    let x = f(&[2, 3], &[1.0, 2.0, 3.0, 3.0, 2.0, 1.0]);
+    let lab = i(&[2], &[2, 0]);
+    let loss = run1(Op::SoftmaxCrossEntropy { axis: 1 }, &[&x, &lab]);
+    assert_close(&loss, &[2], &[0.407_606, 0.407_606], 1e-6);
+    // gradient: (softmax - onehot) * dy
+    let dy = f(&[2], &[1.0, 0.5]);
+    let g = run1(Op::SoftmaxCrossEntropyGrad { axis: 1 }, &[&x, &lab, &dy]);
+    let (a, b, c) = (0.090_030_57, 0.244_728_48, 0.665_240_94);
+    assert_close(
+        &g,
+        &[2, 3],
+        &[a, b, c - 1.0, 0.5 * (c - 1.0), 0.5 * b, 0.5 * a],
+        1e-6,
+    );
+    // along axis 0 of the transposed logits (strided lanes), with int32 labels: the same
+    let xt = f(&[3, 2], &[1.0, 3.0, 2.0, 2.0, 3.0, 1.0]);
+    let l32 = Tensor::new(vec![2], hzp_ir::Data::I32(vec![2, 0]));
+    let loss_t = run1(Op::SoftmaxCrossEntropy { axis: 0 }, &[&xt, &l32]);
+    assert_close(&loss_t, &[2], &[0.407_606, 0.407_606], 1e-6);
+    let gt = run1(Op::SoftmaxCrossEntropyGrad { axis: 0 }, &[&xt, &l32, &dy]);
+    assert_close(
+        &gt,
+        &[3, 2],
+        &[a, 0.5 * (c - 1.0), b, 0.5 * b, c - 1.0, 0.5 * a],
+        1e-6,
+    );
+    // large logits stay finite
+    let big = f(&[1, 2], &[1000.0, 1000.0]);
+    let l = run1(Op::SoftmaxCrossEntropy { axis: 1 }, &[&big, &i(&[1], &[1])]);
+    assert_close(&l, &[1], &[std::f32::consts::LN_2], 1e-6);
+    // a label outside the classes is an error naming it (no wrapping)
+    for bad in [3, -1] {
+        let e = eval_op(
+            &Op::SoftmaxCrossEntropy { axis: 1 },
+            &[&x, &i(&[2], &[0, bad])],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(&format!("label {bad} at position 1")), "{e}");
+    }
+}
+
+#[test]
 fn layer_norm_and_rms_norm() {
     let x = f(&[2, 4], &[1.0, 2.0, 3.0, 4.0, -1.0, -1.0, 1.0, 1.0]);
     let scale = f(&[4], &[1.0, 2.0, 1.0, 1.0]);

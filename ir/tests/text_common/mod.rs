@@ -158,6 +158,19 @@ pub fn all_ops() -> Program {
     let mm = one(&mut p, "/h.0/attn/MatMul_output_0", Op::MatMul, &[x, w]);
     one(&mut p, "softmax", Op::Softmax { axis: 2 }, &[mm]);
     one(&mut p, "logsoftmax", Op::LogSoftmax { axis: 1 }, &[mm]);
+    // x [2,4,8] over its last axis against ids [2,4]
+    let xent = one(
+        &mut p,
+        "xent",
+        Op::SoftmaxCrossEntropy { axis: 2 },
+        &[x, ids],
+    );
+    one(
+        &mut p,
+        "xent.grad",
+        Op::SoftmaxCrossEntropyGrad { axis: 2 },
+        &[x, ids, xent],
+    );
     one(
         &mut p,
         "ln",

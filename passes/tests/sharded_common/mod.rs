@@ -91,3 +91,56 @@ pub fn rel(a: &Tensor, b: &Tensor) -> f64 {
     let n: f64 = y.iter().map(|q| q * q).sum::<f64>().sqrt();
     d / n.max(1e-12)
 }
+
+/// Per parameter of `fwd`, which elements have a gradient on `batch` that is not round-off
+/// (at least 1e-5 of the parameter's largest, above the round-off of f32 sums of a few
+/// hundred terms). AdamW divides each gradient by its own
+/// running RMS, so an element whose gradient is zero in exact arithmetic (an attention key
+/// bias: softmax ignores a per-row constant) moves by O(lr) in a direction set by round-off,
+/// differently for every summation order; such elements can only be held by a whole-model
+/// check. (tests/run_e2e.rs applies the same rule to the executor.)
+pub fn meaningful(
+    fwd: &Program,
+    cfg: &hzp_passes::train::TrainConfig,
+    batch: &[(String, Tensor)],
+) -> Vec<Vec<bool>> {
+    let gcfg = hzp_passes::train::TrainConfig {
+        optimizer: None,
+        micro_batches: 1,
+        ..cfg.clone()
+    };
+    let gp = hzp_passes::train::training_step(fwd, &gcfg).unwrap();
+    let inputs: Vec<(String, Tensor)> = gp
+        .inputs
+        .iter()
+        .map(|&v| {
+            let name = &gp.value(v).name;
+            batch.iter().find(|(k, _)| k == name).cloned().unwrap()
+        })
+        .collect();
+    let outs = hzp_runtime::eval::evaluate(&gp, &inputs).unwrap();
+    outs[outs.len() - fwd.params.len()..]
+        .iter()
+        .map(|(_, g)| {
+            let g = g.to_f64_vec();
+            let gmax = g.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            g.iter().map(|x| x.abs() >= 1e-5 * gmax).collect()
+        })
+        .collect()
+}
+
+/// ||a - b|| / ||b|| over the elements `keep` marks.
+pub fn rel_masked(a: &Tensor, b: &Tensor, keep: &[bool]) -> f64 {
+    let pick = |t: &Tensor| -> Vec<f32> {
+        let v = t.to_f64_vec();
+        (0..v.len())
+            .filter(|&i| keep[i])
+            .map(|i| v[i] as f32)
+            .collect()
+    };
+    let (x, y) = (pick(a), pick(b));
+    rel(
+        &Tensor::f32(vec![x.len()], x),
+        &Tensor::f32(vec![y.len()], y),
+    )
+}

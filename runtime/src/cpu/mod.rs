@@ -155,6 +155,12 @@ fn run(
         Op::MatMul => matmul::matmul(&ins[0], &ins[1], o, ws),
         Op::Softmax { axis } => norm::softmax(x?, *axis, false, o, ws),
         Op::LogSoftmax { axis } => norm::softmax(x?, *axis, true, o, ws),
+        Op::SoftmaxCrossEntropy { axis } => {
+            norm::softmax_cross_entropy(&ins[0], &ins[1], None, *axis, o, ws)
+        }
+        Op::SoftmaxCrossEntropyGrad { axis } => {
+            norm::softmax_cross_entropy(&ins[0], &ins[1], ins.get(2), *axis, o, ws)
+        }
         Op::LayerNorm { axis, epsilon } => {
             norm::norm(&ins[0], &ins[1], ins.get(2), *axis, *epsilon, false, o, ws)
         }

@@ -39,21 +39,23 @@ fn for_each_lane(
     }
 }
 
+/// The largest element of a row (-inf for an empty row), with sixteen independent lanes
+/// (the max does not depend on the order). NaN elements are passed over: every consumer
+/// here subtracts the max from each element, so a NaN still makes its row's result NaN.
 #[inline(always)]
 fn row_max(row: &[f32]) -> f32 {
-    // eight independent lanes (the max of a row does not depend on the order); NaN wins
     #[inline(always)]
     fn mx(m: f32, x: f32) -> f32 {
-        if x > m || x.is_nan() {
+        if x > m {
             x
         } else {
             m
         }
     }
-    let mut acc = [f32::NEG_INFINITY; 8];
-    let mut chunks = row.chunks_exact(8);
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = row.chunks_exact(16);
     for c in &mut chunks {
-        for k in 0..8 {
+        for k in 0..16 {
             acc[k] = mx(acc[k], c[k]);
         }
     }
@@ -62,6 +64,31 @@ fn row_max(row: &[f32]) -> f32 {
         .iter()
         .fold(f32::NEG_INFINITY, |m, &x| mx(m, x));
     acc.iter().fold(tail, |m, &x| mx(m, x))
+}
+
+/// Sum of exp(x - m) over a row: f32 partial sums in sixteen lanes over 256-element
+/// pieces (at most 16 terms per lane, all positive), the pieces summed in f64.
+#[inline(always)]
+fn sum_exp(row: &[f32], m: f32) -> f64 {
+    let mut total = 0f64;
+    for piece in row.chunks(256) {
+        let mut acc = [0f32; 16];
+        let mut chunks = piece.chunks_exact(16);
+        for c in &mut chunks {
+            for k in 0..16 {
+                acc[k] += math::exp(c[k] - m);
+            }
+        }
+        let mut s = 0f64;
+        for &x in chunks.remainder() {
+            s += math::exp(x - m) as f64;
+        }
+        for a in acc {
+            s += a as f64;
+        }
+        total += s;
+    }
+    total
 }
 
 /// Sum in f64 with eight independent accumulators (keeps the adds pipelined).
@@ -89,44 +116,26 @@ fn softmax_row(row: &mut [f32]) {
 #[inline(always)]
 fn log_softmax_row(row: &mut [f32]) {
     let m = row_max(row);
-    let mut sum = 0f64;
-    for c in row.chunks(256) {
-        let mut e = [0f32; 256];
-        for (e, &x) in e.iter_mut().zip(c) {
-            *e = math::exp(x - m);
-        }
-        sum += sum_f64(&e[..c.len()]);
-    }
-    let lse = sum.ln() as f32;
+    let lse = sum_exp(row, m).ln() as f32;
     row.iter_mut().for_each(|x| *x = (*x - m) - lse);
 }
 
 /// (Log)softmax of every contiguous row of `dim` elements of `v`, in place: rows in
-/// parallel when there are threads, and on x86-64 compiled a second time with AVX2 (picked
-/// at run time) so the exp polynomial runs 8 lanes wide.
+/// parallel when there are threads, each piece [`math::vectorized`].
 fn softmax_rows(v: &mut [f32], dim: usize, log: bool) {
-    #[inline(always)]
-    fn body(v: &mut [f32], dim: usize, log: bool) {
-        for row in v.chunks_exact_mut(dim) {
-            if log {
-                log_softmax_row(row)
-            } else {
-                softmax_row(row)
-            }
-        }
-    }
     fn rows(v: &mut [f32], dim: usize, log: bool) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
-            unsafe fn wide(v: &mut [f32], dim: usize, log: bool) {
-                body(v, dim, log)
-            }
-            // SAFETY: AVX2 support was just detected.
-            unsafe { wide(v, dim, log) };
-            return;
-        }
-        body(v, dim, log)
+        math::vectorized(
+            #[inline(always)]
+            || {
+                for row in v.chunks_exact_mut(dim) {
+                    if log {
+                        log_softmax_row(row)
+                    } else {
+                        softmax_row(row)
+                    }
+                }
+            },
+        )
     }
     let n_rows = v.len() / dim;
     let t = super::threads::num_threads();
@@ -155,9 +164,15 @@ pub fn softmax(
         if inner == 1 && dim > 0 {
             softmax_rows(v, dim, log);
         } else if log {
-            for_each_lane(v, x.shape, axis, buf, log_softmax_row);
+            math::vectorized(
+                #[inline(always)]
+                || for_each_lane(v, x.shape, axis, buf, log_softmax_row),
+            );
         } else {
-            for_each_lane(v, x.shape, axis, buf, softmax_row);
+            math::vectorized(
+                #[inline(always)]
+                || for_each_lane(v, x.shape, axis, buf, softmax_row),
+            );
         }
     });
     Ok(())
@@ -251,4 +266,123 @@ fn norm_rows(v: &mut [f32], d: usize, s: &[f32], b: Option<&[f32]>, eps: f32, rm
             }
         }
     }
+}
+
+/// Labels as row indices: each must lie in `0..dim` (no wrapping, as ONNX
+/// SoftmaxCrossEntropyLoss), else the error names the position and the value.
+fn label_at(labels: &TensorRef, k: usize, dim: usize) -> Result<usize, String> {
+    use super::into::DataRef;
+    let l = match labels.data {
+        DataRef::I64(v) => v[k],
+        DataRef::I32(v) => v[k] as i64,
+        d => return Err(format!("labels must be int64 or int32, got {}", d.dtype())),
+    };
+    usize::try_from(l)
+        .ok()
+        .filter(|&l| l < dim)
+        .ok_or_else(|| format!("label {l} at position {k} is outside the {dim} classes 0..{dim}"))
+}
+
+/// Per contiguous row (`dim` elements, label `labels[r]`): the loss `m + ln s - x[label]`
+/// (`grad == None`) written to `out[r]`, or the gradient `(exp(x - m) / s - onehot) * g[r]`
+/// written to the row of `out` (`grad == Some(g)`).
+#[inline(always)]
+fn ce_body(x: &[f32], labels: &[usize], grad: Option<&[f32]>, dim: usize, out: &mut [f32]) {
+    for (r, row) in x.chunks_exact(dim).enumerate() {
+        let m = row_max(row);
+        let s = sum_exp(row, m);
+        let l = labels[r];
+        match grad {
+            None => out[r] = (m as f64 + s.ln() - row[l] as f64) as f32,
+            Some(g) => {
+                let g = g[r];
+                let scale = (g as f64 / s) as f32;
+                let o = &mut out[r * dim..(r + 1) * dim];
+                for (o, &x) in o.iter_mut().zip(row) {
+                    *o = math::exp(x - m) * scale;
+                }
+                o[l] -= g;
+            }
+        }
+    }
+}
+
+/// [`ce_body`], [`math::vectorized`].
+fn ce_rows(x: &[f32], labels: &[usize], grad: Option<&[f32]>, dim: usize, out: &mut [f32]) {
+    math::vectorized(
+        #[inline(always)]
+        || ce_body(x, labels, grad, dim, out),
+    )
+}
+
+/// Softmax cross-entropy along `axis` of `x` against integer `labels` (x's shape without
+/// `axis`): the per-position loss (`dy == None`, `out` shaped like the labels) or, given the
+/// loss gradient `dy`, the logits' gradient (`out` shaped like `x`). Rows are computed in
+/// f32 with f64 sums; strided lanes (axis not last) are gathered into contiguous rows first.
+pub fn softmax_cross_entropy(
+    x: &TensorRef,
+    labels: &TensorRef,
+    dy: Option<&TensorRef>,
+    axis: usize,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let (outer, dim, inner) = around_axis(x.shape, axis);
+    let n = outer * inner;
+    if dim == 0 {
+        return if n == 0 {
+            Ok(())
+        } else {
+            Err("softmax cross-entropy over an empty class axis".into())
+        };
+    }
+    let [at] = ws.usizes.take([n]);
+    for (k, a) in at.iter_mut().enumerate() {
+        *a = label_at(labels, k, dim)?;
+    }
+    let strided = inner != 1;
+    let [xs, os, gs, rows, grows] = ws.f32s.take([
+        stage_len(x.data),
+        out_stage_len(out),
+        dy.map_or(0, |d| stage_len(d.data)),
+        if strided { n * dim } else { 0 },
+        if strided && dy.is_some() { n * dim } else { 0 },
+    ]);
+    let xv = floats(x.data, xs);
+    let g = dy.map(|d| floats(d.data, gs));
+    // position k = o * inner + i of the labels is lane (o, i) of x
+    let lane = |k: usize, d: usize| (k / inner) * dim * inner + d * inner + k % inner;
+    let xr: &[f32] = if strided {
+        for k in 0..n {
+            for d in 0..dim {
+                rows[k * dim + d] = xv[lane(k, d)];
+            }
+        }
+        rows
+    } else {
+        xv
+    };
+    let at = &*at;
+    store_f32(out, os, |o| {
+        let run = |first: usize, o: &mut [f32]| {
+            let per = if g.is_some() { dim } else { 1 };
+            let count = o.len() / per;
+            let rows = &xr[first * dim..(first + count) * dim];
+            let g = g.map(|g| &g[first..first + count]);
+            ce_rows(rows, &at[first..first + count], g, dim, o);
+        };
+        let per_row = if g.is_some() { dim } else { 1 };
+        let target: &mut [f32] = if strided && g.is_some() { grows } else { o };
+        // rows in parallel pieces of about 64K elements
+        let chunk = ((1 << 16) / dim).max(1);
+        super::threads::for_each_chunk(target, chunk * per_row, |c, piece| run(c * chunk, piece));
+        if strided && g.is_some() {
+            for k in 0..n {
+                for d in 0..dim {
+                    o[lane(k, d)] = grows[k * dim + d];
+                }
+            }
+        }
+    });
+    Ok(())
 }

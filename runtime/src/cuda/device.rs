@@ -546,6 +546,9 @@ impl CudaExecutor {
         let message = match n.op.name() {
             "Div" | "Mod" => "integer division by zero",
             "Pow" => "0 raised to a negative integer power",
+            "SoftmaxCrossEntropy" | "SoftmaxCrossEntropyGrad" => {
+                "a label is outside the class range 0..classes"
+            }
             _ => "an index is out of range",
         };
         Err(ExecError::Node {

@@ -4,7 +4,7 @@
 pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// Unary, Binary, Where, Cast, Fill.
 pub const ELEMENTWISE: &str = include_str!("kernels/elementwise.cu");
-/// Softmax, LayerNorm/RmsNorm, Reduce, ArgMax, CumSum.
+/// Softmax, softmax cross-entropy, LayerNorm/RmsNorm, Reduce, ArgMax, CumSum.
 pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 /// Copies through n-d walks, Trilu, Gather*, Scatter*, OneHot, TopK.
 pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
@@ -38,7 +38,8 @@ pub fn kernel_names() -> Vec<String> {
     };
     add(
         &[
-            "unary", "isnan", "binary", "compare", "softmax", "norm", "reduce", "argmax", "cumsum",
+            "unary", "isnan", "binary", "compare", "softmax", "xent", "norm", "reduce", "argmax",
+            "cumsum",
         ],
         &FLOATS,
     );

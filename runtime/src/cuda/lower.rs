@@ -622,6 +622,26 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 ));
             }
         }
+        Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } => {
+            let (o, d, i) = around(&xt.shape, *axis);
+            let grad = matches!(op, Op::SoftmaxCrossEntropyGrad { .. });
+            let (lo, lt) = c.ins[1];
+            // the loss gradient (the loss's own buffer when there is none: never read)
+            let dy = c.ins.get(2).map_or(y, |(off, _)| *off);
+            if o * i > 0 {
+                let mut args = vec![
+                    Arg::I64(o as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(i as i64),
+                    Arg::I32(grad as i32),
+                    Arg::Ptr(x),
+                ];
+                args.extend(idx_args(lo, lt));
+                args.extend([Arg::Ptr(dy), Arg::Ptr(y)]);
+                args.extend(err());
+                w.push(lanes(format!("xent_{}", dt(xt.dtype)), o * i, args));
+            }
+        }
         Op::LayerNorm { axis, epsilon } | Op::RmsNorm { axis, epsilon } => {
             let norm = &xt.shape[*axis..];
             check_rank(norm)?;

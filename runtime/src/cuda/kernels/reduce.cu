@@ -33,6 +33,52 @@ __device__ void softmax_k(i64 outer, i64 dim, i64 inner, int log, const T* x, T*
     }
 }
 
+// Softmax cross-entropy over lanes of `dim` classes (as softmax_k walks them), lane k with
+// label idx[k]: grad == 0 writes the loss y[k] = m + log(sum exp(x - m)) - x[label];
+// grad != 0 writes the lane's gradient (softmax(x) - onehot(label)) * dy[k]. A label
+// outside 0..dim fails with `code` (no wrapping) and leaves zeros.
+template <typename T>
+__device__ void xent_k(i64 outer, i64 dim, i64 inner, int grad, const T* x, const void* idx,
+                       int idx64, const T* dy, T* y, int* err, int code) {
+    __shared__ double shd[REDUCE_THREADS];
+    __shared__ float shf[REDUCE_THREADS];
+    for (i64 lane = blockIdx.x; lane < outer * inner; lane += gridDim.x) {
+        i64 o = lane / inner, in = lane - o * inner;
+        i64 base = o * dim * inner + in;
+        i64 l = load_index(idx, idx64, lane);
+        float m = -__int_as_float(0x7f800000);
+        for (i64 d = threadIdx.x; d < dim; d += blockDim.x) {
+            float v = to_f(x[base + d * inner]);
+            if (v > m) m = v;
+        }
+        m = block_max(m, shf);
+        double s = 0.0;
+        for (i64 d = threadIdx.x; d < dim; d += blockDim.x) s += (double)expf(to_f(x[base + d * inner]) - m);
+        s = block_sum(s, shd);
+        if (l < 0 || l >= dim) {
+            if (threadIdx.x == 0) fail(err, code);
+            if (!grad) {
+                if (threadIdx.x == 0) y[lane] = from_f<T>(0.0f);
+            } else {
+                for (i64 d = threadIdx.x; d < dim; d += blockDim.x) y[base + d * inner] = from_f<T>(0.0f);
+            }
+            continue;
+        }
+        if (!grad) {
+            if (threadIdx.x == 0)
+                y[lane] = from_f<T>((float)((double)m + log(s) - (double)to_f(x[base + l * inner])));
+        } else {
+            float g = to_f(dy[lane]);
+            float scale = (float)((double)g / s);
+            for (i64 d = threadIdx.x; d < dim; d += blockDim.x) {
+                float v = expf(to_f(x[base + d * inner]) - m) * scale;
+                if (d == l) v -= g;
+                y[base + d * inner] = from_f<T>(v);
+            }
+        }
+    }
+}
+
 // Rows of d elements; scale (and bias) indexed through the walk p over the normalized dims
 // (p.s0: scale strides, p.s1: bias strides, 0 where they broadcast).
 template <typename T>
@@ -215,6 +261,7 @@ __device__ void cumsum_int(i64 outer, i64 dim, i64 inner, int exclusive, int rev
 
 #define NORM_FLOAT(N, T) \
     extern "C" __global__ void softmax_##N(i64 outer, i64 dim, i64 inner, int log, const T* x, T* y) { softmax_k<T>(outer, dim, inner, log, x, y); } \
+    extern "C" __global__ void xent_##N(i64 outer, i64 dim, i64 inner, int grad, const T* x, const void* idx, int idx64, const T* dy, T* y, int* err, int code) { xent_k<T>(outer, dim, inner, grad, x, idx, idx64, dy, y, err, code); } \
     extern "C" __global__ void norm_##N(i64 rows, i64 d, float eps, int rms, Nd p, const T* x, const T* s, const T* b, T* y) { norm_k<T>(rows, d, eps, rms, p, x, s, b, y); } \
     extern "C" __global__ void reduce_##N(int op, i64 nout, i64 nred, Nd kept, Nd red, const T* x, T* y) { reduce_float<T>(op, nout, nred, kept, red, x, y); } \
     extern "C" __global__ void argmax_##N(i64 outer, i64 dim, i64 inner, const T* x, i64* y) { argmax_k<T, float>(outer, dim, inner, x, y); } \

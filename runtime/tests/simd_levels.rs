@@ -1,0 +1,106 @@
+//! The CPU kernels give the same bits at every vector level (`HZP_SIMD=baseline|avx2`, or
+//! the widest the CPU has): the special functions use fused multiply-adds at every level
+//! and reductions keep one order whatever the lane width. The test re-runs itself as a
+//! child process per level (the level is fixed once per process) and compares digests.
+
+use hzp_ir::{Op, Tensor, UnaryOp};
+use hzp_runtime::cpu::eval_op;
+use std::process::Command;
+
+const CHILD: &str = "HZP_SIMD_LEVELS_CHILD";
+
+/// Per kernel, FNV-1a over the f32 bit patterns of its outputs (NaNs as one pattern).
+fn digest() -> String {
+    let n = 4099; // not a multiple of any lane count
+    let mut v: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 2000) as f32 / 90.0 - 11.0)
+        .collect();
+    v[..6].copy_from_slice(&[0.0, -0.0, f32::NAN, f32::INFINITY, -f32::INFINITY, 1e-30]);
+    let x = Tensor::f32(vec![n], v.clone());
+    let rows = Tensor::f32(vec![1, n], v[..n].to_vec());
+    let clean = Tensor::f32(vec![1, n - 6], v[6..].to_vec());
+    let label = Tensor::i64(vec![1], vec![17]);
+    let dy = Tensor::f32(vec![1], vec![0.75]);
+    let mut cases: Vec<(Op, Vec<&Tensor>)> = [
+        UnaryOp::Exp,
+        UnaryOp::Tanh,
+        UnaryOp::Erf,
+        UnaryOp::Sigmoid,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+    ]
+    .into_iter()
+    .map(|u| (Op::Unary(u), vec![&x]))
+    .collect();
+    cases.push((Op::Softmax { axis: 1 }, vec![&clean]));
+    cases.push((Op::LogSoftmax { axis: 1 }, vec![&clean]));
+    cases.push((Op::Softmax { axis: 1 }, vec![&rows]));
+    cases.push((Op::SoftmaxCrossEntropy { axis: 1 }, vec![&clean, &label]));
+    cases.push((
+        Op::SoftmaxCrossEntropyGrad { axis: 1 },
+        vec![&clean, &label, &dy],
+    ));
+    let mut out = String::new();
+    for (op, ins) in cases {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for t in eval_op(&op, &ins).unwrap() {
+            for x in t.to_f64_vec() {
+                // a NaN's sign and payload depend on the instruction that made it
+                let bits = if x.is_nan() {
+                    0x7fc0_0000
+                } else {
+                    (x as f32).to_bits()
+                };
+                for b in bits.to_le_bytes() {
+                    h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+                }
+            }
+        }
+        out.push_str(&format!("{} {h:016x}\n", op.name()));
+    }
+    out
+}
+
+#[test]
+fn every_simd_level_gives_the_same_bits() {
+    if std::env::var_os(CHILD).is_some() {
+        // (on lines of their own: the test harness prints around them)
+        for line in digest().lines() {
+            println!("\nDIGEST {line}");
+        }
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let at = |level: Option<&str>| -> String {
+        let mut c = Command::new(&exe);
+        c.args([
+            "every_simd_level_gives_the_same_bits",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1");
+        match level {
+            Some(l) => c.env("HZP_SIMD", l),
+            None => c.env_remove("HZP_SIMD"),
+        };
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let d: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("DIGEST "))
+            .collect();
+        assert_eq!(d.len(), 12, "no digests in the child's output: {text}");
+        d.join("\n")
+    };
+    let widest = at(None);
+    for level in ["avx2", "baseline"] {
+        assert_eq!(
+            at(Some(level)),
+            widest,
+            "HZP_SIMD={level} vs the widest level"
+        );
+    }
+}
