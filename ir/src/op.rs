@@ -379,6 +379,21 @@ pub enum Op {
         shape: Shape,
     },
 
+    // ---- optimizer ----
+    /// (param, grad, m, v, step_size, bias2_sqrt) -> (param', m', v'): one decoupled-weight-
+    /// decay Adam step, elementwise over f32 tensors of one shape (the two last inputs are
+    /// f32 scalars: `lr / (1 - beta1^t)` and `sqrt(1 - beta2^t)`), as torch.optim.AdamW:
+    /// `m' = m + (1 - beta1)(g - m)`, `v' = beta2 v + (1 - beta2) g^2`,
+    /// `param' = decay * param - step_size * m' / (sqrt(v') / bias2_sqrt + eps)` with
+    /// `decay = 1 - lr * weight_decay`. Each result may be written over the input it
+    /// replaces (see [`Op::in_place_pairs`]).
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        decay: f64,
+    },
+
     // ---- collectives on a mesh group ----
     /// Concatenates the group's shards along `axis`.
     AllGather {
@@ -586,6 +601,7 @@ impl Op {
             "OneHot",
             "TopK",
             "Fill",
+            "AdamW",
             "AllGather",
             "ReduceScatter",
             "AllReduce",
@@ -633,6 +649,7 @@ impl Op {
             Op::OneHot { .. } => "OneHot",
             Op::TopK { .. } => "TopK",
             Op::Fill { .. } => "Fill",
+            Op::AdamW { .. } => "AdamW",
             Op::AllGather { .. } => "AllGather",
             Op::ReduceScatter { .. } => "ReduceScatter",
             Op::AllReduce { .. } => "AllReduce",
@@ -642,6 +659,16 @@ impl Op {
             Op::Free => "Free",
             Op::RecordEvent { .. } => "RecordEvent",
             Op::WaitEvent { .. } => "WaitEvent",
+        }
+    }
+
+    /// (input, output) index pairs where the op may write the output over the input's
+    /// bytes: every element of the output is computed from the inputs at the same index
+    /// before it is stored. The memory planner uses them for in-place optimizer updates.
+    pub fn in_place_pairs(&self) -> &'static [(usize, usize)] {
+        match self {
+            Op::AdamW { .. } => &[(0, 0), (2, 1), (3, 2)],
+            _ => &[],
         }
     }
 
@@ -759,6 +786,17 @@ impl Op {
                 ("value", Float(*value)),
                 ("dtype", Word(dtype.name().into())),
                 ("shape", ints(shape)),
+            ],
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                decay,
+            } => vec![
+                ("beta1", Float(*beta1)),
+                ("beta2", Float(*beta2)),
+                ("eps", Float(*eps)),
+                ("decay", Float(*decay)),
             ],
             Op::AllGather { group, axis } => {
                 vec![("group", Group(group.clone())), ("axis", Int(*axis as i64))]
@@ -903,6 +941,12 @@ impl Op {
                 value: a.float("value")?,
                 dtype: a.dtype("dtype")?,
                 shape: a.usizes("shape")?,
+            },
+            "AdamW" => Op::AdamW {
+                beta1: a.float("beta1")?,
+                beta2: a.float("beta2")?,
+                eps: a.float("eps")?,
+                decay: a.float("decay")?,
             },
             "AllGather" => Op::AllGather {
                 group: a.group("group")?,
@@ -1536,6 +1580,24 @@ impl Op {
             Op::Fill { dtype, shape, .. } => {
                 check_arity(self, ins, 0, 0)?;
                 one(TensorType::new(*dtype, shape.clone()))
+            }
+            Op::AdamW { .. } => {
+                check_arity(self, ins, 6, 6)?;
+                let p = ins[0];
+                for (k, what) in [(0, "parameter"), (1, "gradient"), (2, "m"), (3, "v")] {
+                    if ins[k].dtype != DType::F32 || ins[k].shape != p.shape {
+                        return Err(format!(
+                            "AdamW: the {what} must be f32 shaped like the parameter {p}, got {}",
+                            ins[k]
+                        ));
+                    }
+                }
+                for (k, what) in [(4, "step size"), (5, "bias correction")] {
+                    if ins[k].dtype != DType::F32 || ins[k].numel() != 1 {
+                        return Err(format!("AdamW: the {what} must be one f32, got {}", ins[k]));
+                    }
+                }
+                Ok(vec![p.clone(), p.clone(), p.clone()])
             }
             Op::RecordEvent { .. } | Op::WaitEvent { .. } => {
                 check_arity(self, ins, 0, 0)?;

@@ -37,6 +37,17 @@ impl<'a> Emitter<'a> {
 
     /// Emits a node with several outputs.
     pub fn ops(&mut self, op: Op, inputs: &[ValueId]) -> Result<Vec<ValueId>, String> {
+        self.ops_named(op, inputs, &[])
+    }
+
+    /// Emits a node with several outputs, named `<node>/<label>` by `labels` (when there is
+    /// one per output; `<node>:<index>` otherwise).
+    pub fn ops_named(
+        &mut self,
+        op: Op,
+        inputs: &[ValueId],
+        labels: &[&str],
+    ) -> Result<Vec<ValueId>, String> {
         let base = if self.scope.is_empty() {
             op.name().to_string()
         } else {
@@ -53,6 +64,8 @@ impl<'a> Emitter<'a> {
             .map(|i| {
                 if n_out == 1 {
                     node_name.clone()
+                } else if labels.len() == n_out {
+                    self.names.fresh(&format!("{node_name}/{}", labels[i]))
                 } else {
                     self.names.fresh(&format!("{node_name}:{i}"))
                 }

@@ -539,9 +539,12 @@ impl ConflictIndex {
 }
 
 /// The updates `(target, value)` whose value may be stored over its target: the target
-/// lives the whole step, every read of it happens before the value's producer starts (so the
-/// producer and everything after it may overwrite it), the value fits in it, and no other
-/// update takes the same value. The runtime then has nothing to copy for that update.
+/// lives the whole step, the value fits in it, no other update takes the same value, and
+/// every read of the target happens before the value's producer starts (so the producer and
+/// everything after it may overwrite it), or the producer itself is the last reader and
+/// reads the target (or a view of it) only as the input that the value replaces in one of
+/// its declared in-place pairs (`Op::in_place_pairs`: AdamW's parameter and moments). The
+/// runtime then has nothing to copy for that update.
 pub(crate) fn in_place_updates(
     p: &Program,
     hb: &HappensBefore,
@@ -551,18 +554,47 @@ pub(crate) fn in_place_updates(
     for u in &p.updates {
         uses[u.value.index()] += 1;
     }
+    let views = view_sources(p);
+    // whether producer `d` reads the target `t` only as the input its result `v` replaces
+    let replaces = |d: usize, t: ValueId, v: ValueId| -> bool {
+        let node = &p.nodes[d];
+        let Some(j) = node.outputs.iter().position(|&o| o == v) else {
+            return false;
+        };
+        let mut reads = node
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(_, &x)| views[x.index()] == views[t.index()]);
+        match (reads.next(), reads.next()) {
+            (Some((i, _)), None) => node.op.in_place_pairs().contains(&(i, j)),
+            _ => false,
+        }
+    };
     p.updates
         .iter()
         .filter(|u| {
             let (t, v) = (&lives[u.target.index()], &lives[u.value.index()]);
             let Some(d) = v.def else { return false };
             let seen = hb.seen_before(NodeId(d as u32));
+            let own = hb.stream_of(NodeId(d as u32));
+            let read_before = t.last.iter().zip(seen).all(|(&l, s)| l <= s);
+            // on the producer's stream, its own position (seen + 1) may be the last read
+            let read_by_producer = || {
+                t.last
+                    .iter()
+                    .zip(seen)
+                    .enumerate()
+                    .all(|(x, (&l, s))| l <= s || (x == own && l == s + 1))
+                    && value_bytes(p, u.value) == value_bytes(p, u.target)
+                    && replaces(d, u.target, u.value)
+            };
             t.whole_step
                 && !v.whole_step
                 && uses[u.value.index()] == 1
                 && u.target != u.value
                 && value_bytes(p, u.value) <= value_bytes(p, u.target)
-                && t.last.iter().zip(seen).all(|(&l, s)| l <= s)
+                && (read_before || read_by_producer())
         })
         .map(|u| (u.target, u.value))
         .collect()

@@ -744,11 +744,12 @@ pub(crate) fn optimizer(
             let lrv = e.scalar(lr, f);
             let step_size = b(e, BinaryOp::Div, lrv, bc1)?;
             let bc2s = e.op(Op::Unary(UnaryOp::Sqrt), &[bc2])?;
-            let decay = e.scalar(1.0 - lr * weight_decay, f);
-            let one_m_b1 = e.scalar(1.0 - beta1, f);
-            let beta2v = e.scalar(beta2, f);
-            let one_m_b2 = e.scalar(1.0 - beta2, f);
-            let epsv = e.scalar(eps, f);
+            let fused = Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                decay: 1.0 - lr * weight_decay,
+            };
             for (&w, &g) in params.iter().zip(grads) {
                 let wname = e.p.value(w).name.clone();
                 let ty = e.ty(w).clone();
@@ -757,36 +758,17 @@ pub(crate) fn optimizer(
                 let m = e.p.add_state(mn, ty.clone(), None);
                 let v = e.p.add_state(vn, ty, None);
                 e.scope = format!("step/adamw/{wname}");
-                // param *= 1 - lr * wd
-                let wd = b(e, BinaryOp::Mul, w, decay)?;
-                // m = m + (1 - b1) (g - m)   (torch's lerp)
-                let gm = b(e, BinaryOp::Sub, g, m)?;
-                let gm = b(e, BinaryOp::Mul, gm, one_m_b1)?;
-                let m2 = b(e, BinaryOp::Add, m, gm)?;
-                // v = b2 v + (1 - b2) g^2
-                let vb = b(e, BinaryOp::Mul, v, beta2v)?;
-                let g2 = b(e, BinaryOp::Mul, g, g)?;
-                let g2 = b(e, BinaryOp::Mul, g2, one_m_b2)?;
-                let v2 = b(e, BinaryOp::Add, vb, g2)?;
-                // w -= step_size * m / (sqrt(v) / sqrt(bc2) + eps)
-                let sv = e.op(Op::Unary(UnaryOp::Sqrt), &[v2])?;
-                let den = b(e, BinaryOp::Div, sv, bc2s)?;
-                let den = b(e, BinaryOp::Add, den, epsv)?;
-                let upd = b(e, BinaryOp::Div, m2, den)?;
-                let upd = b(e, BinaryOp::Mul, upd, step_size)?;
-                let w2 = b(e, BinaryOp::Sub, wd, upd)?;
-                updates.push(Update {
-                    target: w,
-                    value: w2,
-                });
-                updates.push(Update {
-                    target: m,
-                    value: m2,
-                });
-                updates.push(Update {
-                    target: v,
-                    value: v2,
-                });
+                let g = to_f32(e, g)?;
+                // one fused pass (see Op::AdamW for the formula); the memory plan writes
+                // each result over the state it replaces
+                let outs = e.ops_named(
+                    fused.clone(),
+                    &[w, g, m, v, step_size, bc2s],
+                    &["param", "m", "v"],
+                )?;
+                for (target, value) in [w, m, v].into_iter().zip(outs) {
+                    updates.push(Update { target, value });
+                }
             }
         }
         Optimizer::Sgd {

@@ -249,6 +249,58 @@ fn an_update_waits_for_the_views_of_its_target() {
 }
 
 #[test]
+fn a_fused_adamw_writes_each_result_over_the_state_it_replaces() {
+    // `late`: the parameter is read again after the step; `twice`: the step reads the
+    // parameter as its gradient too. Either keeps the new parameter out of the old one's
+    // bytes; the moments go in place regardless.
+    let src = |late: bool, twice: bool| {
+        format!(
+            "program \"adamw\"\ninput %g : f32[64]\nparam %w : f32[64]\nstate %m : f32[64]\n\
+             state %v : f32[64]\nconst %lr : f32[] = [0.001]\nconst %bc : f32[] = [0.5]\n\
+             %w2, %m2, %v2 = AdamW{{beta1=0.9, beta2=0.999, eps=1e-8, decay=0.99}}(%w, {}, %m, \
+             %v, %lr, %bc) \"adamw\"\n{}output {}\n\
+             update %w = %w2\nupdate %m = %m2\nupdate %v = %v2\n",
+            if twice { "%w" } else { "%g" },
+            if late { "%y = Relu(%w) \"y\"\n" } else { "" },
+            if late { "%y" } else { "%w2" },
+        )
+    };
+    for (late, twice) in [(false, false), (true, false), (false, true)] {
+        let p = parse(&src(late, twice));
+        let m = plan_mem(&p);
+        check_report(&m);
+        let w_in_place = !late && !twice;
+        assert_eq!(
+            offset(&m, &p, "w2") == offset(&m, &p, "w"),
+            w_in_place,
+            "late {late}, twice {twice}"
+        );
+        assert_eq!(offset(&m, &p, "m2"), offset(&m, &p, "m"));
+        assert_eq!(offset(&m, &p, "v2"), offset(&m, &p, "v"));
+        let plan = plan_of(p.clone());
+        verify_plan(&plan, None).unwrap_or_else(|v| panic!("{v:#?}"));
+        if w_in_place {
+            continue;
+        }
+        // the verifier refuses the new parameter over the old one when that is still read
+        let mut bad = plan;
+        let (w, w2) = (p.find_value("w").unwrap(), p.find_value("w2").unwrap());
+        let at = bad.buffers.iter().find(|b| b.value == w).unwrap().offset;
+        bad.buffers
+            .iter_mut()
+            .find(|b| b.value == w2)
+            .unwrap()
+            .offset = at;
+        let v = verify_plan(&bad, None).unwrap_err();
+        assert!(
+            v.iter()
+                .any(|x| x.message.contains("%w2") && x.message.contains("%w ")),
+            "{v:#?}"
+        );
+    }
+}
+
+#[test]
 fn the_good_two_stream_plan() {
     let p = parse(TWO_STREAMS);
     let m = plan_mem(&p);

@@ -815,6 +815,60 @@ fn softmax_cross_entropy_and_its_gradient() {
 }
 
 #[test]
+fn fused_adamw_gives_the_bits_of_the_unfused_formula_in_place_too() {
+    use hzp_ir::BinaryOp::*;
+    let n = 1037; // several stack chunks and a tail
+    let gen = |k: u64| -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| (((i * 7919 + k * 104_729) % 2001) as f32 / 1000.0 - 1.0) * 0.1)
+            .collect()
+    };
+    let (w, g, m) = (gen(1), gen(2), gen(3));
+    let v: Vec<f32> = gen(4).iter().map(|x| x * x).collect();
+    let t = |d: &Vec<f32>| f(&[n], d);
+    let (lr, bc) = (f(&[], &[1e-3 / 0.271]), f(&[], &[0.0632_f32.sqrt()]));
+    let (beta1, beta2, eps, decay) = (0.9, 0.999, 1e-8, 1.0 - 1e-3 * 0.01);
+    let op = Op::AdamW {
+        beta1,
+        beta2,
+        eps,
+        decay,
+    };
+    let got = run(op, &[&t(&w), &t(&g), &t(&m), &t(&v), &lr, &bc]);
+    // the fourteen elementwise ops the optimizer emitted before the fused op
+    let s = |x: f64| f(&[], &[x as f32]);
+    let b = |o, x: &Tensor, y: &Tensor| run1(Op::Binary(o), &[x, y]);
+    let wd = b(Mul, &t(&w), &s(decay));
+    let m2 = b(
+        Add,
+        &t(&m),
+        &b(Mul, &b(Sub, &t(&g), &t(&m)), &s(1.0 - beta1)),
+    );
+    let g2 = b(Mul, &b(Mul, &t(&g), &t(&g)), &s(1.0 - beta2));
+    let v2 = b(Add, &b(Mul, &t(&v), &s(beta2)), &g2);
+    let sv = run1(Op::Unary(hzp_ir::UnaryOp::Sqrt), &[&v2]);
+    let den = b(Add, &b(Div, &sv, &bc), &s(eps));
+    let w2 = b(Sub, &wd, &b(Mul, &b(Div, &m2, &den), &lr));
+    for (k, want) in [w2, m2, v2].iter().enumerate() {
+        assert_eq!(got[k].to_f64_vec(), want.to_f64_vec(), "output {k}");
+    }
+    // in place (results over the inputs they replace), as the executor runs it
+    let (mut iw, mut im, mut iv) = (w.clone(), m.clone(), v.clone());
+    let c = hzp_runtime::cpu::optim::AdamWStep::new(
+        (beta1, beta2, eps, decay),
+        1e-3 / 0.271,
+        0.0632_f32.sqrt(),
+    );
+    let (pw, pm, pv) = (iw.as_mut_ptr(), im.as_mut_ptr(), iv.as_mut_ptr());
+    // SAFETY: n elements each; each result is exactly the input it replaces.
+    unsafe { hzp_runtime::cpu::optim::adamw_raw(n, &c, pw, g.as_ptr(), pm, pv, pw, pm, pv) };
+    for (k, mine) in [iw, im, iv].iter().enumerate() {
+        let want: Vec<f64> = mine.iter().map(|&x| x as f64).collect();
+        assert_eq!(got[k].to_f64_vec(), want, "in place, output {k}");
+    }
+}
+
+#[test]
 fn layer_norm_and_rms_norm() {
     let x = f(&[2, 4], &[1.0, 2.0, 3.0, 4.0, -1.0, -1.0, 1.0, 1.0]);
     let scale = f(&[4], &[1.0, 2.0, 1.0, 1.0]);

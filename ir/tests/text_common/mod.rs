@@ -165,6 +165,23 @@ pub fn all_ops() -> Program {
         Op::SoftmaxCrossEntropy { axis: 2 },
         &[x, ids],
     );
+    p.add_state("adamw m", t(f, &[2, 4, 8]), None);
+    let (m, s0) = (
+        p.find_value("adamw m").unwrap(),
+        p.add_const("step", Tensor::scalar_f32(1e-3)),
+    );
+    p.add_node(
+        "adamw",
+        Op::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            decay: 0.99999,
+        },
+        vec![x, x, m, m, s0, s0],
+        vec!["adamw.w".into(), "adamw.m".into(), "adamw.v".into()],
+    )
+    .unwrap();
     one(
         &mut p,
         "xent.grad",

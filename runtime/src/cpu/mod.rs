@@ -16,6 +16,7 @@ pub mod math;
 pub mod matmul;
 pub mod movement;
 pub mod norm;
+pub mod optim;
 pub mod reduce;
 pub mod threads;
 
@@ -138,6 +139,15 @@ fn run(
         use index::topk;
         return by_dtype!(x.dtype(), topk(x, (*axis, *k, *largest), outs, ws));
     }
+    if let Op::AdamW {
+        beta1,
+        beta2,
+        eps,
+        decay,
+    } = op
+    {
+        return optim::adamw((*beta1, *beta2, *eps, *decay), ins, outs);
+    }
     let [out] = outs else {
         return Err(format!(
             "internal: {} outputs for a one-output op",
@@ -230,6 +240,7 @@ fn run(
         }
         Op::Split { .. }
         | Op::TopK { .. }
+        | Op::AdamW { .. }
         | Op::AllGather { .. }
         | Op::ReduceScatter { .. }
         | Op::AllReduce { .. }

@@ -2,7 +2,7 @@
 
 /// Common definitions (types, bf16/f16 conversions, the n-d walk, block reductions).
 pub const COMMON: &str = include_str!("kernels/common.cuh");
-/// Unary, Binary, Where, Cast, Fill.
+/// Unary, Binary, Where, Cast, Fill, the fused AdamW step.
 pub const ELEMENTWISE: &str = include_str!("kernels/elementwise.cu");
 /// Softmax, softmax cross-entropy, LayerNorm/RmsNorm, Reduce, ArgMax, CumSum.
 pub const REDUCE: &str = include_str!("kernels/reduce.cu");
@@ -68,5 +68,6 @@ pub fn kernel_names() -> Vec<String> {
             v.push(format!("cast_{s}_{d}"));
         }
     }
+    v.push("adamw_f32".into());
     v
 }

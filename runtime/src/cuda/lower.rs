@@ -622,6 +622,26 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 ));
             }
         }
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            decay,
+        } => {
+            if n > 0 {
+                let mut args = vec![
+                    Arg::I64(n as i64),
+                    Arg::F32((1.0 - beta1) as f32),
+                    Arg::F32(*beta2 as f32),
+                    Arg::F32((1.0 - beta2) as f32),
+                    Arg::F32(*eps as f32),
+                    Arg::F32(*decay as f32),
+                ];
+                args.extend(c.ins.iter().map(|(off, _)| Arg::Ptr(*off)));
+                args.extend(c.outs.iter().map(|(off, _)| Arg::Ptr(*off)));
+                w.push(elementwise("adamw_f32".into(), n, args));
+            }
+        }
         Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } => {
             let (o, d, i) = around(&xt.shape, *axis);
             let grad = matches!(op, Op::SoftmaxCrossEntropyGrad { .. });

@@ -307,9 +307,15 @@ impl Executor {
                 && outs.len() == 1
                 && ins[0].0.off == outs[0].0.off
                 && ins[0].0.bytes == outs[0].0.bytes;
-            for (o, _) in &outs {
-                for (i, _) in &ins {
+            // An op may write a result exactly over an input it declares (an optimizer
+            // update in place, see `Op::in_place_pairs`); any other overlap is refused.
+            let pairs = n.op.in_place_pairs();
+            for (oi, (o, _)) in outs.iter().enumerate() {
+                for (ii, (i, _)) in ins.iter().enumerate() {
+                    let declared =
+                        pairs.contains(&(ii, oi)) && i.off == o.off && i.bytes == o.bytes;
                     if !in_place_move
+                        && !declared
                         && o.bytes > 0
                         && i.bytes > 0
                         && o.off < i.off + i.bytes
@@ -908,6 +914,7 @@ impl<'a> ThreadCtx<'a> {
                     )
                 }
             }
+            _ if !op.in_place_pairs().is_empty() => self.exec_in_place(op, node, arena),
             _ => {
                 scratch.ins.clear();
                 scratch.outs.clear();
@@ -934,6 +941,61 @@ impl<'a> ThreadCtx<'a> {
                 scratch.outs.clear();
                 r
             }
+        }
+    }
+}
+
+impl ThreadCtx<'_> {
+    /// Runs an op whose results may lie exactly in the bytes of inputs they replace
+    /// (`Op::in_place_pairs`) through its raw-pointer kernel: no slice of an input is ever
+    /// alive while the result over it is written.
+    fn exec_in_place(&self, op: &Op, node: &NodeRt, arena: &Arena) -> Result<(), String> {
+        match op {
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                decay,
+            } => {
+                let (ins, outs) = (&node.ins, &node.outs);
+                if ins.len() != 6 || outs.len() != 3 {
+                    return Err("internal: AdamW with a wrong arity".into());
+                }
+                let n = ins[0].1.numel();
+                let scalar = |k: usize| -> Result<f32, String> {
+                    let (l, ty) = &ins[k];
+                    // SAFETY: a 4-byte scalar input, not written while this node runs.
+                    let b = unsafe { arena.bytes(l.off, l.bytes) };
+                    match scalar_f64(ty.dtype, b) {
+                        Some(x) => Ok(x as f32),
+                        None => Err("AdamW: a scalar input is not one f32".into()),
+                    }
+                };
+                let c = crate::cpu::optim::AdamWStep::new(
+                    (*beta1, *beta2, *eps, *decay),
+                    scalar(4)?,
+                    scalar(5)?,
+                );
+                let p = |l: &Loc| arena.ptr(l.off) as *mut f32;
+                // SAFETY: `new` checked that each result overlaps no input except exactly
+                // the one it replaces; the plan keeps all seven buffers to this node while
+                // it runs; every buffer holds n f32 (the type rule).
+                unsafe {
+                    crate::cpu::optim::adamw_raw(
+                        n,
+                        &c,
+                        p(&ins[0].0),
+                        p(&ins[1].0),
+                        p(&ins[2].0),
+                        p(&ins[3].0),
+                        p(&outs[0].0),
+                        p(&outs[1].0),
+                        p(&outs[2].0),
+                    )
+                };
+                Ok(())
+            }
+            other => Err(format!("internal: no in-place kernel for {}", other.name())),
         }
     }
 }

@@ -255,6 +255,25 @@ __device__ void fill_k(i64 n, T v, T* y) {
     GRID_LOOP(i, n) { y[i] = v; }
 }
 
+// ---- the fused AdamW step (Op::AdamW), f32; each result may be its input's buffer (every
+// thread reads its element's inputs before it stores that element's results)
+
+extern "C" __global__ void adamw_f32(i64 n, float one_m_b1, float b2, float one_m_b2, float eps,
+                                     float decay, const float* w, const float* g, const float* m,
+                                     const float* v, const float* step_size,
+                                     const float* bias2_sqrt, float* w2, float* m2, float* v2) {
+    float lr = *step_size, bc = *bias2_sqrt;
+    GRID_LOOP(i, n) {
+        float wi = w[i], gi = g[i], mi = m[i], vi = v[i];
+        float mn = mi + (gi - mi) * one_m_b1;
+        float vn = vi * b2 + gi * gi * one_m_b2;
+        float den = sqrtf(vn) / bc + eps;
+        w2[i] = wi * decay - mn / den * lr;
+        m2[i] = mn;
+        v2[i] = vn;
+    }
+}
+
 // ---- instantiations (extern "C" names: <kernel>_<dtype>)
 
 #define FLOAT_TYPES(X) X(f32, float) X(bf16, bf16) X(f16, f16)
