@@ -22,6 +22,18 @@ pub fn differentiate(
     loss: ValueId,
     wrt: &[ValueId],
 ) -> Result<Vec<ValueId>, AutodiffError> {
+    differentiate_scaled(p, loss, wrt, 1.0)
+}
+
+/// [`differentiate`] of `scale * loss`: the backward starts from `scale` instead of 1, so
+/// every gradient comes out multiplied by it (gradients are linear in the seed; a power of
+/// two scales every intermediate value exactly).
+pub fn differentiate_scaled(
+    p: &mut Program,
+    loss: ValueId,
+    wrt: &[ValueId],
+    scale: f64,
+) -> Result<Vec<ValueId>, AutodiffError> {
     let lt = p.ty(loss).clone();
     if !lt.dtype.is_float() || lt.numel() != 1 {
         return Err(AutodiffError(format!(
@@ -62,7 +74,7 @@ pub fn differentiate(
     let mut e = Emitter::new(p);
     let mut grads: HashMap<ValueId, ValueId> = HashMap::new();
     e.scope = "loss/seed".into();
-    let one = e.scalar(1.0, lt.dtype);
+    let one = e.scalar(scale, lt.dtype);
     let seed = if lt.shape.is_empty() {
         one
     } else {

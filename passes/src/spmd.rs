@@ -517,7 +517,8 @@ pub fn shard_training_step_rewritten(
 
     let fwd_lp = train::lower_precision(fwd, compute)?;
     let with_loss = train::attach_loss(&fwd_lp, &cfg.loss)?;
-    let micro = train::gradient_program(&fwd_lp, &cfg.loss)?;
+    // gradients of loss / (W * M): their sum over ranks and micro-batches is the mean
+    let micro = train::gradient_program_scaled(&fwd_lp, &cfg.loss, 1.0 / (w * m) as f64)?;
     let an = Analysis::new(&micro, &with_loss, sched)?;
 
     let mut q = Program::new(format!("{}.rank", fwd.name));
@@ -733,10 +734,7 @@ pub fn shard_training_step_rewritten(
         if e.ty(v).dtype != DType::F32 {
             v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
         }
-        if w * m > 1 {
-            let s = e.scalar(1.0 / (w * m) as f64, DType::F32);
-            v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
-        }
+        // (already the mean: the backward was seeded with 1 / (W * M))
         Ok(v)
     };
     let mut final_g: Vec<Option<ValueId>> = vec![None; n_params];

@@ -7,7 +7,7 @@
 //! parameters, optimizer moments and the step counter as states, the loss as its first
 //! output, and one [`Update`] per parameter and state.
 
-use crate::autodiff::differentiate;
+use crate::autodiff::differentiate_scaled;
 use crate::emit::Emitter;
 use hzp_ir::{
     BinaryOp, DType, Op, Precision, Program, ReduceOp, TensorType, UnaryOp, Update, ValueDef,
@@ -347,10 +347,22 @@ fn cross_entropy(e: &mut Emitter, logits: ValueId, labels: ValueId) -> Result<Va
 /// Forward + loss + backward for one micro-batch: outputs `[loss, grad of each parameter]`
 /// in parameter order. This is what `hzp grad` runs.
 pub fn gradient_program(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError> {
+    gradient_program_scaled(fwd, kind, 1.0)
+}
+
+/// [`gradient_program`] whose gradients are those of `scale * loss` (the loss output itself
+/// is not scaled): a sharded step seeds its backward with `1 / (ranks * micro-batches)` so
+/// that the reduced gradients are the global mean without a multiply per parameter.
+pub fn gradient_program_scaled(
+    fwd: &Program,
+    kind: &LossKind,
+    scale: f64,
+) -> Result<Program, TrainError> {
     let mut p = attach_loss(fwd, kind)?;
     let loss = p.outputs[0];
     let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
-    let grads = differentiate(&mut p, loss, &params).map_err(|e| terr(e.to_string()))?;
+    let grads =
+        differentiate_scaled(&mut p, loss, &params, scale).map_err(|e| terr(e.to_string()))?;
     let mut names = hzp_ir::NameSet::from_program(&p);
     for (&prm, &g) in params.iter().zip(&grads) {
         // Give each gradient a findable name: `grad/<parameter name>`. A gradient that is
