@@ -245,6 +245,9 @@ pub enum Op {
     Binary(BinaryOp),
     /// (cond: bool, x, y) -> x where cond else y.
     Where,
+    /// (x, dy) -> dy * d/dx GeluTanh(x), elementwise over two float tensors of one shape:
+    /// the gradient of the tanh-approximated GELU in one pass.
+    GeluTanhGrad,
     Cast {
         to: DType,
     },
@@ -573,6 +576,7 @@ impl Op {
         v.extend(BinaryOp::ALL.iter().map(|b| b.name()));
         v.extend([
             "Where",
+            "GeluTanhGrad",
             "Cast",
             "Identity",
             "MatMul",
@@ -621,6 +625,7 @@ impl Op {
             Op::Unary(u) => u.name(),
             Op::Binary(b) => b.name(),
             Op::Where => "Where",
+            Op::GeluTanhGrad => "GeluTanhGrad",
             Op::Cast { .. } => "Cast",
             Op::Identity => "Identity",
             Op::MatMul => "MatMul",
@@ -702,6 +707,7 @@ impl Op {
             Op::Unary(_)
             | Op::Binary(_)
             | Op::Where
+            | Op::GeluTanhGrad
             | Op::Identity
             | Op::MatMul
             | Op::Copy
@@ -844,6 +850,7 @@ impl Op {
         let op = match name {
             "Where" => Op::Where,
             "Identity" => Op::Identity,
+            "GeluTanhGrad" => Op::GeluTanhGrad,
             "MatMul" => Op::MatMul,
             "Copy" => Op::Copy,
             "Free" => Op::Free,
@@ -1149,6 +1156,16 @@ impl Op {
             Op::Free => {
                 check_arity(self, ins, 1, 1)?;
                 Ok(vec![])
+            }
+            Op::GeluTanhGrad => {
+                check_arity(self, ins, 2, 2)?;
+                let (x, dy) = (ins[0], ins[1]);
+                if !x.dtype.is_float() || x != dy {
+                    return Err(format!(
+                        "GeluTanhGrad needs two float tensors of one type, got {x} and {dy}"
+                    ));
+                }
+                one(x.clone())
             }
             Op::MatMul => {
                 check_arity(self, ins, 2, 2)?;

@@ -353,29 +353,8 @@ fn rule(
                     let d = bin(e, BinaryOp::Add, cdf, xp)?;
                     Some(mul(e, dy0, d)?)
                 }
-                UnaryOp::GeluTanh => {
-                    // y = 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3)
-                    let c = (2.0 / std::f64::consts::PI).sqrt();
-                    let x2 = mul(e, x, x)?;
-                    let x3 = mul(e, x2, x)?;
-                    let k = mulc(e, x3, 0.044715)?;
-                    let inner = bin(e, BinaryOp::Add, x, k)?;
-                    let u = mulc(e, inner, c)?;
-                    let t = un(e, UnaryOp::Tanh, u)?;
-                    let one = e.scalar(1.0, dt);
-                    let opt = bin(e, BinaryOp::Add, one, t)?;
-                    let left = mulc(e, opt, 0.5)?;
-                    let t2 = mul(e, t, t)?;
-                    let omt2 = sub(e, one, t2)?;
-                    let du = mulc(e, x2, 3.0 * 0.044715)?;
-                    let du = bin(e, BinaryOp::Add, du, one)?;
-                    let du = mulc(e, du, c)?;
-                    let right = mul(e, omt2, du)?;
-                    let right = mul(e, right, x)?;
-                    let right = mulc(e, right, 0.5)?;
-                    let d = bin(e, BinaryOp::Add, left, right)?;
-                    Some(mul(e, dy0, d)?)
-                }
+                // one fused pass: dy * d/dx [0.5 x (1 + tanh(c (x + 0.044715 x^3)))]
+                UnaryOp::GeluTanh => Some(e.op(Op::GeluTanhGrad, &[x, dy0])?),
                 UnaryOp::Silu => {
                     // s (1 + x (1 - s))
                     let s = un(e, UnaryOp::Sigmoid, x)?;

@@ -29,6 +29,7 @@
 //! | Softmax, LogSoftmax | T + 4 per element (max, subtract, exp, sum, scale) |
 //! | SoftmaxCrossEntropy | T + 3 per logit (max, subtract, exp, sum) |
 //! | SoftmaxCrossEntropyGrad | 2T + 5 per logit (the forward's sums again, then exp, scale, subtract) |
+//! | GeluTanhGrad | T + 14 per element |
 //! | AdamW | T + 13 per parameter element (the sqrt, and 13 multiplies, adds and divides) |
 //! | LayerNorm | 7 per element (6 without bias) + T + 3 per normalized row |
 //! | RmsNorm | 4 per element + T + 2 per normalized row |
@@ -157,6 +158,7 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         Op::SoftmaxCrossEntropy { .. } => (T + 3.0) * ins.first().map_or(0.0, |t| numel_f(t)),
         Op::SoftmaxCrossEntropyGrad { .. } => (2.0 * T + 5.0) * out_numel,
         Op::AdamW { .. } => (T + 13.0) * out_numel,
+        Op::GeluTanhGrad => (T + 14.0) * out_numel,
         Op::LayerNorm { axis, .. } => {
             let Some(x) = ins.first() else { return 0.0 };
             let (inner, outer) = rows(x, *axis);

@@ -7,6 +7,7 @@ pub mod emit;
 pub mod memory;
 pub mod rewrite;
 pub mod shard_plan;
+pub mod simplify;
 pub mod simulate;
 pub mod spmd;
 pub mod summary;

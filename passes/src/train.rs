@@ -359,6 +359,10 @@ pub fn gradient_program_scaled(
     scale: f64,
 ) -> Result<Program, TrainError> {
     let mut p = attach_loss(fwd, kind)?;
+    // one GeluTanh node per written-out GELU: one pass forward and one (GeluTanhGrad) back
+    if crate::simplify::fuse_gelu_tanh(&mut p) > 0 {
+        p.eliminate_dead_code();
+    }
     let loss = p.outputs[0];
     let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
     let grads =

@@ -33,6 +33,7 @@ fn digest() -> String {
     .into_iter()
     .map(|u| (Op::Unary(u), vec![&x]))
     .collect();
+    cases.push((Op::GeluTanhGrad, vec![&x, &x]));
     cases.push((Op::Softmax { axis: 1 }, vec![&clean]));
     cases.push((Op::LogSoftmax { axis: 1 }, vec![&clean]));
     cases.push((Op::Softmax { axis: 1 }, vec![&rows]));
@@ -92,7 +93,7 @@ fn every_simd_level_gives_the_same_bits() {
             .lines()
             .filter_map(|l| l.strip_prefix("DIGEST "))
             .collect();
-        assert_eq!(d.len(), 12, "no digests in the child's output: {text}");
+        assert_eq!(d.len(), 13, "no digests in the child's output: {text}");
         d.join("\n")
     };
     let widest = at(None);

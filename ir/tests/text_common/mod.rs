@@ -153,6 +153,7 @@ pub fn all_ops() -> Program {
         );
     }
     one(&mut p, "where", Op::Where, &[b, x, x]);
+    one(&mut p, "gelu.grad", Op::GeluTanhGrad, &[x, x]);
     one(&mut p, "cast", Op::Cast { to: DType::BF16 }, &[x]);
     one(&mut p, "identity", Op::Identity, &[x]);
     let mm = one(&mut p, "/h.0/attn/MatMul_output_0", Op::MatMul, &[x, w]);

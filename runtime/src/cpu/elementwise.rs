@@ -629,3 +629,33 @@ pub fn cast(t: &TensorRef, out: &mut DataMut) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `out = dy * gelu_tanh'(x)` (`Op::GeluTanhGrad`): f32 math, in parallel pieces.
+pub fn gelu_tanh_grad(
+    x: &TensorRef,
+    dy: &TensorRef,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let [xs, ds, os] = ws
+        .f32s
+        .take([stage_len(x.data), stage_len(dy.data), out_stage_len(out)]);
+    let (xv, dv) = (floats(x.data, xs), floats(dy.data, ds));
+    if xv.len() != dv.len() {
+        return Err("internal: GeluTanhGrad operands of different lengths".into());
+    }
+    store_f32(out, os, |o| {
+        let n = o.len().min(xv.len());
+        let po = SendPtr(o.as_mut_ptr());
+        for_each_range(n, PIECE, |a, b| {
+            // SAFETY: pieces are disjoint ranges of `o` (n elements); x and dy are separate
+            // buffers from the output.
+            unsafe {
+                math::zip_raw(&xv[a..b], &dv[a..b], po.get().add(a), |x, d| {
+                    d * math::gelu_tanh_grad(x)
+                })
+            }
+        });
+    });
+    Ok(())
+}

@@ -200,6 +200,18 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + tanh(C * (x + 0.044_715 * x * x * x)))
 }
 
+/// d/dx of [`gelu_tanh`]: 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+/// with t = tanh(sqrt(2/pi) (x + 0.044715 x^3)).
+#[inline(always)]
+pub fn gelu_tanh_grad(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    const A: f32 = 0.044_715;
+    let x2 = x * x;
+    let t = tanh(C * (x + A * x2 * x));
+    let du = C * (3.0 * A).mul_add(x2, 1.0);
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+}
+
 /// `out[i] = f(x[i])` for `i < x.len()`, [`vectorized`].
 ///
 /// # Safety

@@ -160,6 +160,7 @@ fn run(
         Op::Unary(u) => elementwise::unary(*u, x?, o, ws),
         Op::Binary(b) => elementwise::binary(*b, &ins[0], &ins[1], shape, o, ws),
         Op::Where => elementwise::where_(&ins[0], &ins[1], &ins[2], shape, o),
+        Op::GeluTanhGrad => elementwise::gelu_tanh_grad(&ins[0], &ins[1], o, ws),
         Op::Cast { .. } => elementwise::cast(x?, o),
         Op::Identity | Op::Copy | Op::Reshape { .. } => elem::copy_data(x?.data, o),
         Op::MatMul => matmul::matmul(&ins[0], &ins[1], o, ws),

@@ -91,6 +91,28 @@ fn sum_exp(row: &[f32], m: f32) -> f64 {
     total
 }
 
+/// Sum of (x - mean)^2 in f64 with eight independent accumulators (as [`sum_f64`]).
+#[inline(always)]
+fn sum_sq_f64(v: &[f32], mean: f32) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for k in 0..8 {
+            let d = (c[k] - mean) as f64;
+            acc[k] += d * d;
+        }
+    }
+    let tail: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|&x| {
+            let d = (x - mean) as f64;
+            d * d
+        })
+        .sum();
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
 /// Sum in f64 with eight independent accumulators (keeps the adds pipelined).
 #[inline(always)]
 pub fn sum_f64(v: &[f32]) -> f64 {
@@ -215,7 +237,12 @@ pub fn norm(
         }
         // rows in parallel pieces of about 64K elements
         let per = (1 << 16) / d + 1;
-        super::threads::for_each_chunk(v, per * d, |_, rows| norm_rows(rows, d, s, b, eps, rms));
+        super::threads::for_each_chunk(v, per * d, |_, rows| {
+            math::vectorized(
+                #[inline(always)]
+                || norm_rows(rows, d, s, b, eps, rms),
+            )
+        });
     });
     Ok(())
 }
@@ -237,6 +264,7 @@ fn param_row<'a>(
     row
 }
 
+#[inline(always)]
 fn norm_rows(v: &mut [f32], d: usize, s: &[f32], b: Option<&[f32]>, eps: f32, rms: bool) {
     for row in v.chunks_exact_mut(d) {
         let mean = if rms {
@@ -244,14 +272,7 @@ fn norm_rows(v: &mut [f32], d: usize, s: &[f32], b: Option<&[f32]>, eps: f32, rm
         } else {
             (sum_f64(row) / d as f64) as f32
         };
-        let var = row
-            .iter()
-            .map(|&x| {
-                let c = (x - mean) as f64;
-                c * c
-            })
-            .sum::<f64>()
-            / d as f64;
+        let var = sum_sq_f64(row, mean) / d as f64;
         let rstd = (1.0 / (var + eps as f64).sqrt()) as f32;
         match b {
             Some(b) => {

@@ -38,7 +38,16 @@ pub fn kernel_names() -> Vec<String> {
     };
     add(
         &[
-            "unary", "isnan", "binary", "compare", "softmax", "xent", "norm", "reduce", "argmax",
+            "unary",
+            "isnan",
+            "gelu_tanh_grad",
+            "binary",
+            "compare",
+            "softmax",
+            "xent",
+            "norm",
+            "reduce",
+            "argmax",
             "cumsum",
         ],
         &FLOATS,

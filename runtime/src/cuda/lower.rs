@@ -622,6 +622,16 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 ));
             }
         }
+        Op::GeluTanhGrad => {
+            let (dy, _) = c.ins[1];
+            if n > 0 {
+                w.push(elementwise(
+                    format!("gelu_tanh_grad_{}", dt(xt.dtype)),
+                    n,
+                    vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(dy), Arg::Ptr(y)],
+                ));
+            }
+        }
         Op::AdamW {
             beta1,
             beta2,

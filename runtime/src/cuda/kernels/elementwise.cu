@@ -255,6 +255,18 @@ __device__ void fill_k(i64 n, T v, T* y) {
     GRID_LOOP(i, n) { y[i] = v; }
 }
 
+// ---- the gradient of the tanh-approximated GELU: y = dy * gelu_tanh'(x)
+
+template <typename T>
+__device__ void gelu_tanh_grad_k(i64 n, const T* x, const T* dy, T* y) {
+    GRID_LOOP(i, n) {
+        float v = to_f(x[i]), v2 = v * v;
+        float t = tanhf(0.7978845608f * (v + 0.044715f * v2 * v));
+        float du = 0.7978845608f * (1.0f + 3.0f * 0.044715f * v2);
+        y[i] = from_f<T>(to_f(dy[i]) * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
+    }
+}
+
 // ---- the fused AdamW step (Op::AdamW), f32; each result may be its input's buffer (every
 // thread reads its element's inputs before it stores that element's results)
 
@@ -283,6 +295,7 @@ extern "C" __global__ void adamw_f32(i64 n, float one_m_b1, float b2, float one_
 #define UNARY_FLOAT(N, T) \
     extern "C" __global__ void unary_##N(int op, i64 n, const T* x, T* y) { unary_float<T>(op, n, x, y); } \
     extern "C" __global__ void isnan_##N(i64 n, const T* x, u8* y) { isnan_k<T>(n, x, y); } \
+    extern "C" __global__ void gelu_tanh_grad_##N(i64 n, const T* x, const T* dy, T* y) { gelu_tanh_grad_k<T>(n, x, dy, y); } \
     extern "C" __global__ void binary_##N(int op, i64 n, Nd d, const T* a, const T* b, T* y, int* err, int code) { binary_float<T>(op, n, d, a, b, y); } \
     extern "C" __global__ void compare_##N(int op, i64 n, Nd d, const T* a, const T* b, u8* y) { compare_float<T>(op, n, d, a, b, y); }
 FLOAT_TYPES(UNARY_FLOAT)
