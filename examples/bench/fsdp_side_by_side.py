@@ -25,7 +25,7 @@ A benchmark, not a test (PyTorch is needed only here). In one run it
 
 Usage, from the repository root, after `cargo build --release`:
 
-    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 10]
+    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 20]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def median_after(v, warmup):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/hzp-bench/side-by-side")
     ap.add_argument("--hzp", default=str(ROOT / "target/release/hzp"))
@@ -175,6 +175,8 @@ def main() -> int:
                  "--eps", str(ADAMW["eps"]), "--weight-decay", str(ADAMW["weight_decay"])],
                 env, f"hzp compile ({strategy}, {n} ranks)",
             )
+            # let the machine settle after the compile (freeing its memory) before timing
+            time.sleep(2)
             out = run(
                 [args.hzp, "run", str(plan), "--inputs", str(batch_path), "--steps", str(total),
                  "--format", "json"],
