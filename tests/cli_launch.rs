@@ -137,6 +137,7 @@ fn compiled_plans_lower_to_kernels_that_exist() {
         let text = std::fs::read_to_string(&out).unwrap();
         let plan = hzp_ir::Plan::from_json(&text, "plan.json").unwrap();
         let mut n_collectives = 0;
+        let (mut n_transposed, mut n_trans_gemms) = (0, 0);
         for rank in 0..plan.mesh.world_size() {
             let low = lower::lower_program(&plan, rank).unwrap_or_else(|e| panic!("{model}: {e}"));
             assert_eq!(low.nodes.len(), plan.program.nodes.len());
@@ -146,18 +147,20 @@ fn compiled_plans_lower_to_kernels_that_exist() {
                     .iter()
                     .all(|&v| plan.program.ty(v).numel() == 0);
                 let has_work = !nw.work.is_empty();
-                // a reshape stored in its input's bytes has nothing to copy
-                let in_place = matches!(node.op, hzp_ir::Op::Reshape { .. } | hzp_ir::Op::Identity)
-                    && plan
-                        .buffers
-                        .iter()
-                        .find(|b| b.value == node.inputs[0])
-                        .map(|b| b.offset)
-                        == plan
-                            .buffers
-                            .iter()
-                            .find(|b| b.value == node.outputs[0])
-                            .map(|b| b.offset);
+                // a reshape or transposed operand stored in its input's bytes has nothing
+                // to copy
+                let offset = |v: hzp_ir::ValueId| {
+                    plan.buffers.iter().find(|b| b.value == v).map(|b| b.offset)
+                };
+                let in_place = matches!(
+                    node.op,
+                    hzp_ir::Op::Reshape { .. }
+                        | hzp_ir::Op::Identity
+                        | hzp_ir::Op::Transpose { .. }
+                ) && offset(node.inputs[0]) == offset(node.outputs[0]);
+                if in_place && matches!(node.op, hzp_ir::Op::Transpose { .. }) {
+                    n_transposed += 1;
+                }
                 let silent = matches!(node.op, hzp_ir::Op::Free) || empty || in_place;
                 assert!(
                     has_work || silent,
@@ -175,6 +178,19 @@ fn compiled_plans_lower_to_kernels_that_exist() {
                                 l.kernel
                             );
                             assert!(l.grid >= 1 && l.block >= 1);
+                        }
+                        lower::Work::Gemm(g) => {
+                            // an operand stored transposed is read through cuBLAS's flag
+                            let stored_t = |k: usize| {
+                                let v = node.inputs[k];
+                                plan.program.producer(v).is_some_and(|t| {
+                                    let tn = plan.program.node(t);
+                                    matches!(tn.op, hzp_ir::Op::Transpose { .. })
+                                        && offset(tn.inputs[0]) == offset(v)
+                                })
+                            };
+                            assert_eq!((g.trans_a, g.trans_b), (stored_t(0), stored_t(1)));
+                            n_trans_gemms += (g.trans_a || g.trans_b) as usize;
                         }
                         lower::Work::Collective(c) => {
                             n_collectives += 1;
@@ -196,5 +212,7 @@ fn compiled_plans_lower_to_kernels_that_exist() {
             assert_eq!(keys, sorted);
         }
         assert!(n_collectives > 0, "{model}: a sharded plan has collectives");
+        // the backward's weight and input gradients read transposed operands in place
+        assert!(n_transposed > 0 && n_trans_gemms > 0, "{model}");
     }
 }

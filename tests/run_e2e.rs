@@ -329,6 +329,26 @@ fn async_sync_and_reference_runner_agree_bitwise() {
         ex.set_inputs(&batch).unwrap();
         let losses: Vec<f64> = ex.run(3).unwrap().iter().map(|s| s.loss.unwrap()).collect();
         assert_eq!(losses, ref_losses, "{comm:?}");
-        assert_eq!(ex.parameters(), want, "{comm:?}");
+        let got = ex.parameters();
+        assert_eq!(got.len(), want.len());
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            let (g, w) = (g.to_f64_vec(), w.to_f64_vec());
+            let differ = g
+                .iter()
+                .zip(&w)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            let worst = g
+                .iter()
+                .zip(&w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert_eq!(
+                differ,
+                0,
+                "{comm:?}: {name}: {differ} of {} elements differ, by up to {worst:e}",
+                g.len()
+            );
+        }
     }
 }

@@ -17,6 +17,7 @@ pub mod program;
 pub mod tensor;
 pub mod trace;
 pub mod verify;
+pub mod views;
 
 pub use dtype::{numel, DType, Shape, TensorType};
 pub use layout::ParamLayout;

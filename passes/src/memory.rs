@@ -277,12 +277,15 @@ pub(crate) fn lives(
     lives
 }
 
-/// The (input, result) pairs of the nodes whose result is its input's bytes unchanged: a
-/// `Reshape` or `Identity` of one result with the input's dtype and size, in node order.
+/// The (input, result) pairs of the nodes whose result is its input's bytes: a `Reshape` or
+/// `Identity` of one result with the input's dtype and size (the bytes unchanged), or a
+/// transposed operand (`hzp_ir::views::transposed_operands`: the bytes read column-major by
+/// the products that read it), in node order.
 fn view_pairs(p: &Program) -> impl Iterator<Item = (ValueId, ValueId)> + '_ {
     let nv = p.values.len();
-    p.nodes.iter().filter_map(move |n| {
-        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) {
+    let transposed = hzp_ir::views::transposed_operands(p);
+    p.nodes.iter().enumerate().filter_map(move |(i, n)| {
+        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) && !transposed[i] {
             return None;
         }
         let ([x, ..], [y]) = (n.inputs.as_slice(), n.outputs.as_slice()) else {

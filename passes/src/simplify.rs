@@ -131,6 +131,89 @@ pub fn fuse_gelu_tanh(p: &mut Program) -> usize {
     found.len()
 }
 
+/// `Transpose(MatMul(a, b))` over the last two axes, the product read by nothing else,
+/// becomes `MatMul(T(b), T(a))`, where `T(T(x))` is `x` and the other transposes are new
+/// nodes (`hzp_ir::views::transposed_operands`: read only by the product, they cost no copy
+/// in a plan). The gradient of a transposed weight (`x @ Transpose(w)`, a tied LM head) is
+/// such a product: computed this way it is one product and no transpose of the result.
+/// Only products of two rank >= 2 float operands qualify (rank-1 operands are promoted
+/// differently). The product's node is left for dead code elimination. Returns how many it
+/// rewrote.
+pub fn transpose_products(p: &mut Program) -> usize {
+    let users = p.users();
+    let mut pinned = vec![false; p.values.len()];
+    for &o in &p.outputs {
+        pinned[o.index()] = true;
+    }
+    for u in &p.updates {
+        pinned[u.target.index()] = true;
+        pinned[u.value.index()] = true;
+    }
+    let swap2 =
+        |op: &Op| matches!(op, Op::Transpose { perm } if hzp_ir::views::swaps_last_two(perm));
+    let mut hits: Vec<(usize, [ValueId; 2])> = Vec::new();
+    for (t, n) in p.nodes.iter().enumerate() {
+        let ([y], [_]) = (n.inputs.as_slice(), n.outputs.as_slice()) else {
+            continue;
+        };
+        if !swap2(&n.op) || pinned[y.index()] || users[y.index()].len() != 1 {
+            continue;
+        }
+        let Some((_, Op::MatMul, &[a, b])) = producer(p, *y) else {
+            continue;
+        };
+        let ok = [a, b]
+            .iter()
+            .all(|&v| p.ty(v).rank() >= 2 && p.ty(v).dtype.is_float());
+        if ok {
+            hits.push((t, [a, b]));
+        }
+    }
+    if hits.is_empty() {
+        return 0;
+    }
+    let mut names = hzp_ir::NameSet::from_program(p);
+    let mut before: Vec<Vec<hzp_ir::Node>> = vec![Vec::new(); p.nodes.len()];
+    for &(t, [a, b]) in &hits {
+        let mut operand = |p: &mut Program, x: ValueId| -> ValueId {
+            if let Some((_, op, &[src])) = producer(p, x) {
+                if swap2(op) {
+                    return src;
+                }
+            }
+            let r = p.ty(x).rank();
+            let mut perm: Vec<usize> = (0..r).collect();
+            perm.swap(r - 2, r - 1);
+            let name = names.fresh(&format!("{}.T", p.value(x).name));
+            let node_name = format!("{}/operand", p.nodes[t].name);
+            let v = p
+                .add_node(node_name, Op::Transpose { perm }, vec![x], vec![name])
+                .expect("a transpose of a rank >= 2 value")[0];
+            before[t].push(p.nodes.pop().expect("just added"));
+            v
+        };
+        let tb = operand(p, b);
+        let ta = operand(p, a);
+        let n = &mut p.nodes[t];
+        n.op = Op::MatMul;
+        n.inputs = vec![tb, ta];
+    }
+    let old = std::mem::take(&mut p.nodes);
+    for (i, n) in old.into_iter().enumerate() {
+        p.nodes.append(&mut before[i]);
+        p.nodes.push(n);
+    }
+    for (i, n) in p.nodes.iter().enumerate() {
+        for (slot, &o) in n.outputs.iter().enumerate() {
+            p.values[o.index()].def = ValueDef::Node {
+                node: hzp_ir::NodeId(i as u32),
+                slot: slot as u32,
+            };
+        }
+    }
+    hits.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +317,92 @@ mod tests {
         assert_eq!(fuse_gelu_tanh(&mut p), 1);
         p.eliminate_dead_code();
         assert!(p.nodes.iter().any(|n| n.op == Op::Unary(UnaryOp::Tanh)));
+    }
+
+    /// Evaluates with the runtime's CPU evaluator (a dev-dependency), inputs by name.
+    fn eval_rt(p: &Program, inputs: &[(&str, Tensor)]) -> Vec<Tensor> {
+        let ins: Vec<(String, Tensor)> = inputs
+            .iter()
+            .map(|(n, t)| (n.to_string(), t.clone()))
+            .collect();
+        hzp_runtime::eval::evaluate(p, &ins)
+            .unwrap()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    fn ramp(shape: &[usize], k: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        Tensor::f32(
+            shape.to_vec(),
+            (0..n).map(|i| ((i as f32 * k) % 7.0) - 3.0).collect(),
+        )
+    }
+
+    #[test]
+    fn transposed_products_become_products_of_transposes() {
+        // T(T(h) @ d): the tied-head gradient (one operand already a transpose);
+        // T(a @ b) with batch dims (two new operand transposes); T(u @ v) read twice (kept)
+        let src = r#"program "t"
+input %h : f32[6,4]
+input %d : f32[6,5]
+input %a : f32[2,3,4]
+input %b : f32[2,4,5]
+%ht = Transpose{perm=[1,0]}(%h) : f32[4,6] "ht"
+%g = MatMul(%ht, %d) : f32[4,5] "g"
+%gt = Transpose{perm=[1,0]}(%g) : f32[5,4] "gt"
+%ab = MatMul(%a, %b) : f32[2,3,5] "ab"
+%abt = Transpose{perm=[0,2,1]}(%ab) : f32[2,5,3] "abt"
+%abp = Transpose{perm=[2,1,0]}(%ab) : f32[5,3,2] "abp"
+output %gt
+output %abt
+output %abp
+"#;
+        let mut p = parse(src, "t.hzp", &|_| None).unwrap();
+        let ins = [
+            ("h", ramp(&[6, 4], 1.3)),
+            ("d", ramp(&[6, 5], 0.7)),
+            ("a", ramp(&[2, 3, 4], 0.9)),
+            ("b", ramp(&[2, 4, 5], 1.1)),
+        ];
+        let before = eval_rt(&p, &ins);
+        // `ab` is read twice: only `g` is rewritten
+        assert_eq!(transpose_products(&mut p), 1);
+        p.eliminate_dead_code();
+        hzp_ir::verify(&p).unwrap();
+        let text = hzp_ir::text::print(&p);
+        assert!(!text.contains("\"g\""), "{text}");
+        assert_eq!(before, eval_rt(&p, &ins));
+
+        let src2 = src
+            .replace(
+                "%abp = Transpose{perm=[2,1,0]}(%ab) : f32[5,3,2] \"abp\"\n",
+                "",
+            )
+            .replace("output %abp\n", "");
+        let mut p = parse(&src2, "t.hzp", &|_| None).unwrap();
+        let before = eval_rt(&p, &ins[..]);
+        assert_eq!(transpose_products(&mut p), 2);
+        p.eliminate_dead_code();
+        hzp_ir::verify(&p).unwrap();
+        // T(T(h)) is h; d, a and b get one transpose each; every transpose feeds a product
+        let transposes = p
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Transpose { .. }))
+            .count();
+        assert_eq!(transposes, 3, "{}", hzp_ir::text::print(&p));
+        assert!(hzp_ir::views::transposed_operands(&p)
+            .iter()
+            .zip(&p.nodes)
+            .all(|(&v, n)| v == matches!(n.op, Op::Transpose { .. })));
+        let after = eval_rt(&p, &ins[..]);
+        for (x, y) in after.iter().zip(&before) {
+            let (x, y) = (x.to_f64_vec(), y.to_f64_vec());
+            for (u, v) in x.iter().zip(&y) {
+                assert!((u - v).abs() <= 1e-5 * v.abs().max(1.0), "{u} vs {v}");
+            }
+        }
     }
 }

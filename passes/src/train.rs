@@ -377,6 +377,8 @@ pub fn gradient_program_scaled(
         }
     }
     p.outputs = std::iter::once(loss).chain(grads).collect();
+    // a transposed weight's gradient as one product, without transposing the result
+    crate::simplify::transpose_products(&mut p);
     p.eliminate_dead_code();
     Ok(p)
 }

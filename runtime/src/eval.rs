@@ -351,7 +351,7 @@ fn evaluate_here(
                 ));
             };
             let (out, shape) = if swapped.is_some() {
-                let (at, bt) = (views::swap_last2(a), views::swap_last2(b));
+                let (at, bt) = (a.swap_last2(), b.swap_last2());
                 crate::cpu::matmul::matmul_views(&bt, &at).map_err(node_err)?
             } else {
                 crate::cpu::matmul::matmul_views(a, b).map_err(node_err)?
@@ -648,23 +648,6 @@ mod views {
         }
     }
 
-    /// Whether `perm` swaps the last two axes and keeps the others.
-    fn swaps_last2(perm: &[usize]) -> bool {
-        let r = perm.len();
-        r >= 2
-            && perm[r - 2] == r - 1
-            && perm[r - 1] == r - 2
-            && perm[..r - 2].iter().enumerate().all(|(i, &q)| i == q)
-    }
-
-    /// `v` with its last two axes swapped (rank >= 2).
-    pub fn swap_last2<'a>(v: &MatView<'a>) -> MatView<'a> {
-        let r = v.shape.len();
-        let mut perm: Vec<usize> = (0..r).collect();
-        perm.swap(r - 2, r - 1);
-        v.permuted(&perm)
-    }
-
     /// Transposes (not views) of the last two axes whose input is an f32 MatMul of rank >= 2
     /// operands read by nothing else: (transpose node, MatMul node) pairs. The MatMul is
     /// not run; the transpose computes it with swapped, transposed operands.
@@ -688,7 +671,7 @@ mod views {
             let Op::Transpose { perm } = &n.op else {
                 continue;
             };
-            if !candidate(p, n) || is_view_node(n, views) || !swaps_last2(perm) {
+            if !candidate(p, n) || is_view_node(n, views) || !hzp_ir::views::swaps_last_two(perm) {
                 continue;
             }
             let x = n.inputs[0];

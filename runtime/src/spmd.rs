@@ -5,8 +5,9 @@
 //! (sharded on N ranks == unsharded on one), not the fast executor.
 
 use crate::cpu::eval_op;
+use crate::cpu::matmul::{matmul_views, MatView};
 use crate::eval::EvalError;
-use hzp_ir::{BinaryOp, Mesh, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId};
+use hzp_ir::{BinaryOp, Data, Mesh, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId};
 
 fn malformed(s: impl Into<String>) -> EvalError {
     EvalError::Malformed(s.into())
@@ -161,6 +162,15 @@ impl SpmdRunner {
                 rv[c.value.index()] = Some(c.data.clone());
             }
         }
+        // A MatMul reads a transposed operand (`hzp_ir::views::transposed_operands`) through a
+        // strided view of the transpose's input, as the executor does (the product's bits
+        // can depend on its operands' layout).
+        let transposed = hzp_ir::views::transposed_operands(p);
+        let stored_transposed = |v: ValueId| {
+            p.producer(v)
+                .filter(|t| transposed[t.index()])
+                .map(|t| p.nodes[t.index()].inputs[0])
+        };
         for n in &p.nodes {
             let node_err = |m: String| EvalError::Node {
                 node: n.name.clone(),
@@ -194,11 +204,28 @@ impl SpmdRunner {
             } else {
                 (0..w)
                     .map(|r| {
-                        let ins: Vec<&Tensor> = n
-                            .inputs
-                            .iter()
-                            .map(|v| vals[r][v.index()].as_ref().expect("computed"))
-                            .collect();
+                        let get = |v: ValueId| vals[r][v.index()].as_ref().expect("computed");
+                        let stored: Vec<Option<ValueId>> = match n.op {
+                            Op::MatMul => n.inputs.iter().map(|&v| stored_transposed(v)).collect(),
+                            _ => vec![],
+                        };
+                        if stored.iter().any(Option::is_some) {
+                            let view = |k: usize| -> Result<MatView, String> {
+                                let (t, transposed) = match stored[k] {
+                                    Some(x) => (get(x), true),
+                                    None => (get(n.inputs[k]), false),
+                                };
+                                let Data::F32(d) = &t.data else {
+                                    return Err("a transposed operand of another dtype".into());
+                                };
+                                let v = MatView::contiguous(d, &t.shape);
+                                Ok(if transposed { v.swap_last2() } else { v })
+                            };
+                            let (a, b) = (view(0).map_err(node_err)?, view(1).map_err(node_err)?);
+                            let (data, shape) = matmul_views(&a, &b).map_err(node_err)?;
+                            return Ok(vec![Tensor::f32(shape, data)]);
+                        }
+                        let ins: Vec<&Tensor> = n.inputs.iter().map(|&v| get(v)).collect();
                         eval_op(&n.op, &ins).map_err(node_err)
                     })
                     .collect::<Result<_, _>>()?

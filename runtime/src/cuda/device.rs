@@ -711,7 +711,7 @@ impl CudaExecutor {
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<(), String> {
-        use blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let ty = match g.dtype {
             DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
             DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
@@ -719,23 +719,35 @@ impl CudaExecutor {
             d => return Err(format!("MatMul of {d}")),
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
+        // row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T. Row-major B
+        // [k,n] is column-major B^T (ld n); stored transposed ([n,k]) it is column-major B
+        // (ld k), so cuBLAS transposes it. Likewise A: A^T (ld k), or stored [k,m]: A (ld m).
+        let (op_b, ldb) = if g.trans_b {
+            (CUBLAS_OP_T, g.k)
+        } else {
+            (CUBLAS_OP_N, g.n)
+        };
+        let (op_a, lda) = if g.trans_a {
+            (CUBLAS_OP_T, g.m)
+        } else {
+            (CUBLAS_OP_N, g.k)
+        };
         for &(a, b, c) in &g.calls {
-            // row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T
             blas::gemm_strided_batched_ex(
                 self.blas.0 .0,
-                CUBLAS_OP_N,
-                CUBLAS_OP_N,
+                op_b,
+                op_a,
                 g.n as i32,
                 g.m as i32,
                 g.k as i32,
                 &alpha as *const f32 as *const c_void,
                 (self.h.base + b) as *const c_void,
                 ty,
-                g.n as i32,
+                ldb as i32,
                 g.stride_b,
                 (self.h.base + a) as *const c_void,
                 ty,
-                g.k as i32,
+                lda as i32,
                 g.stride_a,
                 &beta as *const f32 as *const c_void,
                 (self.h.base + c) as *mut c_void,

@@ -90,6 +90,11 @@ pub struct Gemm {
     pub stride_a: i64,
     pub stride_b: i64,
     pub stride_c: i64,
+    /// Whether `a` (`b`) is stored transposed: as `[.., k, m]` (`[.., n, k]`) row-major, a
+    /// transposed operand the plan keeps in its input's bytes
+    /// (`hzp_ir::views::transposed_operands`), read through cuBLAS's transpose flag.
+    pub trans_a: bool,
+    pub trans_b: bool,
     /// (a, b, c) byte offsets of each strided-batched call.
     pub calls: Vec<(u64, u64, u64)>,
 }
@@ -341,6 +346,13 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
     // communicators in first-use order here; renumbered in sorted order below
     let mut comm_list: Vec<CommKey> = Vec::new();
     let mut nodes = Vec::with_capacity(p.nodes.len());
+    // transposed operands in their input's bytes: nothing to run, read transposed
+    let mut stored_transposed = vec![false; p.values.len()];
+    for (n, t) in p.nodes.iter().zip(hzp_ir::views::transposed_operands(p)) {
+        if let (true, [x], [y]) = (t, n.inputs.as_slice(), n.outputs.as_slice()) {
+            stored_transposed[y.index()] = loc[y.index()].0 == loc[x.index()].0;
+        }
+    }
     for (ni, n) in p.nodes.iter().enumerate() {
         let ins: Vec<(u64, &TensorType)> = n
             .inputs
@@ -353,12 +365,22 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
             .map(|&v| (loc[v.index()].0, p.ty(v)))
             .collect();
         let stream = stream_idx(n.stream);
+        let trans = |k: usize| {
+            matches!(n.op, Op::MatMul)
+                && n.inputs
+                    .get(k)
+                    .is_some_and(|v| stored_transposed[v.index()])
+        };
         let ctx = NodeCtx {
             code: (ni + 1) as i32,
             ins,
             outs,
+            trans: [trans(0), trans(1)],
         };
         let work = match &n.op {
+            Op::Transpose { .. } if n.outputs.iter().any(|y| stored_transposed[y.index()]) => {
+                Vec::new()
+            }
             Op::RecordEvent { event } => vec![Work::Record(events[event])],
             Op::WaitEvent { event } => match events.get(event) {
                 Some(&e) => vec![Work::Wait(e)],
@@ -457,6 +479,8 @@ struct NodeCtx<'a> {
     code: i32,
     ins: Vec<(u64, &'a TensorType)>,
     outs: Vec<(u64, &'a TensorType)>,
+    /// MatMul operands stored transposed (see [`Gemm::trans_a`]).
+    trans: [bool; 2],
 }
 
 fn check_rank(shape: &[usize]) -> Result<(), String> {
@@ -1141,6 +1165,8 @@ fn lower_matmul(c: &NodeCtx) -> Result<Gemm, String> {
         stride_a: sa_in,
         stride_b: sb_in,
         stride_c: sc_in,
+        trans_a: c.trans[0],
+        trans_b: c.trans[1],
         calls,
     })
 }

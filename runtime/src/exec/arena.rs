@@ -67,6 +67,23 @@ impl Arena {
         std::slice::from_raw_parts(self.ptr(offset), len)
     }
 
+    /// The `len` bytes at `offset` as f32 elements.
+    ///
+    /// # Safety
+    /// As [`Arena::bytes`]; `offset` is a multiple of 4 and the bytes hold f32 data.
+    pub unsafe fn f32s(&self, offset: usize, len: usize) -> &[f32] {
+        std::slice::from_raw_parts(self.ptr(offset) as *const f32, len / 4)
+    }
+
+    /// The `len` bytes at `offset` as writable f32 elements.
+    ///
+    /// # Safety
+    /// As [`Arena::bytes_mut`]; `offset` is a multiple of 4.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn f32s_mut(&self, offset: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.ptr(offset) as *mut f32, len / 4)
+    }
+
     /// # Safety
     /// `offset..offset + len` is in bounds and nobody else accesses it while the slice lives.
     #[allow(clippy::mut_from_ref)]

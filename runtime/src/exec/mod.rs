@@ -23,6 +23,7 @@ pub mod arena;
 pub mod sync;
 
 use crate::comm::{Communicator, LinkModel};
+use crate::cpu::matmul::{matmul_views_into, MatView};
 use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
 use arena::{data_bytes, data_mut, data_ref, scalar_f64, tensor_from_bytes, write_tensor, Arena};
 use hzp_ir::{
@@ -138,7 +139,12 @@ struct Loc {
 
 enum Kind {
     Compute,
-    /// Identity / Copy / Reshape: the bytes unchanged.
+    /// A MatMul of f32 operands, each read as stored (`None`) or, for a transposed operand
+    /// the plan keeps in its input's bytes, through a view of the stored shape (`Some`) with
+    /// the last two axes swapped.
+    MatMul([Option<Vec<usize>>; 2]),
+    /// Identity / Copy / Reshape (the bytes unchanged), or a transposed operand in its
+    /// input's bytes (`hzp_ir::views::transposed_operands`; nothing to run).
     Move,
     Nop,
     Record(usize),
@@ -273,6 +279,15 @@ impl Executor {
         }
         let mut nodes = Vec::with_capacity(p.nodes.len());
         let ty = |v: ValueId| p.ty(v).clone();
+        // Transposed operands in their input's bytes: the stored (input) shape of each.
+        let mut stored_as: Vec<Option<Vec<usize>>> = vec![None; p.values.len()];
+        for (n, t) in p.nodes.iter().zip(hzp_ir::views::transposed_operands(p)) {
+            if let (true, [x], [y]) = (t, n.inputs.as_slice(), n.outputs.as_slice()) {
+                if loc[y.index()].off == loc[x.index()].off {
+                    stored_as[y.index()] = Some(p.ty(*x).shape.clone());
+                }
+            }
+        }
         for (ni, n) in p.nodes.iter().enumerate() {
             let kind = match &n.op {
                 Op::RecordEvent { event } => Kind::Record(event_idx[event].0),
@@ -293,6 +308,11 @@ impl Executor {
                 },
                 Op::Free => Kind::Nop,
                 Op::Identity | Op::Copy | Op::Reshape { .. } => Kind::Move,
+                Op::Transpose { .. } if stored_as[n.outputs[0].index()].is_some() => Kind::Move,
+                Op::MatMul if n.inputs.iter().any(|v| stored_as[v.index()].is_some()) => {
+                    let view = |k: usize| stored_as[n.inputs[k].index()].clone();
+                    Kind::MatMul([view(0), view(1)])
+                }
                 op if op.is_collective() => Kind::Collective,
                 _ => Kind::Compute,
             };
@@ -913,6 +933,26 @@ impl<'a> ThreadCtx<'a> {
                         self.abort,
                     )
                 }
+            }
+            Kind::MatMul(ref stored) => {
+                let ([(la, ta), (lb, tb)], [(lc, _)]) = (&node.ins[..], &node.outs[..]) else {
+                    return Err("internal: a MatMul takes two inputs and one result".into());
+                };
+                // SAFETY: inputs are not written while this node runs, the result's bytes
+                // are this node's alone (see the generic case below); offsets are 8-aligned
+                // f32 data.
+                let (a, b, c) = unsafe {
+                    (
+                        arena.f32s(la.off, la.bytes),
+                        arena.f32s(lb.off, lb.bytes),
+                        arena.f32s_mut(lc.off, lc.bytes),
+                    )
+                };
+                let view = |data, ty: &TensorType, stored: &Option<Vec<usize>>| match stored {
+                    Some(s) => MatView::contiguous(data, s).swap_last2(),
+                    None => MatView::contiguous(data, &ty.shape),
+                };
+                matmul_views_into(&view(a, ta, &stored[0]), &view(b, tb, &stored[1]), c)
             }
             _ if !op.in_place_pairs().is_empty() => self.exec_in_place(op, node, arena),
             _ => {
