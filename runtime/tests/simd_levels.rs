@@ -19,6 +19,7 @@ fn digest() -> String {
     let x = Tensor::f32(vec![n], v.clone());
     let rows = Tensor::f32(vec![1, n], v[..n].to_vec());
     let clean = Tensor::f32(vec![1, n - 6], v[6..].to_vec());
+    let clean_n = Tensor::f32(vec![n], v.iter().map(|x| x * 0.5 + 0.25).collect());
     let label = Tensor::i64(vec![1], vec![17]);
     let dy = Tensor::f32(vec![1], vec![0.75]);
     let mut cases: Vec<(Op, Vec<&Tensor>)> = [
@@ -41,6 +42,24 @@ fn digest() -> String {
     cases.push((
         Op::SoftmaxCrossEntropyGrad { axis: 1 },
         vec![&clean, &label, &dy],
+    ));
+    // AdamW: parameters, gradients (with the special values), positive second moments
+    let (m1, v2) = (
+        Tensor::f32(vec![n], v.iter().map(|x| x * 0.01).collect()),
+        Tensor::f32(vec![n], (0..n).map(|i| (i % 97) as f32 * 1e-4).collect()),
+    );
+    let (lr, b2) = (
+        Tensor::f32(vec![], vec![1e-3]),
+        Tensor::f32(vec![], vec![0.03]),
+    );
+    cases.push((
+        Op::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            decay: 0.99999,
+        },
+        vec![&clean_n, &x, &m1, &v2, &lr, &b2],
     ));
     let mut out = String::new();
     for (op, ins) in cases {
@@ -93,7 +112,7 @@ fn every_simd_level_gives_the_same_bits() {
             .lines()
             .filter_map(|l| l.strip_prefix("DIGEST "))
             .collect();
-        assert_eq!(d.len(), 13, "no digests in the child's output: {text}");
+        assert_eq!(d.len(), 14, "no digests in the child's output: {text}");
         d.join("\n")
     };
     let widest = at(None);

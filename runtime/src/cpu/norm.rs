@@ -91,6 +91,35 @@ fn sum_exp(row: &[f32], m: f32) -> f64 {
     total
 }
 
+/// [`sum_exp`] that also stores each exp(x - m) in `out` (same operations, same sum).
+#[inline(always)]
+fn sum_exp_store(row: &[f32], m: f32, out: &mut [f32]) -> f64 {
+    let mut total = 0f64;
+    for (piece, o) in row.chunks(256).zip(out.chunks_mut(256)) {
+        let mut acc = [0f32; 16];
+        let mut chunks = piece.chunks_exact(16);
+        let mut outs = o.chunks_exact_mut(16);
+        for (c, oc) in (&mut chunks).zip(&mut outs) {
+            for k in 0..16 {
+                let e = math::exp(c[k] - m);
+                oc[k] = e;
+                acc[k] += e;
+            }
+        }
+        let mut s = 0f64;
+        for (&x, o) in chunks.remainder().iter().zip(outs.into_remainder()) {
+            let e = math::exp(x - m);
+            *o = e;
+            s += e as f64;
+        }
+        for a in acc {
+            s += a as f64;
+        }
+        total += s;
+    }
+    total
+}
+
 /// Sum of (x - mean)^2 in f64 with eight independent accumulators (as [`sum_f64`]).
 #[inline(always)]
 fn sum_sq_f64(v: &[f32], mean: f32) -> f64 {
@@ -311,16 +340,17 @@ fn label_at(labels: &TensorRef, k: usize, dim: usize) -> Result<usize, String> {
 fn ce_body(x: &[f32], labels: &[usize], grad: Option<&[f32]>, dim: usize, out: &mut [f32]) {
     for (r, row) in x.chunks_exact(dim).enumerate() {
         let m = row_max(row);
-        let s = sum_exp(row, m);
         let l = labels[r];
         match grad {
-            None => out[r] = (m as f64 + s.ln() - row[l] as f64) as f32,
+            None => out[r] = (m as f64 + sum_exp(row, m).ln() - row[l] as f64) as f32,
             Some(g) => {
+                // exp(x - m) once: stored, summed, then scaled in place
+                let o = &mut out[r * dim..(r + 1) * dim];
+                let s = sum_exp_store(row, m, o);
                 let g = g[r];
                 let scale = (g as f64 / s) as f32;
-                let o = &mut out[r * dim..(r + 1) * dim];
-                for (o, &x) in o.iter_mut().zip(row) {
-                    *o = math::exp(x - m) * scale;
+                for o in o.iter_mut() {
+                    *o *= scale;
                 }
                 o[l] -= g;
             }
