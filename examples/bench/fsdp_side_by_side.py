@@ -19,13 +19,18 @@ A benchmark, not a test (PyTorch is needed only here). In one run it
    ranks, so every step equals one step on the global batch, as hzp's does. AdamW lr 1e-3,
    betas 0.9/0.999, eps 1e-8, weight decay 0.01 on both sides. Step time: from a barrier
    before the step to a barrier after it, on rank 0;
-4. prints the median step time (after --warmup steps) of each, the ratios hzp / FSDP2 and
-   hzp / DDP (target: hzp at half of FSDP2's step time or less), and checks that hzp's loss
-   curve equals FSDP2's within 1e-4 relative at every step (the script fails otherwise).
+4. repeats the timed runs --rounds times (default 3), every framework once per round, back
+   to back, because a shared machine's speed drifts over minutes: a ratio is only taken
+   between runs of one round;
+5. prints each framework's median step time (after --warmup steps; the median over rounds),
+   the ratios hzp / FSDP2 and hzp / DDP (the median over rounds of the ratio within a round,
+   and each round's ratio; target: hzp at half of FSDP2's step time or less), and checks that
+   hzp's loss curve equals FSDP2's within 1e-4 relative at every step (the script fails
+   otherwise).
 
 Usage, from the repository root, after `cargo build --release`:
 
-    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 20]
+    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -147,6 +152,8 @@ def main() -> int:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times every framework runs, back to back per round")
     ap.add_argument("--workdir", default="/tmp/hzp-bench/side-by-side")
     ap.add_argument("--hzp", default=str(ROOT / "target/release/hzp"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -162,9 +169,11 @@ def main() -> int:
     model_path, batch_path, state_path = prepare(work)
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
     total = args.warmup + args.steps
-    results = {}  # (framework, N) -> (losses, median seconds)
+    results = {}  # (framework, N) -> (losses, [median seconds of each round])
 
     env = dict(os.environ, HZP_NUM_THREADS="1")
+    keys = ("hzp asynchzp", "hzp zero3", "torch fsdp2", "torch ddp")
+    plans = {}
     for n in ranks:
         for strategy in ("asynchzp", "zero3"):
             plan = work / f"plan_{strategy}_{n}.json"
@@ -175,42 +184,60 @@ def main() -> int:
                  "--eps", str(ADAMW["eps"]), "--weight-decay", str(ADAMW["weight_decay"])],
                 env, f"hzp compile ({strategy}, {n} ranks)",
             )
-            # let the machine settle after the compile (freeing its memory) before timing
-            time.sleep(2)
-            out = run(
-                [args.hzp, "run", str(plan), "--inputs", str(batch_path), "--steps", str(total),
-                 "--format", "json"],
-                env, f"hzp run ({strategy}, {n} ranks)",
-            )
-            r = json.loads(out)
-            results[(f"hzp {strategy}", n)] = (r["losses"], median_after(r["step_seconds"], args.warmup))
-        for mode in ("fsdp2", "ddp"):
-            out = work / f"torch_{mode}_{n}.json"
-            run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={n}", __file__, "--worker", "--mode", mode,
-                 "--state", str(state_path), "--out", str(out), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup)],
-                dict(os.environ, OMP_NUM_THREADS="1"), f"torchrun {mode} ({n} ranks)",
-            )
-            r = json.loads(out.read_text())
-            results[(f"torch {mode}", n)] = (r["losses"], median_after(r["step_seconds"], args.warmup))
+            plans[(strategy, n)] = plan
+    # let the machine settle after the compiles (freeing their memory) before timing
+    time.sleep(2)
+    # Rounds: every framework once per round, back to back, so that each round's ratios
+    # compare runs taken under the same machine load (a shared machine drifts over minutes).
+    for rnd in range(args.rounds):
+        for n in ranks:
+            for strategy in ("asynchzp", "zero3"):
+                out = run(
+                    [args.hzp, "run", str(plans[(strategy, n)]), "--inputs", str(batch_path),
+                     "--steps", str(total), "--format", "json"],
+                    env, f"hzp run ({strategy}, {n} ranks)",
+                )
+                r = json.loads(out)
+                results.setdefault((f"hzp {strategy}", n), (r["losses"], []))[1].append(
+                    median_after(r["step_seconds"], args.warmup))
+            for mode in ("fsdp2", "ddp"):
+                out = work / f"torch_{mode}_{n}.json"
+                run(
+                    [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     f"--nproc-per-node={n}", __file__, "--worker", "--mode", mode,
+                     "--state", str(state_path), "--out", str(out), "--steps", str(args.steps),
+                     "--warmup", str(args.warmup)],
+                    dict(os.environ, OMP_NUM_THREADS="1"), f"torchrun {mode} ({n} ranks)",
+                )
+                r = json.loads(out.read_text())
+                results.setdefault((f"torch {mode}", n), (r["losses"], []))[1].append(
+                    median_after(r["step_seconds"], args.warmup))
+            print(f"round {rnd + 1}/{args.rounds}, {n} ranks: " + ", ".join(
+                f"{k} {results[(k, n)][1][-1] * 1e3:.1f} ms" for k in keys), file=sys.stderr)
 
     c = CONFIG
     print(
         f"GPT-2 {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, vocab {c['vocab']}, "
         f"seq {c['seq']}, global batch {c['batch']}, AdamW; CPU, {os.cpu_count()} cores; "
-        f"median of {args.steps} steps after {args.warmup}; one thread per rank on both sides"
+        f"median of {args.steps} steps after {args.warmup}, {args.rounds} rounds; one thread per "
+        "rank on both sides"
     )
-    print(f"  {'ranks':>5}  {'framework':<16} {'step ms':>9}  {'vs FSDP2':>8}  {'vs DDP':>7}")
+    print("step ms: the median over rounds of each run's median step; ratios: the median over "
+          "rounds of the ratio within a round (each round's runs back to back)")
+    print(f"  {'ranks':>5}  {'framework':<16} {'step ms':>9}  {'vs FSDP2':>8}  {'vs DDP':>7}  "
+          "vs FSDP2 per round")
     ok = True
     worst_all = 0.0
     for n in ranks:
         fsdp = results[("torch fsdp2", n)][1]
         ddp = results[("torch ddp", n)][1]
-        for key in ("hzp asynchzp", "hzp zero3", "torch fsdp2", "torch ddp"):
-            losses, t = results[(key, n)]
-            print(f"  {n:>5}  {key:<16} {t * 1e3:9.1f}  {t / fsdp:7.2f}x  {t / ddp:6.2f}x")
+        for key in keys:
+            ts = results[(key, n)][1]
+            vs_f = [t / f for t, f in zip(ts, fsdp)]
+            vs_d = [t / d for t, d in zip(ts, ddp)]
+            print(f"  {n:>5}  {key:<16} {statistics.median(ts) * 1e3:9.1f}  "
+                  f"{statistics.median(vs_f):7.2f}x  {statistics.median(vs_d):6.2f}x  "
+                  + " ".join(f"{r:.2f}" for r in vs_f))
         ref = results[("torch fsdp2", n)][0]
         for key in ("hzp asynchzp", "hzp zero3", "torch ddp"):
             got = results[(key, n)][0]

@@ -298,7 +298,9 @@ fn node_costs(
     opts: &SimOptions,
 ) -> Result<Vec<NodeCost>, SimError> {
     let mut out = Vec::with_capacity(p.nodes.len());
-    for n in &p.nodes {
+    // transposed operands are their input's bytes read by the products: nothing runs
+    let transposed = hzp_ir::views::transposed_operands(p);
+    for (i, n) in p.nodes.iter().enumerate() {
         let ins = types(p, &n.inputs);
         let outs = types(p, &n.outputs);
         let measured = opts.measured.as_ref().and_then(|m| m.get(&n.name)).copied();
@@ -363,6 +365,7 @@ fn node_costs(
                 let r = model.roofline(op, &ins, &outs, dtype);
                 let s = match op {
                     Op::RecordEvent { .. } => 0.0,
+                    _ if transposed[i] => 0.0,
                     _ => measured.unwrap_or(r.seconds),
                 };
                 NodeCost {
