@@ -280,6 +280,33 @@ impl Program {
         users
     }
 
+    /// For each value, whether it leaves the step: a program output, or an update's value or
+    /// target. Rewrites must keep these values as they are.
+    pub fn escaping_values(&self) -> Vec<bool> {
+        let mut out = vec![false; self.values.len()];
+        let vs = self.outputs.iter().copied();
+        let us = self.updates.iter().flat_map(|u| [u.target, u.value]);
+        for v in vs.chain(us) {
+            if let Some(f) = out.get_mut(v.index()) {
+                *f = true;
+            }
+        }
+        out
+    }
+
+    /// Sets every node result's definition to its node's current position: for passes that
+    /// reorder or insert nodes in `nodes` directly.
+    pub fn renumber_nodes(&mut self) {
+        for (i, n) in self.nodes.iter().enumerate() {
+            for (slot, &o) in n.outputs.iter().enumerate() {
+                self.values[o.index()].def = ValueDef::Node {
+                    node: NodeId(i as u32),
+                    slot: slot as u32,
+                };
+            }
+        }
+    }
+
     /// Total number of parameter elements.
     pub fn num_parameters(&self) -> u64 {
         self.params

@@ -26,19 +26,7 @@ pub fn swaps_last_two(perm: &[usize]) -> bool {
 /// transposed operand (so a backend needs one level of strides only).
 pub fn transposed_operands(p: &Program) -> Vec<bool> {
     let nv = p.values.len();
-    let mut pinned = vec![false; nv];
-    for &o in &p.outputs {
-        if let Some(f) = pinned.get_mut(o.index()) {
-            *f = true;
-        }
-    }
-    for u in &p.updates {
-        for v in [u.target, u.value] {
-            if let Some(f) = pinned.get_mut(v.index()) {
-                *f = true;
-            }
-        }
-    }
+    let pinned = p.escaping_values();
     let is_f32 = |v: crate::ValueId| v.index() < nv && p.ty(v).dtype == DType::F32;
     // readers that are f32 products of matrices (or anything else: `false`)
     let mut read_ok = vec![true; nv];

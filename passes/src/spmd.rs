@@ -1247,14 +1247,7 @@ fn prefetch_schedule(
 /// gradients.
 fn drop_redundant_copies(q: &mut Program) {
     let users = q.users();
-    let mut escapes = vec![false; q.values.len()];
-    for &o in &q.outputs {
-        escapes[o.index()] = true;
-    }
-    for u in &q.updates {
-        escapes[u.value.index()] = true;
-        escapes[u.target.index()] = true;
-    }
+    let escapes = q.escaping_values();
     let mut subst: Vec<Option<ValueId>> = vec![None; q.values.len()];
     let mut any = false;
     for n in &q.nodes {

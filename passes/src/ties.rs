@@ -137,7 +137,7 @@ pub fn retie(p: &mut Program, ties: &[Tie]) -> Result<(), String> {
             // The new node is at the end; it must come before the copy's users.
             let node = p.nodes.pop().expect("just added");
             p.nodes.insert(0, node);
-            renumber_nodes(p);
+            p.renumber_nodes();
             v
         } else {
             canon
@@ -160,17 +160,6 @@ pub fn retie(p: &mut Program, ties: &[Tie]) -> Result<(), String> {
     // The copies are no longer referenced anywhere: drop their values.
     remove_values(p, &removed);
     hzp_ir::verify(p).map_err(|e| format!("retie produced an invalid program: {e}"))
-}
-
-fn renumber_nodes(p: &mut Program) {
-    for (i, n) in p.nodes.iter().enumerate() {
-        for (slot, &o) in n.outputs.iter().enumerate() {
-            p.values[o.index()].def = ValueDef::Node {
-                node: hzp_ir::NodeId(i as u32),
-                slot: slot as u32,
-            };
-        }
-    }
 }
 
 /// Removes unreferenced values and renumbers the rest densely.
