@@ -102,6 +102,29 @@ fn two_streams_by_hand() {
     assert!(close(s.tokens_per_s, 32.0 / step));
 }
 
+/// A transposed operand (a transpose only matrix products read) is its input's bytes: nothing
+/// runs for it. A transpose read by anything else is charged as a copy.
+#[test]
+fn transposed_operands_take_no_time() {
+    let src = r#"program "tv"
+mesh gpu=4
+
+input %x : f32[8,16]
+input %w : f32[12,16]
+%wt = Transpose{perm=[1,0]}(%w) : f32[16,12] "wt"
+%y = MatMul(%x, %wt) : f32[8,12] "y"
+%yt = Transpose{perm=[1,0]}(%y) : f32[12,8] "yt"
+%z = Relu(%yt) : f32[12,8] "z"
+output %z
+"#;
+    let plan = plan_of(parse(src));
+    let s = simulate(&plan, &spec(), &SimOptions::default()).unwrap();
+    let t = |n: &str| op(&plan, &s, n).end - op(&plan, &s, n).start;
+    assert_eq!(t("wt"), 0.0);
+    // 384 bytes read and written at 1 GB/s, plus the 1 us launch
+    assert!(close(t("yt"), 1e-6 + 768.0 / 1e9), "{}", t("yt"));
+}
+
 /// An all-gather and a reduce-scatter start together on the same link class: they share its
 /// bandwidth until the shorter ends, then the longer runs at full rate.
 #[test]
