@@ -89,6 +89,16 @@ fn main() {
             vec![data(&[4, 256, 2048])],
         ),
         (
+            "gelu-tanh [4,256,1024]",
+            Op::Unary(UnaryOp::GeluTanh),
+            vec![data(&[4, 256, 1024])],
+        ),
+        (
+            "gelu-tanh grad [4,256,1024]",
+            Op::GeluTanhGrad,
+            vec![data(&[4, 256, 1024]), data(&[4, 256, 1024])],
+        ),
+        (
             "transpose [512,8192]",
             Op::Transpose { perm: vec![1, 0] },
             vec![data(&[512, 8192])],

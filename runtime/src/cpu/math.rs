@@ -193,23 +193,35 @@ pub fn gelu(x: f32) -> f32 {
     0.5 * x * erfc(-x * std::f32::consts::FRAC_1_SQRT_2)
 }
 
-/// tanh-approximated GELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+/// tanh-approximated GELU: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed
+/// as x / (1 + e^(-2u)) (0.5 (1 + tanh(u)) is the logistic function of 2u): one exp and one
+/// division, and no cancellation in 1 + tanh(u) where u is very negative.
 #[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
-    const C: f32 = 0.797_884_6; // sqrt(2/pi)
-    0.5 * x * (1.0 + tanh(C * (x + 0.044_715 * x * x * x)))
+    x / (1.0 + exp(-2.0 * gelu_inner(x)))
 }
 
-/// d/dx of [`gelu_tanh`]: 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-/// with t = tanh(sqrt(2/pi) (x + 0.044715 x^3)).
+/// u = sqrt(2/pi) (x + 0.044715 x^3) of the tanh-approximated GELU.
+#[inline(always)]
+fn gelu_inner(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    const A: f32 = 0.044_715;
+    C * (A * x * x).mul_add(x, x)
+}
+
+/// d/dx of [`gelu_tanh`]: 0.5 (1 + t) + 0.5 x (1 - t^2) u' with t = tanh(u) and
+/// u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). With e = e^(-2u) and s = 1 / (1 + e):
+/// 0.5 (1 + t) = s and 0.5 (1 - t^2) = 2 s (1 - s) = 2 s (e s), so the gradient is
+/// s (1 + 2 x (e s) u'). Where e overflows, s is 0 and so is the gradient.
 #[inline(always)]
 pub fn gelu_tanh_grad(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // sqrt(2/pi)
     const A: f32 = 0.044_715;
-    let x2 = x * x;
-    let t = tanh(C * (x + A * x2 * x));
-    let du = C * (3.0 * A).mul_add(x2, 1.0);
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+    let e = exp(-2.0 * gelu_inner(x));
+    let s = 1.0 / (1.0 + e);
+    let es = if e.is_finite() { e * s } else { 0.0 };
+    let du = C * (3.0 * A).mul_add(x * x, 1.0);
+    s * (2.0 * x * es).mul_add(du, 1.0)
 }
 
 /// `out[i] = f(x[i])` for `i < x.len()`, [`vectorized`].
@@ -272,6 +284,41 @@ mod tests {
             .map(|i| lo + (hi - lo) * (i as f32 / 20000.0))
             .chain([0.0, -0.0, 1e-8, -1e-8, 1e-3, -1e-3])
             .collect()
+    }
+
+    #[test]
+    fn tanh_gelu_and_its_gradient_are_accurate() {
+        let c = (2.0f64 / std::f64::consts::PI).sqrt();
+        for x in grid(-12.0, 12.0) {
+            let xd = x as f64;
+            let u = c * (xd + 0.044715 * xd * xd * xd);
+            // in f64, 0.5 (1 + tanh u) = s and 0.5 (1 - tanh^2 u) = 2 s (1 - s) without the
+            // cancellation of 1 + tanh u for very negative u
+            let e = (-2.0 * u).exp();
+            let s = 1.0 / (1.0 + e);
+            let want = xd * s;
+            // relative (the f32 rounding of u, amplified by e^(-2u), grows with |u|) where the
+            // value is a normal f32, absolute in the far negative tail
+            let tol = 1e-6 + 4e-7 * u.abs();
+            let err = (gelu_tanh(x) as f64 - want).abs();
+            assert!(
+                err <= tol * want.abs() + 1e-36,
+                "gelu_tanh({x}) = {} vs {want}",
+                gelu_tanh(x)
+            );
+            let dwant = s + 2.0 * xd * s * (e * s) * c * (1.0 + 3.0 * 0.044715 * xd * xd);
+            let derr = (gelu_tanh_grad(x) as f64 - dwant).abs();
+            assert!(
+                derr <= tol * dwant.abs().max(1.0),
+                "gelu_tanh_grad({x}) = {} vs {dwant}",
+                gelu_tanh_grad(x)
+            );
+        }
+        assert_eq!(gelu_tanh(f32::INFINITY), f32::INFINITY);
+        assert_eq!(gelu_tanh(-20.0), 0.0);
+        assert_eq!(gelu_tanh_grad(-20.0), 0.0);
+        assert_eq!(gelu_tanh_grad(20.0), 1.0);
+        assert!(gelu_tanh(f32::NAN).is_nan() && gelu_tanh_grad(f32::NAN).is_nan());
     }
 
     #[test]
