@@ -669,10 +669,15 @@ impl Op {
 
     /// (input, output) index pairs where the op may write the output over the input's
     /// bytes: every element of the output is computed from the inputs at the same index
-    /// before it is stored. The memory planner uses them for in-place optimizer updates.
+    /// before it is stored (a scatter's output is its data with the updates applied in
+    /// order, so it may be its data's bytes too). The memory planner uses them for in-place
+    /// updates and for results that take over an input nothing reads afterwards.
     pub fn in_place_pairs(&self) -> &'static [(usize, usize)] {
         match self {
             Op::AdamW { .. } => &[(0, 0), (2, 1), (3, 2)],
+            // the data is copied unchanged, then the updates are stored or added at their
+            // indices: over the data's own bytes the copy is nothing to do
+            Op::ScatterND { .. } => &[(0, 0)],
             _ => &[],
         }
     }

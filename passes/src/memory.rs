@@ -278,25 +278,68 @@ pub(crate) fn lives(
 }
 
 /// The (input, result) pairs of the nodes whose result is its input's bytes: a `Reshape` or
-/// `Identity` of one result with the input's dtype and size (the bytes unchanged), or a
+/// `Identity` of one result with the input's dtype and size (the bytes unchanged), a
 /// transposed operand (`hzp_ir::views::transposed_operands`: the bytes read column-major by
-/// the products that read it), in node order.
+/// the products that read it), or an in-place result (written over an input that nothing
+/// reads afterwards), in node order.
 fn view_pairs(p: &Program) -> impl Iterator<Item = (ValueId, ValueId)> + '_ {
     let nv = p.values.len();
     let transposed = hzp_ir::views::transposed_operands(p);
-    p.nodes.iter().enumerate().filter_map(move |(i, n)| {
-        if !matches!(n.op, Op::Reshape { .. } | Op::Identity) && !transposed[i] {
-            return None;
-        }
-        let ([x, ..], [y]) = (n.inputs.as_slice(), n.outputs.as_slice()) else {
-            return None;
-        };
-        let same = x.index() < nv
+    let same = move |x: ValueId, y: ValueId| {
+        x.index() < nv
             && y.index() < nv
-            && p.ty(*x).dtype == p.ty(*y).dtype
-            && value_bytes(p, *x) == value_bytes(p, *y);
-        same.then_some((*x, *y))
-    })
+            && p.ty(x).dtype == p.ty(y).dtype
+            && value_bytes(p, x) == value_bytes(p, y)
+    };
+    let views: Vec<Option<(ValueId, ValueId)>> = p
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            if !matches!(n.op, Op::Reshape { .. } | Op::Identity) && !transposed[i] {
+                return None;
+            }
+            let ([x, ..], [y]) = (n.inputs.as_slice(), n.outputs.as_slice()) else {
+                return None;
+            };
+            same(*x, *y).then_some((*x, *y))
+        })
+        .collect();
+    // In-place results: an op's result that may be written over an input it declares
+    // (`Op::in_place_pairs`, e.g. a scatter over its data) takes that input's bytes when the
+    // input is a computed value (not a view of another) that nothing else reads, and
+    // neither leaves the step.
+    let mut is_view = vec![false; nv];
+    for &(_, y) in views.iter().flatten() {
+        is_view[y.index()] = true;
+    }
+    let users = p.users();
+    let escaping = p.escaping_values();
+    let in_place: Vec<Option<(ValueId, ValueId)>> = p
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            if views[i].is_some() {
+                return None;
+            }
+            n.op.in_place_pairs().iter().find_map(|&(a, b)| {
+                let (&x, &y) = (n.inputs.get(a)?, n.outputs.get(b)?);
+                let ok = same(x, y)
+                    && matches!(p.value(x).def, ValueDef::Node { .. })
+                    && !is_view[x.index()]
+                    && users[x.index()] == [hzp_ir::NodeId(i as u32)]
+                    && n.inputs.iter().filter(|&&v| v == x).count() == 1
+                    && !escaping[x.index()]
+                    && !escaping[y.index()];
+                ok.then_some((x, y))
+            })
+        })
+        .collect();
+    views
+        .into_iter()
+        .zip(in_place)
+        .filter_map(|(v, ip)| v.or(ip))
 }
 
 /// Views: for each value, the value whose bytes it is (itself for most values). The result of

@@ -301,6 +301,43 @@ fn a_fused_adamw_writes_each_result_over_the_state_it_replaces() {
 }
 
 #[test]
+fn a_scatter_writes_over_data_that_nothing_else_reads() {
+    // `late`: the data is read again after the scatter; `view`: the data is a reshape of a
+    // value read later. Either keeps the result out of the data's bytes.
+    let src = |late: bool, view: bool| {
+        format!(
+            "program \"sc\"\ninput %x : f32[8,4]\ninput %idx : i64[3,1]\ninput %u : f32[3,4]\n\
+             %r = Relu(%x) \"r\"\n{}\
+             %s = ScatterND{{add=true}}(%d, %idx, %u) \"s\"\n\
+             %y = Add(%s, {}) \"y\"\noutput %y\n",
+            if view {
+                "%rr = Reshape{shape=[4,8]}(%r) \"rr\"\n%d = Reshape{shape=[8,4]}(%rr) \"d\"\n"
+            } else {
+                "%d = Neg(%r) \"d\"\n"
+            },
+            if late {
+                "%d"
+            } else if view {
+                "%r"
+            } else {
+                "%x"
+            },
+        )
+    };
+    for (late, view) in [(false, false), (true, false), (false, true)] {
+        let p = parse(&src(late, view));
+        let m = plan_mem(&p);
+        check_report(&m);
+        assert_eq!(
+            offset(&m, &p, "s") == offset(&m, &p, "d"),
+            !late && !view,
+            "late {late}, view {view}"
+        );
+        verify_plan(&plan_of(p), None).unwrap_or_else(|v| panic!("{v:#?}"));
+    }
+}
+
+#[test]
 fn the_good_two_stream_plan() {
     let p = parse(TWO_STREAMS);
     let m = plan_mem(&p);

@@ -226,11 +226,22 @@ pub fn scatter_nd<T: Elem>(
     out: &mut DataMut,
     ws: &mut Workspace,
 ) -> Result<(), String> {
+    typed_mut::<T>(out)?.copy_from_slice(typed::<T>(x)?);
+    scatter_nd_onto((x.shape, idx, upd), add, out, ws)
+}
+
+/// The scatter of [`scatter_nd`] onto `out`, which already holds the data (of `shape`): the
+/// in-place form, where the output lies in the data's own bytes.
+pub fn scatter_nd_onto<T: Elem>(
+    (shape, idx, upd): (&[usize], &TensorRef, &TensorRef),
+    add: Option<fn(T, T) -> T>,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
     let u = typed::<T>(upd)?;
     let out = typed_mut::<T>(out)?;
-    out.copy_from_slice(typed::<T>(x)?);
-    let [offs] = ws.usizes.take([nd_count(x.shape, idx.shape, 0)]);
-    let slice = nd_targets("ScatterND", x.shape, idx, 0, offs)?;
+    let [offs] = ws.usizes.take([nd_count(shape, idx.shape, 0)]);
+    let slice = nd_targets("ScatterND", shape, idx, 0, offs)?;
     for (p, &o) in offs.iter().enumerate() {
         let dst = &mut out[o..o + slice];
         let src = &u[p * slice..(p + 1) * slice];

@@ -117,6 +117,33 @@ fn scatter(
     }
 }
 
+/// ScatterND over its data's own bytes: `out` (of `dtype` and `shape`) already holds the
+/// data; the updates are stored, or added with `add`, at their indices.
+pub fn scatter_nd_in_place(
+    dtype: DType,
+    shape: &[usize],
+    idx: &TensorRef,
+    upd: &TensorRef,
+    add: bool,
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    macro_rules! go {
+        ($t:ty, $f:ident) => {{
+            let f: Option<fn($t, $t) -> $t> = if add { Some($f) } else { None };
+            index::scatter_nd_onto::<$t>((shape, idx, upd), f, out, ws)
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32, add_f32),
+        DType::BF16 => go!(bf16, add_bf16),
+        DType::F16 => go!(f16, add_f16),
+        DType::I64 => go!(i64, add_i64),
+        DType::I32 => go!(i32, add_i32),
+        DType::Bool => go!(bool, add_bool),
+    }
+}
+
 /// The kernel of `op`; inputs and outputs were checked against its type rule.
 fn run(
     op: &Op,

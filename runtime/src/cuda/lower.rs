@@ -1011,11 +1011,14 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
             let (uo, _) = c.ins[2];
             let last = it.shape[it.rank() - 1];
             check_rank(&xt.shape[..last])?;
-            w.push(Work::Copy {
-                src: x,
-                dst: y,
-                bytes: yt.size_bytes() as u64,
-            });
+            // the result may lie in the data's own bytes (an in-place pair): then no copy
+            if x != y {
+                w.push(Work::Copy {
+                    src: x,
+                    dst: y,
+                    bytes: yt.size_bytes() as u64,
+                });
+            }
             let slice: usize = xt.shape[last..].iter().product();
             let tuples: usize = it.shape[..it.rank() - 1].iter().product();
             if slice > 0 && tuples > 0 {

@@ -954,7 +954,36 @@ impl<'a> ThreadCtx<'a> {
                 };
                 matmul_views_into(&view(a, ta, &stored[0]), &view(b, tb, &stored[1]), c)
             }
-            _ if !op.in_place_pairs().is_empty() => self.exec_in_place(op, node, arena),
+            _ if matches!(op, Op::ScatterND { .. }) && node.ins[0].0.off == node.outs[0].0.off => {
+                let add = matches!(op, Op::ScatterND { add: true });
+                // over the data's own bytes (a declared in-place pair): scatter only
+                let (idx, upd, (o, oty)) = (&node.ins[1], &node.ins[2], &node.outs[0]);
+                // SAFETY: indices and updates are other values (not written while this node
+                // runs); the result's bytes are the data's, which nothing else reads now.
+                let (idx, upd, mut out) = unsafe {
+                    (
+                        TensorRef {
+                            shape: &idx.1.shape,
+                            data: data_ref(idx.1.dtype, arena.bytes(idx.0.off, idx.0.bytes)),
+                        },
+                        TensorRef {
+                            shape: &upd.1.shape,
+                            data: data_ref(upd.1.dtype, arena.bytes(upd.0.off, upd.0.bytes)),
+                        },
+                        data_mut(oty.dtype, arena.bytes_mut(o.off, o.bytes)),
+                    )
+                };
+                crate::cpu::scatter_nd_in_place(
+                    oty.dtype,
+                    &oty.shape,
+                    &idx,
+                    &upd,
+                    add,
+                    &mut out,
+                    &mut scratch.ws,
+                )
+            }
+            _ if matches!(op, Op::AdamW { .. }) => self.exec_in_place(op, node, arena),
             _ => {
                 scratch.ins.clear();
                 scratch.outs.clear();
