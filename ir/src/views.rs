@@ -20,6 +20,16 @@ pub fn swaps_last_two(perm: &[usize]) -> bool {
         && perm[..r - 2].iter().enumerate().all(|(i, &q)| i == q)
 }
 
+/// The permutation of a rank-`r` tensor that swaps its last two axes (`r >= 2`; the identity
+/// below that).
+pub fn last_two_swapped(r: usize) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..r).collect();
+    if r >= 2 {
+        perm.swap(r - 2, r - 1);
+    }
+    perm
+}
+
 /// For every node, whether it is a transposed operand: a single-result f32 `Transpose` of
 /// the last two axes whose result is read only by f32 `MatMul`s of two rank >= 2 operands,
 /// is not a program output nor part of an update, and whose input is not itself a
@@ -83,6 +93,9 @@ mod tests {
         assert!(!swaps_last_two(&[1, 0, 2]));
         assert!(!swaps_last_two(&[2, 1, 0]));
         assert!(!swaps_last_two(&[0]));
+        for r in 2..5 {
+            assert!(swaps_last_two(&last_two_swapped(r)));
+        }
     }
 
     #[test]

@@ -138,8 +138,8 @@ pub fn fuse_gelu_tanh(p: &mut Program) -> usize {
 /// such a product: computed this way it is one product and no transpose of the result.
 /// Only products of two rank >= 2 f32 operands qualify (rank-1 operands are promoted
 /// differently; transposes of bf16/f16 operands are still copies, and two of them would cost
-/// more than the one they replace). The product's node is left for dead code elimination. Returns how many it
-/// rewrote.
+/// more than the one they replace). The product's node is left for dead code elimination.
+/// Returns how many it rewrote.
 pub fn transpose_products(p: &mut Program) -> usize {
     let users = p.users();
     let pinned = p.escaping_values();
@@ -175,9 +175,7 @@ pub fn transpose_products(p: &mut Program) -> usize {
                     return src;
                 }
             }
-            let r = p.ty(x).rank();
-            let mut perm: Vec<usize> = (0..r).collect();
-            perm.swap(r - 2, r - 1);
+            let perm = hzp_ir::views::last_two_swapped(p.ty(x).rank());
             let name = names.fresh(&format!("{}.T", p.value(x).name));
             let node_name = format!("{}/operand", p.nodes[t].name);
             let v = p

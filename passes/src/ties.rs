@@ -124,9 +124,7 @@ pub fn retie(p: &mut Program, ties: &[Tie]) -> Result<(), String> {
             .find_value(&t.copy)
             .ok_or_else(|| format!("retie: no parameter `{}`", t.copy))?;
         let replacement = if t.transposed {
-            let r = p.ty(canon).rank();
-            let mut perm: Vec<usize> = (0..r).collect();
-            perm.swap(r - 2, r - 1);
+            let perm = hzp_ir::views::last_two_swapped(p.ty(canon).rank());
             let name = hzp_ir::NameSet::from_program(p).fresh(&format!("{}.T", t.canonical));
             let v = p.add_node(
                 name.clone(),

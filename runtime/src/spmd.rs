@@ -202,13 +202,13 @@ impl SpmdRunner {
                     })
                     .collect::<Result<_, _>>()?
             } else {
+                let stored: Vec<Option<ValueId>> = match n.op {
+                    Op::MatMul => n.inputs.iter().map(|&v| stored_transposed(v)).collect(),
+                    _ => vec![],
+                };
                 (0..w)
                     .map(|r| {
                         let get = |v: ValueId| vals[r][v.index()].as_ref().expect("computed");
-                        let stored: Vec<Option<ValueId>> = match n.op {
-                            Op::MatMul => n.inputs.iter().map(|&v| stored_transposed(v)).collect(),
-                            _ => vec![],
-                        };
                         if stored.iter().any(Option::is_some) {
                             let view = |k: usize| -> Result<MatView, String> {
                                 let (t, transposed) = match stored[k] {

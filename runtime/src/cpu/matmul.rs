@@ -45,12 +45,7 @@ impl<'a> MatView<'a> {
 
     /// The view with its last two axes swapped (a transposed matrix stack; rank >= 2).
     pub fn swap_last2(&self) -> MatView<'a> {
-        let r = self.shape.len();
-        let mut perm: Vec<usize> = (0..r).collect();
-        if r >= 2 {
-            perm.swap(r - 2, r - 1);
-        }
-        self.permuted(&perm)
+        self.permuted(&hzp_ir::views::last_two_swapped(self.shape.len()))
     }
 
     /// Whether the view reads its elements row-major and densely (a reshape of it is a

@@ -88,6 +88,28 @@ fn add_bool(a: bool, b: bool) -> bool {
 }
 
 /// Scatter with an optional add, dispatched on the data's dtype.
+/// Runs `$body` with `$t` the element type of `$dt` and `$f` its addition when `$add` (the
+/// reduction of the scatters), `None` otherwise.
+macro_rules! with_scatter_add {
+    ($dt:expr, $add:expr, $t:ident, $f:ident => $body:expr) => {{
+        macro_rules! arm {
+            ($ty:ty, $fun:ident) => {{
+                type $t = $ty;
+                let $f: Option<fn($t, $t) -> $t> = if $add { Some($fun) } else { None };
+                $body
+            }};
+        }
+        match $dt {
+            DType::F32 => arm!(f32, add_f32),
+            DType::BF16 => arm!(bf16, add_bf16),
+            DType::F16 => arm!(f16, add_f16),
+            DType::I64 => arm!(i64, add_i64),
+            DType::I32 => arm!(i32, add_i32),
+            DType::Bool => arm!(bool, add_bool),
+        }
+    }};
+}
+
 fn scatter(
     ins: &[TensorRef],
     add: bool,
@@ -98,23 +120,10 @@ fn scatter(
     let [x, idx, upd] = ins else {
         return Err("internal: scatter takes 3 inputs".into());
     };
-    macro_rules! go {
-        ($t:ty, $f:ident) => {{
-            let f: Option<fn($t, $t) -> $t> = if add { Some($f) } else { None };
-            match axis {
-                Some(a) => index::scatter_elements::<$t>((x, idx, upd), a, f, out, ws),
-                None => index::scatter_nd::<$t>((x, idx, upd), f, out, ws),
-            }
-        }};
-    }
-    match x.dtype() {
-        DType::F32 => go!(f32, add_f32),
-        DType::BF16 => go!(bf16, add_bf16),
-        DType::F16 => go!(f16, add_f16),
-        DType::I64 => go!(i64, add_i64),
-        DType::I32 => go!(i32, add_i32),
-        DType::Bool => go!(bool, add_bool),
-    }
+    with_scatter_add!(x.dtype(), add, T, f => match axis {
+        Some(a) => index::scatter_elements::<T>((x, idx, upd), a, f, out, ws),
+        None => index::scatter_nd::<T>((x, idx, upd), f, out, ws),
+    })
 }
 
 /// ScatterND over its data's own bytes: `out` (of `dtype` and `shape`) already holds the
@@ -128,20 +137,7 @@ pub fn scatter_nd_in_place(
     out: &mut DataMut,
     ws: &mut Workspace,
 ) -> Result<(), String> {
-    macro_rules! go {
-        ($t:ty, $f:ident) => {{
-            let f: Option<fn($t, $t) -> $t> = if add { Some($f) } else { None };
-            index::scatter_nd_onto::<$t>((shape, idx, upd), f, out, ws)
-        }};
-    }
-    match dtype {
-        DType::F32 => go!(f32, add_f32),
-        DType::BF16 => go!(bf16, add_bf16),
-        DType::F16 => go!(f16, add_f16),
-        DType::I64 => go!(i64, add_i64),
-        DType::I32 => go!(i32, add_i32),
-        DType::Bool => go!(bool, add_bool),
-    }
+    with_scatter_add!(dtype, add, T, f => index::scatter_nd_onto::<T>((shape, idx, upd), f, out, ws))
 }
 
 /// The kernel of `op`; inputs and outputs were checked against its type rule.
