@@ -282,7 +282,7 @@ pub(crate) fn lives(
 /// transposed operand (`hzp_ir::views::transposed_operands`: the bytes read column-major by
 /// the products that read it), or an in-place result (written over an input that nothing
 /// reads afterwards), in node order.
-fn view_pairs(p: &Program) -> impl Iterator<Item = (ValueId, ValueId)> + '_ {
+fn view_pairs(p: &Program) -> Vec<(ValueId, ValueId)> {
     let nv = p.values.len();
     let transposed = hzp_ir::views::transposed_operands(p);
     let same = move |x: ValueId, y: ValueId| {
@@ -340,6 +340,7 @@ fn view_pairs(p: &Program) -> impl Iterator<Item = (ValueId, ValueId)> + '_ {
         .into_iter()
         .zip(in_place)
         .filter_map(|(v, ip)| v.or(ip))
+        .collect()
 }
 
 /// Views: for each value, the value whose bytes it is (itself for most values). The result of
@@ -347,8 +348,13 @@ fn view_pairs(p: &Program) -> impl Iterator<Item = (ValueId, ValueId)> + '_ {
 /// its input: the planner may give both one buffer and the runtime then has nothing to copy.
 /// Structural only (see [`view_roots`] for the ones the planner actually shares).
 pub(crate) fn view_sources(p: &Program) -> Vec<ValueId> {
+    sources_of(p, &view_pairs(p))
+}
+
+/// [`view_sources`] from the program's [`view_pairs`].
+fn sources_of(p: &Program, pairs: &[(ValueId, ValueId)]) -> Vec<ValueId> {
     let mut root: Vec<ValueId> = (0..p.values.len()).map(|i| ValueId(i as u32)).collect();
-    for (x, y) in view_pairs(p) {
+    for &(x, y) in pairs {
         root[y.index()] = root[x.index()];
     }
     root
@@ -360,7 +366,7 @@ pub(crate) fn view_sources(p: &Program) -> Vec<ValueId> {
 /// extend its life, so an update is written over its target only once no view of the
 /// target is read any more (see [`plan_memory`]). Members are produced after their root (a
 /// reshape reads its input), so the root's producer starts the class's life.
-fn view_roots(p: &Program) -> Vec<ValueId> {
+fn view_roots(p: &Program, pairs: &[(ValueId, ValueId)]) -> Vec<ValueId> {
     let mut in_update = vec![false; p.values.len()];
     for u in &p.updates {
         if let Some(f) = in_update.get_mut(u.value.index()) {
@@ -368,7 +374,7 @@ fn view_roots(p: &Program) -> Vec<ValueId> {
         }
     }
     let mut root: Vec<ValueId> = (0..p.values.len()).map(|i| ValueId(i as u32)).collect();
-    for (x, y) in view_pairs(p) {
+    for &(x, y) in pairs {
         let r = root[x.index()];
         if value_bytes(p, y) > 0
             && !in_update[x.index()]
@@ -590,17 +596,18 @@ impl ConflictIndex {
 /// everything after it may overwrite it), or the producer itself is the last reader and
 /// reads the target (or a view of it) only as the input that the value replaces in one of
 /// its declared in-place pairs (`Op::in_place_pairs`: AdamW's parameter and moments). The
-/// runtime then has nothing to copy for that update.
+/// runtime then has nothing to copy for that update. `views` is the program's
+/// [`view_sources`].
 pub(crate) fn in_place_updates(
     p: &Program,
     hb: &HappensBefore,
     lives: &[Life],
+    views: &[ValueId],
 ) -> Vec<(ValueId, ValueId)> {
     let mut uses = vec![0usize; p.values.len()];
     for u in &p.updates {
         uses[u.value.index()] += 1;
     }
-    let views = view_sources(p);
     // whether producer `d` reads the target `t` only as the input its result `v` replaces
     let replaces = |d: usize, t: ValueId, v: ValueId| -> bool {
         let node = &p.nodes[d];
@@ -679,7 +686,8 @@ pub fn plan_memory(
     // Reshapes and identities share their input's buffer: the class of a view root lives
     // from the root's producer to the last use of any of its views (and to the end of the
     // step if one of them is an output).
-    let roots = view_roots(p);
+    let pairs = view_pairs(p);
+    let roots = view_roots(p, &pairs);
     let mut lives = lives;
     for i in 0..p.values.len() {
         let r = roots[i].index();
@@ -700,7 +708,7 @@ pub fn plan_memory(
     // Update values that can be written over their target (it is not read any more, views
     // included) take its bytes: a re-gathered parameter shard needs no second copy at the end
     // of the step.
-    for (t, v) in in_place_updates(p, &hb, &lives) {
+    for (t, v) in in_place_updates(p, &hb, &lives, &sources_of(p, &pairs)) {
         offset[v.index()] = offset[t.index()];
         aliased[v.index()] = true;
     }
@@ -825,14 +833,38 @@ pub fn plan_memory(
             peak_bytes = b;
         }
     }
+    // At the peak, a class's bytes hold its latest in-place result produced by then, if any
+    // (e.g. a gradient scattered over an activation is counted as a gradient), else its root.
+    let mut kind_at_peak: Vec<(i64, BufferKind)> = buffers.iter().map(|b| (-1, b.kind)).collect();
+    let slot: std::collections::HashMap<usize, usize> = buffers
+        .iter()
+        .enumerate()
+        .map(|(k, b)| (b.value.index(), k))
+        .collect();
+    if let Some(peak) = peak_index {
+        for b in buffers.iter().filter(|b| aliased[b.value.index()]) {
+            let i = b.value.index();
+            let (Some(d), Some(&k)) = (lives[i].def, slot.get(&roots[i].index())) else {
+                continue;
+            };
+            // views (reshapes, transposed operands) keep their root's kind
+            let in_place = !p.nodes[d].op.in_place_pairs().is_empty();
+            if in_place && d <= peak && d as i64 > kind_at_peak[k].0 {
+                kind_at_peak[k] = (d as i64, b.kind);
+            }
+        }
+    }
     let mut peak_by_kind = BTreeMap::new();
-    for b in buffers.iter().filter(|b| !aliased[b.value.index()]) {
+    for (k, b) in buffers.iter().enumerate() {
+        if aliased[b.value.index()] {
+            continue;
+        }
         let at_peak = match peak_index {
             Some(k) => interval(b.value.index()).is_some_and(|(s, e)| s <= k && k <= e),
             None => true,
         };
         if at_peak {
-            *peak_by_kind.entry(b.kind).or_insert(0u64) += b.bytes;
+            *peak_by_kind.entry(kind_at_peak[k].1).or_insert(0u64) += b.bytes;
         }
     }
     if peak_index.is_none() {

@@ -1281,13 +1281,20 @@ fn drop_redundant_copies(q: &mut Program) {
     q.eliminate_dead_code();
 }
 
+/// How many later reductions are issued before the compute stream reads a reduction's
+/// result (see [`defer_reduce_consumers`]).
+const REDUCE_DEPTH: usize = 2;
+
 /// Moves the compute that reads a reduction's result (unpacking a gradient bucket, adding
-/// it to the accumulator, scaling) from right after the reduction to right after the next
-/// reduction is issued, so the compute stream goes on with the next layer's backward while
-/// the reduction runs instead of waiting for it at once. Nodes move only later, never past
+/// it to the accumulator, scaling) from right after the reduction to right after the
+/// [`REDUCE_DEPTH`]-th next reduction is issued, so the compute stream goes on with the
+/// next layers' backward while the reduction runs instead of waiting for it at once (two,
+/// not one: a small reduction issued right after a large one, e.g. a position embedding's,
+/// would otherwise make the compute stream wait for the large one before the work that
+/// follows the small one). Nodes move only later, never past
 /// a node that reads them (a collective packed from them stays where it was, and so do
 /// they), and the result is a topological order that keeps `extra`'s (waiter, waited)
-/// pairs: the deferral costs at most one reduction's results held one layer longer. After
+/// pairs: the deferral costs at most two reductions' results held a layer longer. After
 /// the last reduction the optimizer steps run in reduction order, and the compute that
 /// reads a layer's re-gathered parameters waits until the next layer's step is done.
 fn defer_reduce_consumers(
@@ -1301,12 +1308,27 @@ fn defer_reduce_consumers(
         pos[id.index()] = i;
     }
     let users = p.users();
+    // The reductions whose results the updates depend on (gradients on their way to the
+    // optimizer); one whose result only leaves the step (the loss summed for the report)
+    // holds no update back.
+    let mut feeds_update = vec![false; p.values.len()];
+    let mut stack: Vec<ValueId> = p.updates.iter().map(|u| u.value).collect();
+    while let Some(v) = stack.pop() {
+        if std::mem::replace(&mut feeds_update[v.index()], true) {
+            continue;
+        }
+        if let Some(pn) = p.producer(v) {
+            stack.extend(p.nodes[pn.index()].inputs.iter().copied());
+        }
+    }
     let reduces: Vec<usize> = order
         .iter()
         .enumerate()
         .filter(|(_, id)| {
             let nd = &p.nodes[id.index()];
-            nd.stream == StreamKind::ReduceScatter && nd.op.is_collective()
+            nd.stream == StreamKind::ReduceScatter
+                && nd.op.is_collective()
+                && nd.outputs.iter().any(|o| feeds_update[o.index()])
         })
         .map(|(i, _)| i)
         .collect();
@@ -1316,8 +1338,13 @@ fn defer_reduce_consumers(
     let mut stamp = vec![usize::MAX; n];
     let mut chain: Vec<usize> = Vec::new();
     let mut stack: Vec<usize> = Vec::new();
-    for (k, w) in reduces.windows(2).enumerate() {
-        let (r, limit) = (w[0], w[1] + 1);
+    for (k, &r) in reduces
+        .iter()
+        .enumerate()
+        .take(reduces.len().saturating_sub(1))
+    {
+        // (the last reductions defer to the last one, after which the optimizer runs)
+        let limit = reduces[(k + REDUCE_DEPTH).min(reduces.len() - 1)] + 1;
         chain.clear();
         stack.clear();
         stack.push(r);
@@ -1416,6 +1443,26 @@ fn defer_reduce_consumers(
                 eff[i] = eff[i].max(first_reader);
             }
             key[i] = (last + 1, eff[i]);
+        }
+    }
+    // A reduction no update depends on (the loss summed for the report) goes out as soon as
+    // its inputs are there: queued behind the gradients' reductions, its reader would wait
+    // for all of them.
+    for (i, &id) in order.iter().enumerate() {
+        let nd = &p.nodes[id.index()];
+        if nd.stream == StreamKind::ReduceScatter
+            && nd.op.is_collective()
+            && reduces.binary_search(&i).is_err()
+        {
+            let ready = nd
+                .inputs
+                .iter()
+                .filter_map(|&v| p.producer(v))
+                .map(|pn| pos[pn.index()])
+                .filter(|&j| j != usize::MAX)
+                .max()
+                .map_or(0, |j| j + 1);
+            key[i] = (ready, 0);
         }
     }
     // Kahn's algorithm, smallest (key, position) first among the ready nodes.

@@ -445,13 +445,13 @@ impl Verifier<'_> {
             .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
         // An update value may lie in its target's bytes when the target is no longer read
         // (see `memory::in_place_updates`).
-        let in_place: std::collections::HashSet<(ValueId, ValueId)> =
-            crate::memory::in_place_updates(p, &self.hb, &lives)
-                .into_iter()
-                .collect();
         // A reshape or identity may lie in its input's very bytes: the two are one view of the
         // same data (see `memory::view_sources`); each is still checked against all others.
         let views = crate::memory::view_sources(p);
+        let in_place: std::collections::HashSet<(ValueId, ValueId)> =
+            crate::memory::in_place_updates(p, &self.hb, &lives, &views)
+                .into_iter()
+                .collect();
         let same_view = |a: &Buffer, b: &Buffer| {
             views[a.value.index()] == views[b.value.index()]
                 && a.offset == b.offset

@@ -338,6 +338,31 @@ fn a_scatter_writes_over_data_that_nothing_else_reads() {
 }
 
 #[test]
+fn an_in_place_result_counts_as_its_own_kind_at_the_peak() {
+    // `s` (a gradient, say) is scattered over `d` (an activation) and takes its bytes; the
+    // peak is at `y`, when those bytes hold `s`
+    let p = parse(
+        "program \"k\"\ninput %x : f32[8,4]\ninput %idx : i64[3,1]\ninput %u : f32[3,4]\n\
+         %d = Neg(%x) \"d\"\n\
+         %s = ScatterND{add=true}(%d, %idx, %u) \"s\"\n\
+         %y = Concat{axis=0}(%s, %s) \"y\"\noutput %y\n",
+    );
+    let s = p.find_value("s").unwrap();
+    let base = hzp_passes::memory::default_kind(&p);
+    let kinds = |v: ValueId| if v == s { BufferKind::Grad } else { base(v) };
+    let m = plan_memory(&p, &kinds, &hzp_passes::memory::default_persistent(&p));
+    check_report(&m);
+    assert_eq!(offset(&m, &p, "s"), offset(&m, &p, "d"));
+    assert_eq!(m.peak_by_kind.get(&BufferKind::Grad), Some(&128));
+    assert_eq!(
+        m.peak_by_kind.get(&BufferKind::Activation),
+        Some(&256),
+        "{:?}",
+        m.peak_by_kind
+    );
+}
+
+#[test]
 fn the_good_two_stream_plan() {
     let p = parse(TWO_STREAMS);
     let m = plan_mem(&p);

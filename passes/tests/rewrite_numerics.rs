@@ -10,7 +10,7 @@ use hzp_passes::spmd::{shard_training_step, ShardSpec, ShardedStep};
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;
-use sharded_common::{batch, import, rel, root, slow_cluster};
+use sharded_common::{batch, g, import, rel, root, slow_cluster};
 use std::collections::BTreeMap;
 
 const FILE: &str = "llama_tiny.legacy.op17.onnx";
@@ -73,10 +73,6 @@ fn check(
         assert!(e < tol, "{mesh} {spec:?}: `{n}` differs by {e:.3e}\n{rep}");
     }
     rep
-}
-
-fn g(axes: &[&str]) -> Group {
-    Group::new(axes.iter().copied())
 }
 
 fn spec(p: &[&str], gr: &[&str], o: &[&str]) -> ShardSpec {

@@ -6,14 +6,10 @@ mod sharded_common;
 use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Tensor, TensorType};
 use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
 use hzp_runtime::spmd::SpmdRunner;
-use sharded_common::slow_cluster;
+use sharded_common::{g, slow_cluster};
 
 fn mesh() -> Mesh {
     Mesh::parse("node=2,gpu=4").unwrap()
-}
-
-fn g(axes: &[&str]) -> Group {
-    Group::new(axes.iter().copied())
 }
 
 fn world() -> Group {

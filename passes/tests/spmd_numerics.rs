@@ -6,7 +6,7 @@ mod sharded_common;
 use hzp_ir::{Group, Mesh};
 use hzp_passes::shard_plan::ReduceGrads;
 use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardSpec};
-use sharded_common::{batch, h100_rewrite, import, meaningful, rel, rel_masked};
+use sharded_common::{batch, g, h100_rewrite, import, meaningful, rel, rel_masked};
 
 thread_local! {
     /// Whether `check_with` rewrites collectives (set per test).
@@ -33,10 +33,6 @@ fn cfg(clip: Option<f64>, sgd: bool) -> TrainConfig {
         micro_batches: 1,
         compute: hzp_ir::DType::F32,
     }
-}
-
-fn g(axes: &[&str]) -> Group {
-    Group::new(axes.iter().copied())
 }
 
 fn check(file: &str, model: &str, mesh: &str, spec: ShardSpec, clip: Option<f64>, sgd: bool) {

@@ -3,9 +3,8 @@
 //! with the tensors, for elementwise kernels and collectives on both comm streams.
 
 mod common;
-use common::plan_of;
 use hzp_ir::Tensor;
-use hzp_runtime::exec::{CommMode, ExecOptions, Executor};
+use hzp_runtime::exec::{CommMode, Executor};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -57,21 +56,8 @@ update %s = %t
         m = 2 * n
     );
     let p = hzp_ir::text::parse(&src, "alloc", &|_| None).unwrap();
-    let mut ex = Executor::new(
-        &plan_of(p),
-        &[],
-        ExecOptions {
-            comm,
-            ..ExecOptions::default()
-        },
-    )
-    .unwrap();
-    ex.set_inputs(&[(
-        "x".to_string(),
-        Tensor::f32(vec![2 * n], (0..2 * n).map(|i| i as f32 * 1e-3).collect()),
-    )])
-    .unwrap();
-    ex
+    let x = Tensor::f32(vec![2 * n], (0..2 * n).map(|i| i as f32 * 1e-3).collect());
+    common::executor(p, comm, &[("x".to_string(), x)]).unwrap()
 }
 
 /// Bytes allocated by `run(steps)`.

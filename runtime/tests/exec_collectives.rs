@@ -4,9 +4,8 @@
 //! against a direct computation from the global data); sync and async modes agree bitwise.
 
 mod common;
-use common::plan_of;
 use hzp_ir::{DType, Group, Mesh, Program, ReduceOp, Tensor};
-use hzp_runtime::exec::{CommMode, ExecOptions, Executor};
+use hzp_runtime::exec::{CommMode, Executor};
 use hzp_runtime::spmd::SpmdRunner;
 
 /// Deterministic pseudo-random numbers in [-1, 1).
@@ -192,17 +191,7 @@ fn expected(name: &str, mesh: &Mesh, rank: usize, g: &[(String, Tensor)]) -> Vec
 
 fn run(stream: &str, comm: CommMode) -> (Executor, Program) {
     let p = program(stream);
-    let plan = plan_of(p.clone());
-    let mut ex = Executor::new(
-        &plan,
-        &[],
-        ExecOptions {
-            comm,
-            ..ExecOptions::default()
-        },
-    )
-    .unwrap();
-    ex.set_inputs(&global()).unwrap();
+    let mut ex = common::executor(p.clone(), comm, &global()).unwrap();
     ex.step().unwrap();
     (ex, p)
 }

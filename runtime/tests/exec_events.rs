@@ -54,16 +54,7 @@ fn inputs() -> Vec<(String, Tensor)> {
 
 fn check(comm: CommMode) {
     let p = hzp_ir::text::parse(SRC, "ev", &|_| None).unwrap();
-    let mut ex = Executor::new(
-        &plan_of(p),
-        &[],
-        ExecOptions {
-            comm,
-            ..ExecOptions::default()
-        },
-    )
-    .unwrap();
-    ex.set_inputs(&inputs()).unwrap();
+    let mut ex = common::executor(p, comm, &inputs()).unwrap();
     for step in 1..=20 {
         let st = ex.step().unwrap();
         assert_eq!(st.step, step);

@@ -144,3 +144,8 @@ pub fn rel_masked(a: &Tensor, b: &Tensor, keep: &[bool]) -> f64 {
         &Tensor::f32(vec![y.len()], y),
     )
 }
+
+/// The group of the mesh axes `axes`, in that order.
+pub fn g(axes: &[&str]) -> hzp_ir::Group {
+    hzp_ir::Group::new(axes.iter().copied())
+}

@@ -36,3 +36,20 @@ pub fn plan_of(p: Program) -> Plan {
         buffers,
     )
 }
+
+/// An executor for `p` laid out by [`plan_of`], issuing collectives as `comm` says, with
+/// `inputs` set.
+pub fn executor(
+    p: Program,
+    comm: hzp_runtime::exec::CommMode,
+    inputs: &[(String, hzp_ir::Tensor)],
+) -> Result<hzp_runtime::exec::Executor, String> {
+    let opts = hzp_runtime::exec::ExecOptions {
+        comm,
+        ..hzp_runtime::exec::ExecOptions::default()
+    };
+    let mut ex =
+        hzp_runtime::exec::Executor::new(&plan_of(p), &[], opts).map_err(|e| e.to_string())?;
+    ex.set_inputs(inputs).map_err(|e| e.to_string())?;
+    Ok(ex)
+}
