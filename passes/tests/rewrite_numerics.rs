@@ -3,7 +3,7 @@
 //! program before rewriting (exact rules: 1e-6 relative; bf16 reductions: a loose bound).
 
 mod sharded_common;
-use hzp_ir::{DType, Group, Mesh, Program, Tensor};
+use hzp_ir::{DType, Mesh, Program, Tensor};
 use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
 use hzp_passes::spmd::{shard_training_step, ShardSpec, ShardedStep};

@@ -3,7 +3,7 @@
 //! the same parameters as one rank training on the whole batch.
 
 mod sharded_common;
-use hzp_ir::{Group, Mesh};
+use hzp_ir::Mesh;
 use hzp_passes::shard_plan::ReduceGrads;
 use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardSpec};
 use sharded_common::{batch, g, h100_rewrite, import, meaningful, rel, rel_masked};

@@ -1,4 +1,5 @@
-//! Helpers the executor tests share.
+//! Helpers the executor tests share (each test uses some of them).
+#![allow(dead_code)]
 
 use hzp_ir::plan::{Buffer, BufferKind, Plan, ShardGroups};
 use hzp_ir::{Group, Program};
