@@ -203,6 +203,11 @@ struct Analysis {
     /// Parameters of each gather unit, in parameter order.
     units: BTreeMap<UnitKey, BTreeSet<usize>>,
     reshard: bool,
+    /// With `reshard`, the layer whose parameters stay gathered from the forward into the
+    /// backward anyway: that of the forward's last parameter read (the LM head), whose
+    /// backward comes right after the loss, so freeing it would only gather it again (FSDP
+    /// does not reshard its root module for the same reason).
+    kept: Option<usize>,
 }
 
 impl Analysis {
@@ -327,6 +332,30 @@ impl Analysis {
             }
         }
         let reshard = sched.reshard_after_forward;
+        // The layer of each parameter and of each forward value computed from parameters
+        // and constants alone (a transposed or cast weight, read later than the weight).
+        let mut derived: Vec<Option<usize>> = vec![None; micro.values.len()];
+        for (k, q) in micro.params.iter().enumerate() {
+            derived[q.value.index()] = Some(param_layer[k]);
+        }
+        let mut kept = None;
+        for (i, node) in micro.nodes.iter().enumerate() {
+            if !is_fwd[i] {
+                continue;
+            }
+            let Some(l) = node.inputs.iter().find_map(|v| derived[v.index()]) else {
+                continue;
+            };
+            kept = Some(l);
+            let only_weights = node.inputs.iter().all(|v| {
+                derived[v.index()].is_some() || matches!(micro.value(*v).def, ValueDef::Const)
+            });
+            if only_weights {
+                for &o in &node.outputs {
+                    derived[o.index()] = Some(l);
+                }
+            }
+        }
         let mut a = Analysis {
             is_fwd,
             node_layer,
@@ -338,6 +367,7 @@ impl Analysis {
             recomputed,
             units: BTreeMap::new(),
             reshard,
+            kept,
         };
         // The parameters of each unit: from every read, and from the clones' reads.
         let mut units: BTreeMap<UnitKey, BTreeSet<usize>> = BTreeMap::new();
@@ -373,12 +403,15 @@ impl Analysis {
         if !self.reshard {
             return (Phase::Both, self.param_layer[k]);
         }
-        let phase = if self.is_fwd[i] && !clone {
+        let layer = self.node_layer[i].unwrap_or(self.param_layer[k]);
+        let phase = if self.kept == Some(layer) {
+            Phase::Both
+        } else if self.is_fwd[i] && !clone {
             Phase::Fwd
         } else {
             Phase::Bwd
         };
-        (phase, self.node_layer[i].unwrap_or(self.param_layer[k]))
+        (phase, layer)
     }
 
     fn unit_name(&self, mb: usize, key: UnitKey) -> String {

@@ -254,8 +254,44 @@ fn measured(p: &Program, mesh: &Mesh) -> BTreeMap<(String, BTreeSet<String>), (u
 /// forward): those a backward node of the single-rank gradient program reads, and, with
 /// recompute, those read by the forward nodes that recompute what the backward reads (a
 /// forward value is kept, not recomputed, when it is an input or an output, or when a
-/// forward node of another layer reads it).
+/// forward node of another layer reads it). Not those of the layer the forward reads last
+/// (through its parameters or values computed from them and constants alone): that layer
+/// stays gathered into the backward.
 fn regathered(fwd: &Program, cfg: &TrainConfig, recompute: bool) -> HashSet<String> {
+    let mut out = regathered_all(fwd, cfg, recompute);
+    let lowered = train::lower_precision(fwd, cfg.compute).unwrap();
+    let with_loss = train::attach_loss(&lowered, &cfg.loss).unwrap();
+    let layers = layer_of_params(&with_loss);
+    let layer_of: BTreeMap<&str, usize> = with_loss
+        .params
+        .iter()
+        .zip(&layers.of_param)
+        .map(|(q, &l)| (with_loss.value(q.value).name.as_str(), l))
+        .collect();
+    let mut derived: BTreeMap<hzp_ir::ValueId, usize> = with_loss
+        .params
+        .iter()
+        .map(|q| (q.value, layer_of[with_loss.value(q.value).name.as_str()]))
+        .collect();
+    let mut last = None;
+    for n in &with_loss.nodes {
+        let Some(&l) = n.inputs.iter().find_map(|v| derived.get(v)) else {
+            continue;
+        };
+        last = Some(l);
+        if n.inputs.iter().all(|v| {
+            derived.contains_key(v) || matches!(with_loss.value(*v).def, hzp_ir::ValueDef::Const)
+        }) {
+            for &o in &n.outputs {
+                derived.insert(o, l);
+            }
+        }
+    }
+    out.retain(|name| last.is_none() || layer_of.get(name.as_str()).copied() != last);
+    out
+}
+
+fn regathered_all(fwd: &Program, cfg: &TrainConfig, recompute: bool) -> HashSet<String> {
     let lowered = train::lower_precision(fwd, cfg.compute).unwrap();
     let with_loss = train::attach_loss(&lowered, &cfg.loss).unwrap();
     let grad = train::gradient_program(&lowered, &cfg.loss).unwrap();
