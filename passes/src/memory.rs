@@ -835,36 +835,29 @@ pub fn plan_memory(
     }
     // At the peak, a class's bytes hold its latest in-place result produced by then, if any
     // (e.g. a gradient scattered over an activation is counted as a gradient), else its root.
-    let mut kind_at_peak: Vec<(i64, BufferKind)> = buffers.iter().map(|b| (-1, b.kind)).collect();
-    let slot: std::collections::HashMap<usize, usize> = buffers
-        .iter()
-        .enumerate()
-        .map(|(k, b)| (b.value.index(), k))
-        .collect();
+    // (per root value: the producer index and kind of that in-place result)
+    let mut in_place_at_peak: Vec<Option<(usize, BufferKind)>> = vec![None; p.values.len()];
     if let Some(peak) = peak_index {
         for b in buffers.iter().filter(|b| aliased[b.value.index()]) {
             let i = b.value.index();
-            let (Some(d), Some(&k)) = (lives[i].def, slot.get(&roots[i].index())) else {
-                continue;
-            };
+            let Some(d) = lives[i].def else { continue };
             // views (reshapes, transposed operands) keep their root's kind
             let in_place = !p.nodes[d].op.in_place_pairs().is_empty();
-            if in_place && d <= peak && d as i64 > kind_at_peak[k].0 {
-                kind_at_peak[k] = (d as i64, b.kind);
+            let held = &mut in_place_at_peak[roots[i].index()];
+            if in_place && d <= peak && held.is_none_or(|(e, _)| d > e) {
+                *held = Some((d, b.kind));
             }
         }
     }
     let mut peak_by_kind = BTreeMap::new();
-    for (k, b) in buffers.iter().enumerate() {
-        if aliased[b.value.index()] {
-            continue;
-        }
+    for b in buffers.iter().filter(|b| !aliased[b.value.index()]) {
         let at_peak = match peak_index {
             Some(k) => interval(b.value.index()).is_some_and(|(s, e)| s <= k && k <= e),
             None => true,
         };
         if at_peak {
-            *peak_by_kind.entry(kind_at_peak[k].1).or_insert(0u64) += b.bytes;
+            let kind = in_place_at_peak[b.value.index()].map_or(b.kind, |(_, k)| k);
+            *peak_by_kind.entry(kind).or_insert(0u64) += b.bytes;
         }
     }
     if peak_index.is_none() {

@@ -1354,14 +1354,14 @@ fn defer_reduce_consumers(
             stack.extend(p.nodes[pn.index()].inputs.iter().copied());
         }
     }
+    let reduction =
+        |nd: &hzp_ir::Node| nd.stream == StreamKind::ReduceScatter && nd.op.is_collective();
     let reduces: Vec<usize> = order
         .iter()
         .enumerate()
         .filter(|(_, id)| {
             let nd = &p.nodes[id.index()];
-            nd.stream == StreamKind::ReduceScatter
-                && nd.op.is_collective()
-                && nd.outputs.iter().any(|o| feeds_update[o.index()])
+            reduction(nd) && nd.outputs.iter().any(|o| feeds_update[o.index()])
         })
         .map(|(i, _)| i)
         .collect();
@@ -1483,10 +1483,7 @@ fn defer_reduce_consumers(
     // for all of them.
     for (i, &id) in order.iter().enumerate() {
         let nd = &p.nodes[id.index()];
-        if nd.stream == StreamKind::ReduceScatter
-            && nd.op.is_collective()
-            && reduces.binary_search(&i).is_err()
-        {
+        if reduction(nd) && reduces.binary_search(&i).is_err() {
             let ready = nd
                 .inputs
                 .iter()

@@ -443,11 +443,11 @@ impl Verifier<'_> {
         let (whole, ok): (Vec<usize>, Vec<usize>) = ok
             .into_iter()
             .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
-        // An update value may lie in its target's bytes when the target is no longer read
-        // (see `memory::in_place_updates`).
         // A reshape or identity may lie in its input's very bytes: the two are one view of the
         // same data (see `memory::view_sources`); each is still checked against all others.
         let views = crate::memory::view_sources(p);
+        // An update value may lie in its target's bytes when the target is no longer read
+        // (see `memory::in_place_updates`).
         let in_place: std::collections::HashSet<(ValueId, ValueId)> =
             crate::memory::in_place_updates(p, &self.hb, &lives, &views)
                 .into_iter()
