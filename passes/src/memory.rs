@@ -598,6 +598,12 @@ impl ConflictIndex {
 /// its declared in-place pairs (`Op::in_place_pairs`: AdamW's parameter and moments). The
 /// runtime then has nothing to copy for that update. `views` is the program's
 /// [`view_sources`].
+///
+/// A value that only reshapes a computed value read by nothing else (a chain of `Reshape` /
+/// `Identity`, e.g. a parameter unpacked from a gathered bucket by a `Slice`) is judged by
+/// the chain's head: when the head's producer may write over the target, the whole chain lies
+/// in the target's bytes and no step of it copies. The result names every value that does:
+/// `(target, value)` for the update's value and each member of its chain.
 pub(crate) fn in_place_updates(
     p: &Program,
     hb: &HappensBefore,
@@ -608,6 +614,37 @@ pub(crate) fn in_place_updates(
     for u in &p.updates {
         uses[u.value.index()] += 1;
     }
+    let users = p.users();
+    let escaping = p.escaping_values();
+    // the update value's chain: itself, then back through single-use reshapes to the head
+    let chain = |v: ValueId| -> Vec<ValueId> {
+        let mut c = vec![v];
+        loop {
+            let cur = *c.last().expect("the chain starts with the value");
+            let ValueDef::Node { node, .. } = p.value(cur).def else {
+                break;
+            };
+            let n = &p.nodes[node.index()];
+            let ([x], true) = (
+                n.inputs.as_slice(),
+                matches!(n.op, Op::Reshape { .. } | Op::Identity),
+            ) else {
+                break;
+            };
+            let x = *x;
+            let head_like = matches!(p.value(x).def, ValueDef::Node { .. })
+                && users[x.index()] == [node]
+                && uses[x.index()] == 0
+                && !escaping[x.index()]
+                && p.ty(x).dtype == p.ty(cur).dtype
+                && value_bytes(p, x) == value_bytes(p, cur);
+            if !head_like {
+                break;
+            }
+            c.push(x);
+        }
+        c
+    };
     // whether producer `d` reads the target `t` only as the input its result `v` replaces
     let replaces = |d: usize, t: ValueId, v: ValueId| -> bool {
         let node = &p.nodes[d];
@@ -626,30 +663,39 @@ pub(crate) fn in_place_updates(
     };
     p.updates
         .iter()
-        .filter(|u| {
-            let (t, v) = (&lives[u.target.index()], &lives[u.value.index()]);
-            let Some(d) = v.def else { return false };
-            let seen = hb.seen_before(NodeId(d as u32));
-            let own = hb.stream_of(NodeId(d as u32));
-            let read_before = t.last.iter().zip(seen).all(|(&l, s)| l <= s);
-            // on the producer's stream, its own position (seen + 1) may be the last read
-            let read_by_producer = || {
-                t.last
-                    .iter()
-                    .zip(seen)
-                    .enumerate()
-                    .all(|(x, (&l, s))| l <= s || (x == own && l == s + 1))
-                    && value_bytes(p, u.value) == value_bytes(p, u.target)
-                    && replaces(d, u.target, u.value)
+        .filter_map(|u| {
+            let c = chain(u.value);
+            let ok = |head: ValueId| {
+                let (t, v) = (&lives[u.target.index()], &lives[head.index()]);
+                let Some(d) = v.def else { return false };
+                let seen = hb.seen_before(NodeId(d as u32));
+                let own = hb.stream_of(NodeId(d as u32));
+                let read_before = t.last.iter().zip(seen).all(|(&l, s)| l <= s);
+                // on the producer's stream, its own position (seen + 1) may be the last read
+                let read_by_producer = || {
+                    t.last
+                        .iter()
+                        .zip(seen)
+                        .enumerate()
+                        .all(|(x, (&l, s))| l <= s || (x == own && l == s + 1))
+                        && value_bytes(p, head) == value_bytes(p, u.target)
+                        && replaces(d, u.target, head)
+                };
+                t.whole_step
+                    && !v.whole_step
+                    && uses[u.value.index()] == 1
+                    && u.target != u.value
+                    && value_bytes(p, head) <= value_bytes(p, u.target)
+                    && (read_before || read_by_producer())
             };
-            t.whole_step
-                && !v.whole_step
-                && uses[u.value.index()] == 1
-                && u.target != u.value
-                && value_bytes(p, u.value) <= value_bytes(p, u.target)
-                && (read_before || read_by_producer())
+            // the longest chain whose head may be written over the target (else none); a head
+            // other than the value itself must be no view (its bytes are its own to place)
+            (0..c.len())
+                .rev()
+                .find(|&k| (k == 0 || views[c[k].index()] == c[k]) && ok(c[k]))
+                .map(|k| c[..=k].iter().map(|&v| (u.target, v)).collect::<Vec<_>>())
         })
-        .map(|u| (u.target, u.value))
+        .flatten()
         .collect()
 }
 

@@ -249,6 +249,40 @@ fn an_update_waits_for_the_views_of_its_target() {
 }
 
 #[test]
+fn an_update_unpacked_by_reshapes_is_written_over_its_target_by_the_slice() {
+    // A parameter unpacked from a gathered bucket: `Slice` then reshapes. When nothing reads
+    // `w` after the slice, the slice writes straight into `w`'s bytes and the reshapes copy
+    // nothing; when `w` is read after it (`late`), the chain keeps its own bytes. `shared`:
+    // the slice is read by something else too, so only the last reshape may go in place.
+    let src = |late: bool, shared: bool| {
+        format!(
+            "program \"unpack\"\ninput %x : f32[2,32]\nparam %w : f32[32]\n\
+             %y0 = Relu(%w) \"y0\"\n\
+             %s = Slice{{axes=[1], starts=[0], ends=[16], steps=[1]}}(%x) \"s\"\n\
+             %r1 = Reshape{{shape=[4,8]}}(%s) \"r1\"\n%r2 = Reshape{{shape=[32]}}(%r1) \"r2\"\n\
+             {}{}output %y0{}\nupdate %w = %r2\n",
+            if late { "%y1 = Relu(%w) \"y1\"\n" } else { "" },
+            if shared { "%z = Relu(%s) \"z\"\n" } else { "" },
+            if shared { ", %z" } else { "" },
+        )
+    };
+    for (late, shared) in [(false, false), (true, false), (false, true)] {
+        let p = parse(&src(late, shared));
+        let m = plan_mem(&p);
+        check_report(&m);
+        let w = offset(&m, &p, "w");
+        let what = format!("late {late}, shared {shared}");
+        assert_eq!(offset(&m, &p, "s") == w, !late && !shared, "{what}");
+        assert_eq!(offset(&m, &p, "r1") == w, !late && !shared, "{what}");
+        assert_eq!(offset(&m, &p, "r2") == w, !late, "{what}");
+        if !late && !shared {
+            assert_eq!(offset(&m, &p, "r1"), offset(&m, &p, "s"));
+        }
+        verify_plan(&plan_of(p), None).unwrap_or_else(|v| panic!("{what}: {v:#?}"));
+    }
+}
+
+#[test]
 fn a_fused_adamw_writes_each_result_over_the_state_it_replaces() {
     // `late`: the parameter is read again after the step; `twice`: the step reads the
     // parameter as its gradient too. Either keeps the new parameter out of the old one's
