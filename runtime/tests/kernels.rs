@@ -798,6 +798,33 @@ fn softmax_cross_entropy_and_its_gradient() {
         &[a, 0.5 * (c - 1.0), b, 0.5 * b, c - 1.0, 0.5 * a],
         1e-6,
     );
+    // a class axis in the middle (3 blocks of 300 classes x 85 positions: 64-, 16-, four-
+    // and one-wide lane groups, sums over more than 256 classes) agrees with the class axis
+    // last on the transposed logits
+    let (o, d, n) = (3usize, 300usize, 85usize);
+    let val =
+        |b: usize, c: usize, p: usize| ((b * 7919 + c * 104_729 + p * 31) % 1000) as f32 / 97.0;
+    let mid: Vec<f32> = (0..o * d * n)
+        .map(|k| val(k / (d * n), k / n % d, k % n))
+        .collect();
+    let last: Vec<f32> = (0..o * n * d)
+        .map(|k| val(k / (n * d), k % d, k / d % n))
+        .collect();
+    let labs: Vec<i64> = (0..o * n).map(|k| ((k * 131) % d) as i64).collect();
+    let dys: Vec<f32> = (0..o * n).map(|k| 0.5 + k as f32 / 64.0).collect();
+    let (xm, xl) = (f(&[o, d, n], &mid), f(&[o, n, d], &last));
+    let (lb, dyv) = (i(&[o, n], &labs), f(&[o, n], &dys));
+    let (loss_m, loss_l) = (
+        run1(Op::SoftmaxCrossEntropy { axis: 1 }, &[&xm, &lb]),
+        run1(Op::SoftmaxCrossEntropy { axis: 2 }, &[&xl, &lb]),
+    );
+    assert_close(&loss_m, &[o, n], &loss_l.to_f32_vec(), 1e-5);
+    let gm = run1(Op::SoftmaxCrossEntropyGrad { axis: 1 }, &[&xm, &lb, &dyv]);
+    let gl = run1(Op::SoftmaxCrossEntropyGrad { axis: 2 }, &[&xl, &lb, &dyv]).to_f32_vec();
+    let gl_mid: Vec<f32> = (0..o * d * n)
+        .map(|k| gl[(k / (d * n)) * n * d + (k % n) * d + k / n % d])
+        .collect();
+    assert_close(&gm, &[o, d, n], &gl_mid, 1e-6);
     // large logits stay finite
     let big = f(&[1, 2], &[1000.0, 1000.0]);
     let l = run1(Op::SoftmaxCrossEntropy { axis: 1 }, &[&big, &i(&[1], &[1])]);

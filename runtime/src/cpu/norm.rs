@@ -366,10 +366,122 @@ fn ce_rows(x: &[f32], labels: &[usize], grad: Option<&[f32]>, dim: usize, out: &
     )
 }
 
+/// Per-position scratch of [`ce_cols`]: running maximum, block maximum, block sums (f32),
+/// total sums (f64), each one entry per position.
+struct ColState<'a> {
+    m: &'a mut [f32],
+    bm: &'a mut [f32],
+    acc: &'a mut [f32],
+    total: &'a mut [f64],
+}
+
+/// [`ce_body`] for a class axis that is not last: `x` is one `[dim, lanes]` block (each
+/// column a position, `labels.len()` = lanes) and `out` its losses (`[lanes]`) or its
+/// gradient (`[dim, lanes]`). The class axis is swept row by row, each row across all
+/// positions at once (contiguous, vectorized across positions), in blocks of 256 classes:
+/// a block's maximum, the running sum rescaled where the maximum rose, then the block's
+/// exponentials while it is in cache (f32 within a block, f64 across). The gradient is a
+/// second sweep. Positions are split between threads in contiguous ranges.
+fn ce_cols(
+    x: &[f32],
+    labels: &[usize],
+    grad: Option<&[f32]>,
+    dim: usize,
+    out: &mut [f32],
+    st: ColState,
+) {
+    let n = labels.len();
+    let optr = super::threads::SendPtr(out.as_mut_ptr());
+    let olen = if grad.is_some() { dim * n } else { n };
+    let sp = (
+        super::threads::SendPtr(st.m.as_mut_ptr()),
+        super::threads::SendPtr(st.bm.as_mut_ptr()),
+        super::threads::SendPtr(st.acc.as_mut_ptr()),
+        super::threads::SendPtr(st.total.as_mut_ptr()),
+    );
+    super::threads::for_each_range(n, 64, |lo, hi| {
+        let w = hi - lo;
+        // SAFETY: each call writes only positions lo..hi of `out` (losses: those entries;
+        // gradient: those columns of every row) and of the state arrays (each `n` long),
+        // disjoint between calls; all outlive the parallel section.
+        let (out, m, bm, acc, total) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(optr.get(), olen),
+                std::slice::from_raw_parts_mut(sp.0.get().add(lo), w),
+                std::slice::from_raw_parts_mut(sp.1.get().add(lo), w),
+                std::slice::from_raw_parts_mut(sp.2.get().add(lo), w),
+                std::slice::from_raw_parts_mut(sp.3.get().add(lo), w),
+            )
+        };
+        math::vectorized(
+            #[inline(always)]
+            || {
+                let row = |d: usize| &x[d * n + lo..d * n + hi];
+                m.fill(f32::NEG_INFINITY);
+                total.fill(0.0);
+                let mut d0 = 0;
+                while d0 < dim {
+                    let d1 = (d0 + 256).min(dim);
+                    bm.copy_from_slice(m);
+                    for d in d0..d1 {
+                        for (b, &v) in bm.iter_mut().zip(row(d)) {
+                            if v > *b {
+                                *b = v;
+                            }
+                        }
+                    }
+                    for ((t, mm), &b) in total.iter_mut().zip(m.iter_mut()).zip(bm.iter()) {
+                        if b > *mm {
+                            *t *= math::exp(*mm - b) as f64;
+                            *mm = b;
+                        }
+                    }
+                    acc.fill(0.0);
+                    for d in d0..d1 {
+                        for ((a, &v), &mm) in acc.iter_mut().zip(row(d)).zip(m.iter()) {
+                            *a += math::exp(v - mm);
+                        }
+                    }
+                    for (t, &a) in total.iter_mut().zip(acc.iter()) {
+                        *t += a as f64;
+                    }
+                    d0 = d1;
+                }
+                match grad {
+                    None => {
+                        for k in 0..w {
+                            let i = lo + k;
+                            let xl = x[labels[i] * n + i];
+                            out[i] = (m[k] as f64 + total[k].ln() - xl as f64) as f32;
+                        }
+                    }
+                    Some(g) => {
+                        // the scale per position, in the block-sum scratch
+                        for ((a, &t), &gi) in acc.iter_mut().zip(total.iter()).zip(&g[lo..hi]) {
+                            *a = (gi as f64 / t) as f32;
+                        }
+                        for d in 0..dim {
+                            let o = &mut out[d * n + lo..d * n + hi];
+                            for (((o, &v), &mm), &sc) in
+                                o.iter_mut().zip(row(d)).zip(m.iter()).zip(acc.iter())
+                            {
+                                *o = math::exp(v - mm) * sc;
+                            }
+                        }
+                        for i in lo..hi {
+                            out[labels[i] * n + i] -= g[i];
+                        }
+                    }
+                }
+            },
+        )
+    });
+}
+
 /// Softmax cross-entropy along `axis` of `x` against integer `labels` (x's shape without
 /// `axis`): the per-position loss (`dy == None`, `out` shaped like the labels) or, given the
 /// loss gradient `dy`, the logits' gradient (`out` shaped like `x`). Rows are computed in
-/// f32 with f64 sums; strided lanes (axis not last) are gathered into contiguous rows first.
+/// f32 with f64 sums; with the axis not last, positions are swept side by side ([`ce_cols`]).
 pub fn softmax_cross_entropy(
     x: &TensorRef,
     labels: &TensorRef,
@@ -391,49 +503,47 @@ pub fn softmax_cross_entropy(
     for (k, a) in at.iter_mut().enumerate() {
         *a = label_at(labels, k, dim)?;
     }
-    let strided = inner != 1;
-    let [xs, os, gs, rows, grows] = ws.f32s.take([
+    let cols = if inner != 1 { inner } else { 0 };
+    let [xs, os, gs, m, bm, acc] = ws.f32s.take([
         stage_len(x.data),
         out_stage_len(out),
         dy.map_or(0, |d| stage_len(d.data)),
-        if strided { n * dim } else { 0 },
-        if strided && dy.is_some() { n * dim } else { 0 },
+        cols,
+        cols,
+        cols,
     ]);
+    let [total] = ws.f64s.take([cols]);
     let xv = floats(x.data, xs);
     let g = dy.map(|d| floats(d.data, gs));
-    // position k = o * inner + i of the labels is lane (o, i) of x
-    let lane = |k: usize, d: usize| (k / inner) * dim * inner + d * inner + k % inner;
-    let xr: &[f32] = if strided {
-        for k in 0..n {
-            for d in 0..dim {
-                rows[k * dim + d] = xv[lane(k, d)];
-            }
-        }
-        rows
-    } else {
-        xv
-    };
     let at = &*at;
     store_f32(out, os, |o| {
+        if inner != 1 {
+            // the class axis is not last: lanes side by side, one block per outer index
+            let per = if g.is_some() { dim * inner } else { inner };
+            for (b, ob) in o.chunks_exact_mut(per).enumerate() {
+                let lanes = b * inner..(b + 1) * inner;
+                let xb = &xv[b * dim * inner..(b + 1) * dim * inner];
+                let st = ColState {
+                    m: &mut *m,
+                    bm: &mut *bm,
+                    acc: &mut *acc,
+                    total: &mut *total,
+                };
+                ce_cols(xb, &at[lanes.clone()], g.map(|g| &g[lanes]), dim, ob, st);
+            }
+            return;
+        }
         let run = |first: usize, o: &mut [f32]| {
             let per = if g.is_some() { dim } else { 1 };
             let count = o.len() / per;
-            let rows = &xr[first * dim..(first + count) * dim];
+            let rows = &xv[first * dim..(first + count) * dim];
             let g = g.map(|g| &g[first..first + count]);
             ce_rows(rows, &at[first..first + count], g, dim, o);
         };
         let per_row = if g.is_some() { dim } else { 1 };
-        let target: &mut [f32] = if strided && g.is_some() { grows } else { o };
         // rows in parallel pieces of about 64K elements
         let chunk = ((1 << 16) / dim).max(1);
-        super::threads::for_each_chunk(target, chunk * per_row, |c, piece| run(c * chunk, piece));
-        if strided && g.is_some() {
-            for k in 0..n {
-                for d in 0..dim {
-                    o[lane(k, d)] = grows[k * dim + d];
-                }
-            }
-        }
+        super::threads::for_each_chunk(o, chunk * per_row, |c, piece| run(c * chunk, piece));
     });
     Ok(())
 }
