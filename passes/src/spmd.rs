@@ -1318,6 +1318,12 @@ fn drop_redundant_copies(q: &mut Program) {
 /// result (see [`defer_reduce_consumers`]).
 const REDUCE_DEPTH: usize = 2;
 
+/// After the last reduction, the compute that reads a re-gathered layer waits until the
+/// optimizer steps of the layers whose re-gathers go out this many re-gathers later are
+/// issued: when a layer's re-gather takes longer than the next layer's reduction, the next
+/// step's update still goes out without waiting for it (see [`defer_reduce_consumers`]).
+const REGATHER_DEPTH: usize = 2;
+
 /// Moves the compute that reads a reduction's result (unpacking a gradient bucket, adding
 /// it to the accumulator, scaling) from right after the reduction to right after the
 /// [`REDUCE_DEPTH`]-th next reduction is issued, so the compute stream goes on with the
@@ -1329,7 +1335,8 @@ const REDUCE_DEPTH: usize = 2;
 /// they), and the result is a topological order that keeps `extra`'s (waiter, waited)
 /// pairs: the deferral costs at most two reductions' results held a layer longer. After
 /// the last reduction the optimizer steps run in reduction order, and the compute that
-/// reads a layer's re-gathered parameters waits until the next layer's step is done.
+/// reads a layer's re-gathered parameters waits until the step of the layer
+/// [`REGATHER_DEPTH`] re-gathers later is done.
 fn defer_reduce_consumers(
     p: &Program,
     order: &[NodeId],
@@ -1410,8 +1417,9 @@ fn defer_reduce_consumers(
     // last reductions (the first layers' gradients) are still on the wire. `dep`: the latest
     // reduction a node depends on, through any path.
     // The compute that reads a re-gather (an all-gather issued after the last reduction)
-    // goes with the work of the next re-gather's layer, so the compute stream runs that
-    // layer's optimizer step while the re-gather is on the wire instead of waiting for it.
+    // goes with the work of the layer whose re-gather goes out REGATHER_DEPTH later, so the
+    // compute stream runs the next layers' optimizer steps while the re-gather is on the
+    // wire instead of waiting for it.
     if let Some(&last) = reduces.last() {
         let regathers: Vec<usize> = (last + 1..n)
             .filter(|&i| {
@@ -1449,10 +1457,10 @@ fn defer_reduce_consumers(
             by_dep.sort_by_key(|&g| (dep[g], g));
             let mut defer = vec![None; n];
             for (k, &g) in by_dep.iter().enumerate() {
-                // the last one's readers go after everything else
+                // the last ones' readers go after everything else
                 defer[g] = Some(
                     by_dep
-                        .get(k + 1)
+                        .get(k + REGATHER_DEPTH)
                         .map_or(2 * n + 3, |&h| dep[h].max(dep[g]) + 1),
                 );
             }
