@@ -65,6 +65,11 @@ pub struct CompileArgs {
     /// placement).
     #[arg(long)]
     pub no_rewrite: bool,
+    /// Reduce an embedding table's gradient as a dense table even where exchanging the
+    /// looked-up rows and their indices moves fewer bytes (the default exchanges the rows:
+    /// each rank adds the ones in its shard).
+    #[arg(long)]
+    pub dense_embedding_grads: bool,
     /// dtype gradients are reduced and accumulated in: f32 (default) or bf16 (half the
     /// gradient memory and traffic, less exact sums).
     #[arg(long, default_value = "f32")]
@@ -340,6 +345,7 @@ pub fn build_plan(
         recompute: opts.recompute,
         grad_dtype: opts.grad_dtype,
         narrow_grads: None,
+        sparse_grads: !c.dense_embedding_grads,
     };
     let report = planned.map_err(|e| match e {
         shard_plan::ShardPlanError::DoesNotFit {

@@ -1027,6 +1027,7 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
         recompute: opts.recompute,
         grad_dtype: opts.grad_dtype,
         narrow_grads: None,
+        sparse_grads: true,
     };
     let none = Group::new(Vec::<String>::new());
     let spec = crate::spmd::ShardSpec {

@@ -127,6 +127,9 @@ pub struct ScheduleOptions {
     /// narrower than G (inside a node) and accumulated there; the rest of G is reduced once
     /// per step, after the last accumulation. Needs per-micro-batch reduction.
     pub narrow_grads: Option<NarrowGrads>,
+    /// Exchange the looked-up rows of an (untied) embedding table's gradient instead of
+    /// reducing the whole table when that moves fewer bytes (see [`SparseGrad`]).
+    pub sparse_grads: bool,
 }
 
 /// See [`ScheduleOptions::narrow_grads`]: `params ⊆ group ⊊ grads` must hold.
@@ -147,7 +150,67 @@ impl Default for ScheduleOptions {
             recompute: false,
             grad_dtype: DType::F32,
             narrow_grads: None,
+            sparse_grads: true,
         }
+    }
+}
+
+/// A parameter's gradient that is a scatter-add of rows into zeros (an untied embedding
+/// lookup's gradient, `ScatterND(zeros, idx [..., 1], rows [..., row shape])`) on a table
+/// whose rows divide evenly between the gradient group's ranks. Instead of reduce-scattering
+/// the dense table, the looked-up rows and their indices are all-gathered and each rank adds
+/// the rows that fall in its shard (DeepSpeed's sparse gradients; the rank's shard offset
+/// comes from an all-to-all of `0..g`). Chosen only when the rows of all ranks are fewer
+/// bytes than the table. A tied table's gradient (rows scattered into the LM head's dense
+/// gradient) stays dense: the rows would be sent on top of the dense reduction.
+struct SparseGrad {
+    /// The scatter in the micro-batch program.
+    node: usize,
+}
+
+/// [`SparseGrad`] for gradient output `gv` of parameter layout `l`, when it qualifies.
+fn sparse_grad(
+    micro: &Program,
+    users: &[Vec<NodeId>],
+    gv: ValueId,
+    l: &ParamLayout,
+    g: usize,
+    gdt: DType,
+) -> Option<SparseGrad> {
+    let node = micro.producer(gv)?;
+    let n = &micro.nodes[node.index()];
+    let (Op::ScatterND { add: true }, &[base, idx, upd]) = (&n.op, n.inputs.as_slice()) else {
+        return None;
+    };
+    let (it, ut) = (micro.ty(idx), micro.ty(upd));
+    let rows = *l.shape.first()?;
+    // one row index per lookup: idx [..., 1], rows [..., table row shape]
+    let lead = it.rank().checked_sub(1)?;
+    let shaped = l.shape.len() >= 2
+        && it.rank() >= 2
+        && it.shape[lead] == 1
+        && it.dtype.is_int()
+        && ut.rank() == lead + l.shape.len() - 1
+        && ut.shape[..lead] == it.shape[..lead]
+        && ut.shape[lead..] == l.shape[1..]
+        && micro.ty(base).shape == l.shape;
+    let lookups: usize = it.shape[..lead].iter().product();
+    if !shaped
+        || !users[gv.index()].is_empty()
+        || micro.outputs.iter().filter(|&&o| o == gv).count() != 1
+        || l.padded != l.numel
+        || rows % g != 0
+    {
+        return None;
+    }
+    let row_bytes = (l.numel / rows * gdt.size_bytes()) as u64;
+    let sent = (g * lookups) as u64 * (row_bytes + it.dtype.size_bytes() as u64);
+    if sent >= l.numel as u64 * gdt.size_bytes() as u64 {
+        return None;
+    }
+    match micro.producer(base).map(|b| &micro.nodes[b.index()].op) {
+        Some(Op::Fill { value, .. }) if *value == 0.0 => Some(SparseGrad { node: node.index() }),
+        _ => None,
     }
 }
 
@@ -772,6 +835,117 @@ pub fn shard_training_step_rewritten(
     };
     let mut final_g: Vec<Option<ValueId>> = vec![None; n_params];
 
+    // Row-exchanged gradients (see `SparseGrad`), by the scatter's node.
+    let sparse: Vec<Option<SparseGrad>> = {
+        let users = micro.users();
+        (0..n_params)
+            .map(|j| {
+                let ok = sched.sparse_grads && per_mb && g > 1 && narrow(j).is_none();
+                ok.then(|| sparse_grad(&micro, &users, micro.outputs[1 + j], &layouts[j], g, gdt))
+                    .flatten()
+                    .filter(|_| grad_of[&micro.outputs[1 + j]].len() == 1)
+            })
+            .collect()
+    };
+    let sparse_at: HashMap<usize, usize> = sparse
+        .iter()
+        .enumerate()
+        .filter_map(|(j, s)| Some((s.as_ref()?.node, j)))
+        .collect();
+    // This rank's index in the gradient group, as a scalar: member j sends piece r of
+    // 0..g to member r, so member r receives r from every member.
+    let member = if sparse_at.is_empty() {
+        None
+    } else {
+        e.scope = "member".into();
+        (|| -> Result<ValueId, String> {
+            let mut names = hzp_ir::NameSet::from_program(e.p);
+            let name = names.fresh("member/ranks");
+            let ranks =
+                e.p.add_const(name, hzp_ir::Tensor::i64(vec![g], (0..g as i64).collect()));
+            let got = e.op(
+                Op::AllToAll {
+                    group: spec.grads.clone(),
+                    split_axis: 0,
+                    concat_axis: 0,
+                },
+                &[ranks],
+            )?;
+            let one = e.op(
+                Op::Slice {
+                    axes: vec![0],
+                    starts: vec![0],
+                    ends: vec![1],
+                    steps: vec![1],
+                },
+                &[got],
+            )?;
+            e.op(Op::Reshape { shape: vec![] }, &[one])
+        })()
+        .map(Some)
+        .map_err(err)?
+    };
+    // The rank's shard of a row-exchanged gradient: the rows of every rank that fall in it.
+    let sparse_rows =
+        |e: &mut Emitter, j: usize, idx: ValueId, upd: ValueId| -> Result<ValueId, String> {
+            let l = &layouts[j];
+            // the lookups as one list: idx [T, 1], rows [T, table row shape]
+            let lookups: usize = e.ty(idx).shape.iter().product();
+            let idx = e.op(
+                Op::Reshape {
+                    shape: vec![lookups, 1],
+                },
+                &[idx],
+            )?;
+            let mut rows_shape = vec![lookups];
+            rows_shape.extend_from_slice(&l.shape[1..]);
+            let mut upd = e.op(Op::Reshape { shape: rows_shape }, &[upd])?;
+            if e.ty(upd).dtype != gdt {
+                upd = e.op(Op::Cast { to: gdt }, &[upd])?;
+            }
+            let gather = |e: &mut Emitter, v: ValueId| {
+                e.op(
+                    Op::AllGather {
+                        group: spec.grads.clone(),
+                        axis: 0,
+                    },
+                    &[v],
+                )
+            };
+            let idx_all = gather(e, idx)?;
+            let upd_all = gather(e, upd)?;
+            let idt = e.ty(idx).dtype;
+            let mut me = member.ok_or("internal: no member index")?;
+            if idt != DType::I64 {
+                me = e.op(Op::Cast { to: idt }, &[me])?;
+            }
+            let per = l.shape[0] / g;
+            let per_c = e.scalar(per as f64, idt);
+            let first = e.op(Op::Binary(BinaryOp::Mul), &[me, per_c])?;
+            let loc = e.op(Op::Binary(BinaryOp::Sub), &[idx_all, first])?;
+            let zero_i = e.scalar(0.0, idt);
+            let lo = e.op(Op::Binary(BinaryOp::GreaterOrEqual), &[loc, zero_i])?;
+            let hi = e.op(Op::Binary(BinaryOp::Less), &[loc, per_c])?;
+            let inside = e.op(Op::Binary(BinaryOp::And), &[lo, hi])?;
+            let loc = e.op(Op::Where, &[inside, loc, zero_i])?;
+            // one mask entry per row, broadcast over the row's elements
+            let mut mask_shape = vec![e.ty(upd_all).shape[0]];
+            mask_shape.resize(e.ty(upd_all).rank(), 1);
+            let mask = e.op(Op::Reshape { shape: mask_shape }, &[inside])?;
+            let zero_g = e.scalar(0.0, gdt);
+            let rows = e.op(Op::Where, &[mask, upd_all, zero_g])?;
+            let mut shard_shape = l.shape.clone();
+            shard_shape[0] = per;
+            let base = e.zeros(&TensorType::new(gdt, shard_shape))?;
+            let sum = e.op(Op::ScatterND { add: true }, &[base, loc, rows])?;
+            e.op(
+                Op::Reshape {
+                    shape: vec![l.numel / g],
+                },
+                &[sum],
+            )
+        };
+
     for mb in 0..m {
         let suffix = if m == 1 {
             String::new()
@@ -927,6 +1101,15 @@ pub fn shard_training_step_rewritten(
                     })?
                 };
                 ins.push(y);
+            }
+            if let Some(&j) = sparse_at.get(&i) {
+                let l = &layouts[j];
+                let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
+                e.scope = format!("reduce.mb{mb}.{layer}/{}/rows", l.name);
+                let r = sparse_rows(&mut e, j, ins[1], ins[2]).map_err(err)?;
+                done_grads[j] = true;
+                pending.push((j, r, bwd_layers_seen));
+                continue;
             }
             let outs = copy_node(&mut e, i, ins, &suffix).map_err(err)?;
             for (&o, v) in node.outputs.iter().zip(outs) {

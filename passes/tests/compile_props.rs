@@ -122,6 +122,8 @@ fn case() -> impl Strategy<Value = Case> {
                 recompute,
                 grad_dtype: if bf16_grads { DType::BF16 } else { DType::F32 },
                 narrow_grads: None,
+                // (the MLPs here look nothing up)
+                sparse_grads: true,
             },
         );
     let training = (

@@ -457,3 +457,56 @@ fn llama_step(spec: &ShardSpec, rewrite: bool) -> hzp_ir::Program {
     .unwrap()
     .program
 }
+
+/// An untied embedding's gradient (llama_tiny: a 256 x 64 table, 64 lookups per rank on
+/// gpu=2) goes out as the looked-up rows and their indices, fewer bytes than the table: the
+/// table is not reduce-scattered; with `sparse_grads` off it is. Both give one rank's
+/// training (SGD, which a wrong gradient shows in).
+#[test]
+fn an_untied_embedding_exchanges_its_rows_not_the_table() {
+    let spec = ShardSpec {
+        params: g(&["gpu"]),
+        grads: g(&["gpu"]),
+        optim: g(&["gpu"]),
+    };
+    for sparse in [true, false] {
+        let sched = ScheduleOptions {
+            sparse_grads: sparse,
+            ..ScheduleOptions::default()
+        };
+        let p = shard_training_step_rewritten(
+            &import("llama_tiny.legacy.op17.onnx", 4, 16),
+            &cfg(None, true),
+            &Mesh::parse("gpu=2").unwrap(),
+            &spec,
+            &sched,
+            None,
+            &mut |_, _| {},
+        )
+        .unwrap()
+        .program;
+        let count = |f: &dyn Fn(&hzp_ir::Node) -> bool| {
+            p.nodes
+                .iter()
+                .filter(|n| n.name.contains("embed_tokens") && f(n))
+                .count()
+        };
+        let table = count(&|n| matches!(n.op, hzp_ir::Op::ReduceScatter { .. }));
+        let rows =
+            count(&|n| matches!(n.op, hzp_ir::Op::AllGather { .. }) && n.name.contains("/rows/"));
+        assert_eq!(
+            (table, rows),
+            if sparse { (0, 2) } else { (1, 0) },
+            "sparse {sparse}"
+        );
+        check_with(
+            "llama_tiny.legacy.op17.onnx",
+            "llama_tiny",
+            "gpu=2",
+            spec.clone(),
+            cfg(None, true),
+            &sched,
+            1e-5,
+        );
+    }
+}
