@@ -460,6 +460,15 @@ pub fn build_plan(
         );
         (step, mem) = (s2, m2);
     }
+    for (name, rows, table) in &step.row_exchanged {
+        eprintln!(
+            "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
+             per rank per micro-batch) instead of reducing the {} table \
+             (--dense-embedding-grads reduces the table)",
+            hzp_ir::plan::format_bytes(*rows),
+            hzp_ir::plan::format_bytes(*table)
+        );
+    }
     if c.explain {
         if let Some(r) = &step.rewrite_report {
             println!("collective rewriting:\n{r}");

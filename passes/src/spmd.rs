@@ -44,6 +44,9 @@ pub struct ShardedStep {
     pub groups: ShardSpec,
     /// What collective rewriting did, when it ran (for `--explain`).
     pub rewrite_report: Option<String>,
+    /// The parameters whose gradients are exchanged as rows (see [`SparseGrad`]): name, bytes
+    /// each rank sends per micro-batch as rows and indices, and the table's bytes.
+    pub row_exchanged: Vec<(String, u64, u64)>,
 }
 
 fn err(s: impl Into<String>) -> TrainError {
@@ -166,6 +169,8 @@ impl Default for ScheduleOptions {
 struct SparseGrad {
     /// The scatter in the micro-batch program.
     node: usize,
+    /// Bytes of rows and indices each rank sends per micro-batch.
+    sent: u64,
 }
 
 /// [`SparseGrad`] for gradient output `gv` of parameter layout `l`, when it qualifies.
@@ -209,7 +214,10 @@ fn sparse_grad(
         return None;
     }
     match micro.producer(base).map(|b| &micro.nodes[b.index()].op) {
-        Some(Op::Fill { value, .. }) if *value == 0.0 => Some(SparseGrad { node: node.index() }),
+        Some(Op::Fill { value, .. }) if *value == 0.0 => Some(SparseGrad {
+            node: node.index(),
+            sent: sent / g as u64 * (g as u64 - 1),
+        }),
         _ => None,
     }
 }
@@ -847,6 +855,14 @@ pub fn shard_training_step_rewritten(
             })
             .collect()
     };
+    let row_exchanged: Vec<(String, u64, u64)> = sparse
+        .iter()
+        .zip(&layouts)
+        .filter_map(|(s, l)| {
+            let s = s.as_ref()?;
+            Some((l.name.clone(), s.sent, (l.numel * gdt.size_bytes()) as u64))
+        })
+        .collect();
     let sparse_at: HashMap<usize, usize> = sparse
         .iter()
         .enumerate()
@@ -1294,6 +1310,7 @@ pub fn shard_training_step_rewritten(
         layouts,
         groups: spec,
         rewrite_report,
+        row_exchanged,
     })
 }
 
