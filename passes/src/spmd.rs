@@ -1651,9 +1651,11 @@ fn defer_reduce_consumers(
             dep
         };
         let mut dep = deps(&vec![None; n]);
-        if !regathers.is_empty() {
+        // (an all-gather that waits for no reduction, such as an embedding gradient's rows,
+        // carries no new parameters: its readers are not deferred)
+        let mut by_dep: Vec<usize> = regathers.iter().copied().filter(|&g| dep[g] > 0).collect();
+        if !by_dep.is_empty() {
             // in the order they go out: by the reductions they wait for
-            let mut by_dep = regathers.clone();
             by_dep.sort_by_key(|&g| (dep[g], g));
             let mut defer = vec![None; n];
             for (k, &g) in by_dep.iter().enumerate() {
