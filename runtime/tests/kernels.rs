@@ -583,6 +583,28 @@ fn reductions() {
         run1(red(ReduceOp::Prod, &[0], false), &[&i(&[3], &[2, -3, 4])]),
         i(&[], &[-24])
     );
+    // leading axes (the vectorized column sums) give the bits of the general walk (the same
+    // axes behind a size-1 axis) and the f64 sums
+    let vals: Vec<f32> = (0..105)
+        .map(|k| ((k * 37) % 23) as f32 * 0.37 - 4.0)
+        .collect();
+    let (lead, behind) = (f(&[5, 7, 3], &vals), f(&[1, 5, 7, 3], &vals));
+    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let a = run1(red(op, &[0, 1], false), &[&lead]).to_f32_vec();
+        let b = run1(red(op, &[1, 2], false), &[&behind]).to_f32_vec();
+        assert_eq!(
+            a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        let scale = if op == ReduceOp::Mean { 35.0 } else { 1.0 };
+        for (c, &got) in a.iter().enumerate() {
+            let want: f64 = (0..35).map(|r| vals[r * 3 + c] as f64).sum::<f64>() / scale;
+            assert!(
+                (got as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{got} vs {want}"
+            );
+        }
+    }
     // empty axes: no reduction (the type rule keeps the shape)
     assert_eq!(run1(red(ReduceOp::Sum, &[], false), &[&y]), y);
     // NaN propagates through max

@@ -55,6 +55,15 @@ fn digest() -> String {
         Op::SoftmaxCrossEntropyGrad { axis: 0 },
         vec![&cols, &col_labels, &col_dy],
     ));
+    // a sum over the leading axis (bias gradients): f64 per column at any width
+    cases.push((
+        Op::Reduce {
+            op: hzp_ir::ReduceOp::Sum,
+            axes: vec![0],
+            keep_dims: false,
+        },
+        vec![&cols],
+    ));
     // AdamW: parameters, gradients (with the special values), positive second moments
     let (m1, v2) = (
         Tensor::f32(vec![n], v.iter().map(|x| x * 0.01).collect()),
@@ -124,7 +133,7 @@ fn every_simd_level_gives_the_same_bits() {
             .lines()
             .filter_map(|l| l.strip_prefix("DIGEST "))
             .collect();
-        assert_eq!(d.len(), 16, "no digests in the child's output: {text}");
+        assert_eq!(d.len(), 17, "no digests in the child's output: {text}");
         d.join("\n")
     };
     let widest = at(None);
