@@ -202,6 +202,7 @@ fn sparse_grad(
     let lookups: usize = it.shape[..lead].iter().product();
     if !shaped
         || !users[gv.index()].is_empty()
+        // (the gradient of this parameter alone)
         || micro.outputs.iter().filter(|&&o| o == gv).count() != 1
         || l.padded != l.numel
         || rows % g != 0
@@ -848,10 +849,10 @@ pub fn shard_training_step_rewritten(
         let users = micro.users();
         (0..n_params)
             .map(|j| {
-                let ok = sched.sparse_grads && per_mb && g > 1 && narrow(j).is_none();
-                ok.then(|| sparse_grad(&micro, &users, micro.outputs[1 + j], &layouts[j], g, gdt))
-                    .flatten()
-                    .filter(|_| grad_of[&micro.outputs[1 + j]].len() == 1)
+                if !(sched.sparse_grads && per_mb && g > 1 && narrow(j).is_none()) {
+                    return None;
+                }
+                sparse_grad(&micro, &users, micro.outputs[1 + j], &layouts[j], g, gdt)
             })
             .collect()
     };
@@ -875,8 +876,7 @@ pub fn shard_training_step_rewritten(
     } else {
         e.scope = "member".into();
         (|| -> Result<ValueId, String> {
-            let mut names = hzp_ir::NameSet::from_program(e.p);
-            let name = names.fresh("member/ranks");
+            let name = e.fresh("member/ranks");
             let ranks =
                 e.p.add_const(name, hzp_ir::Tensor::i64(vec![g], (0..g as i64).collect()));
             let got = e.op(

@@ -444,18 +444,33 @@ fn no_accumulator_copies_a_bucket_slice() {
 /// llama_tiny's sharded step on gpu=2 with `spec` (4 rows of 16 tokens per rank), with or
 /// without collective rewriting on the H100 spec.
 fn llama_step(spec: &ShardSpec, rewrite: bool) -> hzp_ir::Program {
+    llama_step_with(
+        spec,
+        &cfg(None, false),
+        &ScheduleOptions::default(),
+        rewrite,
+    )
+    .program
+}
+
+/// [`llama_step`] with a training config and schedule, the whole sharded step.
+fn llama_step_with(
+    spec: &ShardSpec,
+    cfg: &TrainConfig,
+    sched: &ScheduleOptions,
+    rewrite: bool,
+) -> hzp_passes::spmd::ShardedStep {
     let rw = h100_rewrite();
     shard_training_step_rewritten(
         &import("llama_tiny.legacy.op17.onnx", 4, 16),
-        &cfg(None, false),
+        cfg,
         &Mesh::parse("gpu=2").unwrap(),
         spec,
-        &ScheduleOptions::default(),
+        sched,
         rewrite.then_some(&rw),
         &mut |_, _| {},
     )
     .unwrap()
-    .program
 }
 
 /// An untied embedding's gradient (llama_tiny: a 256 x 64 table, 64 lookups per rank on
@@ -474,16 +489,7 @@ fn an_untied_embedding_exchanges_its_rows_not_the_table() {
             sparse_grads: sparse,
             ..ScheduleOptions::default()
         };
-        let step = shard_training_step_rewritten(
-            &import("llama_tiny.legacy.op17.onnx", 4, 16),
-            &cfg(None, true),
-            &Mesh::parse("gpu=2").unwrap(),
-            &spec,
-            &sched,
-            None,
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let step = llama_step_with(&spec, &cfg(None, true), &sched, false);
         // reported for compile's note: 64 rows of 64 f32 and their i64 indices go to the
         // other rank instead of the 256 x 64 f32 table
         let want = if sparse {
