@@ -285,6 +285,19 @@ pub enum Op {
         axis: usize,
         epsilon: f32,
     },
+    /// (x, scale, dy) -> (dx, dy * xhat): the gradient of [`Op::LayerNorm`] (with or
+    /// without a bias) with respect to x, and the output gradient times the normalized x,
+    /// whose sum over the leading axes is the scale's gradient. The statistics are
+    /// recomputed from x; `epsilon` is the forward's.
+    LayerNormGrad {
+        axis: usize,
+        epsilon: f32,
+    },
+    /// (x, scale, dy) -> (dx, dy * xhat): [`Op::LayerNormGrad`] for [`Op::RmsNorm`].
+    RmsNormGrad {
+        axis: usize,
+        epsilon: f32,
+    },
 
     // ---- reductions ----
     Reduce {
@@ -586,6 +599,8 @@ impl Op {
             "SoftmaxCrossEntropyGrad",
             "LayerNorm",
             "RmsNorm",
+            "LayerNormGrad",
+            "RmsNormGrad",
             "Reduce",
             "ArgMax",
             "CumSum",
@@ -635,6 +650,8 @@ impl Op {
             Op::SoftmaxCrossEntropyGrad { .. } => "SoftmaxCrossEntropyGrad",
             Op::LayerNorm { .. } => "LayerNorm",
             Op::RmsNorm { .. } => "RmsNorm",
+            Op::LayerNormGrad { .. } => "LayerNormGrad",
+            Op::RmsNormGrad { .. } => "RmsNormGrad",
             Op::Reduce { .. } => "Reduce",
             Op::ArgMax { .. } => "ArgMax",
             Op::CumSum { .. } => "CumSum",
@@ -722,7 +739,10 @@ impl Op {
             | Op::LogSoftmax { axis }
             | Op::SoftmaxCrossEntropy { axis }
             | Op::SoftmaxCrossEntropyGrad { axis } => vec![("axis", Int(*axis as i64))],
-            Op::LayerNorm { axis, epsilon } | Op::RmsNorm { axis, epsilon } => vec![
+            Op::LayerNorm { axis, epsilon }
+            | Op::RmsNorm { axis, epsilon }
+            | Op::LayerNormGrad { axis, epsilon }
+            | Op::RmsNormGrad { axis, epsilon } => vec![
                 ("axis", Int(*axis as i64)),
                 ("epsilon", Float(*epsilon as f64)),
             ],
@@ -877,6 +897,14 @@ impl Op {
                 epsilon: a.float("epsilon")? as f32,
             },
             "RmsNorm" => Op::RmsNorm {
+                axis: a.usize("axis")?,
+                epsilon: a.float("epsilon")? as f32,
+            },
+            "LayerNormGrad" => Op::LayerNormGrad {
+                axis: a.usize("axis")?,
+                epsilon: a.float("epsilon")? as f32,
+            },
+            "RmsNormGrad" => Op::RmsNormGrad {
                 axis: a.usize("axis")?,
                 epsilon: a.float("epsilon")? as f32,
             },
@@ -1257,17 +1285,33 @@ impl Op {
                     one(TensorType::new(x.dtype, lead))
                 }
             }
-            Op::LayerNorm { axis, .. } | Op::RmsNorm { axis, .. } => {
-                let max = if matches!(self, Op::LayerNorm { .. }) {
-                    3
-                } else {
-                    2
+            Op::LayerNorm { axis, .. }
+            | Op::RmsNorm { axis, .. }
+            | Op::LayerNormGrad { axis, .. }
+            | Op::RmsNormGrad { axis, .. } => {
+                let grad = matches!(self, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. });
+                let (min, max) = match self {
+                    Op::LayerNorm { .. } => (2, 3),
+                    Op::RmsNorm { .. } => (2, 2),
+                    _ => (3, 3),
                 };
-                check_arity(self, ins, 2, max)?;
+                check_arity(self, ins, min, max)?;
                 let x = ins[0];
                 check_axis(self, *axis, x.rank())?;
+                if grad {
+                    if !x.dtype.is_float() {
+                        return Err(format!("{name} needs a float input, got {x}"));
+                    }
+                    if ins[2] != x {
+                        return Err(format!(
+                            "{name}: the output gradient must be typed like the input {x}, got {}",
+                            ins[2]
+                        ));
+                    }
+                }
                 let norm = &x.shape[*axis..];
-                for (i, p) in ins[1..].iter().enumerate() {
+                let params = if grad { &ins[1..2] } else { &ins[1..] };
+                for (i, p) in params.iter().enumerate() {
                     if p.dtype != x.dtype {
                         return Err(format!(
                             "{name}: parameter {} has dtype {}, input has {}",
@@ -1287,7 +1331,11 @@ impl Op {
                         ));
                     }
                 }
-                one(x.clone())
+                if grad {
+                    Ok(vec![x.clone(), x.clone()])
+                } else {
+                    one(x.clone())
+                }
             }
             Op::Reduce {
                 op,
@@ -1734,6 +1782,14 @@ mod tests {
         let ops = vec![
             Op::Cast { to: DType::BF16 },
             Op::LayerNorm {
+                axis: 2,
+                epsilon: 1e-5,
+            },
+            Op::LayerNormGrad {
+                axis: 1,
+                epsilon: 1e-6,
+            },
+            Op::RmsNormGrad {
                 axis: 2,
                 epsilon: 1e-5,
             },

@@ -897,8 +897,10 @@ fn matmul_rule(
     Ok(vec![ga, gb])
 }
 
-/// LayerNorm (`centered`) and RmsNorm: gradients of x, scale and (LayerNorm) bias, from the
-/// statistics recomputed here.
+/// LayerNorm (`centered`) and RmsNorm: gradients of x, scale and (LayerNorm) bias. One
+/// [`Op::LayerNormGrad`] / [`Op::RmsNormGrad`] recomputes the statistics and gives dx and
+/// dy * xhat (the scale's gradient before its sum over the leading axes); the bias's
+/// gradient is dy summed the same way.
 fn norm_rule(
     e: &mut Emitter,
     ins: &[ValueId],
@@ -908,45 +910,26 @@ fn norm_rule(
     centered: bool,
     want: &[bool],
 ) -> R<Vec<Option<ValueId>>> {
-    let x = ins[0];
-    let scale = ins[1];
-    let rank = e.ty(x).rank();
-    let dt = e.ty(x).dtype;
-    let axes: Vec<usize> = (axis..rank).collect();
-    let mean = |e: &mut Emitter, v: ValueId| reduce_keep(e, ReduceOp::Mean, v, axes.clone());
-    let xc = if centered {
-        let mu = mean(e, x)?;
-        sub(e, x, mu)?
-    } else {
-        x
-    };
-    let sq = mul(e, xc, xc)?;
-    let var = mean(e, sq)?;
-    let epsv = e.scalar(eps as f64, dt);
-    let ve = bin(e, BinaryOp::Add, var, epsv)?;
-    let rstd = un(e, UnaryOp::Rsqrt, ve)?;
-    let xhat = mul(e, xc, rstd)?;
+    let (x, scale) = (ins[0], ins[1]);
     let mut r = vec![None; ins.len()];
-    if want[1] {
-        let t = mul(e, dy, xhat)?;
-        let ss = e.shape(scale);
-        r[1] = Some(unbroadcast(e, t, &ss)?);
+    if want[0] || want[1] {
+        let op = if centered {
+            Op::LayerNormGrad { axis, epsilon: eps }
+        } else {
+            Op::RmsNormGrad { axis, epsilon: eps }
+        };
+        let outs = e.ops(op, &[x, scale, dy])?;
+        if want[0] {
+            r[0] = Some(outs[0]);
+        }
+        if want[1] {
+            let ss = e.shape(scale);
+            r[1] = Some(unbroadcast(e, outs[1], &ss)?);
+        }
     }
     if ins.len() > 2 && want[2] {
         let bs = e.shape(ins[2]);
         r[2] = Some(unbroadcast(e, dy, &bs)?);
-    }
-    if want[0] {
-        let g = mul(e, dy, scale)?;
-        let gx = mul(e, g, xhat)?;
-        let mgx = mean(e, gx)?;
-        let t = mul(e, xhat, mgx)?;
-        let mut inner = sub(e, g, t)?;
-        if centered {
-            let mg = mean(e, g)?;
-            inner = sub(e, inner, mg)?;
-        }
-        r[0] = Some(mul(e, rstd, inner)?);
     }
     Ok(r)
 }

@@ -33,6 +33,8 @@
 //! | AdamW | T + 13 per parameter element (the sqrt, and 13 multiplies, adds and divides) |
 //! | LayerNorm | 7 per element (6 without bias) + T + 3 per normalized row |
 //! | RmsNorm | 4 per element + T + 2 per normalized row |
+//! | LayerNormGrad | 17 per element (the statistics, then two sweeps: the row sums of g = dy * scale and g * xhat, then dx) + T + 5 per normalized row |
+//! | RmsNormGrad | 14 per element + T + 4 per normalized row |
 //! | Reduce sum/max/min/prod, ArgMax, CumSum | numel(input) (+ numel(output) for mean) |
 //! | TopK | numel(input) * ceil(log2(max(k, 2))) comparisons |
 //! | ScatterElements/ScatterND with add | numel(updates) |
@@ -169,6 +171,15 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
             let Some(x) = ins.first() else { return 0.0 };
             let (inner, outer) = rows(x, *axis);
             outer * (inner * 4.0 + T + 2.0)
+        }
+        Op::LayerNormGrad { axis, .. } | Op::RmsNormGrad { axis, .. } => {
+            let Some(x) = ins.first() else { return 0.0 };
+            let (inner, outer) = rows(x, *axis);
+            if matches!(op, Op::LayerNormGrad { .. }) {
+                outer * (inner * 17.0 + T + 5.0)
+            } else {
+                outer * (inner * 14.0 + T + 4.0)
+            }
         }
         Op::Reduce { op: r, .. } => {
             if *r == ReduceOp::Mean {

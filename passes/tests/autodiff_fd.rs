@@ -245,6 +245,23 @@ fn normalizations_and_softmax() {
         vec![F(vec![2, 2, 4]), F(vec![4])],
         0,
     );
+    // rows long enough for the fused gradient's sixteen-wide pieces (40 = 32 + a tail)
+    check(
+        Op::LayerNorm {
+            axis: 1,
+            epsilon: 1e-5,
+        },
+        vec![F(vec![2, 40]), F(vec![40]), F(vec![40])],
+        0,
+    );
+    check(
+        Op::RmsNorm {
+            axis: 1,
+            epsilon: 1e-6,
+        },
+        vec![F(vec![3, 40]), F(vec![40])],
+        0,
+    );
 }
 
 #[test]

@@ -123,6 +123,14 @@ fn main() {
             },
             vec![data(&[4, 256, 512]), data(&[512]), data(&[512])],
         ),
+        (
+            "layernorm grad [4,256,512]",
+            Op::LayerNormGrad {
+                axis: 2,
+                epsilon: 1e-5,
+            },
+            vec![data(&[4, 256, 512]), data(&[512]), data(&[4, 256, 512])],
+        ),
     ];
     for (name, op, ins) in cases {
         if !name.contains(&filter) {

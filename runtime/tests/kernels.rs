@@ -977,6 +977,96 @@ fn layer_norm_and_rms_norm() {
     .is_err());
 }
 
+/// The LayerNorm (`rms == false`) / RmsNorm gradient of one row in f64, from the formula:
+/// (dx, dy * xhat).
+fn norm_grad_f64(x: &[f32], s: &[f32], dy: &[f32], eps: f64, rms: bool) -> (Vec<f64>, Vec<f64>) {
+    let d = x.len() as f64;
+    let x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let mean = if rms { 0.0 } else { x.iter().sum::<f64>() / d };
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d;
+    let rstd = 1.0 / (var + eps).sqrt();
+    let xh: Vec<f64> = x.iter().map(|v| (v - mean) * rstd).collect();
+    let g: Vec<f64> = dy
+        .iter()
+        .zip(s)
+        .map(|(&a, &b)| a as f64 * b as f64)
+        .collect();
+    let mg = if rms { 0.0 } else { g.iter().sum::<f64>() / d };
+    let mgx = g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / d;
+    let dx = g
+        .iter()
+        .zip(&xh)
+        .map(|(gi, h)| rstd * (gi - mg - h * mgx))
+        .collect();
+    let yh = dy.iter().zip(&xh).map(|(&a, h)| a as f64 * h).collect();
+    (dx, yh)
+}
+
+#[test]
+fn layer_norm_and_rms_norm_gradients_match_the_formula() {
+    let mut g = Lcg(11);
+    // rows of 7 (tail only), 40 and 300 (sixteen-wide pieces, a second piece and a tail),
+    // normalized over the last axis or the last two; a scale over part of the dims
+    for (shape, axis, scale_shape) in [
+        (vec![3, 7], 1, vec![7]),
+        (vec![2, 3, 40], 2, vec![40]),
+        (vec![2, 300], 1, vec![300]),
+        (vec![2, 3, 100], 1, vec![1, 100]),
+    ] {
+        let n: usize = shape.iter().product();
+        let d: usize = shape[axis..].iter().product();
+        let x: Vec<f32> = g.vec(n).iter().map(|v| v * 3.0 + 0.5).collect();
+        let dy = g.vec(n);
+        let sn: usize = scale_shape.iter().product();
+        let sv: Vec<f32> = g.vec(sn).iter().map(|v| 1.0 + v * 0.5).collect();
+        // the scale broadcast to one row of the normalized dims
+        let srow: Vec<f32> = (0..d).map(|j| sv[j % sn]).collect();
+        for rms in [false, true] {
+            let eps = 1e-5f32;
+            let op = if rms {
+                Op::RmsNormGrad { axis, epsilon: eps }
+            } else {
+                Op::LayerNormGrad { axis, epsilon: eps }
+            };
+            let out = run(
+                op,
+                &[&f(&shape, &x), &f(&scale_shape, &sv), &f(&shape, &dy)],
+            );
+            assert_eq!(out.len(), 2);
+            let (mut dx, mut yh) = (Vec::new(), Vec::new());
+            for r in 0..n / d {
+                let at = r * d..(r + 1) * d;
+                let (a, b) = norm_grad_f64(&x[at.clone()], &srow, &dy[at], eps as f64, rms);
+                dx.extend(a.iter().map(|&v| v as f32));
+                yh.extend(b.iter().map(|&v| v as f32));
+            }
+            assert_close(&out[0], &shape, &dx, 2e-5);
+            assert_close(&out[1], &shape, &yh, 2e-5);
+        }
+    }
+    // bf16 operands compute in f32 and round on store
+    let bf = |v: Vec<f32>, shape: &[usize]| {
+        let w: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+        Tensor::from_f64(DType::BF16, shape.to_vec(), &w)
+    };
+    let wide = |t: &Tensor| Tensor::from_f64(DType::F32, t.shape.clone(), &t.to_f64_vec());
+    let (x, dy, s) = (
+        bf(g.vec(80), &[2, 40]),
+        bf(g.vec(80), &[2, 40]),
+        bf(vec![1.0; 40], &[40]),
+    );
+    let op = Op::LayerNormGrad {
+        axis: 1,
+        epsilon: 1e-5,
+    };
+    let out = run(op.clone(), &[&x, &s, &dy]);
+    assert_eq!(out[0].dtype(), DType::BF16);
+    let want = run(op.clone(), &[&wide(&x), &wide(&s), &wide(&dy)]);
+    assert_close(&out[0], &[2, 40], &want[0].to_f32_vec(), 1e-2);
+    // the output gradient must be typed like the input
+    assert!(eval_op(&op, &[&x, &s, &wide(&x)]).is_err());
+}
+
 // ------------------------------------------------------------------ matmul
 
 fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {

@@ -64,6 +64,24 @@ fn digest() -> String {
         },
         vec![&cols],
     ));
+    // LayerNorm / RmsNorm gradients over rows of 4093 (sixteen-wide pieces and a tail)
+    let dyn_ = Tensor::f32(
+        vec![1, n - 6],
+        v[6..].iter().map(|x| x * 0.3 - 0.1).collect(),
+    );
+    let gamma = Tensor::f32(vec![n - 6], v[6..].iter().map(|x| 1.0 + x * 0.01).collect());
+    for op in [
+        Op::LayerNormGrad {
+            axis: 1,
+            epsilon: 1e-5,
+        },
+        Op::RmsNormGrad {
+            axis: 1,
+            epsilon: 1e-6,
+        },
+    ] {
+        cases.push((op, vec![&clean, &gamma, &dyn_]));
+    }
     // AdamW: parameters, gradients (with the special values), positive second moments
     let (m1, v2) = (
         Tensor::f32(vec![n], v.iter().map(|x| x * 0.01).collect()),
@@ -133,7 +151,7 @@ fn every_simd_level_gives_the_same_bits() {
             .lines()
             .filter_map(|l| l.strip_prefix("DIGEST "))
             .collect();
-        assert_eq!(d.len(), 17, "no digests in the child's output: {text}");
+        assert_eq!(d.len(), 19, "no digests in the child's output: {text}");
         d.join("\n")
     };
     let widest = at(None);

@@ -207,7 +207,13 @@ fn write_node(out: &mut String, p: &Program, n: usize) {
     let attrs = node.op.attrs();
     if !attrs.is_empty() {
         out.push('{');
-        let f32_epsilon = matches!(node.op, Op::LayerNorm { .. } | Op::RmsNorm { .. });
+        let f32_epsilon = matches!(
+            node.op,
+            Op::LayerNorm { .. }
+                | Op::RmsNorm { .. }
+                | Op::LayerNormGrad { .. }
+                | Op::RmsNormGrad { .. }
+        );
         for (i, (k, a)) in attrs.iter().enumerate() {
             if i > 0 {
                 out.push_str(", ");

@@ -207,6 +207,26 @@ pub fn all_ops() -> Program {
         },
         &[x, scale],
     );
+    p.add_node(
+        "ln.grad",
+        Op::LayerNormGrad {
+            axis: 2,
+            epsilon: 1e-5,
+        },
+        vec![x, scale, x],
+        vec!["ln.dx".into(), "ln.dyxhat".into()],
+    )
+    .unwrap();
+    p.add_node(
+        "rms.grad",
+        Op::RmsNormGrad {
+            axis: 2,
+            epsilon: 1e-6,
+        },
+        vec![x, scale, x],
+        vec!["rms.dx".into(), "rms.dyxhat".into()],
+    )
+    .unwrap();
     one(
         &mut p,
         "reduce",

@@ -171,6 +171,10 @@ fn run(
     {
         return optim::adamw((*beta1, *beta2, *eps, *decay), ins, outs);
     }
+    if let Op::LayerNormGrad { axis, epsilon } | Op::RmsNormGrad { axis, epsilon } = op {
+        let rms = matches!(op, Op::RmsNormGrad { .. });
+        return norm::norm_grad(&ins[0], &ins[1], &ins[2], *axis, *epsilon, rms, outs, ws);
+    }
     let [out] = outs else {
         return Err(format!(
             "internal: {} outputs for a one-output op",
@@ -265,6 +269,8 @@ fn run(
         Op::Split { .. }
         | Op::TopK { .. }
         | Op::AdamW { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::RmsNormGrad { .. }
         | Op::AllGather { .. }
         | Op::ReduceScatter { .. }
         | Op::AllReduce { .. }

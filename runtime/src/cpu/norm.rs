@@ -276,6 +276,134 @@ pub fn norm(
     Ok(())
 }
 
+/// The gradient of LayerNorm (`rms == false`) or RmsNorm over dims `axis..` (`Op::LayerNormGrad`
+/// / `Op::RmsNormGrad`): from `x`, `scale` and the output gradient `dy`, writes `dx` and
+/// `dy * xhat` (xhat the normalized x, its statistics recomputed exactly as the forward's
+/// [`norm`] computes them). Per row, with `g = dy * scale`:
+/// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` (RmsNorm: without `mean(g)`).
+/// The row sums are f32 in sixteen lanes over 256-element pieces, the pieces summed in f64.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_grad(
+    x: &TensorRef,
+    scale: &TensorRef,
+    dy: &TensorRef,
+    axis: usize,
+    eps: f32,
+    rms: bool,
+    outs: &mut [super::into::TensorMut],
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let [dx, dyxh] = outs else {
+        return Err("internal: a norm gradient has two outputs".into());
+    };
+    let norm_dims = &x.shape[axis..];
+    let d: usize = norm_dims.iter().product();
+    let row_len = if scale.data.len() == d { 0 } else { d };
+    let [xs, ys, ss, sr, os1, os2] = ws.f32s.take([
+        stage_len(x.data),
+        stage_len(dy.data),
+        stage_len(scale.data),
+        row_len,
+        out_stage_len(&dx.data),
+        out_stage_len(&dyxh.data),
+    ]);
+    let xv = floats(x.data, xs);
+    let dyv = floats(dy.data, ys);
+    let s = param_row(scale, norm_dims, ss, sr);
+    store_f32(&mut dyxh.data, os2, |o2| {
+        store_f32(&mut dx.data, os1, |o1| {
+            if d == 0 {
+                return;
+            }
+            let o2p = super::threads::SendPtr(o2.as_mut_ptr());
+            // rows in parallel pieces of about 64K elements
+            let per = ((1 << 16) / d + 1) * d;
+            super::threads::for_each_chunk(o1, per, |k, dxr| {
+                let at = k * per;
+                let n = dxr.len();
+                // SAFETY: chunk k of `o2` (same length as `o1`) is written only here.
+                let yh = unsafe { std::slice::from_raw_parts_mut(o2p.get().add(at), n) };
+                let (xr, gr) = (&xv[at..at + n], &dyv[at..at + n]);
+                math::vectorized(
+                    #[inline(always)]
+                    || norm_grad_rows(xr, gr, s, d, eps, rms, dxr, yh),
+                )
+            });
+        })
+    });
+    Ok(())
+}
+
+/// [`norm_grad`] over whole rows of `d` elements.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn norm_grad_rows(
+    x: &[f32],
+    dy: &[f32],
+    s: &[f32],
+    d: usize,
+    eps: f32,
+    rms: bool,
+    dx: &mut [f32],
+    dyxh: &mut [f32],
+) {
+    let rows = x.chunks_exact(d).zip(dy.chunks_exact(d));
+    for ((xr, gr), (dxr, yr)) in rows.zip(dx.chunks_exact_mut(d).zip(dyxh.chunks_exact_mut(d))) {
+        // the forward's statistics, computed the same way
+        let mean = if rms {
+            0.0
+        } else {
+            (sum_f64(xr) / d as f64) as f32
+        };
+        let var = sum_sq_f64(xr, mean) / d as f64;
+        let rstd = (1.0 / (var + eps as f64).sqrt()) as f32;
+        // sums of g and g * xhat; dy * xhat stored on the way
+        let (mut sg, mut sgx) = (0f64, 0f64);
+        let pieces = xr.chunks(256).zip(gr.chunks(256)).zip(s.chunks(256));
+        for (((xp, gp), sp), yp) in pieces.zip(yr.chunks_mut(256)) {
+            let (mut a, mut b) = ([0f32; 16], [0f32; 16]);
+            let mut xc = xp.chunks_exact(16);
+            let mut gc = gp.chunks_exact(16);
+            let mut sc = sp.chunks_exact(16);
+            let mut yc = yp.chunks_exact_mut(16);
+            for (((xk, gk), sk), yk) in (&mut xc).zip(&mut gc).zip(&mut sc).zip(&mut yc) {
+                for k in 0..16 {
+                    let xh = (xk[k] - mean) * rstd;
+                    let g = gk[k] * sk[k];
+                    yk[k] = gk[k] * xh;
+                    a[k] += g;
+                    b[k] += g * xh;
+                }
+            }
+            let (mut pa, mut pb) = (0f64, 0f64);
+            let tail = xc
+                .remainder()
+                .iter()
+                .zip(gc.remainder())
+                .zip(sc.remainder());
+            for (((&xv, &gv), &sv), y) in tail.zip(yc.into_remainder()) {
+                let xh = (xv - mean) * rstd;
+                let g = gv * sv;
+                *y = gv * xh;
+                pa += g as f64;
+                pb += (g * xh) as f64;
+            }
+            for k in 0..16 {
+                pa += a[k] as f64;
+                pb += b[k] as f64;
+            }
+            sg += pa;
+            sgx += pb;
+        }
+        let mg = if rms { 0.0 } else { (sg / d as f64) as f32 };
+        let mgx = (sgx / d as f64) as f32;
+        for (((o, &xv), &g), &sv) in dxr.iter_mut().zip(xr).zip(gr).zip(s) {
+            let xh = (xv - mean) * rstd;
+            *o = rstd * (g * sv - mg - xh * mgx);
+        }
+    }
+}
+
 /// A scale or bias as a row of the normalized dims' element count: the parameter's own
 /// elements (widened into `stage` if not f32) when it has that many, else broadcast into
 /// `row`.

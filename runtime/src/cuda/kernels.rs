@@ -4,7 +4,8 @@
 pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// Unary, Binary, Where, Cast, Fill, the fused AdamW step.
 pub const ELEMENTWISE: &str = include_str!("kernels/elementwise.cu");
-/// Softmax, softmax cross-entropy, LayerNorm/RmsNorm, Reduce, ArgMax, CumSum.
+/// Softmax, softmax cross-entropy, LayerNorm/RmsNorm and their gradients, Reduce, ArgMax,
+/// CumSum.
 pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 /// Copies through n-d walks, Trilu, Gather*, Scatter*, OneHot, TopK.
 pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
@@ -46,6 +47,7 @@ pub fn kernel_names() -> Vec<String> {
             "softmax",
             "xent",
             "norm",
+            "norm_grad",
             "reduce",
             "argmax",
             "cumsum",

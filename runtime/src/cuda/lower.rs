@@ -731,6 +731,32 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 });
             }
         }
+        Op::LayerNormGrad { axis, epsilon } | Op::RmsNormGrad { axis, epsilon } => {
+            let norm = &xt.shape[*axis..];
+            check_rank(norm)?;
+            let rows: usize = xt.shape[..*axis].iter().product();
+            let d: usize = norm.iter().product();
+            let mut nd = Nd::new(norm);
+            nd.s[0] = bcast(&c.ins[1].1.shape, norm);
+            if rows * d > 0 {
+                w.push(lanes(
+                    format!("norm_grad_{}", dt(xt.dtype)),
+                    rows,
+                    vec![
+                        Arg::I64(rows as i64),
+                        Arg::I64(d as i64),
+                        Arg::F32(*epsilon),
+                        Arg::I32(matches!(op, Op::RmsNormGrad { .. }) as i32),
+                        Arg::Nd(nd),
+                        Arg::Ptr(x),
+                        Arg::Ptr(c.ins[1].0),
+                        Arg::Ptr(c.ins[2].0),
+                        Arg::Ptr(c.outs[0].0),
+                        Arg::Ptr(c.outs[1].0),
+                    ],
+                ));
+            }
+        }
         Op::Reduce { op: rop, axes, .. } => {
             let mut axes = axes.clone();
             axes.sort_unstable();

@@ -111,6 +111,51 @@ __device__ void norm_k(i64 rows, i64 d, float eps, int rms, Nd p, const T* x, co
     }
 }
 
+// The gradient of norm_k: rows of d elements, the statistics recomputed as norm_k computes
+// them; g = dy * scale; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (rms: without
+// mean(g)); yh = dy * xhat. Scale indexed through the walk p (p.s0) as in norm_k.
+template <typename T>
+__device__ void norm_grad_k(i64 rows, i64 d, float eps, int rms, Nd p, const T* x, const T* scale,
+                            const T* dy, T* dx, T* yh) {
+    __shared__ double shd[REDUCE_THREADS];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * d;
+        const T* gr = dy + r * d;
+        float mean = 0.0f;
+        if (!rms) {
+            double s = 0.0;
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += (double)to_f(xr[j]);
+            mean = (float)(block_sum(s, shd) / (double)d);
+        }
+        double v = 0.0;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            double c = (double)(to_f(xr[j]) - mean);
+            v += c * c;
+        }
+        double var = block_sum(v, shd) / (double)d;
+        float rstd = (float)(1.0 / sqrt(var + (double)eps));
+        double sg = 0.0, sgx = 0.0;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            i64 os, o1, o2, o3;
+            nd_offsets(p, j, &os, &o1, &o2, &o3);
+            float xh = (to_f(xr[j]) - mean) * rstd;
+            float g = to_f(gr[j]) * to_f(scale[os]);
+            yh[r * d + j] = from_f<T>(to_f(gr[j]) * xh);
+            sg += (double)g;
+            sgx += (double)(g * xh);
+        }
+        float mg = rms ? 0.0f : (float)(block_sum(sg, shd) / (double)d);
+        float mgx = (float)(block_sum(sgx, shd) / (double)d);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            i64 os, o1, o2, o3;
+            nd_offsets(p, j, &os, &o1, &o2, &o3);
+            float xh = (to_f(xr[j]) - mean) * rstd;
+            float g = to_f(gr[j]) * to_f(scale[os]);
+            dx[r * d + j] = from_f<T>(rstd * (g - mg - xh * mgx));
+        }
+    }
+}
+
 // Reduce: output k = walk `kept` (s0: input strides of the kept dims); reduced element j =
 // walk `red` (s0: input strides of the reduced dims).
 // op: 0 sum, 1 mean, 2 max, 3 min, 4 prod (hzp_ir's ReduceOp::ALL order).
@@ -263,6 +308,7 @@ __device__ void cumsum_int(i64 outer, i64 dim, i64 inner, int exclusive, int rev
     extern "C" __global__ void softmax_##N(i64 outer, i64 dim, i64 inner, int log, const T* x, T* y) { softmax_k<T>(outer, dim, inner, log, x, y); } \
     extern "C" __global__ void xent_##N(i64 outer, i64 dim, i64 inner, int grad, const T* x, const void* idx, int idx64, const T* dy, T* y, int* err, int code) { xent_k<T>(outer, dim, inner, grad, x, idx, idx64, dy, y, err, code); } \
     extern "C" __global__ void norm_##N(i64 rows, i64 d, float eps, int rms, Nd p, const T* x, const T* s, const T* b, T* y) { norm_k<T>(rows, d, eps, rms, p, x, s, b, y); } \
+    extern "C" __global__ void norm_grad_##N(i64 rows, i64 d, float eps, int rms, Nd p, const T* x, const T* s, const T* dy, T* dx, T* yh) { norm_grad_k<T>(rows, d, eps, rms, p, x, s, dy, dx, yh); } \
     extern "C" __global__ void reduce_##N(int op, i64 nout, i64 nred, Nd kept, Nd red, const T* x, T* y) { reduce_float<T>(op, nout, nred, kept, red, x, y); } \
     extern "C" __global__ void argmax_##N(i64 outer, i64 dim, i64 inner, const T* x, i64* y) { argmax_k<T, float>(outer, dim, inner, x, y); } \
     extern "C" __global__ void cumsum_##N(i64 outer, i64 dim, i64 inner, int ex, int rev, const T* x, T* y) { cumsum_float<T>(outer, dim, inner, ex, rev, x, y); }
