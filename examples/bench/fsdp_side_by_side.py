@@ -19,9 +19,10 @@ A benchmark, not a test (PyTorch is needed only here). In one run it
    ranks, so every step equals one step on the global batch, as hzp's does. AdamW lr 1e-3,
    betas 0.9/0.999, eps 1e-8, weight decay 0.01 on both sides. Step time: from a barrier
    before the step to a barrier after it, on rank 0;
-4. repeats the timed runs --rounds times (default 3), every framework once per round, back
+4. repeats the timed runs --rounds times (default 5), every framework once per round, back
    to back, because a shared machine's speed drifts over minutes: a ratio is only taken
-   between runs of one round;
+   between runs of one round. hzp runs first in odd rounds and PyTorch first in even ones,
+   so a load that comes and goes does not always fall on the same side;
 5. prints each framework's median step time (after --warmup steps; the median over rounds),
    the ratios hzp / FSDP2 and hzp / DDP (the median over rounds of the ratio within a round,
    and each round's ratio; target: hzp at half of FSDP2's step time or less), and checks that
@@ -30,7 +31,7 @@ A benchmark, not a test (PyTorch is needed only here). In one run it
 
 Usage, from the repository root, after `cargo build --release`:
 
-    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 20] [--rounds 3]
+    /work/venv-models/bin/python examples/bench/fsdp_side_by_side.py [--ranks 2,4] [--steps 20] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def main() -> int:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=5,
                     help="times every framework runs, back to back per round")
     ap.add_argument("--workdir", default="/tmp/hzp-bench/side-by-side")
     ap.add_argument("--hzp", default=str(ROOT / "target/release/hzp"))
@@ -191,27 +192,34 @@ def main() -> int:
     # compare runs taken under the same machine load (a shared machine drifts over minutes).
     for rnd in range(args.rounds):
         for n in ranks:
-            for strategy in ("asynchzp", "zero3"):
-                out = run(
-                    [args.hzp, "run", str(plans[(strategy, n)]), "--inputs", str(batch_path),
-                     "--steps", str(total), "--format", "json"],
-                    env, f"hzp run ({strategy}, {n} ranks)",
-                )
-                r = json.loads(out)
-                results.setdefault((f"hzp {strategy}", n), (r["losses"], []))[1].append(
-                    median_after(r["step_seconds"], args.warmup))
-            for mode in ("fsdp2", "ddp"):
-                out = work / f"torch_{mode}_{n}.json"
-                run(
-                    [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     f"--nproc-per-node={n}", __file__, "--worker", "--mode", mode,
-                     "--state", str(state_path), "--out", str(out), "--steps", str(args.steps),
-                     "--warmup", str(args.warmup)],
-                    dict(os.environ, OMP_NUM_THREADS="1"), f"torchrun {mode} ({n} ranks)",
-                )
-                r = json.loads(out.read_text())
-                results.setdefault((f"torch {mode}", n), (r["losses"], []))[1].append(
-                    median_after(r["step_seconds"], args.warmup))
+            def run_hzp() -> None:
+                for strategy in ("asynchzp", "zero3"):
+                    out = run(
+                        [args.hzp, "run", str(plans[(strategy, n)]), "--inputs",
+                         str(batch_path), "--steps", str(total), "--format", "json"],
+                        env, f"hzp run ({strategy}, {n} ranks)",
+                    )
+                    r = json.loads(out)
+                    results.setdefault((f"hzp {strategy}", n), (r["losses"], []))[1].append(
+                        median_after(r["step_seconds"], args.warmup))
+
+            def run_torch() -> None:
+                for mode in ("fsdp2", "ddp"):
+                    out = work / f"torch_{mode}_{n}.json"
+                    run(
+                        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         f"--nproc-per-node={n}", __file__, "--worker", "--mode", mode,
+                         "--state", str(state_path), "--out", str(out), "--steps",
+                         str(args.steps), "--warmup", str(args.warmup)],
+                        dict(os.environ, OMP_NUM_THREADS="1"), f"torchrun {mode} ({n} ranks)",
+                    )
+                    r = json.loads(out.read_text())
+                    results.setdefault((f"torch {mode}", n), (r["losses"], []))[1].append(
+                        median_after(r["step_seconds"], args.warmup))
+
+            # hzp first in odd rounds, PyTorch first in even ones
+            for side in ((run_hzp, run_torch) if rnd % 2 == 0 else (run_torch, run_hzp)):
+                side()
             print(f"round {rnd + 1}/{args.rounds}, {n} ranks: " + ", ".join(
                 f"{k} {results[(k, n)][1][-1] * 1e3:.1f} ms" for k in keys), file=sys.stderr)
 

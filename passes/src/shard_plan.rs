@@ -78,7 +78,8 @@
 //! memory, then fewer cross-node bytes, then the earlier candidate. Then, among the fitting
 //! candidates predicted within [`SAME_SPEED`] (1%) of that one, the one sending the fewest
 //! bytes across nodes wins: the analytical model cannot tell such step times apart, and
-//! cross-node links are the contended ones. If none fits, the error
+//! cross-node links are the contended ones; among those sending as many, the one needing the
+//! least memory. If none fits, the error
 //! names the candidate needing the least memory and breaks its need down.
 
 use crate::autodiff::differentiate;
@@ -1672,7 +1673,8 @@ pub fn plan_sharding(
     }
     // The fastest that fits; among those predicted within SAME_SPEED of it, the one that
     // sends the fewest bytes across nodes (the model cannot tell such step times apart, and
-    // cross-node links are the ones other jobs and congestion slow down).
+    // cross-node links are the ones other jobs and congestion slow down), then the one that
+    // needs the least memory (headroom for a larger batch), then the fastest.
     let mut fastest: Option<&Candidate> = None;
     for c in candidates.iter().filter(|c| c.fits) {
         if fastest.is_none_or(|b| better(c, b)) {
@@ -1684,8 +1686,10 @@ pub fn plan_sharding(
         for c in candidates.iter().filter(|c| c.fits) {
             if c.step_s <= f.step_s * (1.0 + SAME_SPEED)
                 && chosen.is_some_and(|b| {
+                    let same_cross = c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9);
                     c.cross_node_bytes < b.cross_node_bytes * (1.0 - 1e-9)
-                        || (c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9) && better(c, b))
+                        || (same_cross && c.memory.total < b.memory.total)
+                        || (same_cross && c.memory.total == b.memory.total && better(c, b))
                 })
             {
                 chosen = Some(c);
@@ -1941,7 +1945,23 @@ pub fn explain(r: &PlanReport) -> String {
                 .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
                 .copied()
                 .unwrap_or(c);
-            if fastest.step_s < c.step_s {
+            let same_cross =
+                (fastest.cross_node_bytes - c.cross_node_bytes).abs() <= 1e-9 * c.cross_node_bytes;
+            if fastest.step_s < c.step_s && same_cross {
+                let _ = write!(
+                    s,
+                    " The fastest that fits, {}, is predicted {:.2}% faster ({}), within {}% \
+                     (closer than the model can tell apart) and sending as many bytes across \
+                     nodes, so the plan that needs the least memory among those is chosen: {} \
+                     instead of {} per rank.",
+                    fastest.label(),
+                    (1.0 - fastest.step_s / c.step_s) * 100.0,
+                    human_seconds(fastest.step_s),
+                    SAME_SPEED * 100.0,
+                    human_bytes(c.memory.total),
+                    human_bytes(fastest.memory.total)
+                );
+            } else if fastest.step_s < c.step_s {
                 let _ = write!(
                     s,
                     " The fastest that fits, {}, is predicted {:.2}% faster ({}), within {}% \
