@@ -235,3 +235,48 @@ fn layers_of_a_preset() {
     assert_eq!(layers.len(), 83);
     assert!(layers.iter().any(|(n, _)| n == "model.layers.79"));
 }
+
+/// Among the candidates predicted within `SAME_SPEED` of the fastest that fits, the chosen
+/// one sends the fewest bytes across nodes and, among those sending as many, needs the least
+/// memory. A 4-layer GPT on two nodes of eight is such a case: with only data-parallel
+/// parameters (P=[]) and with P=[gpu], both reducing over the whole mesh, the model predicts
+/// the same step and the same cross-node bytes, and P=[gpu] holds 51 MiB less.
+#[test]
+fn same_speed_and_traffic_choose_the_smaller_plan() {
+    use hzp_passes::shard_plan::SAME_SPEED;
+    let p = preset("gpt,layers=4,hidden=1024,heads=16,vocab=8192,seq=512,batch=4");
+    let o = ShardOptions {
+        strategy: Strategy::AsyncHzp,
+        memory_budget: Some(80 * GIB),
+        micro_batches: 1,
+        compute: DType::BF16,
+        ..Default::default()
+    };
+    let r = plan_sharding(&p, &Mesh::parse("node=2,gpu=8").unwrap(), &h100(), &o).unwrap();
+    let fits: Vec<_> = r.candidates.iter().filter(|c| c.fits).collect();
+    let fastest = fits.iter().map(|c| c.step_s).fold(f64::INFINITY, f64::min);
+    let close: Vec<_> = fits
+        .iter()
+        .filter(|c| c.step_s <= fastest * (1.0 + SAME_SPEED))
+        .collect();
+    let c = &r.chosen;
+    assert!(close
+        .iter()
+        .any(|x| x.params == c.params && x.grads == c.grads));
+    let same = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+    for x in &close {
+        assert!(x.cross_node_bytes >= c.cross_node_bytes * (1.0 - 1e-9));
+        if same(x.cross_node_bytes, c.cross_node_bytes) {
+            assert!(x.memory.total >= c.memory.total, "{} holds less", x.label());
+        }
+    }
+    // the case is a real tie-break: a faster candidate sends as much and holds more
+    assert!(close.iter().any(|x| x.step_s < c.step_s
+        && same(x.cross_node_bytes, c.cross_node_bytes)
+        && x.memory.total > c.memory.total));
+    assert!(
+        explain(&r).contains("needs the least memory"),
+        "{}",
+        explain(&r)
+    );
+}
