@@ -120,12 +120,18 @@ def worker(args) -> int:
 # driver
 
 
-def run(cmd, env=None, what=""):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
+def run(cmd, env=None, what="", retries=0):
+    """Runs `cmd`, returns its stdout; fails the benchmark if it fails `retries + 1` times
+    (each failure's output is shown)."""
+    for attempt in range(retries + 1):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode == 0:
+            return r.stdout
         sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
-        raise SystemExit(f"{what or cmd[0]} failed (exit {r.returncode})")
-    return r.stdout
+        if attempt < retries:
+            print(f"{what or cmd[0]} failed (exit {r.returncode}); running it again",
+                  file=sys.stderr)
+    raise SystemExit(f"{what or cmd[0]} failed (exit {r.returncode})")
 
 
 def prepare(work: Path):
@@ -212,6 +218,9 @@ def main() -> int:
                          "--state", str(state_path), "--out", str(out), "--steps",
                          str(args.steps), "--warmup", str(args.warmup)],
                         dict(os.environ, OMP_NUM_THREADS="1"), f"torchrun {mode} ({n} ranks)",
+                        # a PyTorch worker now and then aborts ("terminate called
+                        # without an active exception"): one more try before giving up
+                        retries=1,
                     )
                     r = json.loads(out.read_text())
                     results.setdefault((f"torch {mode}", n), (r["losses"], []))[1].append(
