@@ -296,6 +296,10 @@ pub fn norm_grad(
     let [dx, dyxh] = outs else {
         return Err("internal: a norm gradient has two outputs".into());
     };
+    let n = x.data.len();
+    if dy.data.len() != n || dx.data.len() != n || dyxh.data.len() != n {
+        return Err("internal: norm gradient operands of different lengths".into());
+    }
     let norm_dims = &x.shape[axis..];
     let d: usize = norm_dims.iter().product();
     let row_len = if scale.data.len() == d { 0 } else { d };
