@@ -1,6 +1,6 @@
 //! The step loop allocates nothing that grows with tensor sizes: a transformer-like block
 //! (embedding, LayerNorm, attention with a causal mask, GELU MLP, tied logits, loss),
-//! its backward and an AdamW update, run op by op with `eval_op_into` over buffers
+//! its backward (LayerNorm's through the fused `LayerNormGrad`) and an AdamW update, run op by op with `eval_op_into` over buffers
 //! allocated once (as the executor's arena is), under a counting global allocator. The
 //! second pass must make no allocation above 4 KiB outside gemm's own per-product packing
 //! buffer, which gemm allocates inside MatMul and which its cache blocking bounds; those
@@ -64,10 +64,11 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// A straight-line program over numbered buffers, each allocated once.
+/// A straight-line program over numbered buffers, each allocated once. A node: its op, its
+/// input buffers, its first output buffer and how many outputs (consecutive buffers).
 struct Block {
     bufs: Vec<Tensor>,
-    nodes: Vec<(Op, Vec<usize>, usize)>,
+    nodes: Vec<(Op, Vec<usize>, usize, usize)>,
 }
 
 impl Block {
@@ -83,17 +84,24 @@ impl Block {
         self.bufs.len() - 1
     }
 
-    /// Adds a node; its output buffer is allocated now (zeros of the inferred type).
+    /// Adds a node of one output; its buffer is allocated now (zeros of the inferred type).
     fn op(&mut self, op: Op, ins: &[usize]) -> usize {
+        let outs = self.ops(op, ins);
+        assert_eq!(outs.len(), 1);
+        outs[0]
+    }
+
+    /// Adds a node; its output buffers are allocated now (zeros of the inferred types).
+    fn ops(&mut self, op: Op, ins: &[usize]) -> Vec<usize> {
         let types: Vec<TensorType> = ins.iter().map(|&i| self.bufs[i].ty()).collect();
         let refs: Vec<&TensorType> = types.iter().collect();
         let out = op
             .infer(&refs, None)
             .unwrap_or_else(|e| panic!("{op:?}: {e}"));
-        assert_eq!(out.len(), 1, "{op:?}");
-        self.bufs.push(Tensor::zeros(&out[0]));
-        self.nodes.push((op, ins.to_vec(), self.bufs.len() - 1));
-        self.bufs.len() - 1
+        let first = self.bufs.len();
+        self.bufs.extend(out.iter().map(Tensor::zeros));
+        self.nodes.push((op, ins.to_vec(), first, out.len()));
+        (first..self.bufs.len()).collect()
     }
 
     fn un(&mut self, u: UnaryOp, x: usize) -> usize {
@@ -111,19 +119,33 @@ impl Block {
     /// Runs every node in order. Outputs are written in place; inputs are read through
     /// views of the other buffers. Nothing here allocates per node beyond the kernel.
     fn run(&mut self, ws: &mut Workspace) {
-        for (op, ins, out) in &self.nodes {
+        for (op, ins, first, n) in &self.nodes {
             // every output is a buffer of its own, written once, after its inputs
-            let (before, rest) = self.bufs.split_at_mut(*out);
-            let o = &mut rest[0];
+            let (before, rest) = self.bufs.split_at_mut(*first);
             let views: [TensorRef; 3] = std::array::from_fn(|k| match ins.get(k) {
                 Some(&i) => TensorRef::of(&before[i]),
                 None => TensorRef::new(&[], DataRef::F32(&[])),
             });
-            let mut outs = [TensorMut {
-                shape: &o.shape,
-                data: DataMut::of(&mut o.data),
-            }];
-            eval_op_into(op, &views[..ins.len()], &mut outs, ws)
+            // (at most two outputs here: a fixed array, no allocation)
+            assert!(*n <= 2);
+            let (o0, o1) = rest.split_at_mut(1);
+            let mut outs = [
+                TensorMut {
+                    shape: &o0[0].shape,
+                    data: DataMut::of(&mut o0[0].data),
+                },
+                match o1.first_mut() {
+                    Some(o) => TensorMut {
+                        shape: &o.shape,
+                        data: DataMut::of(&mut o.data),
+                    },
+                    None => TensorMut {
+                        shape: &[],
+                        data: DataMut::F32(&mut []),
+                    },
+                },
+            ];
+            eval_op_into(op, &views[..ins.len()], &mut outs[..*n], ws)
                 .unwrap_or_else(|e| panic!("{op:?}: {e}"));
         }
     }
@@ -337,7 +359,25 @@ fn block(t: usize, d: usize, heads: usize, vocab: usize) -> Block {
     let d_qkv = b.op(Op::Concat { axis: 1 }, &[d_q, zero_kv]);
     let lnt = b.op(Op::Transpose { perm: vec![1, 0] }, &[ln]);
     let d_wqkv = b.op(Op::MatMul, &[lnt, d_qkv]);
-    // LayerNorm scale/bias gradients and the embedding gradient
+    // LayerNorm's input and scale gradients (one fused node), the bias and embedding ones
+    let wqkvt = b.op(Op::Transpose { perm: vec![1, 0] }, &[wqkv]);
+    let d_ln = b.op(Op::MatMul, &[d_qkv, wqkvt]);
+    let lng = b.ops(
+        Op::LayerNormGrad {
+            axis: 1,
+            epsilon: 1e-5,
+        },
+        &[h, ln_s, d_ln],
+    );
+    let d_lns = b.op(
+        Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: vec![0],
+            keep_dims: false,
+        },
+        &[lng[1]],
+    );
+    let _ = (d_lns, lng[0]);
     let d_lnb = b.op(
         Op::Reduce {
             op: ReduceOp::Sum,
@@ -458,12 +498,13 @@ fn second_pass_allocates_no_large_blocks() {
     // packs): activations [256, 256] f32 are 256 KiB
     let mut small = block(256, 256, 4, 500);
     // the big kernels all read at least one input of 64 KiB or more
-    for (op, ins, _) in &small.nodes {
+    for (op, ins, _, _) in &small.nodes {
         if matches!(
             op,
             Op::MatMul
                 | Op::Softmax { .. }
                 | Op::LayerNorm { .. }
+                | Op::LayerNormGrad { .. }
                 | Op::Unary(UnaryOp::Gelu)
                 | Op::Transpose { .. }
                 | Op::Gather { .. }
