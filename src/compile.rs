@@ -317,6 +317,7 @@ pub fn build_plan(
         grad_dtype,
         overrides,
         loss: Some(cfg.loss.clone()),
+        sparse_grads: !c.dense_embedding_grads,
     };
     let mut cfg = cfg;
     cfg.compute = opts.compute;

@@ -56,7 +56,10 @@
 //! - per layer and micro-batch: all-gather over P in forward, again in backward when
 //!   parameters are resharded after forward (p > 1 only);
 //! - per layer: reduce-scatter of the gradient over G, every micro-batch or only in the last
-//!   micro-batch's backward for a per-step reduction (g > 1 only);
+//!   micro-batch's backward for a per-step reduction (g > 1 only); an untied embedding's
+//!   gradient reduced per micro-batch goes out instead as an all-gather over G of its
+//!   looked-up rows and indices where the step does so ([`ShardOptions::sparse_grads`]: the
+//!   rows split evenly over G, no padding, fewer bytes than the table);
 //! - once per step, after the last backward: reduce-scatter of the G-shard over O\G,
 //!   all-reduce of the O-shard over the rest of the world (W\O), the optimizer, then the
 //!   all-gather of the updated compute-dtype shard over O\P.
@@ -251,6 +254,10 @@ pub struct ShardOptions {
     pub overrides: ShardOverride,
     /// The loss used to derive the backward; `None` tries `lm`, then `mean`.
     pub loss: Option<LossKind>,
+    /// Exchange an untied embedding's gradient as its looked-up rows where that moves fewer
+    /// bytes than reducing the table, as [`crate::spmd::ScheduleOptions::sparse_grads`]
+    /// does (on by default).
+    pub sparse_grads: bool,
 }
 
 impl Default for ShardOptions {
@@ -267,6 +274,7 @@ impl Default for ShardOptions {
             recompute: false,
             overrides: ShardOverride::default(),
             loss: None,
+            sparse_grads: true,
         }
     }
 }
@@ -573,6 +581,9 @@ pub struct Candidate {
     /// Layers whose gradients accumulate in a narrower, node-local group (see
     /// [`crate::spmd::ScheduleOptions::narrow_grads`]).
     pub narrow: Option<NarrowChoice>,
+    /// Parameters whose gradients are modeled as exchanged rows rather than a reduced table
+    /// (untied embeddings, see [`ShardOptions::sparse_grads`]).
+    pub row_exchanged: Vec<String>,
 }
 
 /// Gradients of some layers reduced per micro-batch inside a node and accumulated there, the
@@ -765,6 +776,69 @@ struct Profile {
     other_bwd_s: f64,
     act_bytes: u64,
     act_recompute_bytes: u64,
+    /// Per parameter: its gradient as a scatter-add of looked-up rows into zeros (an untied
+    /// embedding), which the step may exchange as rows (see [`RowTable`]).
+    row_tables: Vec<Option<RowTable>>,
+}
+
+/// A parameter whose gradient is a scatter-add of looked-up rows into zeros
+/// (`ScatterND(zeros, idx [..., 1], rows)`, read by nothing else): [`crate::spmd`] all-gathers
+/// the rows and their indices over G instead of reduce-scattering the table when, for the
+/// candidate's G and O, the table's rows split evenly over G, its shards need no padding and
+/// the rows of all ranks are fewer bytes than the table.
+#[derive(Clone, Copy, Debug)]
+struct RowTable {
+    rows: u64,
+    numel: u64,
+    /// Lookups per rank and micro-batch.
+    lookups: u64,
+    index_bytes: u64,
+}
+
+impl RowTable {
+    /// Bytes of rows and indices gathered over `g` ranks per micro-batch (gradient dtype
+    /// `r` bytes per element), when the exchange applies for `g` and `o`.
+    fn gathered(&self, g: u64, o: u64, r: u64) -> Option<u64> {
+        if g <= 1 || self.rows % g != 0 || self.numel % o != 0 {
+            return None;
+        }
+        let sent = g * self.lookups * (self.numel / self.rows * r + self.index_bytes);
+        (sent < self.numel * r).then_some(sent)
+    }
+}
+
+/// [`RowTable`] of parameter `param` with gradient `gv` in the differentiated program `p`.
+fn row_table(
+    p: &Program,
+    users: &[Vec<hzp_ir::NodeId>],
+    param: ValueId,
+    gv: ValueId,
+) -> Option<RowTable> {
+    let n = p.node(p.producer(gv)?);
+    let (Op::ScatterND { add: true }, &[base, idx, upd]) = (&n.op, n.inputs.as_slice()) else {
+        return None;
+    };
+    let (pt, it, ut) = (p.ty(param), p.ty(idx), p.ty(upd));
+    let lead = it.rank().checked_sub(1)?;
+    let shaped = pt.rank() >= 2
+        && it.rank() >= 2
+        && it.shape[lead] == 1
+        && it.dtype.is_int()
+        && ut.rank() == lead + pt.rank() - 1
+        && ut.shape[..lead] == it.shape[..lead]
+        && ut.shape[lead..] == pt.shape[1..]
+        && p.ty(base).shape == pt.shape
+        && users[gv.index()].is_empty();
+    let zero_base = matches!(
+        p.producer(base).map(|b| &p.node(b).op),
+        Some(Op::Fill { value, .. }) if *value == 0.0
+    );
+    (shaped && zero_base).then(|| RowTable {
+        rows: pt.shape[0] as u64,
+        numel: pt.numel() as u64,
+        lookups: it.shape[..lead].iter().product::<usize>() as u64,
+        index_bytes: it.dtype.size_bytes() as u64,
+    })
 }
 
 fn model_err(fwd: &Program, message: impl Into<String>) -> ShardPlanError {
@@ -792,7 +866,23 @@ fn profile(
     let loss = p.outputs[0];
     let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
     // Without a backward (an op with no gradient rule), estimate from the forward alone.
-    let fallback = differentiate(&mut p, loss, &params).err().map(|e| {
+    let grads = differentiate(&mut p, loss, &params);
+    let row_tables: Vec<Option<RowTable>> = match &grads {
+        Ok(gs) => {
+            let users = p.users();
+            params
+                .iter()
+                .zip(gs)
+                .map(|(&w, &gv)| {
+                    // (a gradient value shared with another parameter stays dense)
+                    let once = gs.iter().filter(|&&x| x == gv).count() == 1;
+                    row_table(&p, &users, w, gv).filter(|_| once)
+                })
+                .collect()
+        }
+        Err(_) => vec![None; params.len()],
+    };
+    let fallback = grads.err().map(|e| {
         format!(
             "the backward could not be derived ({}); activations are estimated as the inputs of \
              the forward's compute ops and the backward as twice the forward's compute",
@@ -994,6 +1084,7 @@ fn profile(
             .collect(),
         param_layer: grouping.of_param.clone(),
         layers: nl,
+        row_tables,
         fwd_s,
         bwd_s,
         other_fwd_s,
@@ -1292,9 +1383,26 @@ fn evaluate(
     } else {
         0.0
     };
+    // Untied embeddings whose gradients go out as rows (per layer: table elements no longer
+    // reduce-scattered, bytes of rows and indices all-gathered over G), as the step does
+    // with per-micro-batch reductions over a G of more than one rank.
+    let mut row_elems = vec![0u64; prof.layers];
+    let mut row_bytes = vec![0u64; prof.layers];
+    let mut row_exchanged = Vec::new();
+    if opts.sparse_grads && sharded_grads && opts.reduce_grads == ReduceGrads::PerMicrobatch {
+        for (k, t) in prof.row_tables.iter().enumerate() {
+            let l = prof.param_layer[k];
+            let gathered = t.and_then(|t| t.gathered(g as u64, o64, r).map(|b| (t, b)));
+            if let (Some((t, b)), false) = (gathered, in_narrow[l]) {
+                row_elems[l] += t.numel;
+                row_bytes[l] += b;
+                row_exchanged.push(prof.param_names[k].clone());
+            }
+        }
+    }
     let mut ag = Vec::with_capacity(prof.layers);
     let mut rs = Vec::with_capacity(prof.layers);
-    for (&n, &nar) in layer_pad.iter().zip(&in_narrow) {
+    for (l, (&n, &nar)) in layer_pad.iter().zip(&in_narrow).enumerate() {
         ag.push(collective(
             ctx,
             cache,
@@ -1311,17 +1419,32 @@ fn evaluate(
         } else {
             (gg, g, &shared)
         };
-        rs.push(collective(
+        let dense = collective(
             ctx,
             cache,
             CollectiveKind::ReduceScatter,
-            r * n,
+            r * (n - row_elems[l]),
             rg,
             if rsize > 1 { rs_times } else { 0.0 },
             rshared,
             &mut links,
             &mut comm_s,
-        )?);
+        )?;
+        let rows = collective(
+            ctx,
+            cache,
+            CollectiveKind::AllGather,
+            row_bytes[l],
+            gg,
+            rs_times,
+            &shared,
+            &mut links,
+            &mut comm_s,
+        )?;
+        rs.push(Comm {
+            seconds: dense.seconds + rows.seconds,
+            shared_s: dense.shared_s + rows.shared_s,
+        });
     }
     let world = world_group(mesh);
     let o_minus_g = minus(og, gg);
@@ -1472,6 +1595,7 @@ fn evaluate(
         step_s,
         bytes_per_link: links,
         cross_node_bytes,
+        row_exchanged,
         narrow: (narrow_pad > 0).then(|| NarrowChoice {
             group: ng.clone(),
             layers: in_narrow.iter().filter(|&&f| f).count(),
@@ -2011,6 +2135,14 @@ pub fn explain(r: &PlanReport) -> String {
                 hb(z.cross_node_bytes)
             );
         }
+    }
+    if !c.row_exchanged.is_empty() {
+        let _ = write!(
+            s,
+            " Gradients exchanged as their looked-up rows and indices instead of reducing the \
+             table (untied embeddings; --dense-embedding-grads turns it off): {}.",
+            c.row_exchanged.join(", ")
+        );
     }
     // Faster candidates that do not fit, and narrower groups that do not fit.
     let mut told: Vec<&Candidate> = Vec::new();
