@@ -799,7 +799,7 @@ impl RowTable {
     /// Bytes of rows and indices gathered over `g` ranks per micro-batch (gradient dtype
     /// `r` bytes per element), when the exchange applies for `g` and `o`.
     fn gathered(&self, g: u64, o: u64, r: u64) -> Option<u64> {
-        if g <= 1 || self.rows % g != 0 || self.numel % o != 0 {
+        if g <= 1 || !self.rows.is_multiple_of(g) || !self.numel.is_multiple_of(o) {
             return None;
         }
         let sent = g * self.lookups * (self.numel / self.rows * r + self.index_bytes);
