@@ -278,8 +278,8 @@ pub fn norm(
 
 /// The gradient of LayerNorm (`rms == false`) or RmsNorm over dims `axis..` (`Op::LayerNormGrad`
 /// / `Op::RmsNormGrad`): from `x`, `scale` and the output gradient `dy`, writes `dx` and
-/// `dy * xhat` (xhat the normalized x, its statistics recomputed exactly as the forward's
-/// [`norm`] computes them). Per row, with `g = dy * scale`:
+/// `dy * xhat` (xhat the normalized x, its statistics recomputed by the forward's
+/// [`row_stats`]). Per row, with `g = dy * scale`:
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` (RmsNorm: without `mean(g)`).
 /// The row sums are f32 in sixteen lanes over 256-element pieces, the pieces summed in f64.
 #[allow(clippy::too_many_arguments)]
@@ -353,14 +353,8 @@ fn norm_grad_rows(
 ) {
     let rows = x.chunks_exact(d).zip(dy.chunks_exact(d));
     for ((xr, gr), (dxr, yr)) in rows.zip(dx.chunks_exact_mut(d).zip(dyxh.chunks_exact_mut(d))) {
-        // the forward's statistics, computed the same way
-        let mean = if rms {
-            0.0
-        } else {
-            (sum_f64(xr) / d as f64) as f32
-        };
-        let var = sum_sq_f64(xr, mean) / d as f64;
-        let rstd = (1.0 / (var + eps as f64).sqrt()) as f32;
+        // the forward's statistics
+        let (mean, rstd) = row_stats(xr, eps, rms);
         // sums of g and g * xhat; dy * xhat stored on the way
         let (mut sg, mut sgx) = (0f64, 0f64);
         let pieces = xr.chunks(256).zip(gr.chunks(256)).zip(s.chunks(256));
@@ -425,16 +419,20 @@ fn param_row<'a>(
     row
 }
 
+/// One row's mean (0 for RmsNorm) and 1 / sqrt(variance + eps), summed in f64: what
+/// [`norm`] normalizes with and [`norm_grad`] recomputes.
+#[inline(always)]
+fn row_stats(row: &[f32], eps: f32, rms: bool) -> (f32, f32) {
+    let d = row.len() as f64;
+    let mean = if rms { 0.0 } else { (sum_f64(row) / d) as f32 };
+    let var = sum_sq_f64(row, mean) / d;
+    (mean, (1.0 / (var + eps as f64).sqrt()) as f32)
+}
+
 #[inline(always)]
 fn norm_rows(v: &mut [f32], d: usize, s: &[f32], b: Option<&[f32]>, eps: f32, rms: bool) {
     for row in v.chunks_exact_mut(d) {
-        let mean = if rms {
-            0.0
-        } else {
-            (sum_f64(row) / d as f64) as f32
-        };
-        let var = sum_sq_f64(row, mean) / d as f64;
-        let rstd = (1.0 / (var + eps as f64).sqrt()) as f32;
+        let (mean, rstd) = row_stats(row, eps, rms);
         match b {
             Some(b) => {
                 for ((x, &s), &b) in row.iter_mut().zip(s).zip(b) {

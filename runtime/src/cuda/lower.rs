@@ -696,65 +696,52 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 w.push(lanes(format!("xent_{}", dt(xt.dtype)), o * i, args));
             }
         }
-        Op::LayerNorm { axis, epsilon } | Op::RmsNorm { axis, epsilon } => {
+        Op::LayerNorm { axis, epsilon }
+        | Op::RmsNorm { axis, epsilon }
+        | Op::LayerNormGrad { axis, epsilon }
+        | Op::RmsNormGrad { axis, epsilon } => {
+            let grad = matches!(op, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. });
+            let rms = matches!(op, Op::RmsNorm { .. } | Op::RmsNormGrad { .. });
             let norm = &xt.shape[*axis..];
             check_rank(norm)?;
             let rows: usize = xt.shape[..*axis].iter().product();
             let d: usize = norm.iter().product();
             let mut nd = Nd::new(norm);
             nd.s[0] = bcast(&c.ins[1].1.shape, norm);
-            let bias = c.ins.get(2).map(|(o, t)| {
-                nd.s[1] = bcast(&t.shape, norm);
-                Arg::Ptr(*o)
-            });
-            if d > 0 {
-                w.push(lanes(
-                    format!("norm_{}", dt(xt.dtype)),
-                    rows,
-                    vec![
-                        Arg::I64(rows as i64),
-                        Arg::I64(d as i64),
-                        Arg::F32(*epsilon),
-                        Arg::I32(matches!(op, Op::RmsNorm { .. }) as i32),
-                        Arg::Nd(nd),
-                        Arg::Ptr(x),
-                        Arg::Ptr(c.ins[1].0),
-                        bias.unwrap_or(Arg::Null),
-                        Arg::Ptr(y),
-                    ],
-                ));
+            // the forward's optional bias (s1 of the walk); the gradient's dy and outputs
+            let tail = if grad {
+                vec![
+                    Arg::Ptr(c.ins[2].0),
+                    Arg::Ptr(c.outs[0].0),
+                    Arg::Ptr(c.outs[1].0),
+                ]
             } else {
+                let bias = c.ins.get(2).map(|(o, t)| {
+                    nd.s[1] = bcast(&t.shape, norm);
+                    Arg::Ptr(*o)
+                });
+                vec![bias.unwrap_or(Arg::Null), Arg::Ptr(y)]
+            };
+            let mut args = vec![
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                Arg::F32(*epsilon),
+                Arg::I32(rms as i32),
+                Arg::Nd(nd),
+                Arg::Ptr(x),
+                Arg::Ptr(c.ins[1].0),
+            ];
+            args.extend(tail);
+            let family = if grad { "norm_grad" } else { "norm" };
+            if rows * d > 0 {
+                w.push(lanes(format!("{family}_{}", dt(xt.dtype)), rows, args));
+            } else if !grad {
+                // (no normalized elements: the forward is its input)
                 w.push(Work::Copy {
                     src: x,
                     dst: y,
                     bytes: yt.size_bytes() as u64,
                 });
-            }
-        }
-        Op::LayerNormGrad { axis, epsilon } | Op::RmsNormGrad { axis, epsilon } => {
-            let norm = &xt.shape[*axis..];
-            check_rank(norm)?;
-            let rows: usize = xt.shape[..*axis].iter().product();
-            let d: usize = norm.iter().product();
-            let mut nd = Nd::new(norm);
-            nd.s[0] = bcast(&c.ins[1].1.shape, norm);
-            if rows * d > 0 {
-                w.push(lanes(
-                    format!("norm_grad_{}", dt(xt.dtype)),
-                    rows,
-                    vec![
-                        Arg::I64(rows as i64),
-                        Arg::I64(d as i64),
-                        Arg::F32(*epsilon),
-                        Arg::I32(matches!(op, Op::RmsNormGrad { .. }) as i32),
-                        Arg::Nd(nd),
-                        Arg::Ptr(x),
-                        Arg::Ptr(c.ins[1].0),
-                        Arg::Ptr(c.ins[2].0),
-                        Arg::Ptr(c.outs[0].0),
-                        Arg::Ptr(c.outs[1].0),
-                    ],
-                ));
             }
         }
         Op::Reduce { op: rop, axes, .. } => {

@@ -79,6 +79,27 @@ __device__ void xent_k(i64 outer, i64 dim, i64 inner, int grad, const T* x, cons
     }
 }
 
+// One row's mean (0 for rms) and 1 / sqrt(variance + eps), summed in f64 over the block:
+// what norm_k normalizes with and norm_grad_k recomputes.
+template <typename T>
+__device__ void row_stats(const T* xr, i64 d, float eps, int rms, double* shd, float* mean_out,
+                          float* rstd_out) {
+    float mean = 0.0f;
+    if (!rms) {
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += (double)to_f(xr[j]);
+        mean = (float)(block_sum(s, shd) / (double)d);
+    }
+    double v = 0.0;
+    for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+        double c = (double)(to_f(xr[j]) - mean);
+        v += c * c;
+    }
+    double var = block_sum(v, shd) / (double)d;
+    *mean_out = mean;
+    *rstd_out = (float)(1.0 / sqrt(var + (double)eps));
+}
+
 // Rows of d elements; scale (and bias) indexed through the walk p over the normalized dims
 // (p.s0: scale strides, p.s1: bias strides, 0 where they broadcast).
 template <typename T>
@@ -88,19 +109,8 @@ __device__ void norm_k(i64 rows, i64 d, float eps, int rms, Nd p, const T* x, co
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * d;
         T* yr = y + r * d;
-        float mean = 0.0f;
-        if (!rms) {
-            double s = 0.0;
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += (double)to_f(xr[j]);
-            mean = (float)(block_sum(s, shd) / (double)d);
-        }
-        double v = 0.0;
-        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
-            double c = (double)(to_f(xr[j]) - mean);
-            v += c * c;
-        }
-        double var = block_sum(v, shd) / (double)d;
-        float rstd = (float)(1.0 / sqrt(var + (double)eps));
+        float mean, rstd;
+        row_stats(xr, d, eps, rms, shd, &mean, &rstd);
         for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
             i64 os, ob, o2, o3;
             nd_offsets(p, j, &os, &ob, &o2, &o3);
@@ -121,19 +131,8 @@ __device__ void norm_grad_k(i64 rows, i64 d, float eps, int rms, Nd p, const T* 
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * d;
         const T* gr = dy + r * d;
-        float mean = 0.0f;
-        if (!rms) {
-            double s = 0.0;
-            for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += (double)to_f(xr[j]);
-            mean = (float)(block_sum(s, shd) / (double)d);
-        }
-        double v = 0.0;
-        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
-            double c = (double)(to_f(xr[j]) - mean);
-            v += c * c;
-        }
-        double var = block_sum(v, shd) / (double)d;
-        float rstd = (float)(1.0 / sqrt(var + (double)eps));
+        float mean, rstd;
+        row_stats(xr, d, eps, rms, shd, &mean, &rstd);
         double sg = 0.0, sgx = 0.0;
         for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
             i64 os, o1, o2, o3;
