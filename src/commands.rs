@@ -375,6 +375,34 @@ fn parse_pair(s: &str, what: &str) -> Result<(f64, f64)> {
     }
 }
 
+/// The loss flags in one string, as a plan records them (`lm`, `ce labels=y`, ...): parsed
+/// back by [`loss_from_spec`].
+pub(crate) fn loss_spec(t: &TrainArgs) -> String {
+    let mut s = t.loss.clone();
+    if let Some(l) = &t.labels {
+        s.push_str(&format!(" labels={l}"));
+    }
+    if let Some(x) = &t.target {
+        s.push_str(&format!(" target={x}"));
+    }
+    s
+}
+
+/// The loss a plan records (see [`loss_spec`]).
+pub(crate) fn loss_from_spec(spec: &str) -> Result<LossKind> {
+    let mut parts = spec.split_whitespace();
+    let kind = parts.next().unwrap_or("lm");
+    let (mut labels, mut target) = (None, None);
+    for p in parts {
+        match p.split_once('=') {
+            Some(("labels", v)) => labels = Some(v),
+            Some(("target", v)) => target = Some(v),
+            _ => return Err(miette!("the plan's loss `{spec}` is not one hzp reads")),
+        }
+    }
+    LossKind::parse(kind, labels, target).map_err(|e| miette!("{e}"))
+}
+
 pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
     let loss = LossKind::parse(&t.loss, t.labels.as_deref(), t.target.as_deref())
         .map_err(|e| miette!("{e}"))?;
@@ -518,6 +546,7 @@ fn program_inputs(
 ) -> Result<Vec<(String, Tensor)>> {
     p.inputs
         .iter()
+        .filter(|&&v| p.value(v).name != hzp_passes::train::LR_INPUT)
         .map(|&v| {
             let val = p.value(v);
             let (_, t) = arrays.iter().find(|(k, _)| *k == val.name).ok_or_else(|| {
@@ -620,10 +649,11 @@ pub fn train(
     let mut trainer = hzp_runtime::train::Trainer::new(&prep.step).map_err(|e| miette!("{e}"))?;
     let mut losses = Vec::new();
     let mut times = Vec::new();
+    let batch = hzp_passes::train::with_lr(&prep.step, &prep.batch, t.lr);
     for s in 0..steps {
         let start = Instant::now();
         let outs = trainer
-            .step(&prep.batch)
+            .step(&batch)
             .map_err(|e| miette!("step {}: {e}", s + 1))?;
         let dt = start.elapsed().as_secs_f64();
         let loss = outs[0].1.to_f64_vec()[0];

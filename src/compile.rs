@@ -5,6 +5,7 @@ use crate::{Format, ModelArgs, TrainArgs};
 use hzp_ir::plan::{BufferKind, Plan, ShardGroups};
 use hzp_ir::{Mesh, Op, Program, StreamKind, ValueDef, ValueId};
 use hzp_passes::cluster::{parse_bytes, ClusterSpec};
+use hzp_passes::train::Optimizer;
 use hzp_passes::shard_plan::{self, ReduceGrads, ShardOptions, ShardOverride, Strategy};
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -494,6 +495,11 @@ pub fn build_plan(
         cfg.micro_batches,
         fingerprint,
     );
+    plan.lr = match &cfg.optimizer {
+        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => Some(*lr),
+        None => None,
+    };
+    plan.loss = Some(crate::commands::loss_spec(t));
     show_stage(&stages, "memory", || memory_text(&plan));
     // One communicator per (group, stream), as the runtime creates them: collectives of one
     // group on different streams do not need ordering among themselves.

@@ -5,7 +5,9 @@ mod commands;
 mod compile;
 mod launch;
 mod run;
+mod session;
 mod simulate;
+mod train_loop;
 
 // The compiler builds and frees millions of small vectors for a 100B-scale plan; mimalloc
 // takes about a fifth off `hzp compile` next to glibc's allocator.

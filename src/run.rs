@@ -22,12 +22,36 @@ const BASE_CLUSTER: &str = include_str!("../examples/clusters/h100-dgx.toml");
 pub struct RunArgs {
     /// A plan written by `hzp compile -o`.
     pub plan: PathBuf,
-    /// The global batch: arrays keyed by input name, axis 0 split across the ranks.
+    /// The global batch: arrays keyed by input name, axis 0 split across the ranks (the
+    /// same batch every step; with --data, the inputs other than the tokens).
     #[arg(long, value_name = "IN.npz")]
-    pub inputs: PathBuf,
-    /// Number of optimizer steps (the same batch every step).
+    pub inputs: Option<PathBuf>,
+    /// Number of optimizer steps in all (a resumed run counts the steps done before).
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
+    /// The learning rate (the maximum of a schedule); default: the plan's `--lr`.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    #[command(flatten)]
+    pub session: crate::session::LoopArgs,
+    /// Write checkpoints into this folder (step-NNNNNN/: one safetensors file per rank and
+    /// a manifest written last).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// A checkpoint every K steps (and after the last step).
+    #[arg(long, value_name = "K")]
+    pub checkpoint_every: Option<usize>,
+    /// Keep only the newest N checkpoints.
+    #[arg(long, value_name = "N")]
+    pub keep: Option<usize>,
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (another plan of the
+    /// same model reshards it on load).
+    #[arg(long)]
+    pub resume: bool,
+    /// End this invocation after step N (with a checkpoint, when writing them), as if it
+    /// were stopped there: the schedule still spans --steps, and --resume goes on.
+    #[arg(long, value_name = "N")]
+    pub stop_at: Option<usize>,
     /// cpu, or cuda (needs a build with --features cuda).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -173,6 +197,36 @@ fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
     load_model(model, &opts).map_err(miette::Report::new)
 }
 
+/// The model's forward and loss at the plan's per-rank micro-batch shapes, in the plan's
+/// compute precision: what evaluation runs with the current parameters. Weights an exporter
+/// stored twice and the plan trains as one (`--retie`) are tied again here.
+pub(crate) fn eval_program(args: &RunArgs, plan: &Plan) -> Result<Program> {
+    let model = args.model.clone().unwrap_or_else(|| plan.model.clone());
+    if model.starts_with("preset:") {
+        return Err(miette!(
+            "--val-data: the plan was compiled from {model}, which has no forward weights to evaluate with; pass --model FILE"
+        ));
+    }
+    let mut fwd = load_forward(&model, plan)?;
+    let trained = |n: &str| plan.layouts.iter().any(|l| l.name == n);
+    let ties: Vec<_> = hzp_passes::ties::find_ties(&fwd)
+        .into_iter()
+        .filter(|t| trained(&t.canonical) && !trained(&t.copy))
+        .collect();
+    hzp_passes::ties::retie(&mut fwd, &ties).map_err(|e| miette!("{e}"))?;
+    let compute = plan
+        .program
+        .precision
+        .as_ref()
+        .map_or(hzp_ir::DType::F32, |pr| pr.compute);
+    let spec = plan.loss.as_deref().ok_or_else(|| {
+        miette!("the plan does not record its loss (compiled by an older hzp?): recompile it to evaluate")
+    })?;
+    let loss = crate::commands::loss_from_spec(spec)?;
+    let lowered = hzp_passes::train::lower_precision(&fwd, compute).map_err(|e| miette!("{e}"))?;
+    hzp_passes::train::attach_loss(&lowered, &loss).map_err(|e| miette!("{e}"))
+}
+
 /// The full parameters the plan trains: from `--params`, else from the model (checked
 /// against the plan's fingerprint).
 fn parameters(args: &RunArgs, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
@@ -280,15 +334,45 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         (None, None) => None,
     };
-    let mut outs: Vec<&Path> = vec![args.plan.as_path(), args.inputs.as_path()];
+    let mut outs: Vec<&Path> = vec![args.plan.as_path()];
+    outs.extend(args.inputs.as_deref());
     outs.extend(args.params.as_deref());
-    for out in args.save_params.iter().chain(&args.trace) {
+    outs.extend(args.session.data.as_deref());
+    outs.extend(args.session.val_data.as_deref());
+    for out in args
+        .save_params
+        .iter()
+        .chain(&args.trace)
+        .chain(&args.session.log)
+    {
         crate::commands::check_not_input(out, &outs)?;
     }
-    let inputs = npz::read(&args.inputs).map_err(|e| miette!("{e}"))?;
+    if args.inputs.is_none() && args.session.data.is_none() {
+        return Err(miette!(
+            "hzp run needs the batch: --inputs IN.npz (the same batch every step) or --data TOKENS.bin"
+        ));
+    }
+    let fixed = match &args.inputs {
+        Some(p) => npz::read(p).map_err(|e| miette!("{e}"))?,
+        None => Vec::new(),
+    };
+    let lr_max = args.lr.or(plan.lr).ok_or_else(|| {
+        miette!("the plan records no learning rate (compiled by an older hzp?): pass --lr")
+    })?;
+    let schedule = args.session.schedule(lr_max, args.steps)?;
     let params = parameters(args, &plan)?;
+    let plain = args.session.is_plain()
+        && args.checkpoint_dir.is_none()
+        && !args.resume
+        && args.stop_at.is_none()
+        && args.lr.is_none();
     if cuda {
-        return run_cuda(args, &plan, &params, &inputs, comm);
+        if !plain {
+            return Err(miette!(
+                "--data, --val-data, --log, --lr, schedules and checkpoints run on the CPU backend; the CUDA backend takes --inputs and the plan's learning rate (not built yet)"
+            ));
+        }
+        return run_cuda(args, &plan, &params, &fixed, comm, lr_max);
     }
     let opts = ExecOptions {
         comm,
@@ -296,9 +380,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
         trace: args.trace.is_some(),
     };
     let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
-    ex.set_inputs(&inputs)
-        .map_err(|e| miette!("{}: {e}", args.inputs.display()))?;
-    let stats = ex.run(args.steps).map_err(|e| miette!("{e}"))?;
+    let stats = if plain {
+        let batch = hzp_passes::train::with_lr(&plan.program, &fixed, lr_max);
+        ex.set_inputs(&batch).map_err(|e| {
+            miette!(
+                "{}: {e}",
+                args.inputs.as_deref().unwrap_or(Path::new("")).display()
+            )
+        })?;
+        ex.run(args.steps).map_err(|e| miette!("{e}"))?
+    } else {
+        crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule)?
+    };
 
     let w = plan.mesh.world_size();
     let text = args.format == Format::Text;
@@ -317,13 +410,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 _ => String::new(),
             }
         );
-        for s in &stats {
-            println!(
-                "step {:>4}  loss {}  ({:.1} ms)",
-                s.step,
-                s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
-                ms(s.wall)
-            );
+        if plain {
+            for s in &stats {
+                println!(
+                    "step {:>4}  loss {}  ({:.1} ms)",
+                    s.step,
+                    s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
+                    ms(s.wall)
+                );
+            }
+        }
+        if stats.is_empty() {
+            return Ok(());
         }
         let m = measured(&stats);
         let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
@@ -423,6 +521,7 @@ fn run_cuda(
     params: &[(String, Tensor)],
     inputs: &[(String, Tensor)],
     comm: CommMode,
+    lr: f64,
 ) -> Result<()> {
     if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
         return Err(miette!(
@@ -440,10 +539,12 @@ fn run_cuda(
             );
         }
     };
+    let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
+    let mut feed = |_step: usize| Ok(batch.clone());
     let res = hzp_runtime::cuda::run_plan(
         plan,
         params,
-        inputs,
+        &mut feed,
         args.steps,
         comm,
         args.save_params.is_some(),

@@ -11,6 +11,7 @@ pub mod hzp_file;
 pub mod npz;
 pub mod onnx;
 pub mod presets;
+pub mod tokens;
 
 use hzp_ir::Program;
 use std::collections::BTreeMap;

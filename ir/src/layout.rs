@@ -26,4 +26,10 @@ pub struct ParamLayout {
     /// the rest of the gradient group reducing once per step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accumulate_group: Option<Group>,
+    /// The optimizer states kept for this parameter (AdamW's moments, SGD's momentum), by
+    /// name: each is shaped like the master shard and cut the same way (chunk
+    /// `group_index(optim_group)` of the flattened, zero-padded tensor). Checkpoints put
+    /// them back together and cut them for another plan with this.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub states: Vec<String>,
 }

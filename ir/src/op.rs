@@ -396,18 +396,21 @@ pub enum Op {
     },
 
     // ---- optimizer ----
-    /// (param, grad, m, v, step_size, bias2_sqrt) -> (param', m', v'): one decoupled-weight-
-    /// decay Adam step, elementwise over f32 tensors of one shape (the two last inputs are
-    /// f32 scalars: `lr / (1 - beta1^t)` and `sqrt(1 - beta2^t)`), as torch.optim.AdamW:
+    /// (param, grad, m, v, step_size, bias2_sqrt, lr) -> (param', m', v'): one decoupled-
+    /// weight-decay Adam step, elementwise over f32 tensors of one shape (the three last
+    /// inputs are f32 scalars: `lr / (1 - beta1^t)`, `sqrt(1 - beta2^t)` and this step's
+    /// learning rate), as torch.optim.AdamW:
     /// `m' = m + (1 - beta1)(g - m)`, `v' = beta2 v + (1 - beta2) g^2`,
     /// `param' = decay * param - step_size * m' / (sqrt(v') / bias2_sqrt + eps)` with
-    /// `decay = 1 - lr * weight_decay`. Each result may be written over the input it
-    /// replaces (see [`Op::in_place_pairs`]).
+    /// `decay = 1 - lr * weight_decay` (computed in f64, then rounded to f32, as torch
+    /// computes it from Python floats). The learning rate is an input, not an attribute,
+    /// so a schedule changes it from step to step. Each result may be written over the
+    /// input it replaces (see [`Op::in_place_pairs`]).
     AdamW {
         beta1: f64,
         beta2: f64,
         eps: f64,
-        decay: f64,
+        weight_decay: f64,
     },
 
     // ---- collectives on a mesh group ----
@@ -822,12 +825,12 @@ impl Op {
                 beta1,
                 beta2,
                 eps,
-                decay,
+                weight_decay,
             } => vec![
                 ("beta1", Float(*beta1)),
                 ("beta2", Float(*beta2)),
                 ("eps", Float(*eps)),
-                ("decay", Float(*decay)),
+                ("weight_decay", Float(*weight_decay)),
             ],
             Op::AllGather { group, axis } => {
                 vec![("group", Group(group.clone())), ("axis", Int(*axis as i64))]
@@ -986,7 +989,7 @@ impl Op {
                 beta1: a.float("beta1")?,
                 beta2: a.float("beta2")?,
                 eps: a.float("eps")?,
-                decay: a.float("decay")?,
+                weight_decay: a.float("weight_decay")?,
             },
             "AllGather" => Op::AllGather {
                 group: a.group("group")?,
@@ -1652,7 +1655,7 @@ impl Op {
                 one(TensorType::new(*dtype, shape.clone()))
             }
             Op::AdamW { .. } => {
-                check_arity(self, ins, 6, 6)?;
+                check_arity(self, ins, 7, 7)?;
                 let p = ins[0];
                 for (k, what) in [(0, "parameter"), (1, "gradient"), (2, "m"), (3, "v")] {
                     if ins[k].dtype != DType::F32 || ins[k].shape != p.shape {
@@ -1662,7 +1665,7 @@ impl Op {
                         ));
                     }
                 }
-                for (k, what) in [(4, "step size"), (5, "bias correction")] {
+                for (k, what) in [(4, "step size"), (5, "bias correction"), (6, "learning rate")] {
                     if ins[k].dtype != DType::F32 || ins[k].numel() != 1 {
                         return Err(format!("AdamW: the {what} must be one f32, got {}", ins[k]));
                     }

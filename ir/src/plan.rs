@@ -143,6 +143,14 @@ pub struct Plan {
     pub micro_batches: usize,
     /// Hex SHA-256 of the model's parameters (see [`model_fingerprint`]); empty when unknown.
     pub model_fingerprint: String,
+    /// The optimizer's learning rate it was compiled with (`--lr`): what `hzp run` feeds the
+    /// step's learning-rate input at every step, or the maximum of a schedule. `None` for a
+    /// plan without an optimizer.
+    pub lr: Option<f64>,
+    /// The loss it trains, as the flags gave it (`lm`, `lm labels=NAME`, `ce labels=NAME`,
+    /// `mse target=NAME`, `mean`): what an evaluation of the forward computes. `None` when
+    /// unknown.
+    pub loss: Option<String>,
     /// Hex SHA-256 of the canonical JSON of everything else (see [`Plan::compute_hash`]).
     pub content_hash: String,
 }
@@ -197,6 +205,8 @@ impl Plan {
             layouts: Vec::new(),
             micro_batches: 1,
             model_fingerprint: String::new(),
+            lr: None,
+            loss: None,
             content_hash: String::new(),
         };
         plan.content_hash = plan.compute_hash();
@@ -231,8 +241,18 @@ impl Plan {
             layouts,
             micro_batches,
             model_fingerprint,
+            lr: None,
+            loss: None,
             content_hash: String::new(),
         }
+    }
+
+    /// The same plan recording the optimizer's learning rate (the content hash is
+    /// recomputed).
+    pub fn with_lr(mut self, lr: Option<f64>) -> Plan {
+        self.lr = lr;
+        self.content_hash = self.compute_hash();
+        self
     }
 
     /// The same plan with parameter layouts, micro-batch count and model fingerprint set
@@ -407,6 +427,8 @@ impl Plan {
             layouts: repr.layouts.into_owned(),
             micro_batches: repr.micro_batches,
             model_fingerprint: repr.model_fingerprint.into_owned(),
+            lr: repr.lr,
+            loss: repr.loss.map(Cow::into_owned),
             content_hash: recorded,
         })
     }
@@ -485,6 +507,8 @@ impl Plan {
             layouts: Cow::Borrowed(&self.layouts),
             micro_batches: self.micro_batches,
             model_fingerprint: Cow::Borrowed(&self.model_fingerprint),
+            lr: self.lr,
+            loss: self.loss.as_deref().map(Cow::Borrowed),
             program: printed.lines().map(Cow::Borrowed).collect(),
             data,
         }
@@ -658,6 +682,10 @@ struct PlanRepr<'a> {
     micro_batches: usize,
     #[serde(default, borrow)]
     model_fingerprint: Cow<'a, str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none", borrow)]
+    loss: Option<Cow<'a, str>>,
     #[serde(borrow)]
     program: Vec<Cow<'a, str>>,
     #[serde(default, borrow)]

@@ -685,6 +685,7 @@ pub fn shard_training_step_rewritten(
             compute_shard: shard_name,
             compute_dtype: compute,
             accumulate_group,
+            states: Vec::new(),
         });
     }
     let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
@@ -1242,7 +1243,12 @@ pub fn shard_training_step_rewritten(
     }
     let mut updates: Vec<Update> = Vec::new();
     e.scope = "optimizer".into();
-    train::optimizer(&mut e, &opt, &masters, &grads, &mut updates).map_err(err)?;
+    let optim_states =
+        train::optimizer(&mut e, &opt, &masters, &grads, &mut updates).map_err(err)?;
+    let state_names: Vec<Vec<String>> = optim_states
+        .iter()
+        .map(|v| v.iter().map(|&s| e.p.value(s).name.clone()).collect())
+        .collect();
     // Rebuild each compute shard from the new master shard.
     for (k, &master) in masters.iter().enumerate() {
         let new_master = updates
@@ -1305,6 +1311,9 @@ pub fn shard_training_step_rewritten(
     let q = insert_events_with(&q, &order, &waits);
     hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
     trace(STAGES[2], &q);
+    for (l, names) in layouts.iter_mut().zip(state_names) {
+        l.states = names;
+    }
     Ok(ShardedStep {
         program: q,
         layouts,

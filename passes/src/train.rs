@@ -10,8 +10,8 @@
 use crate::autodiff::differentiate_scaled;
 use crate::emit::Emitter;
 use hzp_ir::{
-    BinaryOp, DType, Op, Precision, Program, ReduceOp, TensorType, UnaryOp, Update, ValueDef,
-    ValueId,
+    BinaryOp, DType, Op, Precision, Program, ReduceOp, Tensor, TensorType, UnaryOp, Update,
+    ValueDef, ValueId,
 };
 use std::collections::HashMap;
 
@@ -727,18 +727,49 @@ pub(crate) fn clip(
     Ok((norm, out))
 }
 
+/// The name of the step program's learning-rate input: an f32 scalar the driver gives at
+/// every step (the value of the schedule at that step; the optimizer's `lr` when there is no
+/// schedule). A scalar input is never split: every rank and micro-batch reads the same value.
+pub const LR_INPUT: &str = "optimizer.lr";
+
+/// `batch` with the learning-rate input ([`LR_INPUT`]) set to `lr`, for a step program that
+/// has one (a gradient program has none and is given `batch` unchanged).
+pub fn with_lr(p: &Program, batch: &[(String, Tensor)], lr: f64) -> Vec<(String, Tensor)> {
+    let mut out: Vec<(String, Tensor)> = batch
+        .iter()
+        .filter(|(k, _)| k != LR_INPUT)
+        .cloned()
+        .collect();
+    let takes_lr = p.inputs.iter().any(|&i| p.value(i).name == LR_INPUT);
+    if takes_lr {
+        out.push((LR_INPUT.to_string(), Tensor::f32(vec![], vec![lr as f32])));
+    }
+    out
+}
+
+/// The optimizer update of `params` by `grads` (pushed to `updates`). The learning rate is
+/// the step program's input [`LR_INPUT`] (added here). Returns, per parameter, the states
+/// the optimizer keeps for it (AdamW's moments, SGD's momentum buffer): shaped like the
+/// parameter and cut the same way (see `ParamLayout::states`).
 pub(crate) fn optimizer(
     e: &mut Emitter,
     opt: &Optimizer,
     params: &[ValueId],
     grads: &[ValueId],
     updates: &mut Vec<Update>,
-) -> Result<(), String> {
+) -> Result<Vec<Vec<ValueId>>, String> {
     let f = DType::F32;
     let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
+    if e.p.find_value(LR_INPUT).is_some() {
+        return Err(format!(
+            "the model already has a value named `{LR_INPUT}`, the name of the optimizer's learning-rate input"
+        ));
+    }
+    let lrv = e.p.add_input(LR_INPUT, TensorType::scalar(f));
+    let mut states = Vec::with_capacity(params.len());
     match *opt {
         Optimizer::AdamW {
-            lr,
+            lr: _,
             beta1,
             beta2,
             eps,
@@ -759,14 +790,13 @@ pub(crate) fn optimizer(
             let p2 = b(e, BinaryOp::Pow, b2, t)?;
             let bc1 = b(e, BinaryOp::Sub, one, p1)?;
             let bc2 = b(e, BinaryOp::Sub, one, p2)?;
-            let lrv = e.scalar(lr, f);
             let step_size = b(e, BinaryOp::Div, lrv, bc1)?;
             let bc2s = e.op(Op::Unary(UnaryOp::Sqrt), &[bc2])?;
             let fused = Op::AdamW {
                 beta1,
                 beta2,
                 eps,
-                decay: 1.0 - lr * weight_decay,
+                weight_decay,
             };
             for (&w, &g) in params.iter().zip(grads) {
                 let wname = e.p.value(w).name.clone();
@@ -781,26 +811,27 @@ pub(crate) fn optimizer(
                 // each result over the state it replaces
                 let outs = e.ops_named(
                     fused.clone(),
-                    &[w, g, m, v, step_size, bc2s],
+                    &[w, g, m, v, step_size, bc2s, lrv],
                     &["param", "m", "v"],
                 )?;
                 for (target, value) in [w, m, v].into_iter().zip(outs) {
                     updates.push(Update { target, value });
                 }
+                states.push(vec![m, v]);
             }
         }
         Optimizer::Sgd {
-            lr,
+            lr: _,
             momentum,
             weight_decay,
         } => {
-            let lrv = e.scalar(lr, f);
             let mom = e.scalar(momentum, f);
             let wdv = e.scalar(weight_decay, f);
             for (&w, &g) in params.iter().zip(grads) {
                 let wname = e.p.value(w).name.clone();
                 e.scope = format!("step/sgd/{wname}");
                 let mut d = g;
+                let mut kept = Vec::new();
                 if weight_decay != 0.0 {
                     let t = b(e, BinaryOp::Mul, w, wdv)?;
                     d = b(e, BinaryOp::Add, d, t)?;
@@ -817,6 +848,7 @@ pub(crate) fn optimizer(
                         value: nb,
                     });
                     d = nb;
+                    kept.push(buf);
                 }
                 let s = b(e, BinaryOp::Mul, d, lrv)?;
                 let w2 = b(e, BinaryOp::Sub, w, s)?;
@@ -824,10 +856,11 @@ pub(crate) fn optimizer(
                     target: w,
                     value: w2,
                 });
+                states.push(kept);
             }
         }
     }
-    Ok(())
+    Ok(states)
 }
 
 #[cfg(test)]

@@ -166,10 +166,10 @@ fn run(
         beta1,
         beta2,
         eps,
-        decay,
+        weight_decay,
     } = op
     {
-        return optim::adamw((*beta1, *beta2, *eps, *decay), ins, outs);
+        return optim::adamw((*beta1, *beta2, *eps, *weight_decay), ins, outs);
     }
     if let Op::LayerNormGrad { axis, epsilon } | Op::RmsNormGrad { axis, epsilon } = op {
         let rms = matches!(op, Op::RmsNormGrad { .. });

@@ -23,12 +23,17 @@ pub struct AdamWStep {
 }
 
 impl AdamWStep {
-    /// From the op's attributes and its two scalar inputs.
+    /// From the op's attributes (beta1, beta2, eps, weight decay) and its three scalar
+    /// inputs (step size, bias correction, learning rate). The decay factor
+    /// `1 - lr * weight_decay` is computed in f64 and rounded once, as torch computes it
+    /// from Python floats.
     pub fn new(
-        (beta1, beta2, eps, decay): (f64, f64, f64, f64),
+        (beta1, beta2, eps, weight_decay): (f64, f64, f64, f64),
         step_size: f32,
         bias2_sqrt: f32,
+        lr: f32,
     ) -> AdamWStep {
+        let decay = 1.0 - lr as f64 * weight_decay;
         AdamWStep {
             one_minus_beta1: (1.0 - beta1) as f32,
             beta2: beta2 as f32,
@@ -200,8 +205,8 @@ pub fn adamw(
     ins: &[TensorRef],
     outs: &mut [TensorMut],
 ) -> Result<(), String> {
-    let [w, g, m, v, lr, b2] = ins else {
-        return Err("internal: AdamW takes 6 inputs".into());
+    let [w, g, m, v, step_size, b2, lr] = ins else {
+        return Err("internal: AdamW takes 7 inputs".into());
     };
     let scalar = |t: &TensorRef| -> Result<f32, String> {
         typed::<f32>(t)?
@@ -209,7 +214,7 @@ pub fn adamw(
             .copied()
             .ok_or_else(|| "AdamW: an empty scalar".to_string())
     };
-    let c = AdamWStep::new(hyper, scalar(lr)?, scalar(b2)?);
+    let c = AdamWStep::new(hyper, scalar(step_size)?, scalar(b2)?, scalar(lr)?);
     let (w, g, m, v) = (
         typed::<f32>(w)?,
         typed::<f32>(g)?,

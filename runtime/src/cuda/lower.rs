@@ -660,7 +660,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
             beta1,
             beta2,
             eps,
-            decay,
+            weight_decay,
         } => {
             if n > 0 {
                 let mut args = vec![
@@ -669,7 +669,10 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                     Arg::F32(*beta2 as f32),
                     Arg::F32((1.0 - beta2) as f32),
                     Arg::F32(*eps as f32),
-                    Arg::F32(*decay as f32),
+                    Arg::Bits {
+                        bits: weight_decay.to_bits(),
+                        len: 8,
+                    },
                 ];
                 args.extend(c.ins.iter().map(|(off, _)| Arg::Ptr(*off)));
                 args.extend(c.outs.iter().map(|(off, _)| Arg::Ptr(*off)));

@@ -40,8 +40,8 @@ pub struct CudaRunResult {
 }
 
 /// Runs `steps` steps of `plan` as this process's rank (from the torchrun variables; a
-/// single process when none are set) on the global batch `inputs`, calling `on_step` after
-/// each step. With `want_params`, gathers the full parameters at the end.
+/// single process when none are set), step `s` (0-based) on the global batch `inputs(s)`
+/// (the learning rate among them), calling `on_step` after each step. With `want_params`, gathers the full parameters at the end.
 ///
 /// Errors: a missing library names the library and where it was looked for (before any CUDA
 /// call); a plan using an op the backend does not run names the node; a build without the
@@ -49,7 +49,7 @@ pub struct CudaRunResult {
 pub fn run_plan(
     plan: &Plan,
     full_params: &[(String, Tensor)],
-    inputs: &[(String, Tensor)],
+    inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
     steps: usize,
     comm: CommMode,
     want_params: bool,
@@ -75,7 +75,7 @@ pub fn run_plan(
 fn run_built(
     plan: &Plan,
     full_params: &[(String, Tensor)],
-    inputs: &[(String, Tensor)],
+    inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
     steps: usize,
     comm: CommMode,
     want_params: bool,
@@ -86,9 +86,9 @@ fn run_built(
         timeout: Duration::from_secs(300),
     };
     let mut ex = CudaExecutor::new(plan, full_params, opts)?;
-    ex.set_inputs(inputs)?;
     let mut out = Vec::with_capacity(steps);
-    for _ in 0..steps {
+    for k in 0..steps {
+        ex.set_inputs(&inputs(k)?)?;
         let s = ex.step()?;
         on_step(ex.rank(), &s);
         out.push(s);
@@ -109,7 +109,7 @@ fn run_built(
 fn run_built(
     _plan: &Plan,
     _full_params: &[(String, Tensor)],
-    _inputs: &[(String, Tensor)],
+    _inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
     _steps: usize,
     _comm: CommMode,
     _want_params: bool,

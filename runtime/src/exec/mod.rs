@@ -494,7 +494,8 @@ impl Executor {
 
     /// Sets the global batch: every input of the per-rank program is given with `W` times
     /// its rows; rank r takes rows `[r*b, (r+1)*b)` (b: the per-rank rows, micro-batches
-    /// included). The batch stays until set again.
+    /// included). A scalar input (the learning rate) is given once and every rank reads it.
+    /// The batch stays until set again.
     pub fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
         let w = self.world;
         let inputs = self.program.inputs.clone();
@@ -521,10 +522,13 @@ impl Executor {
             }
             let l = self.loc[v.index()];
             let src = data_bytes(&t.data);
+            // A scalar (the learning rate) is every rank's; other inputs are cut on axis 0.
+            let replicated = want.rank() == 0;
             for r in 0..w {
+                let at = if replicated { 0 } else { r * l.bytes };
                 // SAFETY: between runs; this input's buffer.
                 let out = unsafe { self.arenas[r].bytes_mut(l.off, l.bytes) };
-                out.copy_from_slice(&src[r * l.bytes..(r + 1) * l.bytes]);
+                out.copy_from_slice(&src[at..at + l.bytes]);
             }
         }
         Ok(())
@@ -702,6 +706,88 @@ impl Executor {
                 Some((l.name.clone(), Tensor::f32(l.shape.clone(), flat)))
             })
             .collect()
+    }
+
+    /// The plan's mesh.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// How the plan cuts each parameter (and its optimizer states).
+    pub fn layouts(&self) -> &[ParamLayout] {
+        &self.layouts
+    }
+
+    /// Steps run so far.
+    pub fn steps_run(&self) -> usize {
+        self.steps_run
+    }
+
+    /// Every persistent value of `rank` (its parameter master shards, then its states:
+    /// compute shards, optimizer moments, the step counter), by name, in program order:
+    /// what a checkpoint keeps of the rank.
+    pub fn persistent(&self, rank: usize) -> Vec<(String, Tensor)> {
+        let p = &self.program;
+        p.params
+            .iter()
+            .map(|x| x.value)
+            .chain(p.states.iter().map(|s| s.value))
+            .map(|v| (p.value(v).name.clone(), self.read(rank, v)))
+            .collect()
+    }
+
+    /// Sets the persistent values of every rank (as [`Executor::persistent`] gives them):
+    /// `per_rank[r]` must name each of rank r's parameters and states once, with its type.
+    pub fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
+        if per_rank.len() != self.world {
+            return Err(ExecError::Params(format!(
+                "values for {} ranks given to a plan of {}",
+                per_rank.len(),
+                self.world
+            )));
+        }
+        let p = &self.program;
+        let persistent: Vec<ValueId> = p
+            .params
+            .iter()
+            .map(|x| x.value)
+            .chain(p.states.iter().map(|s| s.value))
+            .collect();
+        for (r, values) in per_rank.iter().enumerate() {
+            if values.len() != persistent.len() {
+                return Err(ExecError::Params(format!(
+                    "rank {r}: {} values given, the plan keeps {}",
+                    values.len(),
+                    persistent.len()
+                )));
+            }
+            for &v in &persistent {
+                let name = &p.value(v).name;
+                let (_, t) = values.iter().find(|(k, _)| k == name).ok_or_else(|| {
+                    ExecError::Params(format!("rank {r}: no value for `{name}`"))
+                })?;
+                if t.ty() != *p.ty(v) {
+                    return Err(ExecError::Params(format!(
+                        "rank {r}: `{name}` is {}, the plan keeps {}",
+                        t.ty(),
+                        p.ty(v)
+                    )));
+                }
+            }
+        }
+        for (r, values) in per_rank.iter().enumerate() {
+            for &v in &persistent {
+                let name = &self.program.value(v).name;
+                let (_, t) = values.iter().find(|(k, _)| k == name).expect("checked above");
+                self.write(r, v, t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts `steps` as already run (a run resumed from a checkpoint numbers its steps on).
+    pub fn set_steps_run(&mut self, steps: usize) {
+        self.steps_run = steps;
     }
 
     /// The value named `name` on `rank` (persistent values hold their current contents;
@@ -1024,10 +1110,10 @@ impl ThreadCtx<'_> {
                 beta1,
                 beta2,
                 eps,
-                decay,
+                weight_decay,
             } => {
                 let (ins, outs) = (&node.ins, &node.outs);
-                if ins.len() != 6 || outs.len() != 3 {
+                if ins.len() != 7 || outs.len() != 3 {
                     return Err("internal: AdamW with a wrong arity".into());
                 }
                 let n = ins[0].1.numel();
@@ -1041,9 +1127,10 @@ impl ThreadCtx<'_> {
                     }
                 };
                 let c = crate::cpu::optim::AdamWStep::new(
-                    (*beta1, *beta2, *eps, *decay),
+                    (*beta1, *beta2, *eps, *weight_decay),
                     scalar(4)?,
                     scalar(5)?,
+                    scalar(6)?,
                 );
                 let p = |l: &Loc| arena.ptr(l.off) as *mut f32;
                 // SAFETY: `new` checked that each result overlaps no input except exactly

@@ -270,11 +270,15 @@ __device__ void gelu_tanh_grad_k(i64 n, const T* x, const T* dy, T* y) {
 // ---- the fused AdamW step (Op::AdamW), f32; each result may be its input's buffer (every
 // thread reads its element's inputs before it stores that element's results)
 
+// decay = 1 - lr * weight_decay in double, rounded once (as the CPU kernel and torch do)
+
 extern "C" __global__ void adamw_f32(i64 n, float one_m_b1, float b2, float one_m_b2, float eps,
-                                     float decay, const float* w, const float* g, const float* m,
-                                     const float* v, const float* step_size,
-                                     const float* bias2_sqrt, float* w2, float* m2, float* v2) {
+                                     double weight_decay, const float* w, const float* g,
+                                     const float* m, const float* v, const float* step_size,
+                                     const float* bias2_sqrt, const float* lr_now, float* w2,
+                                     float* m2, float* v2) {
     float lr = *step_size, bc = *bias2_sqrt;
+    float decay = (float)(1.0 - (double)*lr_now * weight_decay);
     GRID_LOOP(i, n) {
         float wi = w[i], gi = g[i], mi = m[i], vi = v[i];
         float mn = mi + (gi - mi) * one_m_b1;

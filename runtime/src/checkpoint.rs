@@ -1,0 +1,556 @@
+//! Training checkpoints: a folder `step-000123/` per checkpoint holding one safetensors file
+//! per rank (`rank-00000.safetensors`: the rank's persistent values, named as in the plan:
+//! parameter master shards, compute shards, optimizer moments, step counter) and
+//! `manifest.json`, written last: the model, its fingerprint, the plan's hash, mesh and
+//! parameter layouts, the run's position (steps done, token samples consumed, schedule) and
+//! the size and SHA-256 of every file. A folder without a manifest whose files all match is
+//! not a checkpoint.
+//!
+//! A checkpoint is written under a temporary name in the checkpoint folder and renamed when
+//! complete; an existing checkpoint is never written over. Loading verifies every file. A
+//! plan other than the writer's (another mesh, rank count or strategy) loads it through the
+//! full tensors: each parameter and each of its optimizer states is put back together from
+//! the writer's shards (`ParamLayout::states`) and cut for the new plan.
+
+use crate::exec::arena::{data_bytes, tensor_from_bytes};
+use hzp_ir::{DType, Mesh, ParamLayout, Tensor, TensorType};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The manifest's format version.
+pub const FORMAT: u32 = 1;
+/// The manifest's file name.
+pub const MANIFEST: &str = "manifest.json";
+
+/// Why a checkpoint cannot be written or read. Messages name the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    /// The folder is not a usable checkpoint (damaged, partial): a run resuming skips it.
+    #[error("{path}: {message}")]
+    Damaged { path: String, message: String },
+    /// A complete checkpoint that does not fit this run (another model).
+    #[error("{path}: {message}")]
+    Mismatch { path: String, message: String },
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+fn damaged(path: &Path, message: impl Into<String>) -> CheckpointError {
+    CheckpointError::Damaged {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+/// Where a run stands in its token data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataPosition {
+    /// The token file, as given.
+    pub file: String,
+    /// Its token count (a resume with another file of another length says so).
+    pub tokens: usize,
+    /// Samples (windows) consumed so far: the next step starts at this one.
+    pub samples: u64,
+    /// Rows per step and tokens per row.
+    pub batch: usize,
+    pub seq: usize,
+    pub shuffle: Option<u64>,
+}
+
+/// One file of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub name: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// What `manifest.json` holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: u32,
+    /// Steps done when it was written.
+    pub step: usize,
+    pub model: String,
+    pub model_fingerprint: String,
+    /// The content hash of the plan that wrote it.
+    pub plan_hash: String,
+    pub strategy: String,
+    pub mesh: Mesh,
+    pub micro_batches: usize,
+    pub layouts: Vec<ParamLayout>,
+    pub data: Option<DataPosition>,
+    /// The learning-rate schedule of the run (see `crate::schedule`), and the rate of the
+    /// last step.
+    pub schedule: Option<crate::schedule::LrSchedule>,
+    pub lr: f64,
+    /// One per rank, in rank order, then nothing else.
+    pub files: Vec<FileEntry>,
+}
+
+impl Manifest {
+    pub fn world_size(&self) -> usize {
+        self.mesh.world_size()
+    }
+}
+
+/// The folder name of the checkpoint after `step` steps.
+pub fn step_dir_name(step: usize) -> String {
+    format!("step-{step:06}")
+}
+
+fn rank_file(r: usize) -> String {
+    format!("rank-{r:05}.safetensors")
+}
+
+fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::I64 => safetensors::Dtype::I64,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::Bool => safetensors::Dtype::BOOL,
+    }
+}
+
+fn hz_dtype(d: safetensors::Dtype) -> Option<DType> {
+    Some(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::I64 => DType::I64,
+        safetensors::Dtype::I32 => DType::I32,
+        safetensors::Dtype::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// `values` as safetensors bytes (names kept; safetensors orders them itself).
+pub fn to_safetensors(values: &[(String, Tensor)]) -> Result<Vec<u8>, String> {
+    let mut views = Vec::with_capacity(values.len());
+    for (name, t) in values {
+        let v = safetensors::tensor::TensorView::new(
+            st_dtype(t.dtype()),
+            t.shape.clone(),
+            data_bytes(&t.data),
+        )
+        .map_err(|e| format!("`{name}`: {e}"))?;
+        views.push((name.as_str(), v));
+    }
+    safetensors::tensor::serialize(views, None).map_err(|e| e.to_string())
+}
+
+/// The tensors of safetensors bytes, by name (in name order).
+pub fn from_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    let mut names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
+    names.sort();
+    for name in names {
+        let v = st.tensor(&name).map_err(|e| format!("`{name}`: {e}"))?;
+        let dtype = hz_dtype(v.dtype())
+            .ok_or_else(|| format!("`{name}` has dtype {:?}, which hzp does not use", v.dtype()))?;
+        let ty = TensorType::new(dtype, v.shape().to_vec());
+        if v.data().len() != ty.size_bytes() {
+            return Err(format!("`{name}`: {} bytes for {ty}", v.data().len()));
+        }
+        out.push((name, tensor_from_bytes(&ty, v.data())));
+    }
+    Ok(out)
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    let d = Sha256::digest(bytes);
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `bytes` to a new file `path` (never over an existing one) and syncs it.
+fn write_new(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| io(path, e))?;
+    f.write_all(bytes).map_err(|e| io(path, e))?;
+    f.sync_all().map_err(|e| io(path, e))
+}
+
+/// Writes a checkpoint of `per_rank` values into `dir` (created if needed) as
+/// `dir/step-NNNNNN/`; `manifest.files` is filled here. Refuses when that checkpoint exists.
+/// With `keep`, removes the oldest complete checkpoints beyond the newest `keep`. Returns
+/// the checkpoint's folder and its total bytes.
+pub fn save(
+    dir: &Path,
+    mut manifest: Manifest,
+    per_rank: &[Vec<(String, Tensor)>],
+    keep: Option<usize>,
+) -> Result<(PathBuf, u64), CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let final_dir = dir.join(step_dir_name(manifest.step));
+    if final_dir.exists() {
+        return Err(io(
+            &final_dir,
+            "a checkpoint of this step exists already; it is not written over (resume with --resume, or use another --checkpoint-dir)",
+        ));
+    }
+    // an unpredictable temporary name, created exclusively
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = dir.join(format!(
+        ".{}.partial-{}-{nonce:x}",
+        step_dir_name(manifest.step),
+        std::process::id()
+    ));
+    std::fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
+    let result = (|| {
+        let mut total = 0u64;
+        manifest.files.clear();
+        for (r, values) in per_rank.iter().enumerate() {
+            let name = rank_file(r);
+            let bytes = to_safetensors(values).map_err(|e| io(&tmp.join(&name), e))?;
+            write_new(&tmp.join(&name), &bytes)?;
+            total += bytes.len() as u64;
+            manifest.files.push(FileEntry {
+                name,
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(&bytes),
+            });
+        }
+        let mut json = serde_json::to_string_pretty(&manifest).map_err(|e| io(&tmp, e))?;
+        json.push('\n');
+        write_new(&tmp.join(MANIFEST), json.as_bytes())?;
+        total += json.len() as u64;
+        std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(total)
+    })();
+    let total = match result {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    if let Some(keep) = keep {
+        let mut steps = list(dir)?;
+        steps.sort();
+        let n = steps.len();
+        for (_, old) in steps.into_iter().take(n.saturating_sub(keep.max(1))) {
+            // only folders that are complete checkpoints (a manifest) are ours to remove
+            if old.join(MANIFEST).is_file() {
+                std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+            }
+        }
+    }
+    Ok((final_dir, total))
+}
+
+/// The `step-NNNNNN` folders of `dir`, with their step numbers (any order).
+pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>, CheckpointError> {
+    let mut out = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(io(dir, e)),
+    };
+    for e in entries {
+        let e = e.map_err(|e| io(dir, e))?;
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(n) = name.strip_prefix("step-").and_then(|s| s.parse::<usize>().ok()) {
+            if e.path().is_dir() {
+                out.push((n, e.path()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A checkpoint read back and verified.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    pub path: PathBuf,
+    pub manifest: Manifest,
+    /// Per rank of the writer: its persistent values by name.
+    pub ranks: Vec<Vec<(String, Tensor)>>,
+}
+
+/// Reads only the manifest of the checkpoint folder `path`.
+pub fn read_manifest(path: &Path) -> Result<Manifest, CheckpointError> {
+    let mp = path.join(MANIFEST);
+    let text = match std::fs::read_to_string(&mp) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(damaged(
+                path,
+                "no manifest.json: an incomplete checkpoint (the manifest is written last)",
+            ))
+        }
+        Err(e) => return Err(io(&mp, e)),
+    };
+    let m: Manifest = serde_json::from_str(&text)
+        .map_err(|e| damaged(&mp, format!("not a readable manifest: {e}")))?;
+    if m.format != FORMAT {
+        return Err(damaged(
+            &mp,
+            format!("checkpoint format {}; this hzp reads {FORMAT}", m.format),
+        ));
+    }
+    if m.files.len() != m.world_size() {
+        return Err(damaged(
+            &mp,
+            format!(
+                "{} rank files listed for a mesh of {} ranks",
+                m.files.len(),
+                m.world_size()
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+/// Reads and verifies the checkpoint folder `path`: every file there with its size and hash.
+pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    let manifest = read_manifest(path)?;
+    let mut ranks = Vec::with_capacity(manifest.files.len());
+    for f in &manifest.files {
+        if f.name.contains('/') || f.name.contains("..") {
+            return Err(damaged(path, format!("the manifest names `{}`", f.name)));
+        }
+        let fp = path.join(&f.name);
+        let bytes = match std::fs::read(&fp) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(damaged(&fp, "missing (listed in the manifest)"))
+            }
+            Err(e) => return Err(io(&fp, e)),
+        };
+        if bytes.len() as u64 != f.bytes {
+            return Err(damaged(
+                &fp,
+                format!(
+                    "{} bytes, the manifest says {} (truncated or changed)",
+                    bytes.len(),
+                    f.bytes
+                ),
+            ));
+        }
+        let h = sha256_hex(&bytes);
+        if h != f.sha256 {
+            return Err(damaged(
+                &fp,
+                format!(
+                    "SHA-256 {}..., the manifest says {}... (the file was changed or damaged)",
+                    &h[..12],
+                    &f.sha256[..12.min(f.sha256.len())]
+                ),
+            ));
+        }
+        ranks.push(from_safetensors(&bytes).map_err(|e| damaged(&fp, e))?);
+    }
+    Ok(Checkpoint {
+        path: path.to_path_buf(),
+        manifest,
+        ranks,
+    })
+}
+
+/// The newest checkpoint of `dir` that reads back whole. Damaged or partial ones are skipped,
+/// each with a note passed to `note`. `Ok(None)` when `dir` holds no checkpoint at all.
+pub fn latest(
+    dir: &Path,
+    note: &mut dyn FnMut(String),
+) -> Result<Option<Checkpoint>, CheckpointError> {
+    let mut steps = list(dir)?;
+    steps.sort();
+    let mut skipped = Vec::new();
+    for (_, path) in steps.into_iter().rev() {
+        match load(&path) {
+            Ok(c) => return Ok(Some(c)),
+            Err(e @ CheckpointError::Damaged { .. }) => {
+                note(format!("skipping checkpoint {e}"));
+                skipped.push(e.to_string());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if skipped.is_empty() {
+        Ok(None)
+    } else {
+        Err(CheckpointError::Damaged {
+            path: dir.display().to_string(),
+            message: format!(
+                "no complete checkpoint: {}",
+                skipped.join("; ")
+            ),
+        })
+    }
+}
+
+impl Checkpoint {
+    /// The full value of a tensor cut like `l`'s master shard, named `name` on each rank:
+    /// the shards of rank 0's optimizer group in group order, padding dropped, in `l.shape`.
+    fn assemble(&self, l: &ParamLayout, name: &str) -> Result<Tensor, CheckpointError> {
+        let m = &self.manifest;
+        let members = m.mesh.group_members(&l.optim_group, 0).ok_or_else(|| {
+            damaged(
+                &self.path,
+                format!("the layout of `{}` names group {}", l.name, l.optim_group),
+            )
+        })?;
+        let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
+        for r in members {
+            let (_, t) = self
+                .ranks
+                .get(r)
+                .and_then(|vals| vals.iter().find(|(k, _)| k == name))
+                .ok_or_else(|| damaged(&self.path, format!("rank {r} lacks `{name}`")))?;
+            flat.extend(t.to_f32_vec());
+        }
+        if flat.len() != l.padded {
+            return Err(damaged(
+                &self.path,
+                format!(
+                    "`{name}`: {} elements over the group, the layout says {}",
+                    flat.len(),
+                    l.padded
+                ),
+            ));
+        }
+        flat.truncate(l.numel);
+        Ok(Tensor::f32(l.shape.clone(), flat))
+    }
+
+    /// The full parameters, by name, in layout order.
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>, CheckpointError> {
+        self.manifest
+            .layouts
+            .iter()
+            .map(|l| Ok((l.name.clone(), self.assemble(l, &l.name)?)))
+            .collect()
+    }
+
+    /// The values of a plan with `mesh` and `layouts` (another mesh, rank count or strategy
+    /// than the writer's) whose persistent values are `want` (name and type per rank, as
+    /// the plan declares them; compute shards are named by the layouts): parameters and
+    /// optimizer states put back together and cut for it; compute shards cut from the
+    /// parameters in their dtype; other states (the step counter) taken from rank 0.
+    pub fn reshard(
+        &self,
+        mesh: &Mesh,
+        layouts: &[ParamLayout],
+        want: &[Vec<(String, TensorType)>],
+    ) -> Result<Vec<Vec<(String, Tensor)>>, CheckpointError> {
+        let mismatch = |message: String| CheckpointError::Mismatch {
+            path: self.path.display().to_string(),
+            message,
+        };
+        // full tensors by name: parameters and their states
+        let mut full: HashMap<String, Tensor> = HashMap::new();
+        let mut compute_of: HashMap<&str, &ParamLayout> = HashMap::new();
+        let mut sharded_like: HashMap<&str, &ParamLayout> = HashMap::new();
+        for l in &self.manifest.layouts {
+            full.insert(l.name.clone(), self.assemble(l, &l.name)?);
+            for s in &l.states {
+                full.insert(s.clone(), self.assemble(l, s)?);
+            }
+        }
+        for l in layouts {
+            let old = self
+                .manifest
+                .layouts
+                .iter()
+                .find(|o| o.name == l.name)
+                .ok_or_else(|| {
+                    mismatch(format!(
+                        "the checkpoint has no parameter `{}`, which this plan trains",
+                        l.name
+                    ))
+                })?;
+            if old.shape != l.shape {
+                return Err(mismatch(format!(
+                    "parameter `{}` is {:?} in the checkpoint and {:?} in this plan",
+                    l.name, old.shape, l.shape
+                )));
+            }
+            if old.states.len() != l.states.len() {
+                return Err(mismatch(format!(
+                    "parameter `{}` has optimizer states {:?} in the checkpoint and {:?} in this plan (another optimizer?)",
+                    l.name, old.states, l.states
+                )));
+            }
+            sharded_like.insert(l.name.as_str(), l);
+            for s in &l.states {
+                sharded_like.insert(s.as_str(), l);
+            }
+            compute_of.insert(l.compute_shard.as_str(), l);
+        }
+        if self.manifest.layouts.len() != layouts.len() {
+            return Err(mismatch(format!(
+                "the checkpoint trains {} parameters, this plan {}",
+                self.manifest.layouts.len(),
+                layouts.len()
+            )));
+        }
+        let cut = |l: &ParamLayout, t: &Tensor, group: &hzp_ir::Group, r: usize| {
+            let mut v = t.to_f32_vec();
+            v.resize(l.padded, 0.0);
+            let n = mesh.group_size(group).unwrap_or(1).max(1);
+            let i = mesh.group_index(group, r).unwrap_or(0);
+            let len = v.len() / n;
+            v[i * len..(i + 1) * len].to_vec()
+        };
+        let mut out = Vec::with_capacity(want.len());
+        for (r, names) in want.iter().enumerate() {
+            let mut vals = Vec::with_capacity(names.len());
+            for (name, ty) in names {
+                let t = if let Some(l) = sharded_like.get(name.as_str()) {
+                    let f = full.get(name.as_str()).ok_or_else(|| {
+                        mismatch(format!("the checkpoint has no `{name}`"))
+                    })?;
+                    Tensor::f32(ty.shape.clone(), cut(l, f, &l.optim_group, r))
+                } else if let Some(l) = compute_of.get(name.as_str()) {
+                    let f = &full[&l.name];
+                    let c: Vec<f64> = cut(l, f, &l.params_group, r)
+                        .into_iter()
+                        .map(|x| x as f64)
+                        .collect();
+                    Tensor::from_f64(ty.dtype, ty.shape.clone(), &c)
+                } else {
+                    let (_, t) = self.ranks[0]
+                        .iter()
+                        .find(|(k, _)| k == name)
+                        .ok_or_else(|| {
+                            mismatch(format!(
+                                "the checkpoint has no state `{name}`, which this plan keeps"
+                            ))
+                        })?;
+                    t.clone()
+                };
+                if t.ty() != *ty {
+                    return Err(mismatch(format!(
+                        "`{name}` would be {} for rank {r}, the plan keeps {ty}",
+                        t.ty()
+                    )));
+                }
+                vals.push((name.clone(), t));
+            }
+            out.push(vals);
+        }
+        Ok(out)
+    }
+}
