@@ -3,6 +3,7 @@
 mod bench_compile;
 mod commands;
 mod compile;
+mod data_cmd;
 mod launch;
 mod run;
 mod session;
@@ -237,6 +238,16 @@ enum Command {
         #[command(flatten)]
         compare: simulate::CompareArgs,
     },
+    /// Checkpoints of `hzp run --checkpoint-dir`: `show` them, `export` the full parameters.
+    Checkpoint {
+        #[command(subcommand)]
+        what: data_cmd::CheckpointWhat,
+    },
+    /// Token data: `prepare` turns text files into a byte-level token file.
+    Data {
+        #[command(subcommand)]
+        what: data_cmd::DataWhat,
+    },
     /// Weak scaling: simulated throughput and linearity per strategy over world sizes, with
     /// tokens per rank fixed.
     Scale {
@@ -367,6 +378,8 @@ fn main() {
             train,
             scale,
         } => simulate::scale(&model, &train, &scale),
+        Command::Checkpoint { what } => data_cmd::checkpoint_cmd(&what),
+        Command::Data { what } => data_cmd::data_cmd(&what),
     };
     if let Err(e) = result {
         eprintln!("{e:?}");

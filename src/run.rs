@@ -374,30 +374,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         return run_cuda(args, &plan, &params, &fixed, comm, lr_max);
     }
+    let w = plan.mesh.world_size();
+    let text = args.format == Format::Text;
     let opts = ExecOptions {
         comm,
         link: link.clone(),
         trace: args.trace.is_some(),
     };
     let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
-    let stats = if plain {
-        let batch = hzp_passes::train::with_lr(&plan.program, &fixed, lr_max);
-        ex.set_inputs(&batch).map_err(|e| {
-            miette!(
-                "{}: {e}",
-                args.inputs.as_deref().unwrap_or(Path::new("")).display()
-            )
-        })?;
-        ex.run(args.steps).map_err(|e| miette!("{e}"))?
-    } else {
-        crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule)?
-    };
-
-    let w = plan.mesh.world_size();
-    let text = args.format == Format::Text;
-    if text {
-        println!(
-            "ran {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
+    let header = |verb: &str| {
+        format!(
+            "{verb} {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
             args.plan.display(),
             plan.model,
             plan.mesh,
@@ -409,7 +396,29 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 (None, Some(s)) => format!(", links emulated at {s}"),
                 _ => String::new(),
             }
-        );
+        )
+    };
+    let stats = if plain {
+        let batch = hzp_passes::train::with_lr(&plan.program, &fixed, lr_max);
+        ex.set_inputs(&batch).map_err(|e| {
+            miette!(
+                "{}: {e}",
+                args.inputs.as_deref().unwrap_or(Path::new("")).display()
+            )
+        })?;
+        ex.run(args.steps).map_err(|e| miette!("{e}"))?
+    } else {
+        // the loop prints a line per step as it goes: the header comes first
+        if text {
+            println!("{}", header("running"));
+        }
+        crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule)?
+    };
+
+    if text {
+        if plain {
+            println!("{}", header("ran"));
+        }
         if plain {
             for s in &stats {
                 println!(

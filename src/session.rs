@@ -169,9 +169,7 @@ pub fn vocab_of(p: &Program, input: ValueId) -> Option<usize> {
                     take(d);
                 }
             }
-            Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis }
-                if reads(1) =>
-            {
+            Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } if reads(1) => {
                 if let Some(&d) = p.ty(node.inputs[0]).shape.get(*axis) {
                     take(d);
                 }

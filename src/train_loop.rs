@@ -97,11 +97,16 @@ pub fn run_loop(
     let mut start = 0usize;
     let mut samples = 0u64;
     if let (true, Some(dir)) = (args.resume, ckpt_dir) {
-        match checkpoint::latest(dir, &mut |n| eprintln!("{}", format!("note: {n}"))).map_err(|e| miette!("{e}"))? {
-            None => eprintln!("{}", format!(
-                "note: --resume: no checkpoint in {} yet; starting at step 0",
-                dir.display()
-            )),
+        match checkpoint::latest(dir, &mut |n| eprintln!("{}", format!("note: {n}")))
+            .map_err(|e| miette!("{e}"))?
+        {
+            None => eprintln!(
+                "{}",
+                format!(
+                    "note: --resume: no checkpoint in {} yet; starting at step 0",
+                    dir.display()
+                )
+            ),
             Some(c) => {
                 let m = &c.manifest;
                 if !m.model_fingerprint.is_empty()
@@ -118,8 +123,13 @@ pub fn run_loop(
                     ));
                 }
                 if m.plan_hash == plan.content_hash {
-                    ex.restore(&c.ranks).map_err(|e| miette!("{}: {e}", c.path.display()))?;
-                    println(format!("resumed from {} (step {})", c.path.display(), m.step));
+                    ex.restore(&c.ranks)
+                        .map_err(|e| miette!("{}: {e}", c.path.display()))?;
+                    println(format!(
+                        "resumed from {} (step {})",
+                        c.path.display(),
+                        m.step
+                    ));
                 } else {
                     let want: Vec<Vec<(String, TensorType)>> = (0..w)
                         .map(|_| {
@@ -205,7 +215,8 @@ pub fn run_loop(
             batch.push(f.batch(samples)?);
         }
         let batch = hzp_passes::train::with_lr(p, &batch, lr);
-        ex.set_inputs(&batch).map_err(|e| miette!("step {}: {e}", step + 1))?;
+        ex.set_inputs(&batch)
+            .map_err(|e| miette!("step {}: {e}", step + 1))?;
         let st = ex.step().map_err(|e| miette!("{e}"))?;
         if let Some(f) = &feed {
             samples += f.rows as u64;
@@ -263,7 +274,9 @@ pub fn run_loop(
         metrics.write(&rec)?;
         out.push(st);
         if let Some(dir) = ckpt_dir {
-            let due = args.checkpoint_every.is_some_and(|k| done.is_multiple_of(k));
+            let due = args
+                .checkpoint_every
+                .is_some_and(|k| done.is_multiple_of(k));
             if due || done == end {
                 let manifest = Manifest {
                     format: checkpoint::FORMAT,
@@ -275,14 +288,17 @@ pub fn run_loop(
                     mesh: plan.mesh.clone(),
                     micro_batches: plan.micro_batches,
                     layouts: plan.layouts.clone(),
-                    data: feed.as_ref().zip(s.data.as_ref()).map(|(f, path)| DataPosition {
-                        file: path.display().to_string(),
-                        tokens: f.tokens(),
-                        samples,
-                        batch: f.rows,
-                        seq: f.seq,
-                        shuffle: s.shuffle,
-                    }),
+                    data: feed
+                        .as_ref()
+                        .zip(s.data.as_ref())
+                        .map(|(f, path)| DataPosition {
+                            file: path.display().to_string(),
+                            tokens: f.tokens(),
+                            samples,
+                            batch: f.rows,
+                            seq: f.seq,
+                            shuffle: s.shuffle,
+                        }),
                     schedule: Some(*schedule),
                     lr,
                     files: Vec::new(),
@@ -297,14 +313,12 @@ pub fn run_loop(
                         session::say(&pb, l)
                     }
                 };
-                say(
-                    &format!(
-                        "checkpoint {} ({}, {:.1} ms)",
-                        path.display(),
-                        hzp_ir::plan::format_bytes(bytes),
-                        t0.elapsed().as_secs_f64() * 1e3
-                    ),
-                );
+                say(&format!(
+                    "checkpoint {} ({}, {:.1} ms)",
+                    path.display(),
+                    hzp_ir::plan::format_bytes(bytes),
+                    t0.elapsed().as_secs_f64() * 1e3
+                ));
             }
         }
     }

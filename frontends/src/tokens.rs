@@ -132,7 +132,10 @@ impl TokenFile {
                 }
             }
             let count = usize::try_from(word(2)).map_err(|_| {
-                file_err(format!("the llm.c header's token count {} is negative", word(2)))
+                file_err(format!(
+                    "the llm.c header's token count {} is negative",
+                    word(2)
+                ))
             })?;
             let need = count
                 .checked_mul(dtype.bytes())

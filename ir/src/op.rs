@@ -1665,7 +1665,11 @@ impl Op {
                         ));
                     }
                 }
-                for (k, what) in [(4, "step size"), (5, "bias correction"), (6, "learning rate")] {
+                for (k, what) in [
+                    (4, "step size"),
+                    (5, "bias correction"),
+                    (6, "learning rate"),
+                ] {
                     if ins[k].dtype != DType::F32 || ins[k].numel() != 1 {
                         return Err(format!("AdamW: the {what} must be one f32, got {}", ins[k]));
                     }

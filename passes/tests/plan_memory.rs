@@ -291,8 +291,8 @@ fn a_fused_adamw_writes_each_result_over_the_state_it_replaces() {
         format!(
             "program \"adamw\"\ninput %g : f32[64]\nparam %w : f32[64]\nstate %m : f32[64]\n\
              state %v : f32[64]\nconst %lr : f32[] = [0.001]\nconst %bc : f32[] = [0.5]\n\
-             %w2, %m2, %v2 = AdamW{{beta1=0.9, beta2=0.999, eps=1e-8, decay=0.99}}(%w, {}, %m, \
-             %v, %lr, %bc) \"adamw\"\n{}output {}\n\
+             %w2, %m2, %v2 = AdamW{{beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01}}(%w, {}, \
+             %m, %v, %lr, %bc, %lr) \"adamw\"\n{}output {}\n\
              update %w = %w2\nupdate %m = %m2\nupdate %v = %v2\n",
             if twice { "%w" } else { "%g" },
             if late { "%y = Relu(%w) \"y\"\n" } else { "" },

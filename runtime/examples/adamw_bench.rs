@@ -16,7 +16,7 @@ fn main() {
         .collect();
     let mut m = vec![0.01f32; n];
     let mut v = vec![1e-4f32; n];
-    let c = AdamWStep::new((0.9, 0.999, 1e-8, 0.99999), 1e-3, 0.03);
+    let c = AdamWStep::new((0.9, 0.999, 1e-8, 0.01), 1e-3, 0.03, 1e-3);
     let mut best = f64::MAX;
     for _ in 0..20 {
         let t = Instant::now();

@@ -271,7 +271,10 @@ pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>, CheckpointError> {
     for e in entries {
         let e = e.map_err(|e| io(dir, e))?;
         let name = e.file_name().to_string_lossy().to_string();
-        if let Some(n) = name.strip_prefix("step-").and_then(|s| s.parse::<usize>().ok()) {
+        if let Some(n) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.parse::<usize>().ok())
+        {
             if e.path().is_dir() {
                 out.push((n, e.path()));
             }
@@ -393,10 +396,7 @@ pub fn latest(
     } else {
         Err(CheckpointError::Damaged {
             path: dir.display().to_string(),
-            message: format!(
-                "no complete checkpoint: {}",
-                skipped.join("; ")
-            ),
+            message: format!("no complete checkpoint: {}", skipped.join("; ")),
         })
     }
 }
@@ -519,9 +519,9 @@ impl Checkpoint {
             let mut vals = Vec::with_capacity(names.len());
             for (name, ty) in names {
                 let t = if let Some(l) = sharded_like.get(name.as_str()) {
-                    let f = full.get(name.as_str()).ok_or_else(|| {
-                        mismatch(format!("the checkpoint has no `{name}`"))
-                    })?;
+                    let f = full
+                        .get(name.as_str())
+                        .ok_or_else(|| mismatch(format!("the checkpoint has no `{name}`")))?;
                     Tensor::f32(ty.shape.clone(), cut(l, f, &l.optim_group, r))
                 } else if let Some(l) = compute_of.get(name.as_str()) {
                     let f = &full[&l.name];
@@ -531,14 +531,15 @@ impl Checkpoint {
                         .collect();
                     Tensor::from_f64(ty.dtype, ty.shape.clone(), &c)
                 } else {
-                    let (_, t) = self.ranks[0]
-                        .iter()
-                        .find(|(k, _)| k == name)
-                        .ok_or_else(|| {
-                            mismatch(format!(
-                                "the checkpoint has no state `{name}`, which this plan keeps"
-                            ))
-                        })?;
+                    let (_, t) =
+                        self.ranks[0]
+                            .iter()
+                            .find(|(k, _)| k == name)
+                            .ok_or_else(|| {
+                                mismatch(format!(
+                                    "the checkpoint has no state `{name}`, which this plan keeps"
+                                ))
+                            })?;
                     t.clone()
                 };
                 if t.ty() != *ty {

@@ -158,7 +158,10 @@ mod tests {
         let got: Vec<f64> = (0..5).map(|i| s.at(i)).collect();
         assert_eq!(got, vec![1.0, 0.75, 0.5, 0.25, 0.0]);
         let c = LrSchedule::new(ScheduleKind::Constant, 0.5, 1, 0.0, 4).unwrap();
-        assert_eq!((0..3).map(|i| c.at(i)).collect::<Vec<_>>(), vec![0.25, 0.5, 0.5]);
+        assert_eq!(
+            (0..3).map(|i| c.at(i)).collect::<Vec<_>>(),
+            vec![0.25, 0.5, 0.5]
+        );
         // warmup as long as the run: no 0/0
         let w = LrSchedule::new(ScheduleKind::Cosine, 1.0, 3, 0.1, 3).unwrap();
         assert_eq!(w.at(3), 0.1);

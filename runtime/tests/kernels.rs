@@ -876,14 +876,17 @@ fn fused_adamw_gives_the_bits_of_the_unfused_formula_in_place_too() {
     let v: Vec<f32> = gen(4).iter().map(|x| x * x).collect();
     let t = |d: &Vec<f32>| f(&[n], d);
     let (lr, bc) = (f(&[], &[1e-3 / 0.271]), f(&[], &[0.0632_f32.sqrt()]));
-    let (beta1, beta2, eps, decay) = (0.9, 0.999, 1e-8, 1.0 - 1e-3 * 0.01);
+    let (beta1, beta2, eps, weight_decay) = (0.9, 0.999, 1e-8, 0.01);
+    // the learning rate input, and the decay factor as torch forms it (f64, rounded once)
+    let lr_now = f(&[], &[1e-3]);
+    let decay = 1.0 - 1e-3_f32 as f64 * weight_decay;
     let op = Op::AdamW {
         beta1,
         beta2,
         eps,
-        decay,
+        weight_decay,
     };
-    let got = run(op, &[&t(&w), &t(&g), &t(&m), &t(&v), &lr, &bc]);
+    let got = run(op, &[&t(&w), &t(&g), &t(&m), &t(&v), &lr, &bc, &lr_now]);
     // the fourteen elementwise ops the optimizer emitted before the fused op
     let s = |x: f64| f(&[], &[x as f32]);
     let b = |o, x: &Tensor, y: &Tensor| run1(Op::Binary(o), &[x, y]);
@@ -904,9 +907,10 @@ fn fused_adamw_gives_the_bits_of_the_unfused_formula_in_place_too() {
     // in place (results over the inputs they replace), as the executor runs it
     let (mut iw, mut im, mut iv) = (w.clone(), m.clone(), v.clone());
     let c = hzp_runtime::cpu::optim::AdamWStep::new(
-        (beta1, beta2, eps, decay),
+        (beta1, beta2, eps, weight_decay),
         1e-3 / 0.271,
         0.0632_f32.sqrt(),
+        1e-3,
     );
     let (pw, pm, pv) = (iw.as_mut_ptr(), im.as_mut_ptr(), iv.as_mut_ptr());
     // SAFETY: n elements each; each result is exactly the input it replaces.

@@ -96,9 +96,9 @@ fn digest() -> String {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
-            decay: 0.99999,
+            weight_decay: 0.01,
         },
-        vec![&clean_n, &x, &m1, &v2, &lr, &b2],
+        vec![&clean_n, &x, &m1, &v2, &lr, &b2, &lr],
     ));
     let mut out = String::new();
     for (op, ins) in cases {

@@ -177,9 +177,9 @@ pub fn all_ops() -> Program {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
-            decay: 0.99999,
+            weight_decay: 0.01,
         },
-        vec![x, x, m, m, s0, s0],
+        vec![x, x, m, m, s0, s0, s0],
         vec!["adamw.w".into(), "adamw.m".into(), "adamw.v".into()],
     )
     .unwrap();

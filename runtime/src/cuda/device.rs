@@ -431,7 +431,11 @@ impl CudaExecutor {
             let (off, bytes) = self.low.loc[v.index()];
             let src = crate::exec::arena::data_bytes(&t.data);
             // a scalar (the learning rate) is every rank's; other inputs are cut on axis 0
-            let at = if val.ty.rank() == 0 { 0 } else { r * bytes as usize };
+            let at = if val.ty.rank() == 0 {
+                0
+            } else {
+                r * bytes as usize
+            };
             let part = &src[at..at + bytes as usize];
             if bytes > 0 {
                 // SAFETY: the input's buffer; between steps.

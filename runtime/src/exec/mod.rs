@@ -763,9 +763,10 @@ impl Executor {
             }
             for &v in &persistent {
                 let name = &p.value(v).name;
-                let (_, t) = values.iter().find(|(k, _)| k == name).ok_or_else(|| {
-                    ExecError::Params(format!("rank {r}: no value for `{name}`"))
-                })?;
+                let (_, t) = values
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .ok_or_else(|| ExecError::Params(format!("rank {r}: no value for `{name}`")))?;
                 if t.ty() != *p.ty(v) {
                     return Err(ExecError::Params(format!(
                         "rank {r}: `{name}` is {}, the plan keeps {}",
@@ -778,7 +779,10 @@ impl Executor {
         for (r, values) in per_rank.iter().enumerate() {
             for &v in &persistent {
                 let name = &self.program.value(v).name;
-                let (_, t) = values.iter().find(|(k, _)| k == name).expect("checked above");
+                let (_, t) = values
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .expect("checked above");
                 self.write(r, v, t)?;
             }
         }
