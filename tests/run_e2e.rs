@@ -191,7 +191,8 @@ fn check_model(stem: &str, loss: &str) {
         for strategy in STRATEGIES {
             let plan = build_plan(&fwd, &mesh, strategy, &cfg);
             let mut ex = Executor::new(&plan, &full, ExecOptions::default()).unwrap();
-            ex.set_inputs(&batch).unwrap();
+            ex.set_inputs(&program_inputs(&plan.program, &batch))
+                .unwrap();
             let stats = ex.run(STEPS).unwrap();
             let got = ex.parameters();
             assert_eq!(got.len(), want.len(), "{stem} {mesh_s} {strategy}");
@@ -326,7 +327,8 @@ fn async_sync_and_reference_runner_agree_bitwise() {
             ..ExecOptions::default()
         };
         let mut ex = Executor::new(&plan, &full, opts).unwrap();
-        ex.set_inputs(&batch).unwrap();
+        ex.set_inputs(&program_inputs(&plan.program, &batch))
+            .unwrap();
         let losses: Vec<f64> = ex.run(3).unwrap().iter().map(|s| s.loss.unwrap()).collect();
         assert_eq!(losses, ref_losses, "{comm:?}");
         let got = ex.parameters();

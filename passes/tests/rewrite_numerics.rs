@@ -10,7 +10,7 @@ use hzp_passes::spmd::{shard_training_step, ShardSpec, ShardedStep};
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;
-use sharded_common::{batch, g, import, rel, root, slow_cluster};
+use sharded_common::{batch, g, import, rel, root, slow_cluster, with_optimizer_lr};
 use std::collections::BTreeMap;
 
 const FILE: &str = "llama_tiny.legacy.op17.onnx";
@@ -35,7 +35,7 @@ fn train(
     program: &Program,
     init: &[(String, Tensor)],
 ) -> Vec<(String, Tensor)> {
-    let global = batch("llama_tiny", ROWS);
+    let global = with_optimizer_lr(batch("llama_tiny", ROWS), &cfg(DType::F32));
     let mut r = SpmdRunner::new(program, &step.layouts, init).unwrap();
     for _ in 0..3 {
         r.step(&global).unwrap();

@@ -6,7 +6,9 @@ mod sharded_common;
 use hzp_ir::Mesh;
 use hzp_passes::shard_plan::ReduceGrads;
 use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardSpec};
-use sharded_common::{batch, g, h100_rewrite, import, meaningful, rel, rel_masked};
+use sharded_common::{
+    batch, g, h100_rewrite, import, meaningful, rel, rel_masked, with_optimizer_lr,
+};
 
 thread_local! {
     /// Whether `check_with` rewrites collectives (set per test).
@@ -60,7 +62,7 @@ fn check_with(
     let w = mesh.world_size();
     let m = cfg.micro_batches;
     let rows = 8;
-    let global = batch(model, rows);
+    let global = with_optimizer_lr(batch(model, rows), &cfg);
     // one rank, whole batch (in the same micro-batches)
     let single = training_step(&import(file, rows / m, 16), &cfg).unwrap();
     let mut t = Trainer::new(&single).unwrap();

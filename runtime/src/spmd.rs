@@ -111,7 +111,7 @@ impl SpmdRunner {
     }
 
     /// Runs one step on the global batch: rank r takes rows `[r*b, (r+1)*b)` of axis 0 of
-    /// every input. Returns rank 0's outputs (all ranks agree on the loss).
+    /// every input (a scalar input, the learning rate, is every rank's). Returns rank 0's outputs (all ranks agree on the loss).
     pub fn step(
         &mut self,
         global: &[(String, Tensor)],
@@ -131,6 +131,20 @@ impl SpmdRunner {
                         unexpected: vec![],
                         duplicate: vec![],
                     })?;
+            if v.ty.rank() == 0 {
+                // a scalar (the learning rate) is every rank's
+                if t.ty() != v.ty {
+                    return Err(EvalError::InputType {
+                        name: v.name.clone(),
+                        expected: v.ty.clone(),
+                        got: t.ty(),
+                    });
+                }
+                for rv in vals.iter_mut() {
+                    rv[i.index()] = Some(t.clone());
+                }
+                continue;
+            }
             let b = v.ty.shape.first().copied().unwrap_or(1);
             if t.shape.first().copied() != Some(b * w) || t.shape[1..] != v.ty.shape[1..] {
                 let mut want = v.ty.shape.clone();

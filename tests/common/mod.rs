@@ -46,8 +46,22 @@ pub fn all_models() -> Vec<(PathBuf, PathBuf)> {
     out
 }
 
+/// The learning rate the tests' optimizers use.
+pub const LR: f64 = 1e-3;
+
+/// The learning rate `io` gives (`optimizer.lr`), else [`LR`].
+fn lr_in(io: &[(String, Tensor)]) -> f64 {
+    io.iter()
+        .find(|(k, _)| k == hzp_passes::train::LR_INPUT)
+        .map_or(LR, |(_, t)| t.to_f64_vec()[0])
+}
+
 /// Inputs of `io.npz` that are graph inputs of `p`, in the program's input order.
+///
+/// A training step's learning-rate input (`optimizer.lr`) is taken from `io` when there, else
+/// set to [`LR`], the rate the tests' optimizers use.
 pub fn program_inputs(p: &Program, io: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    let io = &hzp_passes::train::with_lr(p, io, lr_in(io));
     p.inputs
         .iter()
         .map(|&v| {

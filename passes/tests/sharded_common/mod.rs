@@ -27,6 +27,23 @@ pub fn batch(name: &str, rows: usize) -> Vec<(String, Tensor)> {
         .collect()
 }
 
+/// `batch` with the learning-rate input of a training step built with `cfg` (the rate of its
+/// optimizer; none for a gradient program).
+pub fn with_optimizer_lr(
+    batch: Vec<(String, Tensor)>,
+    cfg: &hzp_passes::train::TrainConfig,
+) -> Vec<(String, Tensor)> {
+    use hzp_passes::train::{Optimizer, LR_INPUT};
+    match &cfg.optimizer {
+        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => {
+            let mut b = batch;
+            b.push((LR_INPUT.to_string(), Tensor::f32(vec![], vec![*lr as f32])));
+            b
+        }
+        None => batch,
+    }
+}
+
 /// Test model `file` imported with `input_ids` of `rows` x `seq`.
 pub fn import(file: &str, rows: usize, seq: usize) -> Program {
     let mut shapes = std::collections::BTreeMap::new();
