@@ -193,6 +193,7 @@ pub struct TokenFeed {
 
 impl TokenFeed {
     /// `rows` x `seq` batches of `path` for the input named `input` (of `dtype`).
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         path: &Path,
         raw: Option<TokenDtype>,

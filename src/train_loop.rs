@@ -97,15 +97,12 @@ pub fn run_loop(
     let mut start = 0usize;
     let mut samples = 0u64;
     if let (true, Some(dir)) = (args.resume, ckpt_dir) {
-        match checkpoint::latest(dir, &mut |n| eprintln!("{}", format!("note: {n}")))
+        match checkpoint::latest(dir, &mut |n| eprintln!("note: {n}"))
             .map_err(|e| miette!("{e}"))?
         {
             None => eprintln!(
-                "{}",
-                format!(
-                    "note: --resume: no checkpoint in {} yet; starting at step 0",
-                    dir.display()
-                )
+                "note: --resume: no checkpoint in {} yet; starting at step 0",
+                dir.display()
             ),
             Some(c) => {
                 let m = &c.manifest;
@@ -163,7 +160,7 @@ pub fn run_loop(
                 if let (Some(d), Some(f)) = (&m.data, &feed) {
                     samples = d.samples;
                     if d.tokens != f.tokens() || d.seq != f.seq {
-                        eprintln!("{}", format!(
+                        eprintln!(
                             "note: the checkpoint read {} ({} tokens, sequences of {}); this run reads {} tokens in sequences of {}: the data position (sample {}) is kept",
                             d.file,
                             d.tokens,
@@ -171,16 +168,16 @@ pub fn run_loop(
                             f.tokens(),
                             f.seq,
                             d.samples
-                        ));
+                        );
                     }
                 } else if let Some(f) = &feed {
                     samples = (start * f.rows) as u64;
                 }
                 if let Some(old) = &m.schedule {
                     if old != schedule {
-                        eprintln!("{}", format!(
+                        eprintln!(
                             "note: the checkpoint's run had learning rate {old}; this run uses {schedule}"
-                        ));
+                        );
                     }
                 }
                 ex.set_steps_run(start);

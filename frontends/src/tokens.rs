@@ -243,9 +243,9 @@ impl TokenFile {
     }
 }
 
-/// Which window each sample reads: sample `k` (step `s`, row `r` of a batch of `B`: `k = s*B
-/// + r`) is window `k mod windows` of epoch `k / windows`, in file order, or through that
-/// epoch's permutation when shuffling.
+/// Which window each sample reads: sample `k` (step `s`, row `r` of a batch of `B`:
+/// `k = s*B + r`) is window `k mod windows` of epoch `k / windows`, in file order, or
+/// through that epoch's permutation when shuffling.
 #[derive(Clone, Debug)]
 pub struct Sampler {
     windows: usize,
