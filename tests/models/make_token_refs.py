@@ -16,7 +16,7 @@ Sampling is hzp's: the file is cut into windows of SEQ tokens; step s, row r of 
 BATCH rows reads window (s * BATCH + r) mod floor(N / SEQ). The loss is transformers' causal
 LM loss with labels = input_ids (what `hzp --loss lm` computes).
 
-Usage: /work/venv-torch/bin/python tests/models/make_token_refs.py
+Usage: /work/venv-models/bin/python tests/models/make_token_refs.py
 (needs torch and transformers; see README.md beside this file).
 """
 
