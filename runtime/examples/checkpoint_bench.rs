@@ -96,6 +96,9 @@ fn main() {
         "GPT-2 small shapes: {numel_total} parameters, {w} ranks, {}",
         dir.display()
     );
+    if std::env::var_os("HZP_BENCH_PARTS").is_some() {
+        parts(&per_rank[0]);
+    }
     let t0 = Instant::now();
     let (path, bytes) = checkpoint::save(&dir, manifest, &per_rank, None).unwrap();
     let write = t0.elapsed().as_secs_f64();
@@ -127,4 +130,22 @@ fn main() {
         full.len()
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[allow(dead_code)]
+fn parts(values: &[(String, Tensor)]) {
+    use sha2::Digest;
+    let t = Instant::now();
+    let b = checkpoint::to_safetensors(values).unwrap();
+    let ser = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let _ = sha2::Sha256::digest(&b);
+    let h = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let _ = checkpoint::from_safetensors(&b).unwrap();
+    let de = t.elapsed().as_secs_f64();
+    println!(
+        "  one rank: serialize {ser:.2} s, SHA-256 {h:.2} s, deserialize {de:.2} s ({} bytes)",
+        b.len()
+    );
 }

@@ -166,7 +166,18 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
         if v.data().len() != ty.size_bytes() {
             return Err(format!("`{name}`: {} bytes for {ty}", v.data().len()));
         }
-        out.push((name, tensor_from_bytes(&ty, v.data())));
+        let t = match dtype {
+            // the bulk of a checkpoint: a straight little-endian read
+            DType::F32 => Tensor::f32(
+                ty.shape.clone(),
+                v.data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            _ => tensor_from_bytes(&ty, v.data()),
+        };
+        out.push((name, t));
     }
     Ok(out)
 }
@@ -218,16 +229,36 @@ pub fn save(
     let result = (|| {
         let mut total = 0u64;
         manifest.files.clear();
-        for (r, values) in per_rank.iter().enumerate() {
-            let name = rank_file(r);
-            let bytes = to_safetensors(values).map_err(|e| io(&tmp.join(&name), e))?;
-            write_new(&tmp.join(&name), &bytes)?;
-            total += bytes.len() as u64;
-            manifest.files.push(FileEntry {
-                name,
-                bytes: bytes.len() as u64,
-                sha256: sha256_hex(&bytes),
-            });
+        // the ranks' files are serialized, hashed and written side by side
+        let written: Vec<Result<FileEntry, CheckpointError>> = std::thread::scope(|sc| {
+            let jobs: Vec<_> = per_rank
+                .iter()
+                .enumerate()
+                .map(|(r, values)| {
+                    let tmp = &tmp;
+                    sc.spawn(move || {
+                        let name = rank_file(r);
+                        let bytes = to_safetensors(values).map_err(|e| io(&tmp.join(&name), e))?;
+                        write_new(&tmp.join(&name), &bytes)?;
+                        Ok(FileEntry {
+                            name,
+                            bytes: bytes.len() as u64,
+                            sha256: sha256_hex(&bytes),
+                        })
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .map(|j| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(io(&tmp, "a thread writing a rank's file failed")))
+                })
+                .collect()
+        });
+        for f in written {
+            let f = f?;
+            total += f.bytes;
+            manifest.files.push(f);
         }
         let mut json = serde_json::to_string_pretty(&manifest).map_err(|e| io(&tmp, e))?;
         json.push('\n');
@@ -329,47 +360,62 @@ pub fn read_manifest(path: &Path) -> Result<Manifest, CheckpointError> {
 /// Reads and verifies the checkpoint folder `path`: every file there with its size and hash.
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     let manifest = read_manifest(path)?;
-    let mut ranks = Vec::with_capacity(manifest.files.len());
-    for f in &manifest.files {
-        if f.name.contains('/') || f.name.contains("..") {
-            return Err(damaged(path, format!("the manifest names `{}`", f.name)));
-        }
-        let fp = path.join(&f.name);
-        let bytes = match std::fs::read(&fp) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(damaged(&fp, "missing (listed in the manifest)"))
-            }
-            Err(e) => return Err(io(&fp, e)),
-        };
-        if bytes.len() as u64 != f.bytes {
-            return Err(damaged(
-                &fp,
-                format!(
-                    "{} bytes, the manifest says {} (truncated or changed)",
-                    bytes.len(),
-                    f.bytes
-                ),
-            ));
-        }
-        let h = sha256_hex(&bytes);
-        if h != f.sha256 {
-            return Err(damaged(
-                &fp,
-                format!(
-                    "SHA-256 {}..., the manifest says {}... (the file was changed or damaged)",
-                    &h[..12],
-                    &f.sha256[..12.min(f.sha256.len())]
-                ),
-            ));
-        }
-        ranks.push(from_safetensors(&bytes).map_err(|e| damaged(&fp, e))?);
-    }
+    let loaded: Vec<Result<Vec<(String, Tensor)>, CheckpointError>> = std::thread::scope(|sc| {
+        let jobs: Vec<_> = manifest
+            .files
+            .iter()
+            .map(|f| sc.spawn(move || load_file(path, f)))
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err(io(path, "a thread reading a rank's file failed")))
+            })
+            .collect()
+    });
+    let ranks = loaded.into_iter().collect::<Result<Vec<_>, _>>()?;
     Ok(Checkpoint {
         path: path.to_path_buf(),
         manifest,
         ranks,
     })
+}
+
+/// One rank's file of the checkpoint at `path`, checked against its manifest entry.
+fn load_file(path: &Path, f: &FileEntry) -> Result<Vec<(String, Tensor)>, CheckpointError> {
+    if f.name.contains('/') || f.name.contains("..") {
+        return Err(damaged(path, format!("the manifest names `{}`", f.name)));
+    }
+    let fp = path.join(&f.name);
+    let bytes = match std::fs::read(&fp) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(damaged(&fp, "missing (listed in the manifest)"))
+        }
+        Err(e) => return Err(io(&fp, e)),
+    };
+    if bytes.len() as u64 != f.bytes {
+        return Err(damaged(
+            &fp,
+            format!(
+                "{} bytes, the manifest says {} (truncated or changed)",
+                bytes.len(),
+                f.bytes
+            ),
+        ));
+    }
+    let h = sha256_hex(&bytes);
+    if h != f.sha256 {
+        return Err(damaged(
+            &fp,
+            format!(
+                "SHA-256 {}..., the manifest says {}... (the file was changed or damaged)",
+                &h[..12],
+                &f.sha256[..12.min(f.sha256.len())]
+            ),
+        ));
+    }
+    from_safetensors(&bytes).map_err(|e| damaged(&fp, e))
 }
 
 /// The newest checkpoint of `dir` that reads back whole. Damaged or partial ones are skipped,
