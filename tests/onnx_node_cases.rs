@@ -4,7 +4,7 @@
 //! `examples/onnx_node_tests/make_cases.py OUT_DIR`; this test runs when
 //! `HZP_ONNX_NODE_CASES=OUT_DIR` is set and says loudly that it was skipped otherwise. Each
 //! case is `hzp eval model.onnx --inputs inputs.npz -o out.npz`; every output must match
-//! `expected.npz` within 1e-4 relative plus 1e-5 absolute (NaN where NaN is expected, the
+//! `outputs.npz` within 1e-4 relative plus 1e-5 absolute (NaN where NaN is expected, the
 //! same infinities, the same dtype and shape). Prints pass and fail counts per op type and
 //! fails if any case fails or if the manifest lists a case that is not there.
 
@@ -71,7 +71,7 @@ fn run_case(dir: &Path, out: &Path) -> Result<(), String> {
         return Err(err.trim().replace('\n', " "));
     }
     let got = npz::read(out).map_err(|e| e.to_string())?;
-    let want = npz::read(&dir.join("expected.npz")).map_err(|e| e.to_string())?;
+    let want = npz::read(&dir.join("outputs.npz")).map_err(|e| e.to_string())?;
     for (name, w) in &want {
         let g = got
             .iter()
