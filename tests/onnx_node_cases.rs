@@ -6,7 +6,9 @@
 //! case is `hzp eval model.onnx --inputs inputs.npz -o out.npz`; every output must match
 //! `outputs.npz` within 1e-4 relative plus 1e-5 absolute (NaN where NaN is expected, the
 //! same infinities, the same dtype and shape). Prints pass and fail counts per op type and
-//! fails if any case fails or if the manifest lists a case that is not there.
+//! fails if any case fails (other than the [`KNOWN_FAILURES`], which must still fail) or if
+//! the manifest lists a case that is not there. `HZP_ONNX_NODE_FILTER=SUBSTRING` runs only
+//! the cases whose name contains it.
 
 mod common;
 use common::*;
@@ -15,6 +17,27 @@ use hzp_ir::Tensor;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
+
+/// Cases hzp is known not to pass, with why. Each must still fail (so the list stays true);
+/// any other failure fails the test.
+const KNOWN_FAILURES: &[(&str, &str)] = &[
+    (
+        "test_training_dropout",
+        "training-mode Dropout: the expected mask is numpy's random draw",
+    ),
+    (
+        "test_training_dropout_default",
+        "training-mode Dropout: the expected mask is numpy's random draw",
+    ),
+    (
+        "test_training_dropout_default_mask",
+        "training-mode Dropout: the expected mask is numpy's random draw",
+    ),
+    (
+        "test_training_dropout_mask",
+        "training-mode Dropout: the expected mask is numpy's random draw",
+    ),
+];
 
 const RTOL: f64 = 1e-4;
 const ATOL: f64 = 1e-5;
@@ -104,9 +127,12 @@ fn onnx_node_cases() {
     let cases = manifest["cases"].as_object().expect("manifest lists cases");
     assert!(!cases.is_empty(), "the manifest lists no cases");
     let only = std::env::var("HZP_ONNX_NODE_FILTER").ok();
-    let tmp = tempdir();
+    let tmp = std::env::temp_dir().join(format!("hzp-node-cases-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).expect("a temporary folder");
     let mut per_op: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     let mut failures = Vec::new();
+    let mut known = Vec::new();
+    let mut now_passing = Vec::new();
     for (case, op) in cases {
         if only.as_deref().is_some_and(|f| !case.contains(f)) {
             continue;
@@ -119,11 +145,20 @@ fn onnx_node_cases() {
             dir.display()
         );
         let entry = per_op.entry(op.clone()).or_default();
+        let expected_failure = KNOWN_FAILURES.iter().find(|(k, _)| k == case);
         match run_case(&dir, &tmp.join(format!("{case}.npz"))) {
-            Ok(()) => entry.0 += 1,
+            Ok(()) => {
+                entry.0 += 1;
+                if expected_failure.is_some() {
+                    now_passing.push(case.clone());
+                }
+            }
             Err(why) => {
                 entry.1 += 1;
-                failures.push(format!("{case} ({op}): {why}"));
+                match expected_failure {
+                    Some((_, reason)) => known.push(format!("{case} ({op}): {reason}: {why}")),
+                    None => failures.push(format!("{case} ({op}): {why}")),
+                }
             }
         }
     }
@@ -142,9 +177,17 @@ fn onnx_node_cases() {
             if *f > 0 { "  FAILING" } else { "" }
         );
     }
+    let _ = std::fs::remove_dir_all(&tmp);
+    for k in &known {
+        println!("known failure {k}");
+    }
     for f in &failures {
         println!("FAIL {f}");
     }
+    assert!(
+        now_passing.is_empty(),
+        "these cases pass now; take them off KNOWN_FAILURES: {now_passing:?}"
+    );
     assert!(
         failures.is_empty(),
         "{} of {} ONNX node tests fail (listed above)",

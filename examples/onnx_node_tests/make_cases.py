@@ -166,8 +166,9 @@ def main():
         os.makedirs(d)
         with open(os.path.join(d, "model.onnx"), "wb") as f:
             f.write(model.SerializeToString())
-        np.savez(os.path.join(d, "inputs.npz"), **arrays_in)
-        np.savez(os.path.join(d, "outputs.npz"), **arrays_out)
+        # C order: hzp reads row-major arrays (some expected outputs are transposed views)
+        np.savez(os.path.join(d, "inputs.npz"), **{k: np.array(v, order="C") for k, v in arrays_in.items()})
+        np.savez(os.path.join(d, "outputs.npz"), **{k: np.array(v, order="C") for k, v in arrays_out.items()})
         selected[case.name] = main_op
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(
