@@ -266,6 +266,25 @@ fn shapes_fed_as_inputs_are_bound_by_value_and_checked() {
     let (code, text, err) = hzp(&["import", m, "--bind", "s=3,2"]);
     assert_eq!(code, 0, "{err}");
     assert!(text.contains("input %s : i64[2] = [3, 2]"), "{text}");
+    let (code, _, err) = hzp(&["import", m, "--bind", "shape=3,2"]);
+    assert_eq!(code, 1);
+    // miette wraps lines; compare the words
+    let flat = |e: &str| {
+        e.replace('│', " ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert!(
+        flat(&err).contains("`shape`, which is not a graph input"),
+        "{err}"
+    );
+    let (code, _, err) = hzp(&["import", m, "--bind", "s=3,2,1"]);
+    assert_eq!(code, 1);
+    assert!(
+        flat(&err).contains("3 numbers for input `s`, whose shape is [2]"),
+        "{err}"
+    );
 
     // the value from --inputs, then another value than the one bound: refused, naming `s`
     let with_s = |v: Vec<i64>| {

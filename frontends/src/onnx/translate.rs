@@ -940,6 +940,20 @@ fn import_specialized(
     // `--bind` values of inputs without a shape binding give their shapes.
     let mut bound = opts.clone();
     for (name, nums) in &opts.bind {
+        if !info.inputs.iter().any(|v| v.name == *name) {
+            return Err(Fail::new(
+                ImportErrorKind::Shapes,
+                format!(
+                    "--bind gives a value for `{name}`, which is not a graph input (the inputs \
+                     are {})",
+                    info.inputs
+                        .iter()
+                        .map(|v| format!("`{}`", v.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
         if let Some(v) = info.inputs.iter().find(|v| v.name == *name) {
             if !bound.shapes.contains_key(name) {
                 let (_, dims) = declared(v, "graph input")?;
