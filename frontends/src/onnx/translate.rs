@@ -938,7 +938,11 @@ fn import_specialized(
     let sig = signature(&model);
     let is_param = classify_params(&info, &sig);
     // `--bind` values of inputs without a shape binding give their shapes.
-    let mut bound = opts.clone();
+    // (the shapes only: `values` may hold large arrays)
+    let mut bound = ImportOptions {
+        shapes: opts.shapes.clone(),
+        ..Default::default()
+    };
     for (name, nums) in &opts.bind {
         if !info.inputs.iter().any(|v| v.name == *name) {
             return Err(Fail::new(
@@ -962,8 +966,7 @@ fn import_specialized(
             }
         }
     }
-    let opts = &bound;
-    let (input_tys, symbols) = bind_inputs(&info, opts)?;
+    let (input_tys, symbols) = bind_inputs(&info, &bound)?;
     let given: std::collections::BTreeSet<String> = opts
         .values
         .keys()
