@@ -122,6 +122,7 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
     let model = ModelArgs {
         model: a.model.clone(),
         shapes: a.shapes.clone(),
+        bind: Vec::new(),
     };
     let resets = reset_peak_rss();
     let mut rows = Vec::new();

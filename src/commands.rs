@@ -31,6 +31,29 @@ fn parse_shapes(specs: &[String]) -> Result<BTreeMap<String, Vec<usize>>> {
     Ok(out)
 }
 
+/// Parses `--bind` values: `NAME=1,2,3` (numbers), one input per flag.
+fn parse_binds(specs: &[String]) -> Result<BTreeMap<String, Vec<f64>>> {
+    let mut out = BTreeMap::new();
+    for spec in specs {
+        let (name, nums) = spec
+            .split_once('=')
+            .ok_or_else(|| miette!("--bind `{spec}` must look like NAME=1,2,3, e.g. --bind k=3"))?;
+        let nums = nums
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|v| v.parse::<f64>())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| {
+                miette!("--bind `{spec}`: `{nums}` is not a list of numbers like 1,2,3")
+            })?;
+        if out.insert(name.trim().to_string(), nums).is_some() {
+            return Err(miette!("--bind gives input `{name}` twice"));
+        }
+    }
+    Ok(out)
+}
+
 fn read_npz(path: &Path) -> Result<Vec<(String, Tensor)>> {
     npz::read(path).map_err(|e| miette!("{e}"))
 }
@@ -38,13 +61,50 @@ fn read_npz(path: &Path) -> Result<Vec<(String, Tensor)>> {
 /// Reads the model; input shapes come from --shape, then from the arrays of --inputs.
 fn load(args: &ModelArgs, inputs: Option<&[(String, Tensor)]>) -> Result<Program> {
     let mut shapes = parse_shapes(&args.shapes)?;
+    let mut values = BTreeMap::new();
     if let Some(inputs) = inputs {
         for (k, t) in inputs {
             shapes.entry(k.clone()).or_insert_with(|| t.shape.clone());
+            values.insert(k.clone(), t.clone());
         }
     }
-    let opts = LoadOptions { shapes };
+    let opts = LoadOptions {
+        shapes,
+        values,
+        bind: parse_binds(&args.bind)?,
+    };
     load_model(&args.model, &opts).map_err(miette::Report::new)
+}
+
+/// The arrays for the program's inputs: from `arrays` by name, else the value the program
+/// was specialized on (an input given with `--bind`).
+fn eval_inputs(
+    p: &Program,
+    arrays: &[(String, Tensor)],
+    file: &Path,
+) -> Result<Vec<(String, Tensor)>> {
+    p.inputs
+        .iter()
+        .map(|&v| {
+            let name = &p.value(v).name;
+            arrays
+                .iter()
+                .find(|(k, _)| k == name)
+                .cloned()
+                .or_else(|| p.specialized.get(name).map(|t| (name.clone(), t.clone())))
+                .ok_or_else(|| {
+                    miette!(
+                        "{} has no array `{name}`, an input of the model (it has: {})",
+                        file.display(),
+                        arrays
+                            .iter()
+                            .map(|(k, _)| k.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                })
+        })
+        .collect()
 }
 
 /// Refuses to write over one of the user's input files.
@@ -170,28 +230,7 @@ pub fn eval(
 ) -> Result<()> {
     let arrays = read_npz(inputs)?;
     let p = load(args, Some(&arrays))?;
-    let wanted: Vec<(String, Tensor)> = p
-        .inputs
-        .iter()
-        .map(|&v| {
-            let name = &p.value(v).name;
-            arrays
-                .iter()
-                .find(|(k, _)| k == name)
-                .cloned()
-                .ok_or_else(|| {
-                    miette!(
-                        "{} has no array `{name}`, an input of the model (it has: {})",
-                        inputs.display(),
-                        arrays
-                            .iter()
-                            .map(|(k, _)| k.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )
-                })
-        })
-        .collect::<Result<_>>()?;
+    let wanted = eval_inputs(&p, &arrays, inputs)?;
     let start = Instant::now();
     let outs = hzp_runtime::eval::evaluate(&p, &wanted).map_err(|e| miette!("{e}"))?;
     let elapsed = start.elapsed();
@@ -549,14 +588,17 @@ fn program_inputs(
         .filter(|&&v| p.value(v).name != hzp_passes::train::LR_INPUT)
         .map(|&v| {
             let val = p.value(v);
-            let (_, t) = arrays.iter().find(|(k, _)| *k == val.name).ok_or_else(|| {
-                miette!(
-                    "{} has no array `{}`, which the training step needs as {}",
-                    file.display(),
-                    val.name,
-                    val.ty
-                )
-            })?;
+            let given = arrays.iter().find(|(k, _)| *k == val.name).map(|(_, t)| t);
+            let t = given
+                .or_else(|| p.specialized.get(&val.name))
+                .ok_or_else(|| {
+                    miette!(
+                        "{} has no array `{}`, which the training step needs as {}",
+                        file.display(),
+                        val.name,
+                        val.ty
+                    )
+                })?;
             if t.ty() != val.ty {
                 return Err(miette!(
                     "`{}` in {} is {}, but the training step needs {}",
@@ -762,6 +804,23 @@ pub(crate) fn load_for_compile(
             }
         }
     }
-    let opts = LoadOptions { shapes };
-    load_model(&args.model, &opts).map_err(miette::Report::new)
+    // The batch is split over ranks and micro-batches, so input values cannot be folded in.
+    let opts = LoadOptions {
+        shapes,
+        bind: parse_binds(&args.bind)?,
+        ..Default::default()
+    };
+    let p = load_model(&args.model, &opts).map_err(miette::Report::new)?;
+    if !p.specialized.is_empty() {
+        return Err(miette!(
+            "the model was specialized on the value of {} (--bind), and hzp compile does not \
+             take specialized programs yet: the plan would not check those values when it runs",
+            p.specialized
+                .keys()
+                .map(|k| format!("`{k}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(p)
 }

@@ -45,6 +45,12 @@ pub struct ModelArgs {
     /// e.g. --shape input_ids=8x2048.
     #[arg(long = "shape", value_name = "NAME=AxB")]
     pub shapes: Vec<String>,
+    /// Give the value of an input that decides a shape (a Reshape target, Slice bounds,
+    /// reduce axes, TopK's k fed as a graph input): NAME=1,2,3 (repeat the flag). The
+    /// program is specialized on it; running it with another value is an error. Arrays of
+    /// --inputs are used the same way.
+    #[arg(long = "bind", value_name = "NAME=V,V,...")]
+    pub bind: Vec<String>,
 }
 
 /// Flags that define the training step.

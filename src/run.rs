@@ -193,7 +193,10 @@ fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
             (val.name.clone(), s)
         })
         .collect();
-    let opts = LoadOptions { shapes };
+    let opts = LoadOptions {
+        shapes,
+        ..Default::default()
+    };
     load_model(model, &opts).map_err(miette::Report::new)
 }
 

@@ -2,6 +2,8 @@
 
 mod common;
 use common::*;
+use hzp_frontends::npz;
+use hzp_ir::Tensor;
 use std::process::Command;
 
 fn hzp(args: &[&str]) -> (i32, String, String) {
@@ -176,6 +178,140 @@ fn refuses_to_overwrite_its_input() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("input"), "{err}");
     assert_eq!(std::fs::read(&io).unwrap(), before);
+}
+
+/// `x` f32[2,3] reshaped to the shape held by the graph input `s` i64[2].
+fn reshape_by_input_model() -> Vec<u8> {
+    use hzp_frontends::onnx::proto::*;
+    use prost::Message;
+    let vi = |name: &str, elem: i32, dims: &[i64]| ValueInfoProto {
+        name: name.into(),
+        r#type: Some(TypeProto {
+            denotation: String::new(),
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: elem,
+                shape: Some(TensorShapeProto {
+                    dim: dims
+                        .iter()
+                        .map(|&d| tensor_shape_proto::Dimension {
+                            denotation: String::new(),
+                            value: Some(tensor_shape_proto::dimension::Value::DimValue(d)),
+                        })
+                        .collect(),
+                }),
+            })),
+        }),
+        doc_string: String::new(),
+    };
+    ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 18,
+        }],
+        graph: Some(GraphProto {
+            node: vec![NodeProto {
+                input: vec!["x".into(), "s".into()],
+                output: vec!["y".into()],
+                name: "reshape".into(),
+                op_type: "Reshape".into(),
+                ..Default::default()
+            }],
+            name: "g".into(),
+            input: vec![vi("x", 1, &[2, 3]), vi("s", 7, &[2])],
+            output: vec![ValueInfoProto {
+                name: "y".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+#[test]
+fn shapes_fed_as_inputs_are_bound_by_value_and_checked() {
+    let dir = tempdir();
+    let model = dir.join("reshape.onnx");
+    std::fs::write(&model, reshape_by_input_model()).unwrap();
+    let x = Tensor::f32(vec![2, 3], (0..6).map(|v| v as f32).collect());
+    let only_x = dir.join("x.npz");
+    npz::write(&only_x, &[("x".to_string(), x.clone())]).unwrap();
+    let m = model.to_str().unwrap();
+
+    // no value: the error names the node, the input and the flag
+    let (code, _, err) = hzp(&["eval", m, "--inputs", only_x.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("reshape") && err.contains("`s`") && err.contains("--bind"),
+        "{err}"
+    );
+
+    // --bind: specialized, evaluated, printed with its value
+    let out = dir.join("y.npz");
+    let (code, _, err) = hzp(&[
+        "eval",
+        m,
+        "--inputs",
+        only_x.to_str().unwrap(),
+        "--bind",
+        "s=3,2",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let y = npz::read(&out).unwrap();
+    assert_eq!(y[0].1.shape, vec![3, 2]);
+    let (code, text, err) = hzp(&["import", m, "--bind", "s=3,2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("input %s : i64[2] = [3, 2]"), "{text}");
+    let (code, _, err) = hzp(&["import", m, "--bind", "shape=3,2"]);
+    assert_eq!(code, 1);
+    // miette wraps lines; compare the words
+    let flat = |e: &str| {
+        e.replace('│', " ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert!(
+        flat(&err).contains("`shape`, which is not a graph input"),
+        "{err}"
+    );
+    let (code, _, err) = hzp(&["import", m, "--bind", "s=3,2,1"]);
+    assert_eq!(code, 1);
+    assert!(
+        flat(&err).contains("3 numbers for input `s`, whose shape is [2]"),
+        "{err}"
+    );
+
+    // the value from --inputs, then another value than the one bound: refused, naming `s`
+    let with_s = |v: Vec<i64>| {
+        let f = dir.join(format!("xs{}{}.npz", v[0], v[1]));
+        npz::write(
+            &f,
+            &[
+                ("x".to_string(), x.clone()),
+                ("s".to_string(), Tensor::i64(vec![2], v)),
+            ],
+        )
+        .unwrap();
+        f
+    };
+    let f = with_s(vec![1, 6]);
+    let (code, _, err) = hzp(&["eval", m, "--inputs", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = hzp(&[
+        "eval",
+        m,
+        "--inputs",
+        f.to_str().unwrap(),
+        "--bind",
+        "s=3,2",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("input `s` is [1, 6]"), "{err}");
 }
 
 fn tempdir() -> std::path::PathBuf {

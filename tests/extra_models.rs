@@ -143,6 +143,7 @@ fn forward(c: &Case) -> Result<String, String> {
             .filter(|(k, _)| k != "torch_out")
             .map(|(k, t)| (k.clone(), t.shape.clone()))
             .collect(),
+        ..Default::default()
     };
     let p = hzp_frontends::load_model(c.onnx.to_str().unwrap(), &opts)
         .map_err(|e| format!("import: {e}"))?;

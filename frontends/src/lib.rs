@@ -22,6 +22,11 @@ use std::path::Path;
 pub struct LoadOptions {
     /// Input name -> static shape, from `--shape NAME=AxB` or the arrays of `--inputs`.
     pub shapes: BTreeMap<String, Vec<usize>>,
+    /// Input values a value that decides a shape may be computed from (the arrays of
+    /// `--inputs`); see [`onnx::ImportOptions::values`].
+    pub values: BTreeMap<String, hzp_ir::Tensor>,
+    /// `--bind NAME=1,2,3`: input values as numbers; see [`onnx::ImportOptions::bind`].
+    pub bind: BTreeMap<String, Vec<f64>>,
 }
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -56,6 +61,8 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> 
         Some("onnx") => {
             let o = onnx::ImportOptions {
                 shapes: opts.shapes.clone(),
+                values: opts.values.clone(),
+                bind: opts.bind.clone(),
             };
             Ok(onnx::import_file(path, &o)?)
         }

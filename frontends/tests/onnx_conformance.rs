@@ -2,7 +2,9 @@
 //! folder written by `tests/fixtures/make_onnx_node_cases.py` (one sub-folder per case with
 //! `model.onnx`, `inputs.npz`, `outputs.npz`). Each case must either be refused with a clear
 //! error (unsupported op, run-time shape) or import and reproduce ONNX's outputs on hzp's
-//! CPU evaluator; a panic, an evaluation error or a wrong value fails the test.
+//! CPU evaluator; a panic, an evaluation error or a wrong value fails the test. The folder
+//! written by `examples/onnx_node_tests/make_cases.py` (the stricter suite that
+//! `tests/onnx_node_cases.rs` runs through `hzp eval`) has the same layout.
 
 use hzp_frontends::onnx::{import_file, ImportErrorKind, ImportOptions};
 use hzp_ir::{DType, Tensor};
@@ -58,6 +60,8 @@ fn onnx_node_conformance_cases() {
         let mut opts = ImportOptions::default();
         for (n, t) in &ins {
             opts.shapes.insert(n.clone(), t.shape.clone());
+            // inputs that decide shapes specialize the program, as `hzp eval --inputs` does
+            opts.values.insert(n.clone(), t.clone());
         }
         let imported = std::panic::catch_unwind(|| import_file(&d.join("model.onnx"), &opts));
         let p = match imported {

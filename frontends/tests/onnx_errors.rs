@@ -401,9 +401,82 @@ fn runtime_shapes_are_rejected_with_the_source() {
     let e = fail(&m, &[]);
     assert_eq!(e.kind, ImportErrorKind::Node);
     assert!(
-        e.message.starts_with("Reshape `/h.0/Reshape_3`: the target shape (input `s`) is computed at run time (it is the graph input `s`); hzp needs static shapes"),
+        e.message.starts_with("Reshape `/h.0/Reshape_3`: the target shape (input `s`) is computed at run time from the graph input `s`; hzp needs static shapes")
+            && e.message.contains("--bind s=1,2,3"),
         "{e}"
     );
+}
+
+/// A shape computed from a graph input whose value is given (an inputs file, `--bind`):
+/// the program is specialized on it, records it, prints it, and refuses other values.
+#[test]
+fn runtime_shapes_from_given_inputs_specialize_the_program() {
+    let mut m = M::new();
+    m.inputs.push(vi("x", FLOAT, &[D::V(2), D::V(3)]));
+    m.inputs.push(vi("s", INT64, &[D::V(2)]));
+    m.inputs.push(vi("k", INT64, &[D::V(1)]));
+    // the target shape is computed from two inputs: s * k
+    m.nodes
+        .push(node("Mul", "scale", &["s", "k"], &["t"], vec![]));
+    m.nodes
+        .push(node("Reshape", "r", &["x", "t"], &["y"], vec![]));
+    m.outputs.push(out("y"));
+    let x = Tensor::f32(vec![2, 3], (0..6).map(|v| v as f32).collect());
+    let s = Tensor::i64(vec![2], vec![3, 2]);
+    let k = Tensor::i64(vec![1], vec![1]);
+
+    // only `s` given: the error names `k`, the input still missing
+    let mut o = opts(&[]);
+    o.values.insert("s".into(), s.clone());
+    let e = import_bytes(&m.bytes(), None, "test.onnx", &o).unwrap_err();
+    assert!(
+        e.message.contains("from the graph inputs `k`") || e.message.contains("graph input `k`"),
+        "{e}"
+    );
+    assert!(e.message.contains("--bind k=1,2,3"), "{e}");
+
+    // both given, one from an array and one with --bind
+    o.bind.insert("k".into(), vec![1.0]);
+    let p = import_bytes(&m.bytes(), None, "test.onnx", &o).unwrap();
+    assert_eq!(p.ty(p.outputs[0]).shape, vec![3, 2]);
+    assert_eq!(p.specialized.keys().collect::<Vec<_>>(), ["k", "s"]);
+    assert_eq!(p.inputs.len(), 3, "specialized inputs stay inputs");
+    let text = hzp_ir::text::print(&p);
+    assert!(text.contains("input %s : i64[2] = [3, 2]"), "{text}");
+    assert!(text.contains("input %k : i64[1] = [1]"), "{text}");
+    let back = hzp_ir::text::parse(&text, "t.hzp", &|_| None).unwrap();
+    assert_eq!(back, p);
+
+    // the same values run; another value is an error naming the input
+    let y = run(&p, &[("x", x.clone()), ("s", s.clone()), ("k", k.clone())]);
+    assert_eq!(y[0].1.shape, vec![3, 2]);
+    let ins = |s: Tensor| {
+        vec![
+            ("x".to_string(), x.clone()),
+            ("s".to_string(), s),
+            ("k".to_string(), k.clone()),
+        ]
+    };
+    let e = hzp_runtime::eval::evaluate(&p, &ins(Tensor::i64(vec![2], vec![6, 1]))).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("input `s` is [6, 1]") && msg.contains("specialized on `s` = [3, 2]"),
+        "{msg}"
+    );
+
+    // values of inputs that decide no shape change nothing
+    let mut plain = M::new();
+    plain.inputs.push(vi("x", FLOAT, &[D::V(2), D::V(3)]));
+    plain
+        .nodes
+        .push(node("Relu", "relu", &["x"], &["y"], vec![]));
+    plain.outputs.push(out("y"));
+    let mut o = opts(&[]);
+    o.values.insert("x".into(), x.clone());
+    let a = import_bytes(&plain.bytes(), None, "test.onnx", &o).unwrap();
+    let b = import_bytes(&plain.bytes(), None, "test.onnx", &opts(&[])).unwrap();
+    assert!(a.specialized.is_empty());
+    assert_eq!(hzp_ir::text::print(&a), hzp_ir::text::print(&b));
 }
 
 #[test]

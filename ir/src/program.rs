@@ -5,7 +5,7 @@ use crate::mesh::Mesh;
 use crate::op::{Op, StreamKind};
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
 /// Index of a value in [`Program::values`].
@@ -124,6 +124,12 @@ pub struct Program {
     /// State transitions of a training step (empty for a forward program).
     pub updates: Vec<Update>,
     pub precision: Option<Precision>,
+    /// Inputs the program was specialized on, by input name: the frontend folded their
+    /// values (given at import, e.g. a `Reshape` target or `TopK`'s k fed as a graph input)
+    /// into the program, so running it with any other value is an error naming the input.
+    /// Empty for almost every program. Printed as `input %k : i64[1] = [3]`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub specialized: BTreeMap<String, Tensor>,
 }
 
 impl Program {
@@ -318,6 +324,37 @@ impl Program {
     /// Removes nodes, constants and values that no output depends on, and renumbers ids
     /// densely, keeping relative order (so printing stays deterministic). Inputs and
     /// parameters are kept even when unused: they are part of the program's interface.
+    /// The inputs given in `inputs` whose values differ from those the program was
+    /// specialized on, as one message per input naming it (empty when all agree).
+    pub fn check_specialized<'a>(
+        &self,
+        inputs: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<(), String> {
+        if self.specialized.is_empty() {
+            return Ok(());
+        }
+        let mut bad = Vec::new();
+        for (name, t) in inputs {
+            if let Some(want) = self.specialized.get(name) {
+                if t.shape != want.shape || t.to_f64_vec() != want.to_f64_vec() {
+                    bad.push(format!(
+                        "input `{name}` is {}, but the program was specialized on `{name}` = {} \
+                         when it was imported (its value decides shapes); import the model again \
+                         with the new value (`--bind {name}=...` or `--inputs`)",
+                        crate::text::literal_string(t),
+                        crate::text::literal_string(want)
+                    ));
+                }
+            }
+        }
+        bad.sort();
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(bad.join("; "))
+        }
+    }
+
     pub fn eliminate_dead_code(&mut self) {
         let mut live_v = vec![false; self.values.len()];
         let mut live_n = vec![false; self.nodes.len()];

@@ -43,6 +43,19 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         }
     }
 
+    // Specialized values belong to inputs of their type.
+    for (name, t) in &p.specialized {
+        let is_input = p.inputs.iter().any(|&v| {
+            in_range(v) && p.values[v.index()].name == *name && p.values[v.index()].ty == t.ty()
+        });
+        if !is_input {
+            return Err(err(
+                format!("specialized value of `{name}`"),
+                format!("is not the value of an input of type {}", t.ty()),
+            ));
+        }
+    }
+
     // Every value is defined exactly once, by what its `def` says.
     let mut defined = vec![false; nv];
     let define = |defined: &mut Vec<bool>, v: ValueId, what: &str| -> Result<(), VerifyError> {

@@ -503,3 +503,32 @@ fn training_programs_round_trip_states_updates_and_precision() {
     let back = hzp_ir::text::parse(&text, "step.hzp", &lookup).unwrap();
     assert_eq!(back, p);
 }
+
+#[test]
+fn specialized_inputs_print_their_values_and_are_checked() {
+    let src = "program \"s\"\n\ninput %x : f32[6]\ninput %k : i64[2] = [3, 2]\n\
+               %y = Reshape{shape=[3,2]}(%x) : f32[3,2] \"r\"\n\noutput %y\n";
+    let p = text::parse(src, "s.hzp", &|_| None).unwrap();
+    assert_eq!(p.specialized["k"], Tensor::i64(vec![2], vec![3, 2]));
+    assert_eq!(text::print(&p), src);
+    verify(&p).unwrap();
+    assert!(p
+        .check_specialized([("k", &Tensor::i64(vec![2], vec![3, 2]))])
+        .is_ok());
+    let e = p
+        .check_specialized([("k", &Tensor::i64(vec![2], vec![2, 3]))])
+        .unwrap_err();
+    assert!(
+        e.contains("input `k` is [2, 3]") && e.contains("`k` = [3, 2]"),
+        "{e}"
+    );
+    // a value of another type, or of something that is not an input, does not verify
+    let mut bad = p.clone();
+    bad.specialized
+        .insert("k".into(), Tensor::i64(vec![1], vec![3]));
+    assert!(verify(&bad).is_err());
+    let mut bad = p.clone();
+    bad.specialized
+        .insert("y".into(), Tensor::f32(vec![3, 2], vec![0.0; 6]));
+    assert!(verify(&bad).is_err());
+}

@@ -540,6 +540,7 @@ pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainEr
 /// step's inputs hold `micro_batches` times as many rows (axis 0).
 pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainError> {
     let m = cfg.micro_batches.max(1);
+    let specialized = fwd.specialized.clone();
     let fwd = lower_precision(fwd, cfg.compute)?;
     let micro = gradient_program(&fwd, &cfg.loss)?;
     let mut p = Program::new(format!("{}.train", fwd.name));
@@ -565,6 +566,22 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
             ty.shape[0] *= m;
         }
         globals.push((i, p.add_input(micro.value(i).name.clone(), ty)));
+    }
+    // Inputs the model was specialized on keep their values: the step checks them too.
+    for (name, t) in specialized {
+        let same = p
+            .inputs
+            .iter()
+            .any(|&v| p.value(v).name == name && p.value(v).ty == t.ty());
+        if !same {
+            return Err(terr(format!(
+                "the model was specialized on the value of input `{name}`, which the training \
+                 step {} (micro-batches split it, or the precision policy changes its type); \
+                 train with one micro-batch and fp32, or make the model not depend on its value",
+                if m > 1 { "splits" } else { "changes" }
+            )));
+        }
+        p.specialized.insert(name, t);
     }
     // Parameters first, in the model's order.
     for prm in &micro.params {

@@ -24,6 +24,9 @@ pub enum EvalError {
         expected: TensorType,
         got: TensorType,
     },
+    /// An input differs from the value the program was specialized on at import.
+    #[error("{0}")]
+    Specialized(String),
     /// A parameter without data (shapes-only programs such as presets).
     #[error("parameter `{name}` has no data (a shapes-only program, e.g. a preset, cannot be evaluated)")]
     ParamWithoutData { name: String },
@@ -148,6 +151,8 @@ fn evaluate_here(
             duplicate,
         });
     }
+    p.check_specialized(given.iter().map(|(k, t)| (*k, *t)))
+        .map_err(EvalError::Specialized)?;
     for &v in &p.inputs {
         let value = p.value(v);
         let t = given[value.name.as_str()];

@@ -82,6 +82,7 @@ pub fn import(model: &Path, io: &[(String, Tensor)]) -> Program {
             .filter(|(k, _)| k != "torch_out")
             .map(|(k, t)| (k.clone(), t.shape.clone()))
             .collect(),
+        ..Default::default()
     };
     load_model(model.to_str().unwrap(), &opts)
         .unwrap_or_else(|e| panic!("importing {}: {e}", model.display()))

@@ -59,6 +59,9 @@ impl ImportError {
 pub(crate) struct Fail {
     pub kind: ImportErrorKind,
     pub message: String,
+    /// Graph inputs whose given values would let the import go on: a value that decides a
+    /// shape is computed from them. The driver imports again, specialized on them.
+    pub specialize: Vec<String>,
 }
 
 impl Fail {
@@ -66,6 +69,7 @@ impl Fail {
         Fail {
             kind,
             message: message.into(),
+            specialize: Vec::new(),
         }
     }
 

@@ -45,7 +45,11 @@
 //! **Ops.** [`supported_op_types`] lists the default-domain ops; `com.microsoft`'s
 //! `SimplifiedLayerNormalization` is read as RMSNorm. Ops whose ONNX inputs are really
 //! attributes (Reshape's shape, Slice's bounds, reduce axes, TopK's k, ...) need those inputs
-//! to be computable at import time; the error names the node that computes them otherwise.
+//! to be computable at import time. When such a value is computed from graph inputs whose
+//! values were given ([`ImportOptions::values`], [`ImportOptions::bind`]), the import is done
+//! again with those inputs folded as constants: the program is *specialized* on them and
+//! records their values ([`hzp_ir::Program::specialized`]), and the evaluator refuses other
+//! values. Without a value the error names the node and the input and says how to give one.
 
 mod error;
 mod graph;
@@ -62,7 +66,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Options of an import.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ImportOptions {
     /// Shapes for graph inputs, by input name (from `--shape input_ids=2x16` or from the
     /// arrays of an inputs `.npz`). Needed for inputs with symbolic dims; an input whose
@@ -70,6 +74,15 @@ pub struct ImportOptions {
     /// sequence]` next to a bound `input_ids [batch, sequence]`) is bound from them. Names
     /// that are not graph inputs are ignored (an inputs `.npz` may hold reference outputs).
     pub shapes: BTreeMap<String, Vec<usize>>,
+    /// Values of graph inputs, by input name (the arrays of an inputs `.npz`). Used only for
+    /// an input from which a value that decides a shape is computed (a `Reshape` target,
+    /// `Slice` bounds, reduce axes, `TopK`'s k, ...): the program is then specialized on it
+    /// (see [`hzp_ir::Program::specialized`]). Other names are ignored.
+    pub values: BTreeMap<String, hzp_ir::Tensor>,
+    /// Values given as numbers (`--bind NAME=1,2,3`), read with the input's declared element
+    /// type; the shape is the input's (bound or declared), or `[n]` for a rank-1 input and a
+    /// scalar for a rank-0 one. Takes precedence over `values`.
+    pub bind: BTreeMap<String, Vec<f64>>,
 }
 
 /// The op types of the default ONNX domain the importer translates, sorted.

@@ -576,9 +576,18 @@ fn dropout(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
     if n.input(2).is_some() {
         let t = cx.static_input(n, 2, "training_mode")?;
         if int_scalar(t, "training_mode")? != 0 {
-            return unsupported(
-                "Dropout in training mode is not supported (export the model in eval mode)",
-            );
+            // Training mode with ratio 0 keeps every element (ONNX: the output is the input,
+            // the mask all true); any other ratio draws random numbers.
+            let ratio = match n.input(1) {
+                Some(_) => cx.static_input(n, 1, "the ratio")?.to_f64_vec(),
+                None => vec![0.5],
+            };
+            if ratio.len() != 1 || ratio[0] != 0.0 {
+                return unsupported(
+                    "Dropout in training mode with a non-zero ratio is not supported (it draws \
+                     random numbers; export the model in eval mode)",
+                );
+            }
         }
     }
     // Inference: the output is the input and the mask is all true.

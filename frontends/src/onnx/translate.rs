@@ -132,6 +132,8 @@ pub(crate) struct Ctx<'g> {
     env: HashMap<String, Slot>,
     info: &'g GraphInfo<'g>,
     model_dir: Option<&'g Path>,
+    /// Graph inputs whose values were given (specialization candidates).
+    given: &'g std::collections::BTreeSet<String>,
 }
 
 impl<'g> Ctx<'g> {
@@ -298,8 +300,11 @@ impl<'g> Ctx<'g> {
         let s = n.req(k)?;
         match s {
             Slot::Const(c) => Ok(&c.t),
-            Slot::Val(_) => {
+            Slot::Val(v) => {
                 let name = n.in_name(k);
+                if let Some(f) = self.specialization(*v, what, name) {
+                    return Err(f);
+                }
                 let origin = match self.info.defs.get(name) {
                     Some(Def::Input(_)) => format!(" (it is the graph input `{name}`)"),
                     Some(Def::Init(_)) => format!(" (it is the trainable parameter `{name}`)"),
@@ -315,6 +320,60 @@ impl<'g> Ctx<'g> {
                 )))
             }
         }
+    }
+
+    /// When the run-time value `v` is computed from graph inputs only (and constants): the
+    /// failure that asks the driver to specialize on them if all their values were given,
+    /// else the error that says how to give them. None when a parameter feeds it.
+    fn specialization(&self, v: ValueId, what: &str, name: &str) -> Option<Fail> {
+        let mut stack = vec![v];
+        let mut seen = std::collections::HashSet::new();
+        let mut inputs = std::collections::BTreeSet::new();
+        while let Some(v) = stack.pop() {
+            if !seen.insert(v) {
+                continue;
+            }
+            let val = self.prog.value(v);
+            match val.def {
+                hzp_ir::ValueDef::Input => {
+                    inputs.insert(val.name.clone());
+                }
+                hzp_ir::ValueDef::Node { node, .. } => {
+                    stack.extend(self.prog.nodes[node.index()].inputs.iter().copied());
+                }
+                hzp_ir::ValueDef::Const => {}
+                _ => return None,
+            }
+        }
+        if inputs.is_empty() {
+            return None;
+        }
+        let missing: Vec<&String> = inputs.iter().filter(|i| !self.given.contains(*i)).collect();
+        if missing.is_empty() {
+            let mut f = node_err(format!(
+                "{what} (input `{name}`) needs the values of inputs"
+            ));
+            f.specialize = inputs.into_iter().collect();
+            return Some(f);
+        }
+        let list: Vec<String> = missing.iter().map(|m| format!("`{m}`")).collect();
+        let example = missing[0];
+        Some(node_err(format!(
+            "{what} (input `{name}`) is computed at run time from the graph input{} {}; hzp \
+             needs static shapes, so it needs {} value{} at import: give {} with \
+             `--bind {example}=1,2,3` (numbers separated by commas) or in the `--inputs` file, \
+             and the program will be specialized on {}",
+            if missing.len() == 1 { "" } else { "s" },
+            list.join(", "),
+            if missing.len() == 1 { "its" } else { "their" },
+            if missing.len() == 1 { "" } else { "s" },
+            if missing.len() == 1 { "it" } else { "them" },
+            if missing.len() == 1 {
+                "that value"
+            } else {
+                "those values"
+            },
+        )))
     }
 
     /// The slot for an ONNX name (initializers that are constants are decoded on first use).
@@ -760,12 +819,103 @@ fn check_output(
     Ok(())
 }
 
-/// The whole import.
+/// The whole import. A value that decides a shape and is computed from graph inputs whose
+/// values are given makes the import start again, specialized on those inputs.
 pub(crate) fn import(
     bytes: &[u8],
     model_dir: Option<&Path>,
     name: &str,
     opts: &ImportOptions,
+) -> FResult<Program> {
+    let mut on: BTreeMap<String, Tensor> = BTreeMap::new();
+    loop {
+        match import_specialized(bytes, model_dir, name, opts, &on) {
+            Err(f)
+                if !f.specialize.is_empty() && f.specialize.iter().any(|i| !on.contains_key(i)) =>
+            {
+                for i in f.specialize {
+                    let t = given_value(bytes, opts, &i)?;
+                    on.insert(i, t);
+                }
+            }
+            Err(mut f) => {
+                if !f.specialize.is_empty() {
+                    // not expected: the inputs were folded and the value still is not
+                    f.message = format!("{} (internal: specializing did not help)", f.message);
+                }
+                return Err(f);
+            }
+            Ok(p) => return Ok(p),
+        }
+    }
+}
+
+/// The value given for graph input `name`: `--bind` numbers read with the input's declared
+/// type and bound shape, else the array given.
+fn given_value(bytes: &[u8], opts: &ImportOptions, name: &str) -> FResult<Tensor> {
+    if let Some(t) = opts.values.get(name) {
+        if !opts.bind.contains_key(name) {
+            return Ok(t.clone());
+        }
+    }
+    let nums = opts
+        .bind
+        .get(name)
+        .ok_or_else(|| node_err(format!("internal: no value for input `{name}`")))?;
+    let model = ModelProto::decode(bytes).map_err(|e| node_err(e.to_string()))?;
+    let v = model
+        .graph
+        .as_ref()
+        .and_then(|g| g.input.iter().find(|v| v.name == name))
+        .ok_or_else(|| node_err(format!("`{name}` is not a graph input")))?;
+    let (et, dims) = declared(v, "graph input")?;
+    let dtype = dtype_of(et).unwrap_or(DType::I64);
+    let shape = bind_shape(opts, name, dims.as_deref(), nums.len())?;
+    Ok(Tensor::from_f64(dtype, shape, nums))
+}
+
+/// The shape of a `--bind` value with `n` numbers.
+fn bind_shape(
+    opts: &ImportOptions,
+    name: &str,
+    dims: Option<&[Dim]>,
+    n: usize,
+) -> FResult<Vec<usize>> {
+    let shape = if let Some(s) = opts.shapes.get(name) {
+        s.clone()
+    } else {
+        match dims {
+            Some([]) => vec![],
+            Some(d) if d.iter().all(|d| matches!(d, Dim::Fixed(_))) => d
+                .iter()
+                .map(|d| match d {
+                    Dim::Fixed(x) => *x,
+                    _ => 0,
+                })
+                .collect(),
+            _ => vec![n],
+        }
+    };
+    if numel(&shape) != n {
+        return Err(Fail::new(
+            ImportErrorKind::Shapes,
+            format!(
+                "--bind gives {n} number{} for input `{name}`, whose shape is [{}] ({} elements)",
+                if n == 1 { "" } else { "s" },
+                fmt_shape(&shape),
+                numel(&shape)
+            ),
+        ));
+    }
+    Ok(shape)
+}
+
+fn import_specialized(
+    bytes: &[u8],
+    model_dir: Option<&Path>,
+    name: &str,
+    opts: &ImportOptions,
+    on: &BTreeMap<String, Tensor>,
 ) -> FResult<Program> {
     let decode = |m: String| Fail::new(ImportErrorKind::Decode, m);
     if bytes.is_empty() {
@@ -787,7 +937,42 @@ pub(crate) fn import(
     check_supported(&info, &model)?;
     let sig = signature(&model);
     let is_param = classify_params(&info, &sig);
-    let (input_tys, symbols) = bind_inputs(&info, opts)?;
+    // `--bind` values of inputs without a shape binding give their shapes.
+    // (the shapes only: `values` may hold large arrays)
+    let mut bound = ImportOptions {
+        shapes: opts.shapes.clone(),
+        ..Default::default()
+    };
+    for (name, nums) in &opts.bind {
+        if !info.inputs.iter().any(|v| v.name == *name) {
+            return Err(Fail::new(
+                ImportErrorKind::Shapes,
+                format!(
+                    "--bind gives a value for `{name}`, which is not a graph input (the inputs \
+                     are {})",
+                    info.inputs
+                        .iter()
+                        .map(|v| format!("`{}`", v.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        if let Some(v) = info.inputs.iter().find(|v| v.name == *name) {
+            if !bound.shapes.contains_key(name) {
+                let (_, dims) = declared(v, "graph input")?;
+                let shape = bind_shape(opts, name, dims.as_deref(), nums.len())?;
+                bound.shapes.insert(name.clone(), shape);
+            }
+        }
+    }
+    let (input_tys, symbols) = bind_inputs(&info, &bound)?;
+    let given: std::collections::BTreeSet<String> = opts
+        .values
+        .keys()
+        .chain(opts.bind.keys())
+        .cloned()
+        .collect();
 
     let mut names = NameSet::default();
     for v in &info.inputs {
@@ -812,8 +997,29 @@ pub(crate) fn import(
         env: HashMap::new(),
         info: &info,
         model_dir,
+        given: &given,
     };
     for (v, ty) in info.inputs.iter().zip(input_tys) {
+        if let Some(t) = on.get(&v.name) {
+            if t.ty() != ty {
+                return Err(Fail::new(
+                    ImportErrorKind::Shapes,
+                    format!(
+                        "the value given for input `{}` is {}, but the input is {ty}",
+                        v.name,
+                        t.ty()
+                    ),
+                ));
+            }
+            // The input stays (the evaluator checks that it keeps this value); the program
+            // reads the value as a constant.
+            cx.prog.add_input(v.name.clone(), ty);
+            cx.prog.specialized.insert(v.name.clone(), t.clone());
+            let cname = cx.fresh(&v.name);
+            let s = cx.named_const(t.clone(), cname);
+            cx.env.insert(v.name.clone(), s);
+            continue;
+        }
         let id = cx.prog.add_input(v.name.clone(), ty);
         cx.env.insert(v.name.clone(), Slot::Val(id));
     }
@@ -832,6 +1038,7 @@ pub(crate) fn import(
         let prefix = |f: Fail| Fail {
             kind: f.kind,
             message: format!("{label}: {}", f.message),
+            specialize: f.specialize,
         };
         let mut ins = Vec::with_capacity(p.input.len());
         for i in &p.input {

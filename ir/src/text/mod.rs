@@ -31,6 +31,8 @@
 //! program "NAME"                       optional; defaults to the file stem
 //! mesh AXIS=SIZE,AXIS=SIZE,...         optional; before the first node
 //! input %NAME : TYPE
+//! input %NAME : TYPE = [V, ...]        an input the program was specialized on (its value
+//!                                      was folded in at import; any other value is an error)
 //! param %NAME : TYPE                   data, if any, from the weights lookup
 //! const %NAME : TYPE = [V, V, ...]     row-major literal (the printer inlines <= 16 elements)
 //! const %NAME : TYPE = @data           data from the weights lookup
@@ -77,6 +79,13 @@ mod printer;
 pub use error::ParseError;
 pub use parser::parse;
 pub use printer::print;
+
+/// A tensor's values as the text form writes a literal (`[1, 2, 3]`), for messages.
+pub fn literal_string(t: &crate::Tensor) -> String {
+    let mut s = String::new();
+    printer::write_literal(&mut s, t);
+    s
+}
 
 use crate::program::Program;
 use crate::tensor::Tensor;

@@ -550,6 +550,11 @@ impl<'a> Parser<'a, '_> {
         let (ty, tspan) = self.tensor_type()?;
         match kw {
             "input" => {
+                if self.at_punct('=') {
+                    self.bump();
+                    let t = self.literal(&name, &ty)?;
+                    self.prog.specialized.insert(name.clone(), t);
+                }
                 let id = self.define(name, nspan, ty, ValueDef::Input)?;
                 self.prog.inputs.push(id);
             }

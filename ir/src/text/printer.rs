@@ -185,6 +185,12 @@ fn write_decl(out: &mut String, p: &Program, v: ValueId, data: Option<&Tensor>) 
     out.push(' ');
     write_value_ref(out, &val.name);
     let _ = write!(out, " : {}", val.ty);
+    if kw == "input" {
+        if let Some(t) = p.specialized.get(&val.name) {
+            out.push_str(" = ");
+            write_literal(out, t);
+        }
+    }
     if kw == "const" || (kw == "state" && data.is_some()) {
         match data {
             Some(t) if const_is_inline(t) => {
@@ -375,7 +381,7 @@ fn write_f32(out: &mut String, x: f32) {
     }
 }
 
-fn write_literal(out: &mut String, t: &Tensor) {
+pub(super) fn write_literal(out: &mut String, t: &Tensor) {
     out.push('[');
     let sep = |out: &mut String, i: usize| {
         if i > 0 {

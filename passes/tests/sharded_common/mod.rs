@@ -50,7 +50,10 @@ pub fn import(file: &str, rows: usize, seq: usize) -> Program {
     shapes.insert("input_ids".to_string(), vec![rows, seq]);
     load_model(
         root().join("tests/models").join(file).to_str().unwrap(),
-        &LoadOptions { shapes },
+        &LoadOptions {
+            shapes,
+            ..Default::default()
+        },
     )
     .unwrap()
 }
