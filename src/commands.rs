@@ -397,6 +397,9 @@ struct Prepared {
     step: Program,
     batch: Vec<(String, Tensor)>,
     ties: Vec<Tie>,
+    /// The forward program at one micro-batch (ties made, frozen parameters constant).
+    fwd: Program,
+    cfg: TrainConfig,
 }
 
 fn parse_pair(s: &str, what: &str) -> Result<(f64, f64)> {
@@ -505,8 +508,19 @@ fn prepare(
     t: &TrainArgs,
     with_optimizer: bool,
 ) -> Result<Prepared> {
-    let cfg = train_config(t, with_optimizer)?;
     let arrays = read_npz(inputs)?;
+    prepare_arrays(args, arrays, inputs, t, with_optimizer)
+}
+
+/// [`prepare`] on arrays at hand (`source` names them in messages).
+fn prepare_arrays(
+    args: &ModelArgs,
+    arrays: Vec<(String, Tensor)>,
+    inputs: &Path,
+    t: &TrainArgs,
+    with_optimizer: bool,
+) -> Result<Prepared> {
+    let cfg = train_config(t, with_optimizer)?;
     let m = cfg.micro_batches;
     // The model is imported at micro-batch shapes: axis 0 of every array divided by m.
     let mut micro = Vec::new();
@@ -574,6 +588,8 @@ fn prepare(
         step,
         batch,
         ties: made,
+        fwd,
+        cfg,
     })
 }
 
@@ -678,37 +694,184 @@ pub fn grad(args: &ModelArgs, inputs: &Path, t: &TrainArgs, output: &Path) -> Re
 
 pub fn train(
     args: &ModelArgs,
-    inputs: &Path,
+    inputs: Option<&Path>,
     t: &TrainArgs,
     steps: usize,
     save_params: Option<&Path>,
+    session: &crate::session::LoopArgs,
     format: Format,
 ) -> Result<()> {
-    let prep = prepare(args, inputs, t, true)?;
-    if let Some(out) = save_params {
-        check_not_input(out, &[inputs, Path::new(&args.model)])?;
+    use crate::session::{self as ss, Evaluator, Metrics, TokenFeed};
+    let text = format == Format::Text;
+    // The arrays: --inputs, and with --data a placeholder for the token input at the shape
+    // --shape gives (the model is imported at that shape; the data fills it every step).
+    let mut arrays = match inputs {
+        Some(p) => read_npz(p)?,
+        None => Vec::new(),
+    };
+    let source = inputs.unwrap_or(Path::new("--shape"));
+    let token_name = session
+        .data_input
+        .clone()
+        .unwrap_or_else(|| "input_ids".to_string());
+    if session.data.is_some() && !arrays.iter().any(|(k, _)| *k == token_name) {
+        let shapes = parse_shapes(&args.shapes)?;
+        let shape = shapes.get(&token_name).ok_or_else(|| {
+            miette!(
+                "--data: give the batch shape of `{token_name}` with --shape {token_name}=BxT (B rows of T tokens per step)"
+            )
+        })?;
+        arrays.push((
+            token_name.clone(),
+            Tensor::zeros(&hzp_ir::TensorType::new(hzp_ir::DType::I64, shape.clone())),
+        ));
+    } else if session.data.is_none() && inputs.is_none() {
+        return Err(miette!(
+            "hzp train needs the batch: --inputs IN.npz (the same batch every step) or --data TOKENS.bin with --shape input_ids=BxT"
+        ));
     }
+    let prep = prepare_arrays(args, arrays, source, t, true)?;
+    let mut reads: Vec<&Path> = vec![Path::new(&args.model)];
+    reads.extend(inputs);
+    reads.extend(session.data.as_deref());
+    reads.extend(session.val_data.as_deref());
+    for out in save_params.into_iter().chain(session.log.as_deref()) {
+        check_not_input(out, &reads)?;
+    }
+    let schedule = session.schedule(t.lr, steps)?;
+    let eval_every = session.eval_period(steps)?;
+    let raw = session.dtype()?;
+    let p = &prep.step;
+    let mut feed = match &session.data {
+        Some(path) => {
+            let v = ss::token_input(p, Some(&token_name))?;
+            let ty = p.ty(v);
+            let vocab = ss::vocab_of(p, v);
+            let f = TokenFeed::open(
+                path,
+                raw,
+                &token_name,
+                ty.dtype,
+                ty.shape[0],
+                ty.shape[1],
+                vocab,
+                session.shuffle,
+            )?;
+            if text {
+                println!("data: {}, batches of {} x {}", f.describe(), f.rows, f.seq);
+            }
+            Some(f)
+        }
+        None => None,
+    };
+    let mut evaluator = match (&session.val_data, &feed) {
+        (Some(vp), Some(f)) => {
+            let lowered =
+                tr::lower_precision(&prep.fwd, prep.cfg.compute).map_err(|e| miette!("{e}"))?;
+            let program = tr::attach_loss(&lowered, &prep.cfg.loss).map_err(|e| miette!("{e}"))?;
+            let v = ss::token_input(&program, Some(&f.input))?;
+            let vf = TokenFeed::open(
+                vp,
+                raw,
+                &f.input,
+                program.ty(v).dtype,
+                f.rows,
+                f.seq,
+                ss::vocab_of(p, ss::token_input(p, Some(&f.input))?),
+                None,
+            )?;
+            let e = Evaluator::new(program, vf, session.eval_batches)?;
+            if text {
+                println!("evaluation: {}", e.describe());
+            }
+            Some(e)
+        }
+        (Some(_), None) => return Err(miette!("--val-data needs --data")),
+        _ => None,
+    };
+    let mut metrics = Metrics::open(session.log.as_deref())?;
+    let pb = if text { ss::progress(steps, 0) } else { None };
+    let norm_name = (p.outputs.len() > 1).then(|| p.value(p.outputs[1]).name.clone());
     let mut trainer = hzp_runtime::train::Trainer::new(&prep.step).map_err(|e| miette!("{e}"))?;
     let mut losses = Vec::new();
     let mut times = Vec::new();
-    let batch = hzp_passes::train::with_lr(&prep.step, &prep.batch, t.lr);
+    let plain = session.is_plain();
     for s in 0..steps {
+        let lr = schedule.at(s);
+        let mut batch: Vec<(String, Tensor)> = prep
+            .batch
+            .iter()
+            .filter(|(k, _)| feed.as_ref().is_none_or(|f| *k != f.input))
+            .cloned()
+            .collect();
+        if let Some(f) = feed.as_mut() {
+            batch.push(f.batch((s * f.rows) as u64)?);
+        }
+        let batch = hzp_passes::train::with_lr(p, &batch, lr);
         let start = Instant::now();
         let outs = trainer
             .step(&batch)
             .map_err(|e| miette!("step {}: {e}", s + 1))?;
         let dt = start.elapsed().as_secs_f64();
         let loss = outs[0].1.to_f64_vec()[0];
-        if format == Format::Text {
-            println!("step {:>4}  loss {loss:.6}  ({:.1} ms)", s + 1, dt * 1e3);
+        let grad_norm = norm_name.as_ref().and_then(|n| {
+            outs.iter()
+                .find(|(k, _)| k == n)
+                .and_then(|(_, t)| t.to_f64_vec().first().copied())
+        });
+        let done = s + 1;
+        let val = match (&mut evaluator, eval_every) {
+            (Some(e), Some(k)) if done.is_multiple_of(k) || done == steps => {
+                Some(e.loss(&trainer.parameters())?)
+            }
+            _ => None,
+        };
+        if text {
+            let line = if plain {
+                format!("step {done:>4}  loss {loss:.6}  ({:.1} ms)", dt * 1e3)
+            } else {
+                let mut l = format!(
+                    "step {done:>4}  loss {loss:.6}  lr {lr:.3e}  ({:.1} ms",
+                    dt * 1e3
+                );
+                if let Some(f) = &feed {
+                    l.push_str(&format!(
+                        ", {:.0} tokens/s",
+                        (f.rows * f.seq) as f64 / dt.max(1e-12)
+                    ));
+                }
+                l.push(')');
+                if let Some(v) = val {
+                    l.push_str(&format!("  val_loss {v:.6}"));
+                }
+                l
+            };
+            ss::say(&pb, &line);
+            if let Some(b) = &pb {
+                b.set_position(done as u64);
+            }
         }
+        let mut rec = serde_json::json!({"step": done, "loss": loss, "lr": lr, "step_seconds": dt});
+        if let Some(f) = &feed {
+            rec["tokens_per_s"] = serde_json::json!((f.rows * f.seq) as f64 / dt.max(1e-12));
+        }
+        if let Some(g) = grad_norm {
+            rec["grad_norm"] = serde_json::json!(g);
+        }
+        if let Some(v) = val {
+            rec["val_loss"] = serde_json::json!(v);
+        }
+        metrics.write(&rec)?;
         losses.push(loss);
         times.push(dt);
+    }
+    if let Some(b) = pb {
+        b.finish_and_clear();
     }
     if let Some(out) = save_params {
         let params = with_tied_copies(trainer.parameters(), &prep.ties, "");
         npz::write(out, &params).map_err(|e| miette!("{e}"))?;
-        if format == Format::Text {
+        if text {
             println!("saved {} parameters to {}", params.len(), out.display());
         }
     }

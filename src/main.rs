@@ -180,14 +180,17 @@ enum Command {
     Train {
         #[command(flatten)]
         model: ModelArgs,
-        /// The batch used at every step: arrays keyed by graph input name.
+        /// The batch used at every step: arrays keyed by graph input name (with --data,
+        /// the inputs other than the tokens).
         #[arg(long, value_name = "IN.npz")]
-        inputs: PathBuf,
+        inputs: Option<PathBuf>,
         #[command(flatten)]
         train: TrainArgs,
         /// Number of optimizer steps.
         #[arg(long, default_value_t = 1)]
         steps: usize,
+        #[command(flatten)]
+        session: session::LoopArgs,
         /// Save the trained parameters (keyed by initializer name) to this .npz.
         #[arg(long, value_name = "P.npz")]
         save_params: Option<PathBuf>,
@@ -343,14 +346,16 @@ fn main() {
             inputs,
             train,
             steps,
+            session,
             save_params,
             format,
         } => commands::train(
             &model,
-            &inputs,
+            inputs.as_deref(),
             &train,
             steps,
             save_params.as_deref(),
+            &session,
             format,
         ),
         Command::Compile {

@@ -147,6 +147,52 @@ fn losses_match_pytorch_adamw_with_nanogpts_cosine_schedule() {
     }
 }
 
+#[test]
+fn hzp_train_reads_token_files_with_schedules_too() {
+    // one rank without a plan: the same reference
+    let refs = npz::read(&own_models_dir().join("tokens/gpt2_cosine.ref.npz")).unwrap();
+    let want = refs
+        .iter()
+        .find(|(k, _)| k == "losses")
+        .unwrap()
+        .1
+        .to_f64_vec();
+    let dir = tempdir("train");
+    let log = dir.join("m.jsonl");
+    let mut args = vec![
+        "train",
+        s(&MODEL),
+        "--shape",
+        "input_ids=4x32",
+        "--retie",
+        "--lr",
+        "3e-3",
+        "--data",
+        s(tokens()),
+        "--val-data",
+        s(tokens()),
+        "--eval-every",
+        "4",
+        "--log",
+        s(&log),
+        "--format",
+        "json",
+    ];
+    args.extend_from_slice(&SCHEDULE);
+    args.push("8");
+    let got = losses(&ok(&args));
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs(),
+            "step {}: hzp {g}, PyTorch {w}",
+            k + 1
+        );
+    }
+    let lines = std::fs::read_to_string(&log).unwrap();
+    let evals = lines.lines().filter(|l| l.contains("val_loss")).count();
+    assert_eq!((lines.lines().count(), evals), (8, 2), "{lines}");
+}
+
 /// Batch k of the token file as `--data` reads it (4 rows of 32, windows in file order).
 fn batch(k: usize) -> Tensor {
     let bytes = std::fs::read(tokens()).unwrap();
