@@ -23,8 +23,8 @@ pub enum CheckpointWhat {
     Export {
         /// A checkpoint (step-NNNNNN/) or a folder of them.
         dir: PathBuf,
-        /// params.safetensors or params.npz (by extension).
-        #[arg(short, long, value_name = "OUT")]
+        /// A .safetensors or .npz file (by extension).
+        #[arg(short, long, value_name = "OUT", default_value = "params.safetensors")]
         output: PathBuf,
     },
 }
