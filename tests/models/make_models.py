@@ -14,7 +14,7 @@ TorchScript at opset 17, dynamo at opset 18), and writes, next to this file:
 
 It checks every export with onnxruntime (fixed inputs and one other shape, to
 prove batch and sequence are really symbolic) and prints an op inventory of
-every .onnx file here and in /work/shared/onnx/ (also written to
+every .onnx file here and in ../shared/onnx/ (beside the checkout) (also written to
 /tmp/op_inventory.txt).
 
 Usage (see README.md beside this file):
@@ -50,7 +50,7 @@ from transformers import (
 )
 
 HERE = Path(__file__).resolve().parent
-SHARED_ONNX = Path("/work/shared/onnx")
+SHARED_ONNX = Path(__file__).resolve().parents[3] / "shared" / "onnx"  # ../shared beside the checkout
 INVENTORY_PATH = Path("/tmp/op_inventory.txt")
 
 SEED = 0

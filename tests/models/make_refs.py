@@ -2,7 +2,7 @@
 """PyTorch reference training results for hzp, keyed by ONNX initializer names.
 
 For every ONNX file in this folder (made by make_models.py) and in
-/work/shared/onnx/ (skipped, with a message, when that folder is absent) this
+../shared/onnx/ (beside the checkout) (skipped, with a message, when that folder is absent) this
 rebuilds the PyTorch model the file was exported from, checks that it
 reproduces the file's `torch_out` (from `<model>.io.npz`), maps every FLOAT
 initializer to the torch parameter it copies (by value: equal, or equal after
@@ -20,7 +20,7 @@ See ref/README.md for the keys and the exact definitions.
 Models:
   * own (tests/models/*.onnx): rebuilt with make_models.py's own code path
     (seed 0, same perturbation), checked against `<model>.grads.npz`.
-  * shared (/work/shared/onnx/*.onnx, no torch model available): an HF model
+  * shared (../shared/onnx/ (beside the checkout)*.onnx, no torch model available): an HF model
     is built from a config inferred from the graph (shapes of the
     initializers, LayerNormalization epsilon, Erf/Tanh GELU; 4 heads), and
     every parameter is loaded from the initializer of the same name or, for
@@ -50,7 +50,7 @@ from onnx import numpy_helper
 
 HERE = Path(__file__).resolve().parent
 REF = HERE / "ref"
-SHARED_ONNX = Path("/work/shared/onnx")
+SHARED_ONNX = Path(__file__).resolve().parents[3] / "shared" / "onnx"  # ../shared beside the checkout
 sys.dont_write_bytecode = True  # no __pycache__ beside make_models.py
 sys.path.insert(0, str(HERE))
 import make_models as mm  # noqa: E402  (same folder)
