@@ -134,8 +134,10 @@ pub fn links_from_flag(s: &str, mesh: &hzp_ir::Mesh) -> Result<ClusterSpec> {
 }
 
 /// Reads and checks a plan file.
+/// Reads and verifies a plan: `run`, `inspect` and `simulate` accept only a plan the
+/// verifier accepts (a hand-edited plan with a recomputed hash included).
 pub fn read_plan(path: &Path) -> Result<Plan> {
-    let text = std::fs::read_to_string(path)
+    let text = hzp_frontends::limits::read_regular_string(path)
         .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
     let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
     let vopts = hzp_passes::verify_plan::VerifyOptions {
@@ -145,7 +147,7 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
     if let Err(v) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
         let list: Vec<String> = v.iter().map(|x| format!("  - {x}")).collect();
         return Err(miette!(
-            "{} does not verify, so it cannot run:\n{}",
+            "{} does not verify, so hzp will not use it (was it edited by hand?):\n{}",
             path.display(),
             list.join("\n")
         ));
@@ -282,10 +284,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let mut outs: Vec<&Path> = vec![args.plan.as_path(), args.inputs.as_path()];
     outs.extend(args.params.as_deref());
+    outs.extend(args.emulate_links.as_deref());
     for out in args.save_params.iter().chain(&args.trace) {
-        crate::commands::check_not_input(out, &outs)?;
+        crate::files::check_output(out, &outs)?;
     }
     let inputs = npz::read(&args.inputs).map_err(|e| miette!("{e}"))?;
+    // Token ids and labels in range, for every backend (the row-exchanged embedding
+    // gradient relies on it as much as the lookup does).
+    hzp_runtime::index_check::check_index_inputs(&plan.program, &inputs)
+        .map_err(|e| miette!("{}: {e}", args.inputs.display()))?;
     let params = parameters(args, &plan)?;
     if cuda {
         return run_cuda(args, &plan, &params, &inputs, comm);
@@ -303,7 +310,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let w = plan.mesh.world_size();
     let text = args.format == Format::Text;
     if text {
-        println!(
+        outln!(
             "ran {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
             args.plan.display(),
             plan.model,
@@ -318,7 +325,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             }
         );
         for s in &stats {
-            println!(
+            outln!(
                 "step {:>4}  loss {}  ({:.1} ms)",
                 s.step,
                 s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
@@ -327,7 +334,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         let m = measured(&stats);
         let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
-        println!(
+        outln!(
             "per step, mean over {} step{}{} and the ranks:",
             m.len(),
             if m.len() == 1 { "" } else { "s" },
@@ -337,10 +344,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 ""
             }
         );
-        println!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
+        outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
         for (k, s) in STREAMS.iter().enumerate() {
             let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
-            println!(
+            outln!(
                 "  {:<16} {:>10.3}  {:>6.1}%",
                 s.name(),
                 ms(b),
@@ -349,30 +356,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         let comm_t = mean(&m.iter().map(|x| x.comm()).collect::<Vec<_>>());
         let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
-        println!("  step time        {:>10.3} ms", ms(wall));
-        println!(
-            "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
-            ms(exposed),
-            100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
-            ms(comm_t)
-        );
+        outln!("  step time        {:>10.3} ms", ms(wall));
+        if exposed <= comm_t {
+            outln!(
+                "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
+                ms(exposed),
+                100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
+                ms(comm_t)
+            );
+        } else {
+            // The compute stream waited on comm streams that were themselves waiting (for
+            // other ranks, or on compute): a share of their busy time would exceed 100%.
+            outln!(
+                "  exposed communication {:.3} ms (compute waited on the comm streams longer than their busy time {:.3} ms: they were waiting too, for other ranks or on compute)",
+                ms(exposed),
+                ms(comm_t)
+            );
+        }
     }
     let mut saved = None;
     if let Some(out) = &args.save_params {
         let p = ex.parameters();
-        npz::write(out, &p).map_err(|e| miette!("{e}"))?;
+        crate::files::write_npz(out, &outs, &p)?;
         saved = Some(p.len());
         if text {
-            println!("saved {} parameters to {}", p.len(), out.display());
+            outln!("saved {} parameters to {}", p.len(), out.display());
         }
     }
     if let Some(out) = &args.trace {
         let json = trace_json(&ex, ex.trace());
-        let tmp = out.with_extension("json.tmp");
-        std::fs::write(&tmp, json).into_diagnostic()?;
-        std::fs::rename(&tmp, out).into_diagnostic()?;
+        crate::files::write_bytes(out, &outs, json.as_bytes())?;
         if text {
-            println!(
+            outln!(
                 "wrote a trace of {} node runs to {}",
                 ex.trace().len(),
                 out.display()
@@ -410,7 +425,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             },
             "saved_parameters": saved,
         });
-        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
 }
@@ -430,14 +445,15 @@ fn run_cuda(
         ));
     }
     let text = args.format == Format::Text;
+    let mut printed: Result<()> = Ok(());
     let mut on_step = |rank: usize, s: &StepStats| {
-        if text {
-            println!(
-                "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)",
+        if text && printed.is_ok() {
+            printed = crate::stdio::out(format_args!(
+                "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)\n",
                 s.step,
                 s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
                 ms(s.wall)
-            );
+            ));
         }
     };
     let res = hzp_runtime::cuda::run_plan(
@@ -450,11 +466,14 @@ fn run_cuda(
         &mut on_step,
     )
     .map_err(|e| miette!("{e}"))?;
+    printed?;
     if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
         if res.rank == 0 {
-            npz::write(out, p).map_err(|e| miette!("{e}"))?;
+            let mut read: Vec<&Path> = vec![args.plan.as_path(), args.inputs.as_path()];
+            read.extend(args.params.as_deref());
+            crate::files::write_npz(out, &read, p)?;
             if text {
-                println!("saved {} parameters to {}", p.len(), out.display());
+                outln!("saved {} parameters to {}", p.len(), out.display());
             }
         }
     }
@@ -467,7 +486,7 @@ fn run_cuda(
             "losses": res.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
             "step_seconds": res.steps.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
 }

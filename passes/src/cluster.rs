@@ -490,6 +490,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
             .ok_or_else(|| format!("`{s}`: unknown size unit `{unit}` (expected {BYTE_UNITS})"))?
     };
     let bytes = (v * scale).round();
+    if bytes.is_nan() || bytes < 0.0 {
+        return Err(format!("`{s}` is not a size (negative)"));
+    }
     if bytes >= u64::MAX as f64 {
         return Err(format!("`{s}` is too large"));
     }

@@ -637,6 +637,9 @@ impl Verifier<'_> {
 
 /// The plan's mesh against the program's, the shard groups and the groups of collectives
 /// against the mesh. Safe on programs that do not verify.
+/// The most micro-batches a plan may have (as `--micro-batches` allows).
+pub const MAX_MICRO_BATCHES: usize = 65_536;
+
 fn mesh_and_groups(plan: &Plan) -> Vec<PlanViolation> {
     let mut out = Vec::new();
     let p = &plan.program;
@@ -652,7 +655,73 @@ fn mesh_and_groups(plan: &Plan) -> Vec<PlanViolation> {
             });
         }
     }
+    if let Err(e) = plan.mesh.check_size() {
+        out.push(PlanViolation {
+            check: Check::Program,
+            nodes: Vec::new(),
+            message: format!("the plan's {e}"),
+        });
+    }
+    if p.mesh.is_none() {
+        out.push(PlanViolation {
+            check: Check::Program,
+            nodes: Vec::new(),
+            message: format!(
+                "the program has no mesh, but the plan is for mesh {}",
+                plan.mesh
+            ),
+        });
+    }
+    // Micro-batches: each rank's inputs hold that many, concatenated on axis 0.
+    if plan.micro_batches == 0 || plan.micro_batches > MAX_MICRO_BATCHES {
+        out.push(PlanViolation {
+            check: Check::Program,
+            nodes: Vec::new(),
+            message: format!(
+                "the plan has {} micro-batches; it must have 1 to {MAX_MICRO_BATCHES}",
+                plan.micro_batches
+            ),
+        });
+    } else {
+        for &v in &p.inputs {
+            let Some(val) = p.values.get(v.index()) else {
+                continue;
+            };
+            let rows = val.ty.shape.first().copied().unwrap_or(1);
+            if rows % plan.micro_batches != 0 {
+                out.push(PlanViolation {
+                    check: Check::Program,
+                    nodes: Vec::new(),
+                    message: format!(
+                        "input `{}` is {} per rank, whose first dim does not split into the plan's {} micro-batches",
+                        val.name, val.ty, plan.micro_batches
+                    ),
+                });
+            }
+        }
+    }
     let g = &plan.groups;
+    // Shard groups nest: P ⊆ G ⊆ O.
+    for (inner, outer, what) in [
+        (
+            &g.params,
+            &g.grads,
+            "parameter group P is not inside the gradient group G",
+        ),
+        (
+            &g.grads,
+            &g.optim,
+            "gradient group G is not inside the optimizer group O",
+        ),
+    ] {
+        if !inner.axes.iter().all(|a| outer.axes.contains(a)) {
+            out.push(PlanViolation {
+                check: Check::Groups,
+                nodes: Vec::new(),
+                message: format!("the {what} ({inner} vs {outer})"),
+            });
+        }
+    }
     for (what, group) in [
         ("parameter group P", &g.params),
         ("gradient group G", &g.grads),

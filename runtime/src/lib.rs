@@ -8,5 +8,6 @@ pub mod cuda;
 pub mod eval;
 pub mod exec;
 pub mod fuse;
+pub mod index_check;
 pub mod spmd;
 pub mod train;
