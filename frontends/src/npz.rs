@@ -784,6 +784,7 @@ pub fn write(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), NpzError> 
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::path::PathBuf;
 
     fn every_dtype() -> Vec<(String, Tensor)> {
         vec![
