@@ -353,6 +353,10 @@ fn overflowing_sizes_are_errors_with_their_limit() {
         ],
         &["--prefetch-depth 18446744073709551615", "limit of 4096"],
     );
+    fails_with(
+        &["show", "preset:gpt,layers=100000"],
+        &["`layers=100000`", "limit of 4096 layers"],
+    );
 }
 
 #[test]
@@ -556,6 +560,25 @@ fn a_declared_size_over_the_memory_budget_is_refused_before_reading() {
         ],
         &["has no array `x`"],
     );
+}
+
+#[test]
+fn shapes_that_would_fold_huge_constants_stop_at_the_budget() {
+    // Binding a huge sequence length used to fold position ranges and masks of gigabytes
+    // at import (about 19 GB and 100 s for this one).
+    let start = std::time::Instant::now();
+    fails_with(
+        &[
+            "show",
+            s(&gpt2()),
+            "--shape",
+            "input_ids=1x268435456",
+            "--max-memory",
+            "1GiB",
+        ],
+        &["Range of 268435456 elements", "memory budget of 1.0 GiB"],
+    );
+    assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
 }
 
 // ------------------------------------------------------------------ .hzp contradictions

@@ -84,10 +84,12 @@ impl Mesh {
             }
             n = match n.checked_mul(a.size) {
                 Some(n) if n <= Self::MAX_RANKS => n,
-                _ => return Err(format!(
+                _ => {
+                    return Err(format!(
                     "mesh {self} has more than {} ranks (the product of its axis sizes), the limit",
                     Self::MAX_RANKS
-                )),
+                ))
+                }
             };
         }
         Ok(())
