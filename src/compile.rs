@@ -580,6 +580,7 @@ pub fn compile(
     let start = Instant::now();
     let mut read_files = crate::files::model_files(&model.model);
     read_files.extend(inputs.map(Path::to_path_buf));
+    read_files.extend(c.cluster.clone());
     if let Some(out) = &c.output {
         crate::files::check_output(out, &read_files)?;
     }

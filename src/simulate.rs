@@ -350,7 +350,7 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
     let calibration = match &a.calibrate {
         None => None,
         Some(path) => {
-            let t = std::fs::read_to_string(path)
+            let t = hzp_frontends::limits::read_regular_string(path)
                 .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
             let trace =
                 Trace::from_json(&t, &path.display().to_string()).map_err(|e| miette!("{e}"))?;

@@ -179,10 +179,22 @@ fn output_to_a_fifo_is_refused_without_blocking() {
         &["out.npz", "FIFO"],
     );
     assert!(is_fifo(&fifo));
-    // And as an input: an error, not a hang.
+    // And as an input: an error, not a hang (inputs, plans, cluster specs, traces).
     fails_with(
         &["eval", s(&mlp()), "--inputs", s(&fifo)],
         &["out.npz", "FIFO"],
+    );
+    fails_with(&["inspect", s(&fifo)], &["out.npz", "FIFO"]);
+    fails_with(
+        &[
+            "compile",
+            "preset:gpt",
+            "--mesh",
+            "gpu=2",
+            "--cluster",
+            s(&fifo),
+        ],
+        &["out.npz", "not a regular file"],
     );
 }
 

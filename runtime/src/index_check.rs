@@ -7,7 +7,8 @@
 //!
 //! [`index_bounds`] follows each integer program input through ops that only move or
 //! select its values (reshape, slice, transpose, concat, ...) to the ops that index with
-//! it: Gather (the indexed axis), SoftmaxCrossEntropy (the classes) and OneHot (the depth).
+//! it: a Gather from a parameter table (an embedding: the indexed axis) and
+//! SoftmaxCrossEntropy (the classes).
 //! [`check_index_inputs`] checks every element of those inputs against the smallest bound.
 
 use hzp_ir::{Data, Op, Program, Tensor, ValueId};
@@ -40,7 +41,9 @@ pub fn index_bounds(p: &Program) -> HashMap<ValueId, IndexUse> {
                 let node = p.node(n);
                 let operand = |i: usize| node.inputs.get(i).copied();
                 let found = match &node.op {
-                    Op::Gather { axis } if operand(1) == Some(v) => {
+                    Op::Gather { axis }
+                        if operand(1) == Some(v) && operand(0).is_some_and(|d| is_table(p, d)) =>
+                    {
                         operand(0).and_then(|data| {
                             let dim = *p.ty(data).shape.get(*axis)?;
                             Some(IndexUse {
@@ -67,10 +70,6 @@ pub fn index_bounds(p: &Program) -> HashMap<ValueId, IndexUse> {
                             })
                         })
                     }
-                    Op::OneHot { depth, .. } if operand(0) == Some(v) => Some(IndexUse {
-                        bound: *depth,
-                        what: format!("it is one-hot encoded with depth {depth} (node `{}`)", node.name),
-                    }),
                     // Ops that pass the values on unchanged: follow their outputs.
                     Op::Reshape { .. }
                     | Op::Slice { .. }
@@ -106,6 +105,39 @@ pub fn index_bounds(p: &Program) -> HashMap<ValueId, IndexUse> {
         }
     }
     out
+}
+
+/// Whether `v` is a trainable table: a parameter, or one as the step reads it (cast to the
+/// compute type, gathered from its shards, reshaped). A lookup into one is an embedding,
+/// where PyTorch rejects negative ids; other Gathers keep ONNX's meaning (negative indices
+/// count from the end), as does OneHot.
+fn is_table(p: &Program, mut v: ValueId) -> bool {
+    for _ in 0..64 {
+        if v.index() >= p.values.len() {
+            return false;
+        }
+        match p.value(v).def {
+            hzp_ir::ValueDef::Param => return true,
+            hzp_ir::ValueDef::Node { node, .. } => {
+                let n = p.node(node);
+                match n.op {
+                    Op::Cast { .. }
+                    | Op::AllGather { .. }
+                    | Op::Slice { .. }
+                    | Op::Reshape { .. }
+                    | Op::Identity
+                    | Op::Copy
+                    | Op::Concat { .. } => match n.inputs.first() {
+                        Some(&x) => v = x,
+                        None => return false,
+                    },
+                    _ => return false,
+                }
+            }
+            _ => return false,
+        }
+    }
+    false
 }
 
 /// The row-major position of flat index `i` in `shape`, as `[a, b, c]`.
