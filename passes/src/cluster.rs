@@ -212,10 +212,12 @@ impl ClusterSpec {
                     "cannot read the cluster spec: it is not a regular file".into(),
                 ))
             }
-            Ok(m) if m.len() > MAX_SPEC_BYTES => return Err(fail(format!(
+            Ok(m) if m.len() > MAX_SPEC_BYTES => {
+                return Err(fail(format!(
                 "the cluster spec is {} bytes, more than the limit of {MAX_SPEC_BYTES} for a spec",
                 m.len()
-            ))),
+            )))
+            }
             _ => {}
         }
         let src = std::fs::read_to_string(path)

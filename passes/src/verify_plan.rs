@@ -685,16 +685,6 @@ fn mesh_and_groups(plan: &Plan) -> Vec<PlanViolation> {
             message: format!("the plan's {e}"),
         });
     }
-    if p.mesh.is_none() {
-        out.push(PlanViolation {
-            check: Check::Program,
-            nodes: Vec::new(),
-            message: format!(
-                "the program has no mesh, but the plan is for mesh {}",
-                plan.mesh
-            ),
-        });
-    }
     // Micro-batches: each rank's inputs hold that many, concatenated on axis 0.
     if plan.micro_batches == 0 || plan.micro_batches > MAX_MICRO_BATCHES {
         out.push(PlanViolation {
