@@ -162,12 +162,12 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
             fits: built.budget.is_none_or(|b| plan.arena_bytes <= b),
         });
     }
-    print_table(a, &rows, repeat, resets);
+    print_table(a, &rows, repeat, resets)?;
     Ok(())
 }
 
-fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) {
-    println!(
+fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) -> Result<()> {
+    outln!(
         "compile {} (strategy {}, budget {}{}{}), {} compile(s) per mesh, plan JSON made (not written)",
         a.model,
         a.strategy,
@@ -183,7 +183,7 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
         .unwrap_or(0)
         .max(13);
     let mw = rows.iter().map(|r| r.mesh.len()).max().unwrap_or(0).max(4);
-    println!(
+    outln!(
         "  {:<mw$}  {:>6}  {:<gw$}  {:>9}  {:>9}  {:>9}  {:>10}  {:>6}  {:>10}  {:>11}",
         "mesh",
         "ranks",
@@ -197,7 +197,7 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
         "arena/rank"
     );
     for r in rows {
-        println!(
+        outln!(
             "  {:<mw$}  {:>6}  {:<gw$}  {:>9}  {:>9}  {:>9}  {:>10}  {:>6}  {:>10}  {:>10}{}",
             r.mesh,
             r.ranks,
@@ -214,14 +214,14 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
         );
     }
     if rows.iter().any(|r| !r.fits) {
-        println!("  * the plan's arena is over the budget ({})", a.memory);
+        outln!("  * the plan's arena is over the budget ({})", a.memory);
     }
     if !resets {
-        println!("  peak RSS: the peak of the process so far (it could not be reset per mesh)");
+        outln!("  peak RSS: the peak of the process so far (it could not be reset per mesh)");
     }
     if let Some((first, rest)) = rows.split_first() {
         for r in rest {
-            println!(
+            outln!(
                 "compile time {} / {}: {:.3}x (medians); plan.json {:.3}x",
                 r.mesh,
                 first.mesh,
@@ -230,4 +230,5 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
             );
         }
     }
+    Ok(())
 }

@@ -1,5 +1,6 @@
 //! The subcommands. Each one reads the user's files, calls into the crates, and prints.
 
+use crate::files;
 use crate::{Format, ModelArgs};
 use hzp_frontends::{hzp_file, load_model, npz, LoadOptions};
 use hzp_ir::{Program, Tensor};
@@ -107,36 +108,19 @@ fn eval_inputs(
         .collect()
 }
 
-/// Refuses to write over one of the user's input files.
-pub(crate) fn check_not_input(out: &Path, inputs: &[&Path]) -> Result<()> {
-    let canon = |p: &Path| std::fs::canonicalize(p).ok();
-    if let Some(o) = canon(out) {
-        for i in inputs {
-            if canon(i).as_ref() == Some(&o) {
-                return Err(miette!(
-                    "refusing to write {}: it is one of the input files",
-                    out.display()
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 pub fn import(args: &ModelArgs, inputs: Option<&Path>, output: Option<&Path>) -> Result<()> {
     let arrays = inputs.map(read_npz).transpose()?;
     let p = load(args, arrays.as_deref())?;
     match output {
-        None => print!("{}", hzp_ir::text::print(&p)),
+        None => out!("{}", hzp_ir::text::print(&p)),
         Some(out) => {
-            let model = Path::new(&args.model);
             let weights = hzp_file::weights_path(out);
-            let mut ins: Vec<&Path> = vec![model];
-            ins.extend(inputs);
-            check_not_input(out, &ins)?;
-            check_not_input(&weights, &ins)?;
+            let mut ins = files::model_files(&args.model);
+            ins.extend(inputs.map(Path::to_path_buf));
+            files::check_output(out, &ins)?;
+            files::check_output(&weights, &ins)?;
             hzp_file::save(out, &p).map_err(miette::Report::new)?;
-            eprintln!(
+            note!(
                 "wrote {} ({} nodes, {} parameters){}",
                 out.display(),
                 p.nodes.len(),
@@ -160,13 +144,13 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
     let shared = hzp_passes::ties::shared_parameters(&p);
     match format {
         Format::Text => {
-            print!("{}", s.to_text());
-            println!("\nweight sharing");
+            out!("{}", s.to_text());
+            outln!("\nweight sharing");
             if equal.is_empty() && shared.is_empty() {
-                println!("  none found (no two parameters are equal up to a transpose; none is read by two layers)");
+                outln!("  none found (no two parameters are equal up to a transpose; none is read by two layers)");
             }
             for t in &equal {
-                println!(
+                outln!(
                     "  `{}` equals {}`{}`: the exporter stored one weight twice (untied); --retie trains them as one",
                     t.copy,
                     if t.transposed { "the transpose of " } else { "" },
@@ -174,7 +158,7 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
                 );
             }
             for sp in &shared {
-                println!(
+                outln!(
                     "  `{}` is read by {} layers ({}): a tied weight, or identical initializers the exporter merged",
                     sp.name,
                     sp.layers.len(),
@@ -188,7 +172,7 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
                 "equal_parameters": equal,
                 "shared_across_layers": shared,
             });
-            println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?)
+            outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?)
         }
     }
     Ok(())
@@ -228,6 +212,19 @@ pub fn eval(
     tolerance: f64,
     format: Format,
 ) -> Result<()> {
+    check_number(
+        "--tolerance",
+        tolerance,
+        0.0,
+        true,
+        " (the largest allowed absolute difference)",
+    )?;
+    let mut read_files = files::model_files(&args.model);
+    read_files.push(inputs.to_path_buf());
+    read_files.extend(reference.map(Path::to_path_buf));
+    if let Some(out) = output {
+        files::check_output(out, &read_files)?;
+    }
     let arrays = read_npz(inputs)?;
     let p = load(args, Some(&arrays))?;
     let wanted = eval_inputs(&p, &arrays, inputs)?;
@@ -268,10 +265,7 @@ pub fn eval(
         rows.push((name.clone(), t, diff));
     }
     if let Some(out) = output {
-        let mut ins: Vec<&Path> = vec![inputs, Path::new(&args.model)];
-        ins.extend(reference);
-        check_not_input(out, &ins)?;
-        npz::write(out, &outs).map_err(|e| miette!("{e}"))?;
+        files::write_npz(out, &read_files, &outs)?;
     }
     match format {
         Format::Json => {
@@ -295,27 +289,27 @@ pub fn eval(
                 "outputs": list,
                 "within_tolerance": worst.map(|w| w <= tolerance),
             });
-            println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+            outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
         }
         Format::Text => {
-            println!(
+            outln!(
                 "evaluated {} on the CPU in {:.1} ms",
                 p.name,
                 elapsed.as_secs_f64() * 1e3
             );
             for (name, t, diff) in &rows {
                 let (mn, mx, mean) = stats(t);
-                print!(
+                out!(
                     "  {name}: {}  min {mn:.4}  max {mx:.4}  mean {mean:.4}",
                     shape_str(t)
                 );
                 if let Some((rk, d)) = diff {
-                    print!("  max |diff| vs {rk}: {d:.3e}");
+                    out!("  max |diff| vs {rk}: {d:.3e}");
                 }
-                println!();
+                outln!();
             }
             if let Some(out) = output {
-                println!("wrote {}", out.display());
+                outln!("wrote {}", out.display());
             }
         }
     }
@@ -363,13 +357,13 @@ pub fn bench_import(args: &ModelArgs, repeat: usize) -> Result<()> {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let p = last.expect("repeat >= 1");
-    println!(
+    outln!(
         "import + verify {}: {} nodes, {} parameters",
         args.model,
         p.nodes.len(),
         p.num_parameters()
     );
-    println!(
+    outln!(
         "  median {:.3} s over {} runs (min {:.3} s, max {:.3} s)",
         median,
         times.len(),
@@ -377,11 +371,11 @@ pub fn bench_import(args: &ModelArgs, repeat: usize) -> Result<()> {
         times[times.len() - 1]
     );
     match peak_rss_bytes() {
-        Some(b) => println!(
+        Some(b) => outln!(
             "  peak resident memory {:.1} MiB",
             b as f64 / (1 << 20) as f64
         ),
-        None => println!("  peak resident memory: not available on this OS"),
+        None => outln!("  peak resident memory: not available on this OS"),
     }
     Ok(())
 }
@@ -445,15 +439,71 @@ pub(crate) fn loss_from_spec(spec: &str) -> Result<LossKind> {
     LossKind::parse(kind, labels, target).map_err(|e| miette!("{e}"))
 }
 
+/// The most micro-batches a step may be split into (each is unrolled into the step; the
+/// plan verifier has the same limit).
+pub(crate) const MAX_MICRO_BATCHES: usize = hzp_passes::verify_plan::MAX_MICRO_BATCHES;
+
+/// A flag's value must be a finite number in a range; the message names the flag, the value
+/// and the range.
+pub(crate) fn check_number(
+    flag: &str,
+    v: f64,
+    min: f64,
+    min_inclusive: bool,
+    note: &str,
+) -> Result<()> {
+    let ok = v.is_finite() && if min_inclusive { v >= min } else { v > min };
+    if ok {
+        return Ok(());
+    }
+    Err(miette!(
+        "{flag} {v}: must be a finite number {} {min}{note}",
+        if min_inclusive {
+            "at least"
+        } else {
+            "greater than"
+        }
+    ))
+}
+
+/// The optimizer's and clipping's numbers, checked as torch.optim checks them (and finite).
+fn check_train_numbers(t: &TrainArgs) -> Result<()> {
+    check_number("--lr", t.lr, 0.0, true, " (a learning rate)")?;
+    check_number("--eps", t.eps, 0.0, true, "")?;
+    if let Some(w) = t.weight_decay {
+        check_number("--weight-decay", w, 0.0, true, "")?;
+    }
+    check_number("--momentum", t.momentum, 0.0, true, "")?;
+    if let Some(c) = t.clip_grad_norm {
+        check_number(
+            "--clip-grad-norm",
+            c,
+            0.0,
+            false,
+            " (the largest global gradient norm)",
+        )?;
+    }
+    Ok(())
+}
+
 pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
     let loss = LossKind::parse(&t.loss, t.labels.as_deref(), t.target.as_deref())
         .map_err(|e| miette!("{e}"))?;
+    check_train_numbers(t)?;
     let optimizer = if !with_optimizer {
         None
     } else {
         Some(match t.optimizer.as_str() {
             "adamw" => {
                 let (beta1, beta2) = parse_pair(&t.betas, "--betas")?;
+                for (b, which) in [(beta1, "first"), (beta2, "second")] {
+                    if !(0.0..1.0).contains(&b) {
+                        return Err(miette!(
+                            "--betas {}: the {which} beta is {b}; each must be at least 0 and below 1 (as torch.optim.AdamW requires)",
+                            t.betas
+                        ));
+                    }
+                }
                 Optimizer::AdamW {
                     lr: t.lr,
                     beta1,
@@ -485,6 +535,12 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
     };
     if t.micro_batches == 0 {
         return Err(miette!("--micro-batches must be at least 1"));
+    }
+    if t.micro_batches > MAX_MICRO_BATCHES {
+        return Err(miette!(
+            "--micro-batches {} is more than the limit of {MAX_MICRO_BATCHES} (each micro-batch is a copy of the forward and backward in the step)",
+            t.micro_batches
+        ));
     }
     for stage in &t.print_after {
         if !["import", "loss", "autodiff", "optimizer"].contains(&stage.as_str()) {
@@ -562,27 +618,28 @@ fn prepare_arrays(
         }
     }
     let made = apply_freeze_and_ties(&mut fwd, t)?;
-    let show = |stage: &str, p: &Program| {
+    let show = |stage: &str, p: &Program| -> Result<()> {
         if t.print_after.iter().any(|s| s == stage) {
-            println!("# --print-after {stage}\n{}", hzp_ir::text::print(p));
+            outln!("# --print-after {stage}\n{}", hzp_ir::text::print(p));
         }
+        Ok(())
     };
-    show("import", &fwd);
+    show("import", &fwd)?;
     let fwd_c = tr::lower_precision(&fwd, cfg.compute).map_err(|e| miette!("{e}"))?;
     if t.print_after.iter().any(|s| s == "loss") {
         show(
             "loss",
             &tr::attach_loss(&fwd_c, &cfg.loss).map_err(|e| miette!("{e}"))?,
-        );
+        )?;
     }
     if t.print_after.iter().any(|s| s == "autodiff") {
         show(
             "autodiff",
             &tr::gradient_program(&fwd_c, &cfg.loss).map_err(|e| miette!("{e}"))?,
-        );
+        )?;
     }
     let step = tr::training_step(&fwd, &cfg).map_err(|e| miette!("{e}"))?;
-    show("optimizer", &step);
+    show("optimizer", &step)?;
     let batch = program_inputs(&step, &arrays, inputs)?;
     Ok(Prepared {
         step,
@@ -663,8 +720,10 @@ fn transpose_last2(t: &Tensor) -> Tensor {
 }
 
 pub fn grad(args: &ModelArgs, inputs: &Path, t: &TrainArgs, output: &Path) -> Result<()> {
+    let mut read_files = files::model_files(&args.model);
+    read_files.push(inputs.to_path_buf());
+    files::check_output(output, &read_files)?;
     let prep = prepare(args, inputs, t, false)?;
-    check_not_input(output, &[inputs, Path::new(&args.model)])?;
     let start = Instant::now();
     let outs = hzp_runtime::eval::evaluate(&prep.step, &prep.batch).map_err(|e| miette!("{e}"))?;
     let n_params = prep.step.params.len();
@@ -681,8 +740,8 @@ pub fn grad(args: &ModelArgs, inputs: &Path, t: &TrainArgs, output: &Path) -> Re
         .map(|(prm, (_, g))| (prep.step.value(prm.value).name.clone(), g.clone()))
         .collect();
     named.extend(with_tied_copies(grads, &prep.ties, ""));
-    npz::write(output, &named).map_err(|e| miette!("{e}"))?;
-    println!(
+    files::write_npz(output, &read_files, &named)?;
+    outln!(
         "loss {:.6}; {} gradients written to {} ({:.1} ms)",
         outs[0].1.to_f64_vec()[0],
         named.len() - 1,
@@ -731,12 +790,12 @@ pub fn train(
         ));
     }
     let prep = prepare_arrays(args, arrays, source, t, true)?;
-    let mut reads: Vec<&Path> = vec![Path::new(&args.model)];
-    reads.extend(inputs);
-    reads.extend(session.data.as_deref());
-    reads.extend(session.val_data.as_deref());
+    let mut read_files = files::model_files(&args.model);
+    read_files.extend(inputs.map(Path::to_path_buf));
+    read_files.extend(session.data.clone());
+    read_files.extend(session.val_data.clone());
     for out in save_params.into_iter().chain(session.log.as_deref()) {
-        check_not_input(out, &reads)?;
+        files::check_output(out, &read_files)?;
     }
     let schedule = session.schedule(t.lr, steps)?;
     let eval_every = session.eval_period(steps)?;
@@ -758,7 +817,7 @@ pub fn train(
                 session.shuffle,
             )?;
             if text {
-                println!("data: {}, batches of {} x {}", f.describe(), f.rows, f.seq);
+                outln!("data: {}, batches of {} x {}", f.describe(), f.rows, f.seq);
             }
             Some(f)
         }
@@ -782,7 +841,7 @@ pub fn train(
             )?;
             let e = Evaluator::new(program, vf, session.eval_batches)?;
             if text {
-                println!("evaluation: {}", e.describe());
+                outln!("evaluation: {}", e.describe());
             }
             Some(e)
         }
@@ -846,7 +905,7 @@ pub fn train(
                 }
                 l
             };
-            ss::say(&pb, &line);
+            ss::say(&pb, &line)?;
             if let Some(b) = &pb {
                 b.set_position(done as u64);
             }
@@ -870,9 +929,9 @@ pub fn train(
     }
     if let Some(out) = save_params {
         let params = with_tied_copies(trainer.parameters(), &prep.ties, "");
-        npz::write(out, &params).map_err(|e| miette!("{e}"))?;
+        files::write_npz(out, &read_files, &params)?;
         if text {
-            println!("saved {} parameters to {}", params.len(), out.display());
+            outln!("saved {} parameters to {}", params.len(), out.display());
         }
     }
     if format == Format::Json {
@@ -882,7 +941,7 @@ pub fn train(
             "losses": losses,
             "step_seconds": times,
         });
-        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
 }
@@ -901,7 +960,7 @@ pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<
         .collect();
     let skipped = ties::freeze(fwd, &freeze).map_err(|e| miette!("{e}"))?;
     if !skipped.is_empty() {
-        eprintln!(
+        note!(
             "note: --freeze: not parameters of this program (constants, or folded away at import): {}",
             skipped.join(", ")
         );
@@ -910,7 +969,7 @@ pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<
     Ok(if t.retie {
         ties::retie(fwd, &found).map_err(|e| miette!("{e}"))?;
         for tie in &found {
-            eprintln!(
+            note!(
                 "retie: `{}` is {}`{}`; training them as one parameter",
                 tie.copy,
                 if tie.transposed {
@@ -924,7 +983,7 @@ pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<
         found
     } else {
         if !found.is_empty() {
-            eprintln!(
+            note!(
                 "note: {} parameter(s) equal another up to a transpose (e.g. `{}` and `{}`); they train separately unless you pass --retie",
                 found.len(),
                 found[0].copy,

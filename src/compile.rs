@@ -159,11 +159,16 @@ fn print_stages(list: &[String]) -> Result<BTreeSet<&'static str>> {
 }
 
 /// Prints `text()` under a `# after STAGE` header when `--print-after` asked for `stage`.
-fn show_stage(stages: &BTreeSet<&'static str>, stage: &str, text: impl FnOnce() -> String) {
+fn show_stage(
+    stages: &BTreeSet<&'static str>,
+    stage: &str,
+    text: impl FnOnce() -> String,
+) -> Result<()> {
     if stages.contains(stage) {
         let text = text();
-        println!("# after {stage}\n{}", text.trim_end());
+        outln!("# after {stage}\n{}", text.trim_end());
     }
+    Ok(())
 }
 
 /// The plan's text form without the program (printed `after schedule`): its header and the
@@ -238,7 +243,7 @@ impl Phases {
     fn mark(&self, what: &str) {
         if self.on {
             let now = Instant::now();
-            eprintln!(
+            note!(
                 "  {what:<22} {:8.3} s",
                 (now - self.last.get()).as_secs_f64()
             );
@@ -246,6 +251,9 @@ impl Phases {
         }
     }
 }
+
+/// The most gather units `--prefetch-depth` may issue ahead of the one computing.
+pub const MAX_PREFETCH_DEPTH: usize = 4096;
 
 pub fn build_plan(
     model: &ModelArgs,
@@ -272,11 +280,29 @@ pub fn build_plan(
         true,
     )?;
     let phases = Phases::new();
-    let mut fwd = load_for_compile(model, inputs, mesh.world_size() * cfg.micro_batches)?;
+    if c.prefetch_depth > MAX_PREFETCH_DEPTH {
+        return Err(miette!(
+            "--prefetch-depth {} is more than the limit of {MAX_PREFETCH_DEPTH} gather units ahead",
+            c.prefetch_depth
+        )
+        .into());
+    }
+    // Both factors are bounded (Mesh::MAX_RANKS, MAX_MICRO_BATCHES), so this cannot wrap.
+    let divisor = mesh
+        .world_size()
+        .checked_mul(cfg.micro_batches)
+        .ok_or_else(|| {
+            miette!(
+                "--mesh {} x --micro-batches {} is too many",
+                mesh,
+                cfg.micro_batches
+            )
+        })?;
+    let mut fwd = load_for_compile(model, inputs, divisor)?;
     // `hzp run` checks the model it loads against this, before any freezing or tying.
     let fingerprint = fingerprint_of(&fwd);
     crate::commands::apply_freeze_and_ties(&mut fwd, t)?;
-    show_stage(&stages, "import", || hzp_ir::text::print(&fwd));
+    show_stage(&stages, "import", || hzp_ir::text::print(&fwd))?;
     let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
     let overrides = match &c.shard {
         Some(s) => ShardOverride::parse(s, &mesh).map_err(|e| miette!("--shard: {e}"))?,
@@ -324,13 +350,13 @@ pub fn build_plan(
     cfg.compute = opts.compute;
     if stages.contains("training") {
         let step = hzp_passes::train::training_step(&fwd, &cfg).map_err(|e| miette!("{e}"))?;
-        show_stage(&stages, "training", || hzp_ir::text::print(&step));
+        show_stage(&stages, "training", || hzp_ir::text::print(&step))?;
     }
     phases.mark("load");
     let mut planned = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts);
     if recompute_mode.is_none() {
         if let Err(shard_plan::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
-            eprintln!(
+            note!(
                 "note: no plan fits without activation recompute (the smallest needs {}); \
                  compiling with --recompute (--recompute off to refuse instead)",
                 hzp_ir::plan::format_bytes(candidate.memory.total)
@@ -363,7 +389,7 @@ pub fn build_plan(
         e => BuildError::Other(miette!("{e}")),
     })?;
     if c.explain {
-        println!("{}", shard_plan::explain(&report));
+        outln!("{}", shard_plan::explain(&report));
     }
     let chosen = report.chosen.groups();
     let sched = hzp_passes::spmd::ScheduleOptions {
@@ -400,6 +426,7 @@ pub fn build_plan(
                 ..Default::default()
             },
         });
+        let mut shown: Result<()> = Ok(());
         let step = hzp_passes::spmd::shard_training_step_rewritten(
             &fwd,
             &cfg,
@@ -408,15 +435,19 @@ pub fn build_plan(
             &sched,
             rewrite.as_ref(),
             &mut |stage, p| {
-                show_stage(&stages, stage, || hzp_ir::text::print(p));
-                if stage == "collectives" && rewrite.is_none() {
-                    show_stage(&stages, "rewrite", || {
+                if shown.is_err() {
+                    return;
+                }
+                shown = show_stage(&stages, stage, || hzp_ir::text::print(p));
+                if shown.is_ok() && stage == "collectives" && rewrite.is_none() {
+                    shown = show_stage(&stages, "rewrite", || {
                         "# collective rewriting is off (--no-rewrite): as after collectives".into()
                     });
                 }
             },
         )
         .map_err(|e| miette!("{e}"))?;
+        shown?;
         let mem = {
             let kinds = |v: ValueId| buffer_kind(&step.program, v);
             let persistent = hzp_passes::memory::default_persistent(&step.program);
@@ -435,7 +466,7 @@ pub fn build_plan(
             && !c.no_rewrite
             && budget.is_some_and(|b| m.total.saturating_add(extra) > b)
         {
-            eprintln!(
+            note!(
                 "note: one bucket per layer would need about {} per rank (the planner's {} plus \
                  a layer of gathered parameters and of gradients), over the budget of {}: \
                  using buckets of at most 64 MiB (--bucket-mb sets the size)",
@@ -453,7 +484,7 @@ pub fn build_plan(
     // instead, and compile says so.
     if bucket_bytes == u64::MAX && !c.no_rewrite && budget.is_some_and(|b| mem.arena_bytes > b) {
         let (s2, m2) = build(FALLBACK_BUCKET)?;
-        eprintln!(
+        note!(
             "note: with one bucket per layer the arena needs {} (budget {}); buckets of at most \
              64 MiB need {} (--bucket-mb sets the size)",
             hzp_ir::plan::format_bytes(mem.arena_bytes),
@@ -463,7 +494,7 @@ pub fn build_plan(
         (step, mem) = (s2, m2);
     }
     for (name, rows, table) in &step.row_exchanged {
-        eprintln!(
+        note!(
             "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
              per rank per micro-batch) instead of reducing the {} table \
              (--dense-embedding-grads reduces the table)",
@@ -473,7 +504,7 @@ pub fn build_plan(
     }
     if c.explain {
         if let Some(r) = &step.rewrite_report {
-            println!("collective rewriting:\n{r}");
+            outln!("collective rewriting:\n{r}");
         }
     }
     phases.mark("build per-rank step + memory plan");
@@ -500,7 +531,7 @@ pub fn build_plan(
         None => None,
     };
     plan.loss = Some(crate::commands::loss_spec(t));
-    show_stage(&stages, "memory", || memory_text(&plan));
+    show_stage(&stages, "memory", || memory_text(&plan))?;
     // One communicator per (group, stream), as the runtime creates them: collectives of one
     // group on different streams do not need ordering among themselves.
     let vopts = hzp_passes::verify_plan::VerifyOptions {
@@ -553,6 +584,12 @@ pub fn compile(
     format: Format,
 ) -> Result<()> {
     let start = Instant::now();
+    let mut read_files = crate::files::model_files(&model.model);
+    read_files.extend(inputs.map(Path::to_path_buf));
+    read_files.extend(c.cluster.clone());
+    if let Some(out) = &c.output {
+        crate::files::check_output(out, &read_files)?;
+    }
     let Built {
         plan,
         json,
@@ -561,24 +598,19 @@ pub fn compile(
         ..
     } = build_plan(model, inputs, t, c, true, c.output.is_some())?;
     if let Some(out) = &c.output {
-        let mut ins: Vec<&Path> = vec![Path::new(&model.model)];
-        ins.extend(inputs);
-        crate::commands::check_not_input(out, &ins)?;
-        let tmp = out.with_extension("json.tmp");
-        let json = json.expect("build_plan writes the JSON when there is an output file");
-        std::fs::write(&tmp, json).into_diagnostic()?;
-        std::fs::rename(&tmp, out).into_diagnostic()?;
+        let json = json.ok_or_else(|| miette!("internal error: the plan's JSON was not made"))?;
+        crate::files::write_bytes(out, &read_files, json.as_bytes())?;
     }
     let summary = summary(&plan, &report, &peak_by_kind, start.elapsed().as_secs_f64());
     match format {
-        Format::Json => println!(
+        Format::Json => outln!(
             "{}",
             serde_json::to_string_pretty(&summary).into_diagnostic()?
         ),
         Format::Text => {
-            print_summary(&summary);
+            print_summary(&summary)?;
             if let Some(out) = &c.output {
-                println!("wrote {}", out.display());
+                outln!("wrote {}", out.display());
             }
         }
     }
@@ -682,34 +714,39 @@ fn summary(
     }
 }
 
-fn print_summary(s: &Summary) {
-    println!(
+fn print_summary(s: &Summary) -> Result<()> {
+    outln!(
         "plan for {} on {} ({} ranks), strategy {}",
-        s.model, s.mesh, s.world_size, s.strategy
+        s.model,
+        s.mesh,
+        s.world_size,
+        s.strategy
     );
-    println!(
+    outln!(
         "  groups: params {}  grads {}  optim {}",
-        s.groups["params"], s.groups["grads"], s.groups["optim"]
+        s.groups["params"],
+        s.groups["grads"],
+        s.groups["optim"]
     );
-    println!(
+    outln!(
         "  predicted step {} (exposed communication {})",
         shard_plan::human_seconds(s.predicted_step_s),
         shard_plan::human_seconds(s.predicted_exposed_comm_s)
     );
-    println!(
+    outln!(
         "  arena per rank {}",
         hzp_ir::plan::format_bytes(s.arena_bytes)
     );
     for (k, v) in &s.peak_by_kind {
-        println!("    {k:<12} {}", hzp_ir::plan::format_bytes(*v));
+        outln!("    {k:<12} {}", hzp_ir::plan::format_bytes(*v));
     }
-    println!("  nodes per stream:");
+    outln!("  nodes per stream:");
     for (k, v) in &s.nodes_per_stream {
-        println!("    {k:<14} {v}");
+        outln!("    {k:<14} {v}");
     }
-    println!("  collectives per step:");
+    outln!("  collectives per step:");
     for r in &s.collectives {
-        println!(
+        outln!(
             "    {:<14} {:<16} on {:<14} x{:<5} {}",
             r.op,
             r.group,
@@ -718,7 +755,8 @@ fn print_summary(s: &Summary) {
             hzp_ir::plan::format_bytes(r.bytes)
         );
     }
-    println!("  compiled in {:.2} s", s.compile_seconds);
+    outln!("  compiled in {:.2} s", s.compile_seconds);
+    Ok(())
 }
 
 /// Bytes one rank sends per step over each link class of `cluster` (by the cost model's
@@ -752,9 +790,7 @@ pub fn bytes_per_link(
 }
 
 pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
-    let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
+    let plan = crate::run::read_plan(path)?;
     let p = &plan.program;
     let persistent = hzp_passes::memory::default_persistent(p);
     let kinds = |v: ValueId| buffer_kind(p, v);
@@ -789,35 +825,37 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 "bytes_per_rank_per_link": per_link.iter().map(|(l, b)| (l.clone(), b.round() as u64)).collect::<BTreeMap<_, _>>(),
                 "content_hash": plan.content_hash,
             });
-            println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+            outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
         }
         Format::Text => {
-            println!(
+            outln!(
                 "plan {} (format version {}, hash {})",
                 path.display(),
                 plan.version,
                 &plan.content_hash[..16.min(plan.content_hash.len())]
             );
-            println!(
+            outln!(
                 "  model {}  strategy {}  mesh {}",
-                plan.model, plan.strategy, plan.mesh
+                plan.model,
+                plan.strategy,
+                plan.mesh
             );
-            println!(
+            outln!(
                 "  groups: params {}  grads {}  optim {}",
                 plan.groups.params,
                 plan.grads_label(),
                 plan.groups.optim
             );
-            println!(
+            outln!(
                 "\nmemory per rank: arena {}",
                 hzp_ir::plan::format_bytes(plan.arena_bytes)
             );
             for (k, v) in &mem.peak_by_kind {
-                println!("  {:<12} {}", k.name(), hzp_ir::plan::format_bytes(*v));
+                outln!("  {:<12} {}", k.name(), hzp_ir::plan::format_bytes(*v));
             }
-            println!("\ncollectives per step");
+            outln!("\ncollectives per step");
             for r in collectives(p) {
-                println!(
+                outln!(
                     "  {:<14} {:<16} on {:<14} x{:<5} {}",
                     r.op,
                     r.group,
@@ -826,7 +864,7 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                     hzp_ir::plan::format_bytes(r.bytes)
                 );
             }
-            println!(
+            outln!(
                 "\nbytes sent per rank per step, by link class ({})",
                 cluster.name
             );
@@ -836,7 +874,7 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 } else {
                     "across nodes"
                 };
-                println!(
+                outln!(
                     "  {:<14} {:>12}  {class}",
                     l,
                     hzp_ir::plan::format_bytes(b.round() as u64)
@@ -849,7 +887,7 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
             ] {
                 let ops: Vec<&hzp_ir::Node> =
                     p.nodes.iter().filter(|n| n.stream == stream).collect();
-                println!("\nstream {} ({} ops)", stream.name(), ops.len());
+                outln!("\nstream {} ({} ops)", stream.name(), ops.len());
                 for n in ops {
                     let detail = match &n.op {
                         Op::RecordEvent { event } => format!("record event {event}"),
@@ -860,7 +898,7 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                             format!("{} -> {}", op.name(), outs.join(", "))
                         }
                     };
-                    println!("  {:<48} {}", n.name, detail);
+                    outln!("  {:<48} {}", n.name, detail);
                 }
             }
         }

@@ -1,10 +1,8 @@
 //! `hzp checkpoint show|export` and `hzp data prepare`.
 
 use crate::Format;
-use hzp_frontends::npz;
 use hzp_runtime::checkpoint;
 use miette::{miette, Result};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// `hzp checkpoint ...`
@@ -106,12 +104,12 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
             }
             if *format == Format::Json {
                 let s = serde_json::to_string_pretty(&rows).map_err(|e| miette!("{e}"))?;
-                println!("{s}");
+                outln!("{s}");
                 return Ok(());
             }
             for r in &rows {
                 if r["complete"] == true {
-                    println!(
+                    outln!(
                         "{}: step {}, {} ({} parameters, fingerprint {}...), {} on {} ({} ranks), {}, lr {:.3e}{}",
                         r["path"].as_str().unwrap_or(""),
                         r["step"],
@@ -126,7 +124,7 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
                         r["samples"].as_u64().map_or(String::new(), |s| format!(", {s} samples read"))
                     );
                 } else {
-                    println!(
+                    outln!(
                         "{}: not a complete checkpoint ({})",
                         r["path"].as_str().unwrap_or(""),
                         r["error"].as_str().unwrap_or("")
@@ -153,14 +151,14 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
             let c = chosen
                 .ok_or_else(|| miette!("{}: no complete checkpoint to export", dir.display()))?;
             let params = c.parameters().map_err(|e| miette!("{e}"))?;
-            crate::commands::check_not_input(output, &[dir.as_path()])?;
+            crate::files::check_output(output, &[dir.as_path()])?;
             let ext = output.extension().and_then(|e| e.to_str()).unwrap_or("");
             match ext {
                 "safetensors" => {
                     let bytes = checkpoint::to_safetensors(&params).map_err(|e| miette!("{e}"))?;
-                    write_file(output, &bytes)?;
+                    crate::files::write_bytes(output, &[dir.as_path()], &bytes)?;
                 }
-                "npz" => npz::write(output, &params).map_err(|e| miette!("{e}"))?,
+                "npz" => crate::files::write_npz(output, &[dir.as_path()], &params)?,
                 _ => {
                     return Err(miette!(
                         "-o {}: give a .safetensors or .npz file name",
@@ -168,7 +166,7 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
                     ))
                 }
             }
-            println!(
+            outln!(
                 "exported {} parameters of {} (step {}) to {}",
                 params.len(),
                 c.path.display(),
@@ -178,43 +176,6 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
             Ok(())
         }
     }
-}
-
-/// Writes `bytes` to `out` through a new temporary file in its folder, renamed over it.
-fn write_file(out: &Path, bytes: &[u8]) -> Result<()> {
-    if let Ok(m) = std::fs::metadata(out) {
-        if !m.is_file() {
-            return Err(miette!(
-                "{}: not a regular file; not writing there",
-                out.display()
-            ));
-        }
-    }
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let tmp = dir.join(format!(
-        ".{}.{}-{nonce:x}.tmp",
-        out.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, out)
-    })();
-    res.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        miette!("cannot write {}: {e}", out.display())
-    })
 }
 
 fn walk(p: &Path, suffix: Option<&str>, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -273,7 +234,7 @@ pub fn data_cmd(what: &DataWhat) -> Result<()> {
     }
     for out in std::iter::once(output).chain(val_output) {
         let ins: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-        crate::commands::check_not_input(out, &ins)?;
+        crate::files::check_output(out, &ins)?;
     }
     let n_val = if val_output.is_some() {
         (bytes.len() as f64 * val_fraction) as usize
@@ -281,16 +242,24 @@ pub fn data_cmd(what: &DataWhat) -> Result<()> {
         0
     };
     let split = bytes.len() - n_val;
-    write_file(output, &hzp_frontends::tokens::byte_tokens(&bytes[..split]))?;
-    println!(
+    crate::files::write_bytes(
+        output,
+        &files,
+        &hzp_frontends::tokens::byte_tokens(&bytes[..split]),
+    )?;
+    outln!(
         "{}: {} byte-level tokens (vocabulary 256, u16) from {} file(s)",
         output.display(),
         split,
         files.len()
     );
     if let Some(v) = val_output {
-        write_file(v, &hzp_frontends::tokens::byte_tokens(&bytes[split..]))?;
-        println!("{}: {} tokens held out", v.display(), n_val);
+        crate::files::write_bytes(
+            v,
+            &files,
+            &hzp_frontends::tokens::byte_tokens(&bytes[split..]),
+        )?;
+        outln!("{}: {} tokens held out", v.display(), n_val);
     }
     Ok(())
 }

@@ -175,7 +175,7 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
                 Err(e) => {
                     running[i] = false;
                     failed.get_or_insert((*rank, 1));
-                    eprintln!("hzp launch: waiting for rank {rank}: {e}");
+                    note!("hzp launch: waiting for rank {rank}: {e}");
                 }
             }
         }
@@ -183,7 +183,7 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
             code = c;
             let others = running.iter().filter(|&&r| r).count();
             let _g = out_lock.lock();
-            eprintln!(
+            note!(
                 "hzp launch: rank {rank} exited with status {c}{}",
                 if others > 0 {
                     format!("; stopping the other {others} rank(s)")
@@ -203,8 +203,18 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    // A rank's output that could not be copied to our stdout is a failure of the launch
+    // (a full disk must not look like success).
+    let mut lost = None;
     for p in pumps {
-        let _ = p.join();
+        if let Ok(Some(e)) = p.join() {
+            lost.get_or_insert(e);
+        }
+    }
+    if let (Some(e), 0) = (lost, code) {
+        return Err(fail(format!(
+            "cannot write the ranks' output to stdout: {e}"
+        )));
     }
     Ok(code)
 }
@@ -222,10 +232,11 @@ fn pump(
     rank: usize,
     err: bool,
     lock: Arc<Mutex<()>>,
-) -> std::thread::JoinHandle<()> {
+) -> std::thread::JoinHandle<Option<std::io::Error>> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(src);
         let mut line = Vec::new();
+        let mut failed = None;
         loop {
             line.clear();
             match r.read_until(b'\n', &mut line) {
@@ -237,18 +248,24 @@ fn pump(
                     let _g = lock.lock();
                     let prefix = format!("[rank {rank}] ");
                     if err {
+                        // Nowhere to report a failing stderr; keep draining the child.
                         let mut e = std::io::stderr().lock();
                         let _ = e.write_all(prefix.as_bytes());
                         let _ = e.write_all(&line);
-                    } else {
+                    } else if failed.is_none() {
                         let mut o = std::io::stdout().lock();
-                        let _ = o.write_all(prefix.as_bytes());
-                        let _ = o.write_all(&line);
-                        let _ = o.flush();
+                        let w = o
+                            .write_all(prefix.as_bytes())
+                            .and_then(|()| o.write_all(&line))
+                            .and_then(|()| o.flush());
+                        if let Err(e) = w {
+                            failed = Some(e);
+                        }
                     }
                 }
             }
         }
+        failed
     })
 }
 

@@ -1,9 +1,12 @@
 //! `hzp`: the command-line interface, a thin facade over the crates.
 
+#[macro_use]
+mod stdio;
 mod bench_compile;
 mod commands;
 mod compile;
 mod data_cmd;
+mod files;
 mod launch;
 mod run;
 mod session;
@@ -33,6 +36,11 @@ yet)."
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Memory budget for the data one input file may declare (arrays of an .npz, a model's
+    /// weights and external data), checked before anything is allocated, e.g. 8GiB.
+    /// Default: half of this machine's RAM.
+    #[arg(long, global = true, value_name = "BYTES")]
+    max_memory: Option<String>,
 }
 
 /// Flags that say how to read a model.
@@ -285,6 +293,30 @@ enum BenchWhat {
     Compile(Box<bench_compile::BenchCompileArgs>),
 }
 
+/// Exit code of an internal error (a bug in hzp): a panic anywhere is reported as one
+/// paragraph and exits with this code (EX_SOFTWARE), never with Rust's 101.
+const EXIT_INTERNAL: i32 = 70;
+
+/// Turns a panic on any thread into one paragraph on stderr and exit code [`EXIT_INTERNAL`].
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        note!(
+            "internal error: hzp stopped on a bug, not on something you did wrong: {msg}{at}. Please report it with the command line that caused it."
+        );
+        std::process::exit(EXIT_INTERNAL);
+    }));
+}
+
 fn main() {
     // Exit quietly when the reader of our output goes away (`hzp show ... | head`), as
     // command-line tools do, instead of panicking on a broken pipe.
@@ -302,7 +334,45 @@ fn main() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
-    let cli = Cli::parse();
+    install_panic_hook();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            // --help and --version are answers, not errors; a usage error exits with 1, as
+            // every other user error does.
+            let code = match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => 0,
+                _ => 1,
+            };
+            let printed = e
+                .print()
+                .map_err(|io| miette::miette!("cannot write to stdout: {io}"));
+            match printed.and_then(|()| stdio::flush()) {
+                Ok(()) => std::process::exit(code),
+                Err(report) => {
+                    note!("{report:?}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    };
+    if let Some(n) = hzp_runtime::cpu::threads::setting_note() {
+        note!("{n}");
+    }
+    if let Some(m) = &cli.max_memory {
+        match hzp_passes::cluster::parse_bytes(m) {
+            Ok(b) if b > 0 => hzp_frontends::limits::set_max_memory(b),
+            Ok(_) => {
+                note!("--max-memory {m}: the budget must be more than 0 bytes");
+                std::process::exit(1);
+            }
+            Err(e) => {
+                note!("--max-memory {m}: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let result = match cli.command {
         Command::Import {
             model,
@@ -392,8 +462,9 @@ fn main() {
         Command::Checkpoint { what } => data_cmd::checkpoint_cmd(&what),
         Command::Data { what } => data_cmd::data_cmd(&what),
     };
+    let result = result.and_then(|()| stdio::flush());
     if let Err(e) = result {
-        eprintln!("{e:?}");
+        note!("{e:?}");
         std::process::exit(1);
     }
 }

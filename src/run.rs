@@ -158,8 +158,10 @@ pub fn links_from_flag(s: &str, mesh: &hzp_ir::Mesh) -> Result<ClusterSpec> {
 }
 
 /// Reads and checks a plan file.
+/// Reads and verifies a plan: `run`, `inspect` and `simulate` accept only a plan the
+/// verifier accepts (a hand-edited plan with a recomputed hash included).
 pub fn read_plan(path: &Path) -> Result<Plan> {
-    let text = std::fs::read_to_string(path)
+    let text = hzp_frontends::limits::read_regular_string(path)
         .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
     let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
     let vopts = hzp_passes::verify_plan::VerifyOptions {
@@ -169,7 +171,7 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
     if let Err(v) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
         let list: Vec<String> = v.iter().map(|x| format!("  - {x}")).collect();
         return Err(miette!(
-            "{} does not verify, so it cannot run:\n{}",
+            "{} does not verify, so hzp will not use it (was it edited by hand?):\n{}",
             path.display(),
             list.join("\n")
         ));
@@ -342,13 +344,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
     outs.extend(args.params.as_deref());
     outs.extend(args.session.data.as_deref());
     outs.extend(args.session.val_data.as_deref());
+    outs.extend(args.emulate_links.as_deref());
     for out in args
         .save_params
         .iter()
         .chain(&args.trace)
         .chain(&args.session.log)
     {
-        crate::commands::check_not_input(out, &outs)?;
+        crate::files::check_output(out, &outs)?;
     }
     if args.inputs.is_none() && args.session.data.is_none() {
         return Err(miette!(
@@ -359,6 +362,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
         Some(p) => npz::read(p).map_err(|e| miette!("{e}"))?,
         None => Vec::new(),
     };
+    // Token ids and labels in range, for every backend (the row-exchanged embedding
+    // gradient relies on it as much as the lookup does); --data checks its own.
+    if let Some(path) = &args.inputs {
+        hzp_runtime::index_check::check_index_inputs(&plan.program, &fixed)
+            .map_err(|e| miette!("{}: {e}", path.display()))?;
+    }
     let lr_max = args.lr.or(plan.lr).ok_or_else(|| {
         miette!("the plan records no learning rate (compiled by an older hzp?): pass --lr")
     })?;
@@ -413,18 +422,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
     } else {
         // the loop prints a line per step as it goes: the header comes first
         if text {
-            println!("{}", header("running"));
+            outln!("{}", header("running"));
         }
         crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule)?
     };
 
     if text {
         if plain {
-            println!("{}", header("ran"));
+            outln!("{}", header("ran"));
         }
         if plain {
             for s in &stats {
-                println!(
+                outln!(
                     "step {:>4}  loss {}  ({:.1} ms)",
                     s.step,
                     s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
@@ -437,7 +446,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         let m = measured(&stats);
         let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
-        println!(
+        outln!(
             "per step, mean over {} step{}{} and the ranks:",
             m.len(),
             if m.len() == 1 { "" } else { "s" },
@@ -447,10 +456,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 ""
             }
         );
-        println!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
+        outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
         for (k, s) in STREAMS.iter().enumerate() {
             let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
-            println!(
+            outln!(
                 "  {:<16} {:>10.3}  {:>6.1}%",
                 s.name(),
                 ms(b),
@@ -459,30 +468,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         let comm_t = mean(&m.iter().map(|x| x.comm()).collect::<Vec<_>>());
         let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
-        println!("  step time        {:>10.3} ms", ms(wall));
-        println!(
-            "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
-            ms(exposed),
-            100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
-            ms(comm_t)
-        );
+        outln!("  step time        {:>10.3} ms", ms(wall));
+        if exposed <= comm_t {
+            outln!(
+                "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
+                ms(exposed),
+                100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
+                ms(comm_t)
+            );
+        } else {
+            // The compute stream waited on comm streams that were themselves waiting (for
+            // other ranks, or on compute): a share of their busy time would exceed 100%.
+            outln!(
+                "  exposed communication {:.3} ms (compute waited on the comm streams longer than their busy time {:.3} ms: they were waiting too, for other ranks or on compute)",
+                ms(exposed),
+                ms(comm_t)
+            );
+        }
     }
     let mut saved = None;
     if let Some(out) = &args.save_params {
         let p = ex.parameters();
-        npz::write(out, &p).map_err(|e| miette!("{e}"))?;
+        crate::files::write_npz(out, &outs, &p)?;
         saved = Some(p.len());
         if text {
-            println!("saved {} parameters to {}", p.len(), out.display());
+            outln!("saved {} parameters to {}", p.len(), out.display());
         }
     }
     if let Some(out) = &args.trace {
         let json = trace_json(&ex, ex.trace());
-        let tmp = out.with_extension("json.tmp");
-        std::fs::write(&tmp, json).into_diagnostic()?;
-        std::fs::rename(&tmp, out).into_diagnostic()?;
+        crate::files::write_bytes(out, &outs, json.as_bytes())?;
         if text {
-            println!(
+            outln!(
                 "wrote a trace of {} node runs to {}",
                 ex.trace().len(),
                 out.display()
@@ -520,7 +537,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             },
             "saved_parameters": saved,
         });
-        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
 }
@@ -541,14 +558,15 @@ fn run_cuda(
         ));
     }
     let text = args.format == Format::Text;
+    let mut printed: Result<()> = Ok(());
     let mut on_step = |rank: usize, s: &StepStats| {
-        if text {
-            println!(
-                "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)",
+        if text && printed.is_ok() {
+            printed = crate::stdio::out(format_args!(
+                "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)\n",
                 s.step,
                 s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
                 ms(s.wall)
-            );
+            ));
         }
     };
     let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
@@ -563,11 +581,15 @@ fn run_cuda(
         &mut on_step,
     )
     .map_err(|e| miette!("{e}"))?;
+    printed?;
     if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
         if res.rank == 0 {
-            npz::write(out, p).map_err(|e| miette!("{e}"))?;
+            let mut read: Vec<&Path> = vec![args.plan.as_path()];
+            read.extend(args.inputs.as_deref());
+            read.extend(args.params.as_deref());
+            crate::files::write_npz(out, &read, p)?;
             if text {
-                println!("saved {} parameters to {}", p.len(), out.display());
+                outln!("saved {} parameters to {}", p.len(), out.display());
             }
         }
     }
@@ -580,7 +602,7 @@ fn run_cuda(
             "losses": res.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
             "step_seconds": res.steps.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
 }

@@ -316,11 +316,12 @@ pub fn progress(steps: usize, start: usize) -> Option<indicatif::ProgressBar> {
 }
 
 /// Prints a line above the progress bar (or plainly without one).
-pub fn say(pb: &Option<indicatif::ProgressBar>, line: &str) {
+pub fn say(pb: &Option<indicatif::ProgressBar>, line: &str) -> Result<()> {
     match pb {
         Some(b) => b.println(line),
-        None => println!("{line}"),
+        None => outln!("{line}"),
     }
+    Ok(())
 }
 
 /// Forward-only loss on the first `batches` batches of a held-out token file: the model's

@@ -4,7 +4,7 @@
 use crate::compile::{build_plan, BuildError, Built, CompileArgs};
 use crate::{Format, ModelArgs, TrainArgs};
 use clap::ValueEnum;
-use hzp_ir::plan::{format_bytes, Plan};
+use hzp_ir::plan::format_bytes;
 use hzp_ir::trace::Trace;
 use hzp_ir::Mesh;
 use hzp_passes::cluster::{parse_bytes, ClusterSpec};
@@ -110,8 +110,7 @@ fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
 }
 
 fn write_file(path: &Path, text: &str, inputs: &[&Path]) -> Result<()> {
-    crate::commands::check_not_input(path, inputs)?;
-    std::fs::write(path, text).map_err(|e| miette!("cannot write {}: {e}", path.display()))
+    crate::files::write_bytes(path, inputs, text.as_bytes())
 }
 
 fn pct(x: f64) -> String {
@@ -198,7 +197,7 @@ fn sim_summary<'a>(
     }
 }
 
-fn print_sim(s: &Simulation) {
+fn print_sim(s: &Simulation) -> Result<()> {
     let frac = |x: f64| {
         if s.step_s > 0.0 {
             pct(x / s.step_s)
@@ -206,7 +205,7 @@ fn print_sim(s: &Simulation) {
             "-".into()
         }
     };
-    println!(
+    outln!(
         "simulated step: {} / {} on {} ({} ranks), cluster {}{}",
         s.model,
         s.strategy,
@@ -219,21 +218,21 @@ fn print_sim(s: &Simulation) {
             ""
         }
     );
-    println!(
+    outln!(
         "  step time              {:>12}   (critical path {})",
         secs(s.step_s),
         secs(s.critical_path_s)
     );
     let names = ["compute", "all-gather", "reduce-scatter"];
     for (i, n) in names.iter().enumerate() {
-        println!(
+        outln!(
             "  {:<22} {:>12}   ({} of step)",
             format!("{n} busy"),
             secs(s.stream_busy_s[i]),
             frac(s.stream_busy_s[i])
         );
     }
-    println!(
+    outln!(
         "  exposed communication  {:>12}   ({} of step: compute blocked in waits {}, tail after \
          compute {})",
         secs(s.exposed_comm_s),
@@ -241,19 +240,21 @@ fn print_sim(s: &Simulation) {
         secs(s.compute_wait_s),
         secs(s.tail_s)
     );
-    println!(
+    outln!(
         "  MFU                    {:>12}   ({:.3e} model FLOPs per rank per step, peak {:.0} \
          TFLOP/s)",
         pct(s.mfu),
         s.model_flops,
         s.peak_flops / 1e12
     );
-    println!(
+    outln!(
         "  tokens/s               {:>12.0}   ({} tokens per rank per step: {})",
-        s.tokens_per_s, s.tokens_per_rank, s.token_source
+        s.tokens_per_s,
+        s.tokens_per_rank,
+        s.token_source
     );
     let m = &s.memory;
-    println!(
+    outln!(
         "  memory peak per rank   {:>12}   at {} (issue-order peak {}, arena {})",
         format_bytes(m.peak_bytes),
         secs(m.peak_time_s),
@@ -261,12 +262,12 @@ fn print_sim(s: &Simulation) {
         format_bytes(m.arena_bytes)
     );
     for (k, v) in &m.peak_by_kind {
-        println!("    {k:<20} {:>12}", format_bytes(*v));
+        outln!("    {k:<20} {:>12}", format_bytes(*v));
     }
     if !s.links.is_empty() {
-        println!("  link classes (per rank per step):");
+        outln!("  link classes (per rank per step):");
         for l in &s.links {
-            println!(
+            outln!(
                 "    {:<12} {:<11} sends {:>12}   busy {:>12}   ({} of step)",
                 l.name,
                 if l.cross_node {
@@ -280,10 +281,11 @@ fn print_sim(s: &Simulation) {
             );
         }
     }
+    Ok(())
 }
 
-fn print_calibration(c: &simulate::Calibration, file: &Path) {
-    println!(
+fn print_calibration(c: &simulate::Calibration, file: &Path) -> Result<()> {
+    outln!(
         "calibration against {} ({} of {} timed nodes measured{}):",
         file.display(),
         c.matched_nodes,
@@ -294,12 +296,16 @@ fn print_calibration(c: &simulate::Calibration, file: &Path) {
             String::new()
         }
     );
-    println!(
+    outln!(
         "  {:<16} {:>6} {:>14} {:>14} {:>10}",
-        "op", "nodes", "predicted", "measured", "error"
+        "op",
+        "nodes",
+        "predicted",
+        "measured",
+        "error"
     );
     for k in &c.per_kind {
-        println!(
+        outln!(
             "  {:<16} {:>6} {:>14} {:>14} {:>+9.1}%",
             k.op,
             k.nodes,
@@ -308,7 +314,7 @@ fn print_calibration(c: &simulate::Calibration, file: &Path) {
             100.0 * k.relative_error
         );
     }
-    println!(
+    outln!(
         "  step: predicted {}, simulated with measured node times {}{}; prediction error {:+.1}%",
         secs(c.predicted_step_s),
         secs(c.calibrated_step_s),
@@ -318,12 +324,25 @@ fn print_calibration(c: &simulate::Calibration, file: &Path) {
         },
         100.0 * c.step_relative_error
     );
+    Ok(())
 }
 
 pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.plan)
-        .map_err(|e| miette!("cannot read {}: {e}", a.plan.display()))?;
-    let plan = Plan::from_json(&text, &a.plan.display().to_string()).map_err(|e| miette!("{e}"))?;
+    let inputs: Vec<&Path> = [
+        Some(a.plan.as_path()),
+        a.calibrate.as_deref(),
+        a.cluster.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    for out in [&a.trace, &a.timeline, &a.memory_plot]
+        .into_iter()
+        .flatten()
+    {
+        crate::files::check_output(out, &inputs)?;
+    }
+    let plan = crate::run::read_plan(&a.plan)?;
     let spec = load_cluster(a.cluster.as_deref())?;
     let mut opts = a.sim.options()?;
     opts.serialize = a.serialize;
@@ -331,7 +350,7 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
     let calibration = match &a.calibrate {
         None => None,
         Some(path) => {
-            let t = std::fs::read_to_string(path)
+            let t = hzp_frontends::limits::read_regular_string(path)
                 .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
             let trace =
                 Trace::from_json(&t, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
@@ -346,10 +365,6 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
             Some(simulate::calibrate(&plan, &spec, &opts, &sim, &m).map_err(|e| miette!("{e}"))?)
         }
     };
-    let inputs: Vec<&Path> = [Some(a.plan.as_path()), a.calibrate.as_deref()]
-        .into_iter()
-        .flatten()
-        .collect();
     // Pictures and trace show the calibrated run when there is one.
     let shown = calibration.as_ref().map_or(&sim, |c| &c.1);
     if let Some(path) = &a.trace {
@@ -365,12 +380,12 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
     match a.format {
         Format::Json => {
             let s = sim_summary(&sim, calibration.as_ref().map(|c| &c.0));
-            println!("{}", serde_json::to_string_pretty(&s).into_diagnostic()?);
+            outln!("{}", serde_json::to_string_pretty(&s).into_diagnostic()?);
         }
         Format::Text => {
-            print_sim(&sim);
+            print_sim(&sim)?;
             if let (Some(c), Some(path)) = (&calibration, &a.calibrate) {
-                print_calibration(&c.0, path);
+                print_calibration(&c.0, path)?;
             }
             for (what, p) in [
                 ("trace", &a.trace),
@@ -378,7 +393,7 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
                 ("memory plot", &a.memory_plot),
             ] {
                 if let Some(p) = p {
-                    println!("wrote {what} {}", p.display());
+                    outln!("wrote {what} {}", p.display());
                 }
             }
         }
@@ -685,7 +700,7 @@ fn compare_table(rows: &[Row]) -> Vec<Vec<String>> {
     out
 }
 
-fn print_table(rows: &[Vec<String>], markdown: bool) {
+fn print_table(rows: &[Vec<String>], markdown: bool) -> Result<()> {
     let ncol = rows.iter().map(Vec::len).max().unwrap_or(0);
     let width: Vec<usize> = (0..ncol)
         .map(|c| {
@@ -703,15 +718,16 @@ fn print_table(rows: &[Vec<String>], markdown: bool) {
             })
             .collect();
         if markdown {
-            println!("| {} |", cells.join(" | "));
+            outln!("| {} |", cells.join(" | "));
             if i == 0 {
                 let rule: Vec<String> = width.iter().map(|w| "-".repeat(*w)).collect();
-                println!("|-{}-|", rule.join("-|-"));
+                outln!("|-{}-|", rule.join("-|-"));
             }
         } else {
-            println!("  {}", cells.join("  ").trim_end());
+            outln!("  {}", cells.join("  ").trim_end());
         }
     }
+    Ok(())
 }
 
 pub fn compare(
@@ -760,21 +776,21 @@ pub fn compare(
         }
     }
     match a.format {
-        TableFormat::Json => println!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
+        TableFormat::Json => outln!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
         TableFormat::Text | TableFormat::Markdown => {
             let md = a.format == TableFormat::Markdown;
             if !md {
-                println!(
+                outln!(
                     "{} on {} ({} ranks), predicted by the simulator:",
                     model.model,
                     c.mesh,
                     rows.iter().map(|r| r.ranks).max().unwrap_or(0)
                 );
             }
-            print_table(&compare_table(&rows), md);
+            print_table(&compare_table(&rows), md)?;
             for r in &rows {
                 if let Some(n) = &r.note {
-                    println!("{}{}: {n}", if md { "\n- " } else { "  " }, r.strategy);
+                    outln!("{}{}: {n}", if md { "\n- " } else { "  " }, r.strategy);
                 }
             }
         }
@@ -1015,13 +1031,15 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
         ));
     }
     match a.format {
-        TableFormat::Json => println!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
+        TableFormat::Json => outln!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
         TableFormat::Text | TableFormat::Markdown => {
             let md = a.format == TableFormat::Markdown;
             if !md {
-                println!(
+                outln!(
                     "weak scaling of {} on {} (mesh {}), fixed tokens per rank:",
-                    model.model, cluster.name, template
+                    model.model,
+                    cluster.name,
+                    template
                 );
             }
             let mut table = vec![[
@@ -1053,14 +1071,14 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
                     if r.fits { "yes" } else { "no" }.to_string(),
                 ]);
             }
-            print_table(&table, md);
+            print_table(&table, md)?;
             let lead = if md { "\n" } else { "  " };
             for r in &rows {
                 if let Some(n) = &r.note {
-                    println!("{lead}{} at {} ranks: {n}", r.strategy, r.ranks);
+                    outln!("{lead}{} at {} ranks: {n}", r.strategy, r.ranks);
                 }
             }
-            println!(
+            outln!(
                 "{lead}reference: the AsyncHZP paper (Bai et al., arXiv:2510.20111) reports {} \
                  linearity from 256 to 1024 ranks on its own hardware (a figure from the paper, \
                  not computed here)",
@@ -1074,7 +1092,7 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
                 };
                 if let (Some(_), Some(l)) = (at(256), at(1024)) {
                     if ranks.first() == Some(&256) {
-                        println!(
+                        outln!(
                             "{lead}ours, {s}: {} from 256 to 1024 ranks (simulated)",
                             or_dash(l, pct)
                         );

@@ -25,10 +25,11 @@ pub fn run_loop(
     let s = &args.session;
     let text = args.format == crate::Format::Text;
     // With --format json, stdout holds the JSON document only.
-    let println = |line: String| {
+    let println = |line: String| -> Result<()> {
         if text {
-            println!("{line}");
+            outln!("{line}");
         }
+        Ok(())
     };
     let raw = s.dtype()?;
     let mut feed = match &s.data {
@@ -51,7 +52,7 @@ pub fn run_loop(
                 "data: {}, batches of {rows} x {seq}{}",
                 f.describe(),
                 vocab.map_or(String::new(), |v| format!(", ids checked below {v}"))
-            ));
+            ))?;
             Some(f)
         }
         None => None,
@@ -72,7 +73,7 @@ pub fn run_loop(
                 None,
             )?;
             let e = Evaluator::new(program, vf, s.eval_batches)?;
-            println(format!("evaluation: {}", e.describe()));
+            println(format!("evaluation: {}", e.describe()))?;
             Some(e)
         }
         (Some(_), None) => {
@@ -126,7 +127,7 @@ pub fn run_loop(
                         "resumed from {} (step {})",
                         c.path.display(),
                         m.step
-                    ));
+                    ))?;
                 } else {
                     let want: Vec<Vec<(String, TensorType)>> = (0..w)
                         .map(|_| {
@@ -154,7 +155,7 @@ pub fn run_loop(
                         plan.mesh,
                         plan.strategy,
                         if w == 1 { "" } else { "s" }
-                    ));
+                    ))?;
                 }
                 start = m.step;
                 if let (Some(d), Some(f)) = (&m.data, &feed) {
@@ -189,7 +190,7 @@ pub fn run_loop(
         println(format!(
             "nothing to run: {start} steps done, --steps {}",
             args.steps
-        ));
+        ))?;
         return Ok(Vec::new());
     }
 
@@ -245,7 +246,7 @@ pub fn run_loop(
             line.push_str(&format!("  val_loss {v:.6}"));
         }
         if text {
-            session::say(&pb, &line);
+            session::say(&pb, &line)?;
         }
         if let Some(b) = &pb {
             b.set_position(done as u64);
@@ -305,17 +306,18 @@ pub fn run_loop(
                 let t0 = std::time::Instant::now();
                 let (path, bytes) = checkpoint::save(dir, manifest, &per_rank, args.keep)
                     .map_err(|e| miette!("{e}"))?;
-                let say = |l: &str| {
+                let say = |l: &str| -> Result<()> {
                     if text {
-                        session::say(&pb, l)
+                        session::say(&pb, l)?;
                     }
+                    Ok(())
                 };
                 say(&format!(
                     "checkpoint {} ({}, {:.1} ms)",
                     path.display(),
                     hzp_ir::plan::format_bytes(bytes),
                     t0.elapsed().as_secs_f64() * 1e3
-                ));
+                ))?;
             }
         }
     }

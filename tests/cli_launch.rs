@@ -10,6 +10,13 @@ fn hzp(args: &[&str]) -> (i32, String, String) {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
+    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
+    assert_ne!(
+        out.status.code(),
+        Some(101),
+        "hzp {args:?} panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

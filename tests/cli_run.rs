@@ -9,6 +9,13 @@ use std::process::Command;
 
 fn hzp(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(hzp_bin()).args(args).output().unwrap();
+    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
+    assert_ne!(
+        out.status.code(),
+        Some(101),
+        "hzp {args:?} panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // miette wraps long messages at the terminal width behind a `│` gutter: join the lines
     // back into single spaces so the tests can look for phrases
     let err = String::from_utf8_lossy(&out.stderr);

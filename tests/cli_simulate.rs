@@ -9,6 +9,13 @@ use std::process::Command;
 /// Exit code, stdout, and stderr with miette's line wrapping undone (one space between words).
 fn hzp(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(hzp_bin()).args(args).output().unwrap();
+    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
+    assert_ne!(
+        out.status.code(),
+        Some(101),
+        "hzp {args:?} panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let err = String::from_utf8_lossy(&out.stderr).replace('│', " ");
     (
         out.status.code().unwrap_or(-1),

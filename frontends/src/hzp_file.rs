@@ -24,11 +24,13 @@ pub enum HzpFileError {
     Parse(#[from] text::ParseError),
     #[error(transparent)]
     Npz(#[from] npz::NpzError),
+    #[error(transparent)]
+    Write(#[from] crate::output::WriteError),
 }
 
 /// Loads `path` and, if present, its sidecar weights.
 pub fn load(path: &Path) -> Result<Program, HzpFileError> {
-    let src = std::fs::read_to_string(path).map_err(|cause| HzpFileError::Io {
+    let src = crate::limits::read_regular_string(path).map_err(|cause| HzpFileError::Io {
         path: path.display().to_string(),
         cause,
     })?;
@@ -50,19 +52,16 @@ pub fn sidecar_tensors(p: &Program) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-/// Writes `path` (text) and its sidecar (if there is any data). Both are written to a
-/// temporary file first and renamed, so a failure never leaves a half-written file.
+/// Writes `path` (text) and its sidecar (if there is any data), each through
+/// [`crate::output::write_with`], so a failure never leaves a half-written file.
 pub fn save(path: &Path, p: &Program) -> Result<(), HzpFileError> {
-    let io = |cause| HzpFileError::Io {
-        path: path.display().to_string(),
-        cause,
-    };
     let tensors = sidecar_tensors(p);
+    // Both targets are checked before either is written.
+    crate::output::check_target(path)?;
     if !tensors.is_empty() {
+        crate::output::check_target(&weights_path(path))?;
         npz::write(&weights_path(path), &tensors)?;
     }
-    let tmp = path.with_extension("hzp.tmp");
-    std::fs::write(&tmp, text::print(p)).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)?;
+    crate::output::write_bytes(path, text::print(p).as_bytes())?;
     Ok(())
 }

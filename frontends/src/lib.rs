@@ -4,12 +4,15 @@
 //! - [`hzp_file`]: hzp's own text form (`.hzp`) with its sidecar weights.
 //! - [`presets`]: GPT / Llama / MoE programs by config, shapes only.
 //! - [`npz`]: reading and writing `.npz` tensor archives (inputs, outputs, weights).
+//! - [`output`]: the one safe way every command writes a file.
 //!
 //! [`load_model`] picks the frontend from the model argument the user gave.
 
 pub mod hzp_file;
+pub mod limits;
 pub mod npz;
 pub mod onnx;
+pub mod output;
 pub mod presets;
 pub mod tokens;
 
@@ -66,9 +69,38 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> 
             };
             Ok(onnx::import_file(path, &o)?)
         }
-        Some("hzp") => Ok(hzp_file::load(path)?),
+        Some("hzp") => {
+            let p = hzp_file::load(path)?;
+            check_declared_inputs(&p, &opts.shapes, spec)?;
+            Ok(p)
+        }
         _ => Err(LoadError::Unknown(format!(
             "cannot tell what kind of model `{spec}` is: hzp reads .onnx files, .hzp files and preset:NAME"
         ))),
     }
+}
+
+/// A `.hzp` file declares its input shapes; a shape given for one of its inputs (by
+/// `--shape`, or by an array of `--inputs`) must be that shape, or the program would be
+/// built for one shape and run with another.
+fn check_declared_inputs(
+    p: &Program,
+    shapes: &BTreeMap<String, Vec<usize>>,
+    spec: &str,
+) -> Result<(), LoadError> {
+    for &v in &p.inputs {
+        let val = p.value(v);
+        if let Some(given) = shapes.get(&val.name) {
+            if *given != val.ty.shape {
+                return Err(LoadError::Unknown(format!(
+                    "{spec} declares input `{}` as {}, but the shape given for it (by --shape or an array of --inputs{}) is {:?}: a .hzp file's input shapes are fixed; give that shape, or import the model again at the shape you want",
+                    val.name,
+                    val.ty,
+                    ", after splitting the batch over ranks and micro-batches where the command does",
+                    given
+                )));
+            }
+        }
+    }
+    Ok(())
 }

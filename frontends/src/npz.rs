@@ -33,9 +33,8 @@ use half::{bf16, f16};
 use hzp_ir::{DType, Data, Tensor};
 use std::collections::HashSet;
 use std::fmt;
-use std::fs::File;
-use std::io::{self, BufReader, BufWriter, Read, Seek, Write};
-use std::path::{Path, PathBuf};
+use std::io::{self, BufReader, Read, Seek, Write};
+use std::path::Path;
 
 /// A problem with an `.npz`/`.npy` file; names the file and, where it applies, the entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,11 +80,13 @@ const ZIP_MAGIC: &[u8; 2] = b"PK";
 pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>, NpzError> {
     let name = path.display().to_string();
     let io_err = |e: io::Error| file_err(&name, format!("cannot read: {e}"));
-    let mut f = File::open(path).map_err(io_err)?;
+    let mut f = crate::limits::open_regular(path).map_err(io_err)?;
     let mut magic = [0u8; 6];
     let n = read_up_to(&mut f, &mut magic).map_err(io_err)?;
     f.rewind().map_err(io_err)?;
     if magic[..n].starts_with(NPY_MAGIC) {
+        let len = f.metadata().map_err(io_err)?.len();
+        crate::limits::check_budget("the array", len).map_err(|m| file_err(&name, m))?;
         let mut bytes = Vec::new();
         f.read_to_end(&mut bytes).map_err(io_err)?;
         let key = npy_key(path);
@@ -157,6 +158,10 @@ fn read_zip<R: Read + Seek>(mut reader: R, file: &str) -> Result<Vec<(String, Te
         .map_err(|e| file_err(file, format!("not a readable .npz archive (zip): {e}")))?;
     let mut out: Vec<(String, Tensor)> = Vec::with_capacity(zip.len().min(1 << 16));
     let mut seen = HashSet::new();
+    // The arrays of one file together must fit the memory budget; each entry's declared
+    // size is checked before it is read, and reading stops where the declaration ends.
+    let budget = crate::limits::max_memory();
+    let mut total: u64 = 0;
     for i in 0..zip.len() {
         let mut entry = zip
             .by_index(i)
@@ -180,11 +185,48 @@ fn read_zip<R: Read + Seek>(mut reader: R, file: &str) -> Result<Vec<(String, Te
             zip::CompressionMethod::Stored => archive_len,
             _ => archive_len.saturating_mul(1032),
         };
+        let declared = entry.size();
+        total = total.saturating_add(declared);
+        if total > budget {
+            return Err(entry_err(
+                file,
+                &key,
+                crate::limits::check_budget(
+                    &format!(
+                        "with the arrays before it, the archive ({} declared for this one)",
+                        crate::limits::fmt_bytes(declared)
+                    ),
+                    total,
+                )
+                .err()
+                .unwrap_or_default(),
+            ));
+        }
         let mut bytes = Vec::new();
-        let _ = bytes.try_reserve(entry.size().min(bound).min(1 << 40) as usize);
-        entry
+        let _ = bytes.try_reserve(declared.min(bound).min(1 << 40) as usize);
+        (&mut entry)
+            .take(declared.saturating_add(1))
             .read_to_end(&mut bytes)
             .map_err(|e| entry_err(file, &key, format!("cannot read the entry: {e}")))?;
+        if bytes.len() as u64 != declared {
+            return Err(entry_err(
+                file,
+                &key,
+                format!(
+                    "the archive declares {declared} bytes for this entry but it holds {}{}",
+                    if bytes.len() as u64 > declared {
+                        "more"
+                    } else {
+                        ""
+                    },
+                    if bytes.len() as u64 > declared {
+                        String::new()
+                    } else {
+                        format!(" {}", bytes.len())
+                    }
+                ),
+            ));
+        }
         drop(entry);
         let t = parse_npy(&bytes).map_err(|m| entry_err(file, &key, m))?;
         if !seen.insert(key.clone()) {
@@ -723,36 +765,26 @@ pub fn write_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, NpzError> {
     Ok(cur.into_inner())
 }
 
-/// Writes `tensors` as an `.npz` archive at `path` (temp file + rename; see the module doc).
+/// Writes `tensors` as an `.npz` archive at `path` (through [`crate::output::write_with`]:
+/// regular files only, exclusive temporary file, fsync, rename; see the module doc).
 pub fn write(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), NpzError> {
     let name = path.display().to_string();
     check_tensors(tensors, &name)?;
-    let fname = path
-        .file_name()
-        .ok_or_else(|| file_err(&name, "is not a file path"))?
-        .to_string_lossy()
-        .into_owned();
-    let tmp: PathBuf = path.with_file_name(format!(".{fname}.{}.tmp", std::process::id()));
-    let result = (|| -> Result<(), String> {
-        let f = File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-        let w = write_zip(BufWriter::new(f), tensors).map_err(|e| format!("cannot write: {e}"))?;
-        let f = w
-            .into_inner()
-            .map_err(|e| format!("cannot write: {}", e.error()))?;
-        f.sync_all().map_err(|e| format!("cannot write: {e}"))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(|e| format!("cannot replace the file: {e}"))
-    })();
-    result.map_err(|m| {
-        let _ = std::fs::remove_file(&tmp);
-        file_err(&name, m)
+    crate::output::write_with(path, |w| {
+        write_zip(w, tensors).map_err(|e| match e {
+            zip::result::ZipError::Io(e) => e,
+            e => io::Error::other(e.to_string()),
+        })?;
+        Ok(())
     })
+    .map_err(|e| file_err(&name, e.message))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::path::PathBuf;
 
     fn every_dtype() -> Vec<(String, Tensor)> {
         vec![

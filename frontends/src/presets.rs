@@ -47,6 +47,10 @@ use hzp_ir::{
 };
 use std::fmt;
 
+/// The most layers a preset may have (the largest published models have about 200; a
+/// program of many thousands of layers only exhausts memory).
+pub const MAX_LAYERS: usize = 4096;
+
 /// A preset spec that cannot be built; `spec` is the user's text.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, miette::Diagnostic)]
 pub struct PresetError {
@@ -354,7 +358,14 @@ pub fn parse_config(spec: &str) -> Result<PresetConfig, PresetError> {
             }
         };
         match key {
-            "layers" => c.layers = int()?,
+            "layers" => {
+                c.layers = int()?;
+                if c.layers > MAX_LAYERS {
+                    return Err(err(format!(
+                        "`layers={v}` is more than the limit of {MAX_LAYERS} layers"
+                    )));
+                }
+            }
             "hidden" => c.hidden = int()?,
             "heads" => c.heads = int()?,
             "kv_heads" => {

@@ -645,3 +645,37 @@ fn mutated_models_never_panic() {
         println!("{f}: {ok} mutated copies imported, {failed} refused");
     }
 }
+
+#[test]
+#[cfg(unix)]
+fn external_data_in_a_fifo_is_an_error_not_a_hang() {
+    let dir = temp_dir("ext-fifo");
+    let fifo = dir.join("w.bin");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !made {
+        eprintln!("skipping: mkfifo is not available");
+        return;
+    }
+    // Opening a FIFO for reading blocks until a writer comes: run the import on a thread and
+    // give it a deadline, so a regression fails instead of hanging the suite.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dir.clone();
+    std::thread::spawn(move || {
+        let r = import_bytes(
+            &external("w.bin").bytes(),
+            Some(&d),
+            "ext.onnx",
+            &ImportOptions::default(),
+        );
+        let _ = tx.send(r.map(|_| ()).map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the import hung on a FIFO");
+    let e = r.unwrap_err();
+    assert!(e.contains("w.bin") && e.contains("FIFO"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

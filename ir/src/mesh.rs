@@ -65,7 +65,34 @@ impl Mesh {
                 return Err(format!("mesh axis `{}` appears twice", a.name));
             }
         }
-        Ok(Mesh { axes })
+        let mesh = Mesh { axes };
+        mesh.check_size()?;
+        Ok(mesh)
+    }
+
+    /// The most ranks a mesh may have (a plan for more is not something hzp can build or
+    /// check in reasonable time and memory).
+    pub const MAX_RANKS: usize = 1 << 20;
+
+    /// Checks that the product of the axis sizes is at most [`Mesh::MAX_RANKS`] (computed
+    /// without overflow).
+    pub fn check_size(&self) -> Result<(), String> {
+        let mut n: usize = 1;
+        for a in &self.axes {
+            if a.size == 0 {
+                return Err(format!("mesh axis `{}` has size 0", a.name));
+            }
+            n = match n.checked_mul(a.size) {
+                Some(n) if n <= Self::MAX_RANKS => n,
+                _ => {
+                    return Err(format!(
+                    "mesh {self} has more than {} ranks (the product of its axis sizes), the limit",
+                    Self::MAX_RANKS
+                ))
+                }
+            };
+        }
+        Ok(())
     }
 
     /// Total number of ranks.

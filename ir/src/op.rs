@@ -869,13 +869,11 @@ impl Op {
     /// Rebuilds an op from its text-form name and attributes.
     pub fn from_parts(name: &str, map: &BTreeMap<String, Attr>) -> Result<Op, String> {
         let a = Attrs { op: name, map };
-        if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == name) {
-            return Ok(Op::Unary(u));
-        }
-        if let Some(b) = BinaryOp::ALL.into_iter().find(|b| b.name() == name) {
-            return Ok(Op::Binary(b));
-        }
+        let unary = UnaryOp::ALL.into_iter().find(|u| u.name() == name);
+        let binary = BinaryOp::ALL.into_iter().find(|b| b.name() == name);
         let op = match name {
+            _ if unary.is_some() => Op::Unary(unary.expect("checked")),
+            _ if binary.is_some() => Op::Binary(binary.expect("checked")),
             "Where" => Op::Where,
             "Identity" => Op::Identity,
             "GeluTanhGrad" => Op::GeluTanhGrad,
@@ -1024,8 +1022,13 @@ impl Op {
         // Reject attributes the op does not have, so typos do not pass silently.
         let known: Vec<&str> = op.attrs().iter().map(|(k, _)| *k).collect();
         if let Some(extra) = map.keys().find(|k| !known.contains(&k.as_str())) {
+            let hint = if name == "Gelu" && extra == "approximate" {
+                " (the tanh approximation is its own op: write GeluTanh)"
+            } else {
+                ""
+            };
             return Err(format!(
-                "op `{name}` has no attribute `{extra}` (it has: {})",
+                "op `{name}` has no attribute `{extra}` (it has: {}){hint}",
                 if known.is_empty() {
                     "none".to_string()
                 } else {

@@ -433,3 +433,31 @@ fn verifier_runs_on_the_result() {
     let q = text::parse(&s, "t.hzp", &|n| w.get(n).cloned()).unwrap();
     verify(&q).unwrap();
 }
+
+#[test]
+fn unknown_attributes_are_rejected_on_every_op() {
+    // Elementwise ops have no attributes; one given is an error, not silently dropped
+    // (GELU's tanh approximation would otherwise compute the exact GELU).
+    let e = parse_err(&format!("{HEAD}%y = Gelu{{approximate=\"tanh\"}}(%x)\n"));
+    assert!(
+        e.message()
+            .contains("op `Gelu` has no attribute `approximate` (it has: none)")
+            && e.message().contains("write GeluTanh"),
+        "{}",
+        e.message()
+    );
+    assert_eq!(e.line(), 3);
+    let e = parse_err(&format!("{HEAD}%y = Add{{alpha=2}}(%x, %x)\n"));
+    assert!(
+        e.message().contains("op `Add` has no attribute `alpha`"),
+        "{}",
+        e.message()
+    );
+    // Without attributes both still parse.
+    text::parse(
+        &format!("{HEAD}%y = GeluTanh(%x)\noutput %y\n"),
+        "ok.hzp",
+        &|_| None,
+    )
+    .unwrap();
+}

@@ -190,18 +190,38 @@ impl fmt::Display for ClusterError {
 
 impl std::error::Error for ClusterError {}
 
+/// The largest cluster spec file read (specs are a few KiB).
+const MAX_SPEC_BYTES: u64 = 16 << 20;
+
 impl ClusterSpec {
     /// Reads and validates a spec from a TOML file.
     pub fn load(path: impl AsRef<Path>) -> Result<ClusterSpec, ClusterError> {
         let path = path.as_ref();
         let file = path.display().to_string();
-        let src = std::fs::read_to_string(path).map_err(|e| ClusterError {
+        let fail = |message: String| ClusterError {
             file: Some(file.clone()),
             line: None,
             column: None,
             key: None,
-            message: format!("cannot read the cluster spec: {e}"),
-        })?;
+            message,
+        };
+        // A spec is a small regular file: a FIFO or a device would block or never end.
+        match std::fs::metadata(path) {
+            Ok(m) if !m.is_file() => {
+                return Err(fail(
+                    "cannot read the cluster spec: it is not a regular file".into(),
+                ))
+            }
+            Ok(m) if m.len() > MAX_SPEC_BYTES => {
+                return Err(fail(format!(
+                "the cluster spec is {} bytes, more than the limit of {MAX_SPEC_BYTES} for a spec",
+                m.len()
+            )))
+            }
+            _ => {}
+        }
+        let src = std::fs::read_to_string(path)
+            .map_err(|e| fail(format!("cannot read the cluster spec: {e}")))?;
         ClusterSpec::from_toml_str(&src, &file)
     }
 
@@ -490,6 +510,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
             .ok_or_else(|| format!("`{s}`: unknown size unit `{unit}` (expected {BYTE_UNITS})"))?
     };
     let bytes = (v * scale).round();
+    if bytes.is_nan() || bytes < 0.0 {
+        return Err(format!("`{s}` is not a size (negative)"));
+    }
     if bytes >= u64::MAX as f64 {
         return Err(format!("`{s}` is too large"));
     }

@@ -457,34 +457,57 @@ impl Verifier<'_> {
                 && a.offset == b.offset
                 && a.bytes == b.bytes
         };
-        let mut by_addr: Vec<usize> = whole.clone();
-        by_addr.sort_by_key(|&k| (plan.buffers[k].offset, plan.buffers[k].end()));
-        let mut reach: Vec<u64> = Vec::with_capacity(by_addr.len()); // max end of a prefix
-        for &k in &by_addr {
-            let e = plan.buffers[k].end();
-            reach.push(reach.last().map_or(e, |&r: &u64| r.max(e)));
-        }
-        for (x, &i) in whole.iter().chain(&ok).enumerate() {
+        // Pairs with a whole-step buffer, found without scanning every earlier buffer (that
+        // was quadratic in the layers when one whole-step buffer spanned much of the arena):
+        // in offset order, each buffer meets the whole-step buffers still open at its start;
+        // a buffer also meets the whole-step buffers that start inside it (binary search).
+        // Both only enumerate pairs that really share bytes.
+        let is_whole = {
+            let mut w = vec![false; plan.buffers.len()];
+            for &k in &whole {
+                w[k] = true;
+            }
+            w
+        };
+        let key = |k: usize| (plan.buffers[k].offset, plan.buffers[k].end(), k);
+        let mut whole_by_addr: Vec<usize> = whole.clone();
+        whole_by_addr.sort_by_key(|&k| key(k));
+        let mut by_addr: Vec<usize> = whole.iter().chain(&ok).copied().collect();
+        by_addr.sort_by_key(|&k| key(k));
+        let pair = |i: usize, j: usize, found: &mut Vec<(usize, usize)>| {
+            if i == j {
+                return;
+            }
+            // As the scan saw it: b whole-step, a the other (both whole-step: b the lower).
+            let (bi, ai) = if is_whole[j] && (!is_whole[i] || j < i) {
+                (j, i)
+            } else {
+                (i, j)
+            };
+            let (b, a) = (plan.buffers[bi], plan.buffers[ai]);
+            let exempt = in_place.contains(&(b.value, a.value))
+                && a.offset >= b.offset
+                && a.end() <= b.end();
+            if !exempt && !same_view(&a, &b) {
+                found.push((i.min(j), i.max(j)));
+            }
+        };
+        let mut open: Vec<usize> = Vec::new();
+        for &i in &by_addr {
             let a = plan.buffers[i];
-            // whole-step buffers starting before a's end, scanned back while they may reach a
-            let upto = by_addr.partition_point(|&k| plan.buffers[k].offset < a.end());
-            for y in (0..upto).rev() {
-                if reach[y] <= a.offset {
+            open.retain(|&j| plan.buffers[j].end() > a.offset);
+            for &j in &open {
+                pair(i, j, &mut found);
+            }
+            let from = whole_by_addr.partition_point(|&k| plan.buffers[k].offset <= a.offset);
+            for &j in &whole_by_addr[from..] {
+                if plan.buffers[j].offset >= a.end() {
                     break;
                 }
-                let j = by_addr[y];
-                let b = plan.buffers[j];
-                let exempt = in_place.contains(&(b.value, a.value))
-                    && a.offset >= b.offset
-                    && a.end() <= b.end();
-                if j != i
-                    && b.end() > a.offset
-                    && (x >= whole.len() || j < i)
-                    && !exempt
-                    && !same_view(&a, &b)
-                {
-                    found.push((i.min(j), i.max(j)));
-                }
+                pair(i, j, &mut found);
+            }
+            if is_whole[i] {
+                open.push(i);
             }
         }
         // The others: a producer can only overwrite values whose windows cover it (see
@@ -637,6 +660,9 @@ impl Verifier<'_> {
 
 /// The plan's mesh against the program's, the shard groups and the groups of collectives
 /// against the mesh. Safe on programs that do not verify.
+/// The most micro-batches a plan may have (as `--micro-batches` allows).
+pub const MAX_MICRO_BATCHES: usize = 65_536;
+
 fn mesh_and_groups(plan: &Plan) -> Vec<PlanViolation> {
     let mut out = Vec::new();
     let p = &plan.program;
@@ -652,7 +678,63 @@ fn mesh_and_groups(plan: &Plan) -> Vec<PlanViolation> {
             });
         }
     }
+    if let Err(e) = plan.mesh.check_size() {
+        out.push(PlanViolation {
+            check: Check::Program,
+            nodes: Vec::new(),
+            message: format!("the plan's {e}"),
+        });
+    }
+    // Micro-batches: each rank's inputs hold that many, concatenated on axis 0.
+    if plan.micro_batches == 0 || plan.micro_batches > MAX_MICRO_BATCHES {
+        out.push(PlanViolation {
+            check: Check::Program,
+            nodes: Vec::new(),
+            message: format!(
+                "the plan has {} micro-batches; it must have 1 to {MAX_MICRO_BATCHES}",
+                plan.micro_batches
+            ),
+        });
+    } else {
+        for &v in &p.inputs {
+            let Some(val) = p.values.get(v.index()) else {
+                continue;
+            };
+            let rows = val.ty.shape.first().copied().unwrap_or(1);
+            if rows % plan.micro_batches != 0 {
+                out.push(PlanViolation {
+                    check: Check::Program,
+                    nodes: Vec::new(),
+                    message: format!(
+                        "input `{}` is {} per rank, whose first dim does not split into the plan's {} micro-batches",
+                        val.name, val.ty, plan.micro_batches
+                    ),
+                });
+            }
+        }
+    }
     let g = &plan.groups;
+    // Shard groups nest: P ⊆ G ⊆ O.
+    for (inner, outer, what) in [
+        (
+            &g.params,
+            &g.grads,
+            "parameter group P is not inside the gradient group G",
+        ),
+        (
+            &g.grads,
+            &g.optim,
+            "gradient group G is not inside the optimizer group O",
+        ),
+    ] {
+        if !inner.axes.iter().all(|a| outer.axes.contains(a)) {
+            out.push(PlanViolation {
+                check: Check::Groups,
+                nodes: Vec::new(),
+                message: format!("the {what} ({inner} vs {outer})"),
+            });
+        }
+    }
     for (what, group) in [
         ("parameter group P", &g.params),
         ("gradient group G", &g.grads),

@@ -147,6 +147,35 @@ fn overlapping_buffers_with_concurrent_lifetimes_are_rejected() {
 }
 
 #[test]
+fn a_buffer_that_starts_before_a_parameter_and_runs_into_it_is_rejected() {
+    // The overlap check meets each pair from the side that starts later; this one starts
+    // before the parameter's bytes and ends inside them.
+    let mut plan = plan_of(parse(TWO_STREAMS));
+    let y = plan.program.find_value("y").unwrap();
+    let y_bytes = plan.buffers.iter().find(|b| b.value == y).unwrap().bytes;
+    assert!(y_bytes > 4);
+    let w0 = plan.program.find_value("w0").unwrap();
+    let at = plan.buffers.iter().find(|b| b.value == w0).unwrap().offset;
+    // Room below the parameter: move everything up past y's size first.
+    for b in plan.buffers.iter_mut() {
+        b.offset += y_bytes;
+    }
+    plan.arena_bytes += y_bytes;
+    plan.buffers
+        .iter_mut()
+        .find(|b| b.value == y)
+        .unwrap()
+        .offset = at + y_bytes - 4;
+    let v = violations(&plan, None);
+    assert!(
+        v.iter().any(|x| x.check == Check::Buffer
+            && x.message
+                .contains("%w0 is a parameter, which lives for the whole step")),
+        "{v:#?}"
+    );
+}
+
+#[test]
 fn broken_buffer_tables_are_rejected() {
     let base = plan_of(parse(TWO_STREAMS));
     let x = base.program.find_value("x").unwrap();

@@ -48,6 +48,10 @@ pub enum EvalError {
     /// The program itself is inconsistent (run the verifier).
     #[error("malformed program: {0}")]
     Malformed(String),
+    /// An integer input used as an index holds a value outside its range (see
+    /// [`crate::index_check`]).
+    #[error("{0}")]
+    IndexRange(String),
 }
 
 fn describe_names(missing: &[String], unexpected: &[String], duplicate: &[String]) -> String {
@@ -165,6 +169,7 @@ fn evaluate_here(
         }
         slots[v.index()] = Some(Cow::Borrowed(t));
     }
+    crate::index_check::check_index_inputs(p, inputs).map_err(EvalError::IndexRange)?;
 
     // ---- parameters and constants
     for prm in &p.params {

@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod eval;
 pub mod exec;
 pub mod fuse;
+pub mod index_check;
 pub mod schedule;
 pub mod spmd;
 pub mod train;

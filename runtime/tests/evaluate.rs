@@ -165,7 +165,33 @@ fn gather_error_names_node_index_and_dim() {
         )
         .unwrap();
     p.outputs = e;
+    // Token ids into a parameter table are checked where they enter (index_check): the
+    // message names the input, the position, the table and the node.
     let err = evaluate(&p, &[("ids".into(), Tensor::i64(vec![2], vec![1, 9]))]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "input `ids` holds 9 at position [1] (of shape [2]), outside 0..4: it indexes axis 0 of `wte` (node `/wte/Gather`), which has 4 entries"
+    );
+    // A table that is itself an input keeps ONNX's Gather (checked by the kernel).
+    let mut q = Program::new("gather");
+    let ids = q.add_input("ids", TensorType::new(DType::I64, vec![2]));
+    let table = q.add_input("table", ty(&[4, 2]));
+    q.outputs = q
+        .add_node(
+            "/wte/Gather",
+            Op::Gather { axis: 0 },
+            vec![table, ids],
+            vec!["e".into()],
+        )
+        .unwrap();
+    let err = evaluate(
+        &q,
+        &[
+            ("ids".into(), Tensor::i64(vec![2], vec![1, 9])),
+            ("table".into(), Tensor::f32(vec![4, 2], vec![0.0; 8])),
+        ],
+    )
+    .unwrap_err();
     assert_eq!(
         err.to_string(),
         "node \"/wte/Gather\" (Gather): Gather: index 9 is out of range for dim 0 of size 4"

@@ -97,7 +97,7 @@ pub const OPSETS: std::ops::RangeInclusive<i64> = translate::MIN_OPSET..=transla
 /// from the file's folder.
 pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Program, ImportError> {
     let display = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| {
+    let bytes = crate::limits::read_regular(path).map_err(|e| {
         ImportError::new(
             &display,
             ImportErrorKind::Io,

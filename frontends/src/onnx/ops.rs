@@ -1461,6 +1461,7 @@ fn range(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         if count > MAX as i128 {
             return err(format!("Range would make {count} elements"));
         }
+        cx.check_fold_budget(&format!("Range of {count} elements"), count as u64 * 8 * 2)?;
         if dtype == DType::I64 {
             let v: Vec<i64> = (0..count).map(|i| (s + i * d) as i64).collect();
             Tensor::i64(vec![v.len()], v)
@@ -1482,6 +1483,7 @@ fn range(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             return err(format!("Range would make {count} elements"));
         }
         let count = count as usize;
+        cx.check_fold_budget(&format!("Range of {count} elements"), count as u64 * 8 * 2)?;
         // Like ONNX's reference: start + i * delta, computed in the tensor's type.
         let v: Vec<f64> = (0..count).map(|i| s + i as f64 * d).collect();
         Tensor::from_f64(dtype, vec![count], &v)

@@ -318,7 +318,7 @@ fn read_external(
             real_dir.display()
         )));
     }
-    let mut f = std::fs::File::open(&real).map_err(io)?;
+    let mut f = crate::limits::open_regular(&real).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
     let want = n as u64 * raw_size(ty).unwrap_or(1) as u64;
     let length = length.unwrap_or_else(|| file_len.saturating_sub(offset));
@@ -337,6 +337,8 @@ fn read_external(
             dt::name(ty)
         )));
     }
+    crate::limits::check_budget(&format!("{what}'s external data in `{loc}`"), length)
+        .map_err(data_err)?;
     let len = usize::try_from(length)
         .map_err(|_| data_err(format!("{what}: external data is too large")))?;
     f.seek(SeekFrom::Start(offset)).map_err(io)?;

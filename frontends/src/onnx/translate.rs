@@ -134,9 +134,30 @@ pub(crate) struct Ctx<'g> {
     model_dir: Option<&'g Path>,
     /// Graph inputs whose values were given (specialization candidates).
     given: &'g std::collections::BTreeSet<String>,
+    /// Bytes of constants computed at import so far (checked against the memory budget:
+    /// shapes bound by `--shape` can make folded tensors of any size).
+    folded_bytes: u64,
 }
 
 impl<'g> Ctx<'g> {
+    /// Whether `bytes` more of computed constants fit the memory budget.
+    pub fn fold_fits(&self, bytes: u64) -> bool {
+        self.folded_bytes.saturating_add(bytes) <= crate::limits::max_memory()
+    }
+
+    /// Checks that a constant of `bytes` that must be computed at import (`what`) fits the
+    /// memory budget, with what is already computed.
+    pub fn check_fold_budget(&self, what: &str, bytes: u64) -> FResult<()> {
+        crate::limits::check_budget(
+            &format!(
+                "{what} (with the {} of constants computed before it; the input shapes may be too large)",
+                crate::limits::fmt_bytes(self.folded_bytes)
+            ),
+            self.folded_bytes.saturating_add(bytes),
+        )
+        .map_err(node_err)
+    }
+
     pub fn ty(&self, s: &Slot) -> TensorType {
         match s {
             Slot::Val(v) => self.prog.ty(*v).clone(),
@@ -160,6 +181,9 @@ impl<'g> Ctx<'g> {
 
     /// A constant under a name that is already reserved (an ONNX name or a fresh one).
     pub fn named_const(&mut self, t: Tensor, name: String) -> Slot {
+        self.folded_bytes = self
+            .folded_bytes
+            .saturating_add((t.numel() * t.dtype().size_bytes()) as u64);
         Slot::Const(Rc::new(ConstVal {
             t,
             name,
@@ -236,7 +260,13 @@ impl<'g> Ctx<'g> {
         if let Some(ts) = consts {
             let out_n: usize = out_tys.iter().map(|t| t.numel()).sum();
             let in_n: usize = ts.iter().map(|t| t.numel()).sum();
-            let fold = out_n <= FOLD_ALWAYS || (out_n <= FOLD_MAX && out_n <= in_n);
+            let out_bytes: u64 = out_tys
+                .iter()
+                .map(|t| (t.numel() * t.dtype.size_bytes()) as u64)
+                .sum();
+            // Over the memory budget the op stays a run-time op instead.
+            let fold = (out_n <= FOLD_ALWAYS || (out_n <= FOLD_MAX && out_n <= in_n))
+                && self.fold_fits(out_bytes);
             if fold && !ts.is_empty() {
                 let results = fold_op(&op, &ts)?;
                 if results.len() != out_tys.len()
@@ -998,6 +1028,7 @@ fn import_specialized(
         info: &info,
         model_dir,
         given: &given,
+        folded_bytes: 0,
     };
     for (v, ty) in info.inputs.iter().zip(input_tys) {
         if let Some(t) = on.get(&v.name) {

@@ -1,0 +1,50 @@
+//! Printing that reports failures instead of panicking: `println!` panics when stdout cannot
+//! be written (a full disk, `> /dev/full`), which would exit with code 101. `outln!` and
+//! `out!` return an error naming stdout; `note!` writes to stderr and ignores failure
+//! (there is nowhere left to report it).
+
+use std::fmt::Arguments;
+use std::io::Write;
+
+/// Writes formatted text to stdout.
+pub fn out(args: Arguments<'_>) -> miette::Result<()> {
+    let mut o = std::io::stdout().lock();
+    o.write_fmt(args)
+        .map_err(|e| miette::miette!("cannot write to stdout: {e}"))
+}
+
+/// Flushes stdout (what `print!` left in its buffer), reporting failure.
+pub fn flush() -> miette::Result<()> {
+    std::io::stdout()
+        .flush()
+        .map_err(|e| miette::miette!("cannot write to stdout: {e}"))
+}
+
+/// Writes formatted text to stderr; a failure is ignored.
+pub fn note(args: Arguments<'_>) {
+    let _ = std::io::stderr().lock().write_fmt(args);
+}
+
+/// `println!` that returns (with `?`) an error when stdout cannot be written.
+macro_rules! outln {
+    () => {
+        $crate::stdio::out(format_args!("\n"))?
+    };
+    ($($t:tt)*) => {
+        $crate::stdio::out(format_args!("{}\n", format_args!($($t)*)))?
+    };
+}
+
+/// `print!` that returns (with `?`) an error when stdout cannot be written.
+macro_rules! out {
+    ($($t:tt)*) => {
+        $crate::stdio::out(format_args!($($t)*))?
+    };
+}
+
+/// `eprintln!` that never panics.
+macro_rules! note {
+    ($($t:tt)*) => {
+        $crate::stdio::note(format_args!("{}\n", format_args!($($t)*)))
+    };
+}

@@ -1,0 +1,839 @@
+//! The CLI on hostile input (issue 19): files it must not destroy, numbers it must refuse,
+//! limits it must enforce, and exit codes (1 for every user error, never 101).
+
+mod common;
+use common::*;
+use hzp_frontends::npz;
+use hzp_ir::{Data, Tensor};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Runs hzp; (exit code, stdout, stderr with miette's wrapping undone).
+fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = Command::new(hzp_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
+    let code = out.status.code().unwrap_or(-1);
+    assert_ne!(code, 101, "hzp {args:?} panicked:\n{err}");
+    (
+        code,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        flat.join(" "),
+    )
+}
+
+fn hzp(args: &[&str]) -> (i32, String, String) {
+    hzp_env(args, &[])
+}
+
+/// Asserts exit code 1 and that stderr contains every needle.
+#[track_caller]
+fn fails_with(args: &[&str], needles: &[&str]) -> String {
+    let (code, out, err) = hzp(args);
+    assert_eq!(code, 1, "hzp {args:?}\nstdout: {out}\nstderr: {err}");
+    for n in needles {
+        assert!(err.contains(n), "hzp {args:?}: stderr lacks `{n}`:\n{err}");
+    }
+    err
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hzp-hostile-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn gpt2() -> PathBuf {
+    own_models_dir().join("gpt2_tiny.legacy.op17.onnx")
+}
+
+fn gpt2_io() -> PathBuf {
+    own_models_dir().join("gpt2_tiny.io.npz")
+}
+
+fn llama() -> PathBuf {
+    own_models_dir().join("llama_tiny.dynamo.op18.onnx")
+}
+
+fn llama_io() -> PathBuf {
+    own_models_dir().join("llama_tiny.io.npz")
+}
+
+fn mlp() -> PathBuf {
+    repo().join("examples/models/mlp.hzp")
+}
+
+fn mlp_io() -> PathBuf {
+    repo().join("examples/models/mlp.io.npz")
+}
+
+fn is_root() -> bool {
+    // SAFETY-free check: root owns /proc/self's process when its effective uid is 0.
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// A private character device equal to /dev/full (major 1, minor 7) in `dir`, when root.
+fn full_device(dir: &Path) -> Option<PathBuf> {
+    if !is_root() {
+        println!("skipping the device-node case: not root, cannot mknod");
+        return None;
+    }
+    let p = dir.join("full");
+    let ok = Command::new("mknod")
+        .args([s(&p), "c", "1", "7"])
+        .status()
+        .is_ok_and(|st| st.success());
+    if !ok {
+        println!("skipping the device-node case: mknod failed");
+        return None;
+    }
+    Some(p)
+}
+
+fn mkfifo(p: &Path) -> bool {
+    Command::new("mkfifo")
+        .arg(p)
+        .status()
+        .is_ok_and(|st| st.success())
+}
+
+fn is_char_device(p: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_char_device())
+}
+
+fn is_fifo(p: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_fifo())
+}
+
+// ------------------------------------------------------------------ safe output files
+
+#[test]
+fn output_to_a_device_node_is_refused_and_the_node_kept() {
+    let d = tempdir("device");
+    let Some(full) = full_device(&d) else { return };
+    let (m, mi) = (mlp(), mlp_io());
+    let err = fails_with(
+        &["eval", s(&m), "--inputs", s(&mi), "-o", s(&full)],
+        &["cannot write", "full", "character device"],
+    );
+    assert!(is_char_device(&full), "{err}");
+    // The same for every kind of output: a plan, a trace, a picture, parameters.
+    let args: Vec<Vec<&str>> = vec![
+        vec![
+            "compile",
+            "preset:gpt,layers=2,hidden=64,heads=2,vocab=128,seq=16,batch=2",
+            "--mesh",
+            "gpu=2",
+            "-o",
+            s(&full),
+        ],
+        vec!["import", s(&m), "-o", s(&full)],
+        vec![
+            "train",
+            s(&m),
+            "--inputs",
+            s(&mi),
+            "--loss",
+            "mse",
+            "--target",
+            "y",
+            "--save-params",
+            s(&full),
+        ],
+    ];
+    for a in &args {
+        fails_with(a, &["cannot write", "character device"]);
+        assert!(is_char_device(&full), "{a:?} replaced the device node");
+    }
+}
+
+#[test]
+fn output_to_a_fifo_is_refused_without_blocking() {
+    let d = tempdir("fifo");
+    let fifo = d.join("out.npz");
+    if !mkfifo(&fifo) {
+        println!("skipping: mkfifo is not available");
+        return;
+    }
+    fails_with(
+        &["eval", s(&mlp()), "--inputs", s(&mlp_io()), "-o", s(&fifo)],
+        &["out.npz", "FIFO"],
+    );
+    assert!(is_fifo(&fifo));
+    // And as an input: an error, not a hang (inputs, plans, cluster specs, traces).
+    fails_with(
+        &["eval", s(&mlp()), "--inputs", s(&fifo)],
+        &["out.npz", "FIFO"],
+    );
+    fails_with(&["inspect", s(&fifo)], &["out.npz", "FIFO"]);
+    fails_with(
+        &[
+            "compile",
+            "preset:gpt",
+            "--mesh",
+            "gpu=2",
+            "--cluster",
+            s(&fifo),
+        ],
+        &["out.npz", "not a regular file"],
+    );
+}
+
+#[test]
+fn a_symlink_planted_at_the_old_temporary_name_is_not_followed() {
+    let d = tempdir("symlink");
+    let victim = d.join("victim.txt");
+    std::fs::write(&victim, b"keep me").unwrap();
+    let plan = d.join("plan.json");
+    for name in ["plan.json.tmp", ".plan.json.tmp"] {
+        std::os::unix::fs::symlink(&victim, d.join(name)).unwrap();
+    }
+    let (code, _, err) = hzp(&[
+        "compile",
+        "preset:gpt,layers=2,hidden=64,heads=2,vocab=128,seq=16,batch=2",
+        "--mesh",
+        "gpu=2",
+        "-o",
+        s(&plan),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+    assert!(std::fs::read_to_string(&plan)
+        .unwrap()
+        .contains("content_hash"));
+    // No temporary file is left behind.
+    let left: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp") && n != "plan.json.tmp" && n != ".plan.json.tmp")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn an_existing_read_only_file_is_kept() {
+    let d = tempdir("readonly");
+    let out = d.join("out.npz");
+    std::fs::write(&out, b"precious").unwrap();
+    let mut perm = std::fs::metadata(&out).unwrap().permissions();
+    perm.set_readonly(true);
+    std::fs::set_permissions(&out, perm).unwrap();
+    fails_with(
+        &["eval", s(&mlp()), "--inputs", s(&mlp_io()), "-o", s(&out)],
+        &["out.npz", "read-only"],
+    );
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+}
+
+#[test]
+fn the_input_guard_covers_sidecar_weights_and_links() {
+    let d = tempdir("guard");
+    // A copy of the .hzp model with its sidecar.
+    let model = d.join("mlp.hzp");
+    let weights = d.join("mlp.weights.npz");
+    std::fs::copy(mlp(), &model).unwrap();
+    std::fs::copy(repo().join("examples/models/mlp.weights.npz"), &weights).unwrap();
+    let before = std::fs::read(&weights).unwrap();
+    fails_with(
+        &[
+            "eval",
+            s(&model),
+            "--inputs",
+            s(&mlp_io()),
+            "-o",
+            s(&weights),
+        ],
+        &["refusing to write", "mlp.weights.npz"],
+    );
+    fails_with(
+        &[
+            "train",
+            s(&model),
+            "--inputs",
+            s(&mlp_io()),
+            "--loss",
+            "mse",
+            "--target",
+            "y",
+            "--save-params",
+            s(&weights),
+        ],
+        &["refusing to write", "mlp.weights.npz"],
+    );
+    // import -o over the model itself would write its sidecar over the input's sidecar.
+    fails_with(
+        &["import", s(&model), "-o", s(&model)],
+        &["refusing to write"],
+    );
+    assert_eq!(std::fs::read(&weights).unwrap(), before);
+    // A hard link to an input is the same file.
+    let io = d.join("io.npz");
+    std::fs::copy(mlp_io(), &io).unwrap();
+    let link = d.join("link.npz");
+    std::fs::hard_link(&io, &link).unwrap();
+    fails_with(
+        &["eval", s(&model), "--inputs", s(&io), "-o", s(&link)],
+        &["refusing to write", "the same file as"],
+    );
+}
+
+// ------------------------------------------------------------------ exit codes
+
+#[test]
+fn usage_errors_exit_1_and_help_exits_0() {
+    for args in [
+        vec![],
+        vec!["no-such-command"],
+        vec!["eval"],
+        vec!["show", "preset:gpt", "--no-such-flag"],
+        vec!["compile", "preset:gpt", "--micro-batches", "-3"],
+    ] {
+        let (code, _, err) = hzp(&args);
+        assert_eq!(code, 1, "hzp {args:?}: {err}");
+    }
+    let (code, out, _) = hzp(&["--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("Usage"), "{out}");
+    let (code, _, _) = hzp(&["--version"]);
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn overflowing_sizes_are_errors_with_their_limit() {
+    let preset = "preset:gpt,layers=2,hidden=64,heads=2,vocab=128,seq=16,batch=2";
+    fails_with(
+        &[
+            "compile",
+            preset,
+            "--mesh",
+            "node=4294967296,gpu=4294967296",
+        ],
+        &["--mesh", "1048576 ranks"],
+    );
+    fails_with(
+        &[
+            "compile",
+            preset,
+            "--mesh",
+            "gpu=2",
+            "--micro-batches",
+            "9223372036854775808",
+        ],
+        &["--micro-batches 9223372036854775808", "limit of 65536"],
+    );
+    // A count that used to wrap to 8 in mesh x micro-batches.
+    fails_with(
+        &[
+            "compile",
+            s(&llama()),
+            "--inputs",
+            s(&llama_io()),
+            "--mesh",
+            "gpu=2",
+            "--micro-batches",
+            "9223372036854775812",
+        ],
+        &["limit of 65536"],
+    );
+    fails_with(
+        &[
+            "compile",
+            preset,
+            "--mesh",
+            "gpu=2",
+            "--prefetch-depth",
+            "18446744073709551615",
+        ],
+        &["--prefetch-depth 18446744073709551615", "limit of 4096"],
+    );
+    fails_with(
+        &["show", "preset:gpt,layers=100000"],
+        &["`layers=100000`", "limit of 4096 layers"],
+    );
+}
+
+#[test]
+fn nonsense_numbers_are_refused() {
+    let io = mlp_io();
+    let m = mlp();
+    let base = [
+        "train",
+        s(&m),
+        "--inputs",
+        s(&io),
+        "--loss",
+        "mse",
+        "--target",
+        "y",
+    ];
+    for (flag, value, needle) in [
+        ("--lr", "-1", "--lr -1"),
+        ("--lr", "NaN", "--lr NaN"),
+        ("--lr", "inf", "--lr inf"),
+        ("--betas", "2,3", "--betas 2,3"),
+        ("--betas", "0.9,NaN", "--betas 0.9,NaN"),
+        ("--eps", "-1e-8", "--eps"),
+        ("--weight-decay", "NaN", "--weight-decay NaN"),
+        ("--clip-grad-norm", "-1", "--clip-grad-norm -1"),
+        ("--clip-grad-norm", "0", "--clip-grad-norm 0"),
+        ("--momentum", "-0.5", "--momentum -0.5"),
+    ] {
+        let mut a: Vec<&str> = base.to_vec();
+        if flag == "--momentum" {
+            a.extend(["--optimizer", "sgd"]);
+        }
+        // `--flag=VALUE`, so that clap takes a negative number as the value.
+        let arg = format!("{flag}={value}");
+        a.push(&arg);
+        fails_with(&a, &[needle]);
+    }
+    for tol in ["NaN", "-1", "inf"] {
+        fails_with(
+            &[
+                "eval",
+                s(&gpt2()),
+                "--inputs",
+                s(&gpt2_io()),
+                "--reference",
+                s(&gpt2_io()),
+                &format!("--tolerance={tol}"),
+            ],
+            &["--tolerance"],
+        );
+    }
+    fails_with(
+        &["compile", "preset:gpt", "--mesh", "gpu=2", "--memory=-5GiB"],
+        &["--memory", "negative"],
+    );
+    fails_with(
+        &["show", "preset:gpt", "--max-memory=-1"],
+        &["--max-memory"],
+    );
+}
+
+#[test]
+fn thread_counts_are_capped_with_a_note() {
+    let (code, out, err) = hzp_env(
+        &["eval", s(&mlp()), "--inputs", s(&mlp_io())],
+        &[("HZP_NUM_THREADS", "100000")],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("evaluated"), "{out}");
+    assert!(
+        err.contains("HZP_NUM_THREADS=100000 is more than this machine's"),
+        "{err}"
+    );
+}
+
+// ------------------------------------------------------------------ token ids
+
+/// The GPT-2 inputs with one token id replaced.
+fn ids_with(d: &Path, value: i64) -> PathBuf {
+    let mut arrays = read_npz(&gpt2_io());
+    for (k, t) in arrays.iter_mut() {
+        if k == "input_ids" {
+            if let Data::I64(v) = &mut t.data {
+                v[5] = value;
+            }
+        }
+    }
+    let p = d.join(format!("ids{value}.npz"));
+    npz::write(&p, &arrays).unwrap();
+    p
+}
+
+#[test]
+fn token_ids_outside_the_vocabulary_are_rejected_everywhere() {
+    let d = tempdir("ids");
+    for bad in [-1i64, 256] {
+        let io = ids_with(&d, bad);
+        let needle = format!("`input_ids` holds {bad} at position [0, 5]");
+        fails_with(
+            &["eval", s(&gpt2()), "--inputs", s(&io)],
+            &[&needle, "outside 0..256"],
+        );
+        fails_with(
+            &["train", s(&gpt2()), "--inputs", s(&io), "--steps", "1"],
+            &[&needle],
+        );
+        fails_with(
+            &[
+                "grad",
+                s(&gpt2()),
+                "--inputs",
+                s(&io),
+                "-o",
+                s(&d.join("g.npz")),
+            ],
+            &[&needle],
+        );
+    }
+    // `hzp run` on a zero3 plan whose embedding gradient is exchanged as rows.
+    let plan = d.join("z3.json");
+    let (code, _, err) = hzp(&[
+        "compile",
+        s(&llama()),
+        "--inputs",
+        s(&llama_io()),
+        "--mesh",
+        "gpu=2",
+        "--strategy",
+        "zero3",
+        "-o",
+        s(&plan),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut arrays = read_npz(&llama_io());
+    for (k, t) in arrays.iter_mut() {
+        if k == "input_ids" {
+            if let Data::I64(v) = &mut t.data {
+                v[3] = -1;
+            }
+        }
+    }
+    let io = d.join("llama_neg.npz");
+    npz::write(&io, &arrays).unwrap();
+    fails_with(
+        &["run", s(&plan), "--inputs", s(&io), "--steps", "1"],
+        &["`input_ids` holds -1", "negative ids are rejected"],
+    );
+}
+
+// ------------------------------------------------------------------ limits
+
+/// An .npz whose one deflated entry inflates to `bytes` of zeros (a few KiB on disk).
+fn zip_bomb(path: &Path, bytes: usize) {
+    let n = bytes / 4;
+    let t = Tensor::new(vec![n], Data::F32(vec![0.0; n]));
+    let raw = npz::write_bytes(&[("big".to_string(), t)]).unwrap();
+    // Re-pack with deflate: the archive stays small, the declared size is the full array.
+    let mut src = zip::ZipArchive::new(std::io::Cursor::new(raw)).unwrap();
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = zip::ZipWriter::new(f);
+    let mut e = src.by_index(0).unwrap();
+    let opts = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated);
+    w.start_file(e.name().to_string(), opts).unwrap();
+    std::io::copy(&mut e, &mut w).unwrap();
+    w.finish().unwrap();
+}
+
+#[test]
+fn a_declared_size_over_the_memory_budget_is_refused_before_reading() {
+    let d = tempdir("bomb");
+    let bomb = d.join("bomb.npz");
+    zip_bomb(&bomb, 64 << 20);
+    assert!(std::fs::metadata(&bomb).unwrap().len() < 1 << 20);
+    // As --inputs, unused by the model: still read, still bounded.
+    fails_with(
+        &[
+            "eval",
+            s(&mlp()),
+            "--inputs",
+            s(&bomb),
+            "--max-memory",
+            "16MiB",
+        ],
+        &[
+            "bomb.npz",
+            "array `big`",
+            "memory budget of 16.0 MiB",
+            "--max-memory",
+        ],
+    );
+    // Within the budget it reads (and then lacks the model's input).
+    fails_with(
+        &[
+            "eval",
+            s(&mlp()),
+            "--inputs",
+            s(&bomb),
+            "--max-memory",
+            "1GiB",
+        ],
+        &["has no array `x`"],
+    );
+}
+
+#[test]
+fn shapes_that_would_fold_huge_constants_stop_at_the_budget() {
+    // Binding a huge sequence length used to fold position ranges and masks of gigabytes
+    // at import (about 19 GB and 100 s for this one).
+    let start = std::time::Instant::now();
+    fails_with(
+        &[
+            "show",
+            s(&gpt2()),
+            "--shape",
+            "input_ids=1x268435456",
+            "--max-memory",
+            "1GiB",
+        ],
+        &["Range of 268435456 elements", "memory budget of 1.0 GiB"],
+    );
+    assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
+}
+
+// ------------------------------------------------------------------ .hzp contradictions
+
+#[test]
+fn a_hzp_model_refuses_shapes_that_contradict_its_inputs() {
+    fails_with(
+        &["show", s(&mlp()), "--shape", "x=8x8"],
+        &["declares input `x` as f32[4,8]", "[8, 8]"],
+    );
+    // compile: the global batch over 2 ranks is 8 rows, each rank's 4 = the declared shape.
+    let d = tempdir("hzpshape");
+    let plan = d.join("plan.json");
+    let (code, _, err) = hzp(&[
+        "compile",
+        s(&mlp()),
+        "--shape",
+        "x=8x8",
+        "--mesh",
+        "gpu=2",
+        "--loss",
+        "mean",
+        "-o",
+        s(&plan),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    fails_with(
+        &[
+            "compile",
+            s(&mlp()),
+            "--shape",
+            "x=16x8",
+            "--mesh",
+            "gpu=2",
+            "--loss",
+            "mean",
+        ],
+        &["declares input `x` as f32[4,8]"],
+    );
+}
+
+#[test]
+fn unknown_attributes_in_a_hzp_file_are_errors() {
+    let d = tempdir("attrs");
+    let src = std::fs::read_to_string(mlp())
+        .unwrap()
+        .replace("Gelu(%hb)", "Gelu{approximate=\"tanh\"}(%hb)");
+    let model = d.join("mlp.hzp");
+    std::fs::write(&model, src).unwrap();
+    std::fs::copy(
+        repo().join("examples/models/mlp.weights.npz"),
+        d.join("mlp.weights.npz"),
+    )
+    .unwrap();
+    fails_with(
+        &["eval", s(&model), "--inputs", s(&mlp_io())],
+        &["`Gelu` has no attribute `approximate`", "GeluTanh"],
+    );
+}
+
+// ------------------------------------------------------------------ plan integrity
+
+#[test]
+fn forged_plans_are_rejected_by_inspect_simulate_and_run() {
+    let d = tempdir("forged");
+    let plan = d.join("plan.json");
+    let (code, _, err) = hzp(&[
+        "compile",
+        s(&llama()),
+        "--inputs",
+        s(&llama_io()),
+        "--mesh",
+        "gpu=2",
+        "-o",
+        s(&plan),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&plan).unwrap();
+    let mut good = hzp_ir::Plan::from_json(&text, "plan.json").unwrap();
+    // Forge: micro-batches that do not divide the inputs, groups that do not nest.
+    let mut forged = Vec::new();
+    let mut p = good.clone();
+    p.micro_batches = 3;
+    forged.push((p, "micro-batches"));
+    let mut p = good.clone();
+    p.groups.params = hzp_ir::Group {
+        axes: vec!["gpu".into()],
+    };
+    p.groups.grads = hzp_ir::Group { axes: vec![] };
+    forged.push((p, "not inside the gradient group"));
+    good.content_hash = good.compute_hash();
+    for (i, (mut p, needle)) in forged.into_iter().enumerate() {
+        p.content_hash = p.compute_hash();
+        let f = d.join(format!("forged{i}.json"));
+        std::fs::write(&f, p.to_json()).unwrap();
+        fails_with(&["inspect", s(&f)], &["does not verify", needle]);
+        fails_with(&["simulate", s(&f)], &["does not verify", needle]);
+        fails_with(
+            &["run", s(&f), "--inputs", s(&llama_io()), "--steps", "1"],
+            &["does not verify", needle],
+        );
+    }
+}
+
+// ------------------------------------------------------------------ full devices
+
+/// Every subcommand with stdout, then stderr, on a full device: exit 1 (or the command's
+/// own result where it writes nothing there), never a panic.
+#[test]
+fn every_subcommand_survives_a_full_stdout_and_stderr() {
+    let d = tempdir("fulldev");
+    let Some(full) = full_device(&d) else { return };
+    let plan = d.join("plan.json");
+    let (code, _, err) = hzp(&[
+        "compile",
+        s(&llama()),
+        "--inputs",
+        s(&llama_io()),
+        "--mesh",
+        "gpu=2",
+        "-o",
+        s(&plan),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let preset = "preset:gpt,layers=2,hidden=64,heads=2,vocab=128,seq=16,batch=2";
+    let cmds: Vec<Vec<String>> = vec![
+        vec!["import".into(), s(&mlp()).into()],
+        vec!["show".into(), preset.into()],
+        vec![
+            "eval".into(),
+            s(&mlp()).into(),
+            "--inputs".into(),
+            s(&mlp_io()).into(),
+        ],
+        vec![
+            "grad".into(),
+            s(&mlp()).into(),
+            "--inputs".into(),
+            s(&mlp_io()).into(),
+            "--loss".into(),
+            "mse".into(),
+            "--target".into(),
+            "y".into(),
+            "-o".into(),
+            s(&d.join("g.npz")).into(),
+        ],
+        vec![
+            "train".into(),
+            s(&mlp()).into(),
+            "--inputs".into(),
+            s(&mlp_io()).into(),
+            "--loss".into(),
+            "mse".into(),
+            "--target".into(),
+            "y".into(),
+        ],
+        vec![
+            "compile".into(),
+            preset.into(),
+            "--mesh".into(),
+            "gpu=2".into(),
+        ],
+        vec!["inspect".into(), s(&plan).into()],
+        vec![
+            "run".into(),
+            s(&plan).into(),
+            "--inputs".into(),
+            s(&llama_io()).into(),
+            "--steps".into(),
+            "1".into(),
+        ],
+        vec!["simulate".into(), s(&plan).into()],
+        vec![
+            "compare".into(),
+            preset.into(),
+            "--mesh".into(),
+            "gpu=2".into(),
+            "--strategies".into(),
+            "zero3,ddp".into(),
+        ],
+        vec![
+            "scale".into(),
+            preset.into(),
+            "--ranks".into(),
+            "8,16".into(),
+            "--cluster".into(),
+            s(&repo().join("examples/clusters/h100-dgx.toml")).into(),
+        ],
+        vec![
+            "bench".into(),
+            "import".into(),
+            preset.into(),
+            "--repeat".into(),
+            "1".into(),
+        ],
+        vec!["--help".into()],
+        vec![
+            "launch".into(),
+            "--nproc-per-node".into(),
+            "1".into(),
+            "--".into(),
+            "show".into(),
+            preset.into(),
+        ],
+    ];
+    for args in &cmds {
+        for stream in ["stdout", "stderr"] {
+            let dev = std::fs::OpenOptions::new().write(true).open(&full).unwrap();
+            let mut c = Command::new(hzp_bin());
+            c.args(args).stdin(Stdio::null());
+            if stream == "stdout" {
+                c.stdout(dev).stderr(Stdio::piped());
+            } else {
+                c.stderr(dev).stdout(Stdio::piped());
+            }
+            let out = c.output().unwrap();
+            let code = out.status.code().unwrap_or(-1);
+            let text = String::from_utf8_lossy(if stream == "stdout" {
+                &out.stderr
+            } else {
+                &out.stdout
+            })
+            .into_owned();
+            assert_ne!(
+                code, 101,
+                "hzp {args:?} with {stream} full panicked: {text}"
+            );
+            assert!(
+                code == 0 || code == 1,
+                "hzp {args:?} with {stream} full exited {code}: {text}"
+            );
+            if stream == "stdout" {
+                // Every one of these prints to stdout, so the failure must be reported.
+                assert_eq!(
+                    code, 1,
+                    "hzp {args:?}: a full stdout went unreported: {text}"
+                );
+                assert!(
+                    text.contains("stdout") || text.contains("No space left"),
+                    "hzp {args:?}: {text}"
+                );
+            }
+        }
+    }
+    assert!(is_char_device(&full));
+}
