@@ -700,7 +700,10 @@ fn mesh_and_groups(plan: &Plan) -> Vec<PlanViolation> {
             let Some(val) = p.values.get(v.index()) else {
                 continue;
             };
-            let rows = val.ty.shape.first().copied().unwrap_or(1);
+            // a scalar input (the learning rate) is every micro-batch's: nothing to split
+            let Some(&rows) = val.ty.shape.first() else {
+                continue;
+            };
             if rows % plan.micro_batches != 0 {
                 out.push(PlanViolation {
                     check: Check::Program,
