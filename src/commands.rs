@@ -760,7 +760,7 @@ pub fn train(
     session: &crate::session::LoopArgs,
     format: Format,
 ) -> Result<()> {
-    use crate::session::{self as ss, Evaluator, Metrics, TokenFeed};
+    use crate::session::{self as ss, Evaluator, Metrics};
     let text = format == Format::Text;
     // The arrays: --inputs, and with --data a placeholder for the token input at the shape
     // --shape gives (the model is imported at that shape; the data fills it every step).
@@ -799,54 +799,26 @@ pub fn train(
     }
     let schedule = session.schedule(t.lr, steps)?;
     let eval_every = session.eval_period(steps)?;
-    let raw = session.dtype()?;
     let p = &prep.step;
-    let mut feed = match &session.data {
-        Some(path) => {
-            let v = ss::token_input(p, Some(&token_name))?;
-            let ty = p.ty(v);
-            let vocab = ss::vocab_of(p, v);
-            let f = TokenFeed::open(
-                path,
-                raw,
-                &token_name,
-                ty.dtype,
-                ty.shape[0],
-                ty.shape[1],
-                vocab,
-                session.shuffle,
-            )?;
-            if text {
-                outln!("data: {}, batches of {} x {}", f.describe(), f.rows, f.seq);
-            }
-            Some(f)
-        }
-        None => None,
+    let (mut feed, val_feed) = match ss::open_feeds(session, p, 1)? {
+        Some((f, v)) => (Some(f), v),
+        None => (None, None),
     };
-    let mut evaluator = match (&session.val_data, &feed) {
-        (Some(vp), Some(f)) => {
+    if let (true, Some(f)) = (text, &feed) {
+        outln!("{}", f.data_line());
+    }
+    let mut evaluator = match val_feed {
+        Some(vf) => {
             let lowered =
                 tr::lower_precision(&prep.fwd, prep.cfg.compute).map_err(|e| miette!("{e}"))?;
             let program = tr::attach_loss(&lowered, &prep.cfg.loss).map_err(|e| miette!("{e}"))?;
-            let v = ss::token_input(&program, Some(&f.input))?;
-            let vf = TokenFeed::open(
-                vp,
-                raw,
-                &f.input,
-                program.ty(v).dtype,
-                f.rows,
-                f.seq,
-                ss::vocab_of(p, ss::token_input(p, Some(&f.input))?),
-                None,
-            )?;
             let e = Evaluator::new(program, vf, session.eval_batches)?;
             if text {
                 outln!("evaluation: {}", e.describe());
             }
             Some(e)
         }
-        (Some(_), None) => return Err(miette!("--val-data needs --data")),
-        _ => None,
+        None => None,
     };
     let mut metrics = Metrics::open(session.log.as_deref())?;
     let pb = if text { ss::progress(steps, 0) } else { None };
@@ -857,70 +829,47 @@ pub fn train(
     let plain = session.is_plain();
     for s in 0..steps {
         let lr = schedule.at(s);
-        let mut batch: Vec<(String, Tensor)> = prep
-            .batch
-            .iter()
-            .filter(|(k, _)| feed.as_ref().is_none_or(|f| *k != f.input))
-            .cloned()
-            .collect();
-        if let Some(f) = feed.as_mut() {
-            batch.push(f.batch((s * f.rows) as u64)?);
-        }
-        let batch = hzp_passes::train::with_lr(p, &batch, lr);
+        let first = feed.as_ref().map_or(0, |f| (s * f.rows) as u64);
+        let batch = ss::step_batch(p, &prep.batch, feed.as_mut(), first, lr)?;
         let start = Instant::now();
         let outs = trainer
             .step(&batch)
             .map_err(|e| miette!("step {}: {e}", s + 1))?;
         let dt = start.elapsed().as_secs_f64();
         let loss = outs[0].1.to_f64_vec()[0];
-        let grad_norm = norm_name.as_ref().and_then(|n| {
-            outs.iter()
-                .find(|(k, _)| k == n)
-                .and_then(|(_, t)| t.to_f64_vec().first().copied())
-        });
         let done = s + 1;
-        let val = match (&mut evaluator, eval_every) {
+        let val_loss = match (&mut evaluator, eval_every) {
             (Some(e), Some(k)) if done.is_multiple_of(k) || done == steps => {
                 Some(e.loss(&trainer.parameters())?)
             }
             _ => None,
         };
+        let report = ss::StepReport {
+            step: done,
+            loss: Some(loss),
+            lr,
+            seconds: dt,
+            tokens: feed.as_ref().map(|f| f.rows * f.seq),
+            grad_norm: norm_name.as_ref().and_then(|n| {
+                outs.iter()
+                    .find(|(k, _)| k == n)
+                    .and_then(|(_, t)| t.to_f64_vec().first().copied())
+            }),
+            val_loss,
+        };
         if text {
+            // without a schedule, data or evaluation: the line `hzp train` always printed
             let line = if plain {
                 format!("step {done:>4}  loss {loss:.6}  ({:.1} ms)", dt * 1e3)
             } else {
-                let mut l = format!(
-                    "step {done:>4}  loss {loss:.6}  lr {lr:.3e}  ({:.1} ms",
-                    dt * 1e3
-                );
-                if let Some(f) = &feed {
-                    l.push_str(&format!(
-                        ", {:.0} tokens/s",
-                        (f.rows * f.seq) as f64 / dt.max(1e-12)
-                    ));
-                }
-                l.push(')');
-                if let Some(v) = val {
-                    l.push_str(&format!("  val_loss {v:.6}"));
-                }
-                l
+                report.line()
             };
             ss::say(&pb, &line)?;
             if let Some(b) = &pb {
                 b.set_position(done as u64);
             }
         }
-        let mut rec = serde_json::json!({"step": done, "loss": loss, "lr": lr, "step_seconds": dt});
-        if let Some(f) = &feed {
-            rec["tokens_per_s"] = serde_json::json!((f.rows * f.seq) as f64 / dt.max(1e-12));
-        }
-        if let Some(g) = grad_norm {
-            rec["grad_norm"] = serde_json::json!(g);
-        }
-        if let Some(v) = val {
-            rec["val_loss"] = serde_json::json!(v);
-        }
-        metrics.write(&rec)?;
+        metrics.write(&report.json())?;
         losses.push(loss);
         times.push(dt);
     }

@@ -3,7 +3,7 @@
 //! metrics (`--log`, JSON lines) and progress output.
 
 use hzp_frontends::tokens::{Sampler, TokenDtype, TokenFile};
-use hzp_ir::{DType, Op, Program, Tensor, ValueId};
+use hzp_ir::{DType, Program, Tensor, ValueId};
 use hzp_runtime::schedule::{LrSchedule, ScheduleKind};
 use miette::{miette, Result};
 use std::io::Write;
@@ -141,43 +141,125 @@ pub fn token_input(p: &Program, asked: Option<&str>) -> Result<ValueId> {
     }
 }
 
-/// The vocabulary the token input indexes: the smallest table a Gather reads it into, or
-/// the class count of a softmax cross-entropy it labels (following shape-only ops and
-/// slices). `None` when no such use is found.
-pub fn vocab_of(p: &Program, input: ValueId) -> Option<usize> {
-    let mut derived = vec![false; p.values.len()];
-    derived[input.index()] = true;
-    let mut vocab: Option<usize> = None;
-    let mut take = |n: usize| vocab = Some(vocab.map_or(n, |v: usize| v.min(n)));
-    for node in &p.nodes {
-        let reads = |k: usize| node.inputs.get(k).is_some_and(|v| derived[v.index()]);
-        match &node.op {
-            Op::Reshape { .. }
-            | Op::Identity
-            | Op::Copy
-            | Op::Cast { .. }
-            | Op::Slice { .. }
-            | Op::Transpose { .. }
-                if reads(0) =>
-            {
-                for &o in &node.outputs {
-                    derived[o.index()] = true;
-                }
-            }
-            Op::Gather { axis } if reads(1) => {
-                if let Some(&d) = p.ty(node.inputs[0]).shape.get(*axis) {
-                    take(d);
-                }
-            }
-            Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } if reads(1) => {
-                if let Some(&d) = p.ty(node.inputs[0]).shape.get(*axis) {
-                    take(d);
-                }
-            }
-            _ => {}
+/// The training feed (`--data`) for the token input of `p` (a per-rank program of `ranks`
+/// ranks: batches of `ranks` times its rows), and with `--val-data` the held-out feed of the
+/// same shape. Token ids are checked against the table or classes the input indexes
+/// (`hzp_runtime::index_check::index_bounds`). `None` without `--data`.
+pub fn open_feeds(
+    args: &LoopArgs,
+    p: &Program,
+    ranks: usize,
+) -> Result<Option<(TokenFeed, Option<TokenFeed>)>> {
+    let Some(path) = &args.data else {
+        if args.val_data.is_some() {
+            return Err(miette!(
+                "--val-data needs --data (evaluation reads batches of the training shape)"
+            ));
         }
+        return Ok(None);
+    };
+    let raw = args.dtype()?;
+    let token = token_input(p, args.data_input.as_deref())?;
+    let ty = p.ty(token);
+    let rows = ty.shape[0] * ranks;
+    let vocab = hzp_runtime::index_check::index_bounds(p)
+        .get(&token)
+        .map(|u| u.bound);
+    let open = |path: &Path, shuffle| {
+        TokenFeed::open(
+            path,
+            raw,
+            &p.value(token).name,
+            ty.dtype,
+            rows,
+            ty.shape[1],
+            vocab,
+            shuffle,
+        )
+    };
+    let train = open(path, args.shuffle)?;
+    let val = args
+        .val_data
+        .as_deref()
+        .map(|v| open(v, None))
+        .transpose()?;
+    Ok(Some((train, val)))
+}
+
+/// The global batch of one step: the fixed inputs (but the tokens), the feed's batch of
+/// samples `first ..`, and the learning rate.
+pub fn step_batch(
+    p: &Program,
+    fixed: &[(String, Tensor)],
+    feed: Option<&mut TokenFeed>,
+    first: u64,
+    lr: f64,
+) -> Result<Vec<(String, Tensor)>> {
+    let mut batch: Vec<(String, Tensor)> = fixed
+        .iter()
+        .filter(|(k, _)| feed.as_ref().is_none_or(|f| *k != f.input))
+        .cloned()
+        .collect();
+    if let Some(f) = feed {
+        batch.push(f.batch(first)?);
     }
-    vocab
+    Ok(hzp_passes::train::with_lr(p, &batch, lr))
+}
+
+/// What one step of a training run reports: its line and its `--log` record.
+pub struct StepReport {
+    /// 1-based.
+    pub step: usize,
+    pub loss: Option<f64>,
+    pub lr: f64,
+    pub seconds: f64,
+    /// Tokens of the step's batch (from a token file).
+    pub tokens: Option<usize>,
+    pub grad_norm: Option<f64>,
+    pub val_loss: Option<f64>,
+}
+
+impl StepReport {
+    fn tokens_per_s(&self) -> Option<f64> {
+        self.tokens.map(|t| t as f64 / self.seconds.max(1e-12))
+    }
+
+    pub fn line(&self) -> String {
+        let mut l = format!(
+            "step {:>4}  loss {}  lr {:.3e}  ({:.1} ms",
+            self.step,
+            self.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
+            self.lr,
+            self.seconds * 1e3
+        );
+        if let Some(t) = self.tokens_per_s() {
+            l.push_str(&format!(", {t:.0} tokens/s"));
+        }
+        l.push(')');
+        if let Some(v) = self.val_loss {
+            l.push_str(&format!("  val_loss {v:.6}"));
+        }
+        l
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        let mut rec = serde_json::json!({
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "step_seconds": self.seconds,
+        });
+        if let Some(t) = self.tokens_per_s() {
+            rec["tokens_per_s"] = serde_json::json!(t);
+        }
+        if let Some(g) = self.grad_norm {
+            rec["grad_norm"] = serde_json::json!(g);
+        }
+        if let Some(v) = self.val_loss {
+            rec["val_loss"] = serde_json::json!(v);
+        }
+        rec
+    }
 }
 
 /// Batches of `[rows, seq]` tokens from a token file.
@@ -226,6 +308,18 @@ impl TokenFeed {
 
     pub fn tokens(&self) -> usize {
         self.file.len()
+    }
+
+    /// The line a run prints about its training data.
+    pub fn data_line(&self) -> String {
+        format!(
+            "data: {}, batches of {} x {}{}",
+            self.describe(),
+            self.rows,
+            self.seq,
+            self.vocab
+                .map_or(String::new(), |v| format!(", ids checked below {v}"))
+        )
     }
 
     pub fn describe(&self) -> String {

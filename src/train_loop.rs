@@ -3,7 +3,7 @@
 //! `hzp_runtime::checkpoint`).
 
 use crate::run::RunArgs;
-use crate::session::{self, Evaluator, Metrics, TokenFeed};
+use crate::session::{self, Evaluator, Metrics};
 use hzp_ir::plan::Plan;
 use hzp_ir::{Tensor, TensorType};
 use hzp_runtime::checkpoint::{self, DataPosition, Manifest};
@@ -31,57 +31,21 @@ pub fn run_loop(
         }
         Ok(())
     };
-    let raw = s.dtype()?;
-    let mut feed = match &s.data {
-        Some(path) => {
-            let v = session::token_input(p, s.data_input.as_deref())?;
-            let ty = p.ty(v);
-            let (rows, seq) = (ty.shape[0] * w, ty.shape[1]);
-            let vocab = session::vocab_of(p, v);
-            let f = TokenFeed::open(
-                path,
-                raw,
-                &p.value(v).name,
-                ty.dtype,
-                rows,
-                seq,
-                vocab,
-                s.shuffle,
-            )?;
-            println(format!(
-                "data: {}, batches of {rows} x {seq}{}",
-                f.describe(),
-                vocab.map_or(String::new(), |v| format!(", ids checked below {v}"))
-            ))?;
-            Some(f)
-        }
-        None => None,
-    };
     let eval_every = s.eval_period(args.steps)?;
-    let mut evaluator = match (&s.val_data, &feed) {
-        (Some(vp), Some(f)) => {
-            let program = crate::run::eval_program(args, plan)?;
-            let v = session::token_input(&program, Some(&f.input))?;
-            let vf = TokenFeed::open(
-                vp,
-                raw,
-                &f.input,
-                program.ty(v).dtype,
-                f.rows,
-                f.seq,
-                session::vocab_of(p, session::token_input(p, Some(&f.input))?),
-                None,
-            )?;
-            let e = Evaluator::new(program, vf, s.eval_batches)?;
+    let (mut feed, val_feed) = match session::open_feeds(s, p, w)? {
+        Some((f, v)) => (Some(f), v),
+        None => (None, None),
+    };
+    if let Some(f) = &feed {
+        println(f.data_line())?;
+    }
+    let mut evaluator = match val_feed {
+        Some(vf) => {
+            let e = Evaluator::new(crate::run::eval_program(args, plan)?, vf, s.eval_batches)?;
             println(format!("evaluation: {}", e.describe()))?;
             Some(e)
         }
-        (Some(_), None) => {
-            return Err(miette!(
-                "--val-data needs --data (evaluation reads batches of the training shape)"
-            ))
-        }
-        _ => None,
+        None => None,
     };
     let ckpt_dir = args.checkpoint_dir.as_deref();
     if ckpt_dir.is_none() && (args.resume || args.checkpoint_every.is_some() || args.keep.is_some())
@@ -204,15 +168,7 @@ pub fn run_loop(
     let mut out = Vec::with_capacity(end - start);
     for step in start..end {
         let lr = schedule.at(step);
-        let mut batch: Vec<(String, Tensor)> = fixed
-            .iter()
-            .filter(|(k, _)| feed.as_ref().is_none_or(|f| *k != f.input))
-            .cloned()
-            .collect();
-        if let Some(f) = feed.as_mut() {
-            batch.push(f.batch(samples)?);
-        }
-        let batch = hzp_passes::train::with_lr(p, &batch, lr);
+        let batch = session::step_batch(p, fixed, feed.as_mut(), samples, lr)?;
         ex.set_inputs(&batch)
             .map_err(|e| miette!("step {}: {e}", step + 1))?;
         let st = ex.step().map_err(|e| miette!("{e}"))?;
@@ -220,33 +176,26 @@ pub fn run_loop(
             samples += f.rows as u64;
         }
         let done = step + 1;
-        let tokens = feed.as_ref().map(|f| f.rows * f.seq);
-        let grad_norm = norm_name
-            .as_deref()
-            .and_then(|n| ex.value(0, n))
-            .and_then(|t| t.to_f64_vec().first().copied());
-        let val = match (&mut evaluator, eval_every) {
+        let val_loss = match (&mut evaluator, eval_every) {
             (Some(e), Some(k)) if done.is_multiple_of(k) || done == args.steps => {
                 Some(e.loss(&ex.parameters())?)
             }
             _ => None,
         };
-        let secs = st.wall.as_secs_f64();
-        let mut line = format!(
-            "step {:>4}  loss {}  lr {lr:.3e}  ({:.1} ms",
-            st.step,
-            st.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
-            secs * 1e3
-        );
-        if let Some(t) = tokens {
-            line.push_str(&format!(", {:.0} tokens/s", t as f64 / secs.max(1e-12)));
-        }
-        line.push(')');
-        if let Some(v) = val {
-            line.push_str(&format!("  val_loss {v:.6}"));
-        }
+        let report = session::StepReport {
+            step: st.step,
+            loss: st.loss,
+            lr,
+            seconds: st.wall.as_secs_f64(),
+            tokens: feed.as_ref().map(|f| f.rows * f.seq),
+            grad_norm: norm_name
+                .as_deref()
+                .and_then(|n| ex.value(0, n))
+                .and_then(|t| t.to_f64_vec().first().copied()),
+            val_loss,
+        };
         if text {
-            session::say(&pb, &line)?;
+            session::say(&pb, &report.line())?;
         }
         if let Some(b) = &pb {
             b.set_position(done as u64);
@@ -254,22 +203,7 @@ pub fn run_loop(
                 b.set_message(format!("loss {l:.4}"));
             }
         }
-        let mut rec = serde_json::json!({
-            "step": done,
-            "loss": st.loss,
-            "lr": lr,
-            "step_seconds": secs,
-        });
-        if let Some(t) = tokens {
-            rec["tokens_per_s"] = serde_json::json!(t as f64 / secs.max(1e-12));
-        }
-        if let Some(g) = grad_norm {
-            rec["grad_norm"] = serde_json::json!(g);
-        }
-        if let Some(v) = val {
-            rec["val_loss"] = serde_json::json!(v);
-        }
-        metrics.write(&rec)?;
+        metrics.write(&report.json())?;
         out.push(st);
         if let Some(dir) = ckpt_dir {
             let due = args
