@@ -134,22 +134,19 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
             Ok(())
         }
         CheckpointWhat::Export { dir, output } => {
-            let list = checkpoints_in(dir)?;
-            let mut chosen = None;
-            for path in list.iter().rev() {
-                match checkpoint::load(path) {
-                    Ok(c) => {
-                        chosen = Some(c);
-                        break;
-                    }
-                    Err(e @ checkpoint::CheckpointError::Damaged { .. }) if list.len() > 1 => {
-                        eprintln!("note: skipping checkpoint {e}")
-                    }
-                    Err(e) => return Err(miette!("{e}")),
-                }
-            }
-            let c = chosen
-                .ok_or_else(|| miette!("{}: no complete checkpoint to export", dir.display()))?;
+            // one checkpoint, or the newest complete one of a folder (as --resume picks it)
+            let c = if dir.join(checkpoint::MANIFEST).is_file() {
+                checkpoint::load(dir).map_err(|e| miette!("{e}"))?
+            } else {
+                checkpoint::latest(dir, &mut |n| eprintln!("note: {n}"))
+                    .map_err(|e| miette!("{e}"))?
+                    .ok_or_else(|| {
+                        miette!(
+                            "{}: no checkpoint (no manifest.json, no step-NNNNNN folders)",
+                            dir.display()
+                        )
+                    })?
+            };
             let params = c.parameters().map_err(|e| miette!("{e}"))?;
             crate::files::check_output(output, &[dir.as_path()])?;
             let ext = output.extension().and_then(|e| e.to_str()).unwrap_or("");
