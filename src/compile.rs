@@ -3,7 +3,7 @@
 use crate::commands::{load_for_compile, train_config};
 use crate::{Format, ModelArgs, TrainArgs};
 use hzp_ir::plan::{BufferKind, Plan, ShardGroups};
-use hzp_ir::{Mesh, Op, Program, StreamKind, ValueDef, ValueId};
+use hzp_ir::{Mesh, Op, Program, RoleKind, StreamKind, ValueDef, ValueId};
 use hzp_passes::cluster::{parse_bytes, ClusterSpec};
 use hzp_passes::shard_plan::{self, ReduceGrads, ShardOptions, ShardOverride, Strategy};
 use hzp_passes::train::Optimizer;
@@ -99,19 +99,14 @@ fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
         ValueDef::Const => BufferKind::Other,
         ValueDef::Node { node, .. } => {
             let n = &p.nodes[node.index()];
-            if n.name.starts_with("reduce.")
-                || n.name.starts_with("accumulate.")
-                || val.name.starts_with("grad/")
-            {
-                BufferKind::Grad
-            } else if n.name.starts_with("regather.") {
-                BufferKind::Param
-            } else if n.name.starts_with("step/") {
-                BufferKind::OptimState
-            } else if n.name.starts_with("gather.") || n.op.is_collective() {
-                BufferKind::CommBuffer
-            } else {
-                BufferKind::Activation
+            match n.role.kind {
+                RoleKind::Reduce | RoleKind::Accumulate => BufferKind::Grad,
+                _ if val.name.starts_with("grad/") => BufferKind::Grad,
+                RoleKind::Regather => BufferKind::Param,
+                RoleKind::Gather => BufferKind::CommBuffer,
+                _ if n.op.is_collective() => BufferKind::CommBuffer,
+                RoleKind::Optimizer => BufferKind::OptimState,
+                RoleKind::Compute | RoleKind::Recompute | RoleKind::Loss => BufferKind::Activation,
             }
         }
     }

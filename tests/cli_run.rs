@@ -183,7 +183,7 @@ fn bad_plans_models_and_inputs_are_refused_clearly() {
     };
     // another format version
     let v1 = d.join("v1.json");
-    std::fs::write(&v1, text.replacen("\"version\": 2", "\"version\": 1", 1)).unwrap();
+    std::fs::write(&v1, text.replacen("\"version\": 3", "\"version\": 1", 1)).unwrap();
     let (code, _, err) = run(&v1, &[]);
     assert_eq!(code, 1);
     assert!(err.contains("version 1"), "{err}");

@@ -14,6 +14,7 @@ pub mod mesh;
 pub mod op;
 pub mod plan;
 pub mod program;
+pub mod role;
 pub mod tensor;
 pub mod trace;
 pub mod verify;
@@ -30,6 +31,7 @@ pub use program::{
     Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef,
     ValueId,
 };
+pub use role::{Role, RoleKind};
 pub use tensor::{Data, Tensor};
 pub use verify::{verify, VerifyError};
 pub mod text;

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! {
-//!   "version": 1,
+//!   "version": 3,
 //!   "content_hash": "<sha-256 of the canonical JSON of everything else, hex>",
 //!   "model": "...", "strategy": "...",
 //!   "mesh": {"axes": [{"name": "gpu", "size": 4}]},
@@ -44,8 +44,10 @@ use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fmt::{self, Write as _};
 
-/// The plan format this hzp writes and reads.
-pub const PLAN_VERSION: u32 = 2;
+/// The plan format this hzp writes and reads. Version 3 added node roles to the program
+/// (`role=...` in the text form); a version 2 plan has none, so it is refused with the
+/// version message and must be compiled again.
+pub const PLAN_VERSION: u32 = 3;
 
 /// Largest dimension and element count a plan may declare (as the text form).
 const MAX_SIZE: u64 = 1 << 62;

@@ -3,6 +3,7 @@
 use crate::dtype::{DType, TensorType};
 use crate::mesh::Mesh;
 use crate::op::{Op, StreamKind};
+use crate::role::Role;
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -66,6 +67,10 @@ pub struct Node {
     pub inputs: Vec<ValueId>,
     pub outputs: Vec<ValueId>,
     pub stream: StreamKind,
+    /// What the node does in a training step (see [`crate::role`]); passes read this, never
+    /// the name.
+    #[serde(default, skip_serializing_if = "Role::is_compute")]
+    pub role: Role,
 }
 
 /// A trainable parameter. `data` is `None` for shapes-only programs (presets).
@@ -224,6 +229,7 @@ impl Program {
             inputs,
             outputs: outputs.clone(),
             stream: StreamKind::Compute,
+            role: Role::default(),
         });
         Ok(outputs)
     }

@@ -61,6 +61,7 @@ fn program() -> Program {
         &[w],
     );
     p.nodes[0].stream = StreamKind::AllGather;
+    p.nodes[0].role = hzp_ir::Role::new(hzp_ir::RoleKind::Gather, "mb0.fwd.h \"0\"");
     p.add_node("rec", Op::RecordEvent { event: 1 }, vec![], vec![])
         .unwrap();
     p.nodes[1].stream = StreamKind::AllGather;
@@ -128,7 +129,7 @@ fn json_round_trips_exactly() {
     let json = plan.to_json();
     assert_eq!(json, plan.to_json(), "to_json is deterministic");
     assert!(
-        json.starts_with("{\n  \"version\": 2,\n  \"content_hash\": \""),
+        json.starts_with("{\n  \"version\": 3,\n  \"content_hash\": \""),
         "{json}"
     );
     assert_eq!(plan.content_hash, plan.compute_hash());
@@ -219,20 +220,20 @@ fn every_op_round_trips_through_a_plan() {
 #[test]
 fn another_version_is_refused_first() {
     let json = plan_of(program()).to_json();
-    let v3 = json.replacen("\"version\": 2,", "\"version\": 3,", 1);
+    let v3 = json.replacen("\"version\": 3,", "\"version\": 4,", 1);
     assert_ne!(v3, json);
     let e = Plan::from_json(&v3, "plan.json").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "plan.json was written by plan format version 3; this hzp reads version 2"
+        "plan.json was written by plan format version 4; this hzp reads version 3"
     );
-    assert!(matches!(e, PlanError::Version { found: 3, .. }));
+    assert!(matches!(e, PlanError::Version { found: 4, .. }));
     // the version is looked at before the layout: a future layout still gets this message
     let future = r#"{"version": 7, "whatever": [1, 2, 3]}"#;
     let e = Plan::from_json(future, "other.json").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "other.json was written by plan format version 7; this hzp reads version 2"
+        "other.json was written by plan format version 7; this hzp reads version 3"
     );
 }
 
@@ -390,7 +391,7 @@ fn text_form_has_header_program_and_buffers() {
     let s = plan.to_text();
     assert_eq!(s, plan.to_text());
     for want in [
-        "# hzp plan, format version 2\n",
+        "# hzp plan, format version 3\n",
         "# model:    tiny.hzp\n",
         "# strategy: asynchzp\n",
         "# mesh:     gpu=4 (4 ranks)\n",
@@ -398,7 +399,7 @@ fn text_form_has_header_program_and_buffers() {
         "# arena:    704 B (704 bytes) per rank, 11 buffers\n",
         &format!("# hash:     sha256:{}\n", plan.content_hash),
         "program \"tiny\"\nmesh gpu=4\n",
-        "%ag_w = AllGather{group=[gpu], axis=0}(%w) : f32[8,4] \"ag_w\" @allgather\n",
+        "%ag_w = AllGather{group=[gpu], axis=0}(%w) : f32[8,4] \"ag_w\" @allgather role=gather(\"mb0.fwd.h \\\"0\\\"\")\n",
         "# buffers (offset, bytes, kind, value), arena order\n",
         "buffer      0     64 param       %x\n",
         "buffer     64     64 grad        %w\n",

@@ -7,7 +7,7 @@
 //! An op on such a path without a gradient rule fails with the op and the node's name.
 
 use crate::emit::Emitter;
-use hzp_ir::{BinaryOp, Node, Op, Program, ReduceOp, UnaryOp, ValueDef, ValueId};
+use hzp_ir::{BinaryOp, Node, Op, Program, ReduceOp, Role, RoleKind, UnaryOp, ValueDef, ValueId};
 use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +73,7 @@ pub fn differentiate_scaled(
 
     let mut e = Emitter::new(p);
     let mut grads: HashMap<ValueId, ValueId> = HashMap::new();
-    e.scope = "loss/seed".into();
+    e.enter("loss/seed", Role::of(RoleKind::Loss));
     let one = e.scalar(scale, lt.dtype);
     let seed = if lt.shape.is_empty() {
         one
@@ -102,7 +102,7 @@ pub fn differentiate_scaled(
         if !want.iter().any(|&w| w) {
             continue;
         }
-        e.scope = format!("{}/bwd", node.name);
+        e.enter(format!("{}/bwd", node.name), Role::default());
         let dxs = rule(&mut e, &node, &dys, &want).map_err(|m| {
             AutodiffError(format!("node `{}` ({}): {m}", node.name, node.op.name()))
         })?;
@@ -116,7 +116,7 @@ pub fn differentiate_scaled(
         }
     }
 
-    e.scope = "grad".into();
+    e.enter("grad", Role::default());
     let mut out = Vec::new();
     for &w in wrt {
         let g = match grads.get(&w) {

@@ -1,7 +1,7 @@
 //! A small helper for passes that append nodes to a program: fresh names, scalar constants,
 //! and one-line op emission with errors that name the pass's node.
 
-use hzp_ir::{DType, NameSet, Op, Program, Tensor, TensorType, ValueId};
+use hzp_ir::{DType, NameSet, Op, Program, Role, Tensor, TensorType, ValueId};
 use std::collections::HashMap;
 
 pub struct Emitter<'a> {
@@ -9,6 +9,8 @@ pub struct Emitter<'a> {
     names: NameSet,
     /// Prefix for the names of emitted nodes and values (e.g. the forward node's name).
     pub scope: String,
+    /// The role of emitted nodes (see [`hzp_ir::role`]); set with the scope by [`Self::enter`].
+    pub role: Role,
     scalars: HashMap<(u64, DType), ValueId>,
 }
 
@@ -19,8 +21,15 @@ impl<'a> Emitter<'a> {
             p,
             names,
             scope: String::new(),
+            role: Role::default(),
             scalars: HashMap::new(),
         }
+    }
+
+    /// Names the next emitted nodes `<scope>/...` and gives them `role`.
+    pub fn enter(&mut self, scope: impl Into<String>, role: Role) {
+        self.scope = scope.into();
+        self.role = role;
     }
 
     pub fn ty(&self, v: ValueId) -> &TensorType {
@@ -71,7 +80,11 @@ impl<'a> Emitter<'a> {
                 }
             })
             .collect();
-        self.p.add_node(node_name, op, inputs.to_vec(), outs)
+        let outs = self.p.add_node(node_name, op, inputs.to_vec(), outs)?;
+        if let Some(n) = self.p.nodes.last_mut() {
+            n.role = self.role.clone();
+        }
+        Ok(outs)
     }
 
     /// Emits a node with one output.

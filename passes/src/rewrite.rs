@@ -59,7 +59,7 @@ use crate::cluster::ClusterSpec;
 use crate::cost::{Algorithm, CollectiveKind, CostModel};
 use egg::{Analysis, CostFunction, DidMerge, EGraph, Extractor, Id, Language};
 use hzp_ir::{
-    DType, Group, Mesh, NameSet, Node, Op, Param, Program, ReduceOp, StreamKind, TensorType,
+    DType, Group, Mesh, NameSet, Node, Op, Param, Program, ReduceOp, Role, StreamKind, TensorType,
     ValueDef, ValueId,
 };
 use std::cmp::Reverse;
@@ -323,6 +323,7 @@ struct NewNode {
     op: Op,
     inputs: Vec<VRef>,
     stream: StreamKind,
+    role: Role,
     /// Position key: original node i has key 2i; a new node with key 2i-1 goes just before
     /// node i (or as soon after as its inputs allow).
     key: i64,
@@ -333,6 +334,8 @@ struct Edit<'a> {
     removed: Vec<bool>,
     subst: HashMap<ValueId, VRef>,
     new: Vec<NewNode>,
+    /// The role of nodes added by [`Edit::push`]: that of the node(s) they stand for.
+    role: Role,
     names: NameSet,
     /// Next suffix to try per base name (so n fresh names of one base cost O(n)).
     next_suffix: HashMap<String, usize>,
@@ -356,6 +359,7 @@ impl<'a> Edit<'a> {
             removed: vec![false; p.nodes.len()],
             subst: HashMap::new(),
             new: Vec::new(),
+            role: Role::default(),
             names: NameSet::from_program(p),
             next_suffix: HashMap::new(),
         }
@@ -369,6 +373,7 @@ impl<'a> Edit<'a> {
             op,
             inputs,
             stream,
+            role: self.role.clone(),
             key,
         });
         VRef::New(self.new.len() - 1)
@@ -531,7 +536,9 @@ impl<'a> Edit<'a> {
                     .collect::<Result<Vec<_>, _>>()?;
                 let outs = n.outputs.iter().map(|&o| p.value(o).name.clone()).collect();
                 let new = q.add_node(n.name.clone(), n.op.clone(), ins, outs)?;
-                q.nodes.last_mut().expect("just added").stream = n.stream;
+                let added = q.nodes.last_mut().expect("just added");
+                added.stream = n.stream;
+                added.role = n.role.clone();
                 for (&o, nv) in n.outputs.iter().zip(new) {
                     vmap[o.index()] = Some(nv);
                 }
@@ -543,7 +550,9 @@ impl<'a> Edit<'a> {
                     .map(|&r| get(r, &vmap, &newv))
                     .collect::<Result<Vec<_>, _>>()?;
                 let new = q.add_node(n.name.clone(), n.op.clone(), ins, vec![n.name.clone()])?;
-                q.nodes.last_mut().expect("just added").stream = n.stream;
+                let added = q.nodes.last_mut().expect("just added");
+                added.stream = n.stream;
+                added.role = n.role.clone();
                 newv[i - nold] = Some(new[0]);
             }
         }
@@ -579,14 +588,16 @@ fn strip_events(p: &Program) -> Result<Program, String> {
 // ---------------------------------------------------------------------------------------------
 // Stage 1: bucketing
 
-/// The bucket key of a node name: up to the first `/`.
-pub fn bucket_key(name: &str) -> &str {
+/// The scope a bucket's nodes are named in: its first member's name up to the first `/`
+/// (names only; which collectives share a bucket is decided by their roles).
+fn bucket_scope(name: &str) -> &str {
     name.split_once('/').map_or(name, |(k, _)| k)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct BucketSig {
-    key: String,
+    /// Collectives of one role (kind and unit) may share a bucket.
+    key: Role,
     kind: u8,
     group: Group,
     reduce: u8,
@@ -654,7 +665,7 @@ fn bucket(
             let (x, y) = (n.inputs[0], n.outputs[0]);
             if p.ty(x).rank() > 0 || kind == 2 {
                 let sig = BucketSig {
-                    key: bucket_key(&n.name).to_string(),
+                    key: n.role.clone(),
                     kind,
                     group: group.clone(),
                     reduce,
@@ -707,11 +718,11 @@ fn bucket(
             }
         }
     }
-    for (sig, b) in &done {
+    for (_, b) in &done {
         if !bucket_pays(p, coster, &b.members) {
             continue;
         }
-        let scope = format!("{}/bucket", sig.key);
+        let scope = format!("{}/bucket", bucket_scope(&p.nodes[b.members[0]].name));
         emit_bucket(&mut e, p, &b.members, &scope, 2 * b.max_in + 1)?;
         report.buckets += 1;
         report.bucketed_collectives += b.members.len();
@@ -788,6 +799,7 @@ fn emit_bucket(
     key: i64,
 ) -> Result<(), String> {
     let first = p.nodes[members[0]].op.clone();
+    e.role = p.nodes[members[0]].role.clone();
     let n = p
         .mesh
         .as_ref()
@@ -2011,12 +2023,17 @@ fn instantiate(
         .copied()
         .find(|&j| p.nodes[j].op.is_collective())
         .unwrap_or(r.nodes[0]);
-    let seed_name = &p.nodes[seed].name;
-    let scope_of = |name: &str| name.rsplit_once('/').map_or(name, |(s, _)| s).to_string();
-    let scope = scope_of(seed_name);
+    // A new node is named in the scope of, and has the role of, the original node it
+    // stands for (see below).
+    let scope_of = |j: usize| {
+        let name = &p.nodes[j].name;
+        let scope = name.rsplit_once('/').map_or(name.as_str(), |(s, _)| s);
+        (scope.to_string(), p.nodes[j].role.clone())
+    };
+    let scope = scope_of(seed);
     // Names: a node keeps the scope of the original node it stands for, else of its first
     // reader, else of the root it computes.
-    let mut scopes: Vec<Option<String>> = vec![None; t.nodes.len()];
+    let mut scopes: Vec<Option<(String, Role)>> = vec![None; t.nodes.len()];
     // Keys: a root goes where its original producer was; a node feeding others goes no later
     // than its first reader.
     let mut keys = vec![i64::MAX; t.nodes.len()];
@@ -2029,7 +2046,7 @@ fn instantiate(
                 .index() as i64;
             keys[i] = keys[i].min(2 * orig - 1);
             if scopes[i].is_none() {
-                scopes[i] = Some(scope_of(&p.nodes[orig as usize].name));
+                scopes[i] = Some(scope_of(orig as usize));
             }
         }
     }
@@ -2038,7 +2055,7 @@ fn instantiate(
             keys[i] = 2 * r.nodes[0] as i64 - 1;
         }
         if let Some(j) = t.nodes[i].3 {
-            scopes[i] = Some(scope_of(&p.nodes[r.nodes[j as usize]].name));
+            scopes[i] = Some(scope_of(r.nodes[j as usize]));
         }
         let sc = scopes[i].get_or_insert_with(|| scope.clone()).clone();
         for &c in &t.nodes[i].1 {
@@ -2059,7 +2076,8 @@ fn instantiate(
     for (i, (op, children, ty, orig)) in t.nodes.iter().enumerate() {
         let ins: Vec<VRef> = children.iter().map(|&c| refs[c as usize]).collect();
         let key = keys[i];
-        let scope = scopes[i].as_deref().unwrap_or(&scope);
+        let (scope, role) = scopes[i].as_ref().unwrap_or(&scope);
+        e.role = role.clone();
         let v = if let ROp::ChunkSwap { axis, n1, n2 } = op {
             let (view, perm) = chunk_swap_view(&ty.shape, *axis, *n1, *n2)
                 .ok_or("collective rewriting: a chunk swap does not divide its dim")?;
@@ -2092,6 +2110,7 @@ fn instantiate(
                     e.new.push(NewNode {
                         name,
                         stream: node.stream,
+                        role: node.role.clone(),
                         op: o,
                         inputs: ins,
                         key,
@@ -2112,7 +2131,8 @@ fn instantiate(
         if (rt as usize) < nl && escapes[root.index()] {
             // An output or update must not alias an input of the region.
             let orig = p.producer(root).expect("node value").index();
-            let sc = scope_of(&p.nodes[orig].name);
+            let (sc, role) = scope_of(orig);
+            e.role = role;
             v = e.push(
                 &format!("{sc}/Copy"),
                 Op::Copy,

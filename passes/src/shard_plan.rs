@@ -1130,16 +1130,8 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
     let step = crate::spmd::shard_training_step_with(fwd, &cfg, &mesh, &spec, &sched).ok()?;
     let q = &step.program;
     let activation = |n: &hzp_ir::Node| {
-        ![
-            "gather.",
-            "reduce.",
-            "accumulate.",
-            "optimizer",
-            "regather.",
-            "step/",
-        ]
-        .iter()
-        .any(|pre| n.name.starts_with(pre))
+        use hzp_ir::RoleKind as K;
+        matches!(n.role.kind, K::Compute | K::Recompute | K::Loss)
     };
     let mut last = vec![0usize; q.values.len()];
     for (i, n) in q.nodes.iter().enumerate() {

@@ -1004,7 +1004,7 @@ pub fn simulate(
             continue;
         }
         hardware += c.flops;
-        if !node.name.contains("/recompute") {
+        if node.role.kind != hzp_ir::RoleKind::Recompute {
             model_flops += c.flops;
         }
         if matches!(node.op, Op::MatMul) {

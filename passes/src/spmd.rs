@@ -23,8 +23,8 @@ use crate::shard_plan::ReduceGrads;
 use crate::train::{self, TrainConfig, TrainError};
 pub use hzp_ir::ParamLayout;
 use hzp_ir::{
-    BinaryOp, DType, Group, Mesh, NodeId, Op, Precision, Program, ReduceOp, StreamKind, TensorType,
-    Update, ValueDef, ValueId,
+    BinaryOp, DType, Group, Mesh, NodeId, Op, Precision, Program, ReduceOp, Role, RoleKind,
+    StreamKind, TensorType, Update, ValueDef, ValueId,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -495,8 +495,8 @@ impl Analysis {
 /// One gather unit as emitted: the names of its all-gather outputs and of the gathered
 /// parameters the step reads.
 struct UnitRec {
-    /// The scope of the unit's nodes, `gather.<micro-batch>.<phase>.<layer>`: every node of
-    /// the unit is named `<key>/...`, also after collective rewriting (which keeps scopes).
+    /// The unit, `<micro-batch>.<phase>.<layer>`: every node of the unit has the role
+    /// `gather(<key>)`, also after collective rewriting (which keeps roles).
     key: String,
 }
 
@@ -809,7 +809,10 @@ pub fn shard_training_step_rewritten(
     // accumulation, so the cross-replica reduction overlaps the last micro-batch's backward.
     let finish = |e: &mut Emitter, j: usize, v: ValueId| -> Result<ValueId, String> {
         let l = &layouts[j];
-        e.scope = format!("reduce.step/{}", l.name);
+        e.enter(
+            format!("reduce.step/{}", l.name),
+            Role::new(RoleKind::Reduce, "step"),
+        );
         let mut v = v;
         if !per_mb {
             v = rs_g(e, v, j)?;
@@ -875,7 +878,7 @@ pub fn shard_training_step_rewritten(
     let member = if sparse_at.is_empty() {
         None
     } else {
-        e.scope = "member".into();
+        e.enter("member", Role::new(RoleKind::Reduce, "member"));
         (|| -> Result<ValueId, String> {
             let name = e.fresh("member/ranks");
             let ranks =
@@ -1013,11 +1016,12 @@ pub fn shard_training_step_rewritten(
          -> Result<ValueId, String> {
             if started.insert(key) {
                 let uname = an.unit_name(mb, key);
-                let rec = UnitRec {
-                    key: format!("gather.{uname}"),
-                };
+                let rec = UnitRec { key: uname.clone() };
                 for &kk in &an.units[&key] {
-                    e.scope = format!("gather.{uname}/{}", layouts[kk].name);
+                    e.enter(
+                        format!("gather.{uname}/{}", layouts[kk].name),
+                        Role::new(RoleKind::Gather, uname.clone()),
+                    );
                     let (v, _) = gather(e, kk, &layouts[kk])?;
                     gathered.insert((key, kk), v);
                 }
@@ -1032,7 +1036,8 @@ pub fn shard_training_step_rewritten(
         let copy_node = |e: &mut Emitter,
                          i: usize,
                          ins: Vec<ValueId>,
-                         tag: &str|
+                         tag: &str,
+                         recompute: bool|
          -> Result<Vec<ValueId>, String> {
             let node = &micro.nodes[i];
             let outs: Vec<String> = node
@@ -1041,7 +1046,15 @@ pub fn shard_training_step_rewritten(
                 .map(|&o| e.fresh(&format!("{}{tag}", micro.value(o).name)))
                 .collect();
             let name = e.fresh(&format!("{}{tag}", node.name));
-            e.p.add_node(name, node.op.clone(), ins, outs)
+            let outs = e.p.add_node(name, node.op.clone(), ins, outs)?;
+            if let Some(added) = e.p.nodes.last_mut() {
+                added.role = if recompute {
+                    Role::of(RoleKind::Recompute)
+                } else {
+                    node.role.clone()
+                };
+            }
+            Ok(outs)
         };
 
         for (i, node) in micro.nodes.iter().enumerate() {
@@ -1059,7 +1072,10 @@ pub fn shard_training_step_rewritten(
                     .partition(|&(_, _, seen)| seen + 2 <= bwd_layers_seen);
                 pending = keep;
                 for (j, v, _) in due {
-                    e.scope = format!("accumulate.mb{mb}/{}", layouts[j].name);
+                    e.enter(
+                        format!("accumulate.mb{mb}/{}", layouts[j].name),
+                        Role::new(RoleKind::Accumulate, format!("mb{mb}")),
+                    );
                     add_to(&mut e, &mut acc[j], v).map_err(err)?;
                     if mb + 1 == m {
                         let a = acc[j].expect("just accumulated");
@@ -1093,7 +1109,7 @@ pub fn shard_training_step_rewritten(
                             };
                             ins.push(y);
                         }
-                        let outs = copy_node(&mut e, ci, ins, &format!("{suffix}/recompute"))
+                        let outs = copy_node(&mut e, ci, ins, &format!("{suffix}/recompute"), true)
                             .map_err(err)?;
                         for (&o, v) in cnode.outputs.iter().zip(outs) {
                             clones.insert(o, v);
@@ -1122,13 +1138,16 @@ pub fn shard_training_step_rewritten(
             if let Some(&j) = sparse_at.get(&i) {
                 let l = &layouts[j];
                 let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
-                e.scope = format!("reduce.mb{mb}.{layer}/{}/rows", l.name);
+                e.enter(
+                    format!("reduce.mb{mb}.{layer}/{}/rows", l.name),
+                    Role::new(RoleKind::Reduce, format!("mb{mb}.{layer}")),
+                );
                 let r = sparse_rows(&mut e, j, ins[1], ins[2]).map_err(err)?;
                 done_grads[j] = true;
                 pending.push((j, r, bwd_layers_seen));
                 continue;
             }
-            let outs = copy_node(&mut e, i, ins, &suffix).map_err(err)?;
+            let outs = copy_node(&mut e, i, ins, &suffix, false).map_err(err)?;
             for (&o, v) in node.outputs.iter().zip(outs) {
                 vmap.insert(o, v);
                 if let Some(js) = grad_of.get(&o) {
@@ -1136,13 +1155,19 @@ pub fn shard_training_step_rewritten(
                         done_grads[j] = true;
                         let l = &layouts[j];
                         let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
-                        e.scope = format!("reduce.mb{mb}.{layer}/{}", l.name);
+                        e.enter(
+                            format!("reduce.mb{mb}.{layer}/{}", l.name),
+                            Role::new(RoleKind::Reduce, format!("mb{mb}.{layer}")),
+                        );
                         let f = flat_grad(&mut e, v, l).map_err(err)?;
                         if per_mb {
                             let r = rs_g(&mut e, f, j).map_err(err)?;
                             pending.push((j, r, bwd_layers_seen));
                         } else {
-                            e.scope = format!("accumulate.mb{mb}/{}", l.name);
+                            e.enter(
+                                format!("accumulate.mb{mb}/{}", l.name),
+                                Role::new(RoleKind::Accumulate, format!("mb{mb}")),
+                            );
                             add_to(&mut e, &mut acc[j], f).map_err(err)?;
                             if mb + 1 == m {
                                 let a = acc[j].expect("just accumulated");
@@ -1169,7 +1194,10 @@ pub fn shard_training_step_rewritten(
                 }
             };
             let l = &layouts[j];
-            e.scope = format!("reduce.mb{mb}/{}", l.name);
+            e.enter(
+                format!("reduce.mb{mb}/{}", l.name),
+                Role::new(RoleKind::Reduce, format!("mb{mb}")),
+            );
             let f = flat_grad(&mut e, v, l).map_err(err)?;
             if per_mb {
                 let r = rs_g(&mut e, f, j).map_err(err)?;
@@ -1183,7 +1211,10 @@ pub fn shard_training_step_rewritten(
             }
         }
         for (j, v, _) in pending.drain(..) {
-            e.scope = format!("accumulate.mb{mb}/{}", layouts[j].name);
+            e.enter(
+                format!("accumulate.mb{mb}/{}", layouts[j].name),
+                Role::new(RoleKind::Accumulate, format!("mb{mb}")),
+            );
             add_to(&mut e, &mut acc[j], v).map_err(err)?;
             if mb + 1 == m {
                 let a = acc[j].expect("just accumulated");
@@ -1201,7 +1232,7 @@ pub fn shard_training_step_rewritten(
     let mut grads = grads;
     let mut outputs = Vec::new();
     // The global loss: the mean of the ranks' micro-batch losses.
-    e.scope = "loss".into();
+    e.enter("loss", Role::of(RoleKind::Loss));
     let loss = (|| -> Result<ValueId, String> {
         let mut v = losses[0];
         if e.ty(v).dtype != DType::F32 {
@@ -1235,14 +1266,14 @@ pub fn shard_training_step_rewritten(
     .map_err(err)?;
     outputs.push(loss);
     if let Some(max_norm) = cfg.clip_grad_norm {
-        e.scope = "clip".into();
+        e.enter("clip", Role::new(RoleKind::Optimizer, "clip"));
         let shards_of = (o > 1).then_some(&spec.optim);
         let (norm, clipped) = train::clip(&mut e, &grads, max_norm, shards_of).map_err(err)?;
         grads = clipped;
         outputs.push(norm);
     }
     let mut updates: Vec<Update> = Vec::new();
-    e.scope = "optimizer".into();
+    e.enter("optimizer", Role::of(RoleKind::Optimizer));
     let optim_states =
         train::optimizer(&mut e, &opt, &masters, &grads, &mut updates).map_err(err)?;
     let state_names: Vec<Vec<String>> = optim_states
@@ -1259,7 +1290,10 @@ pub fn shard_training_step_rewritten(
         // one regather unit per layer, as the gathers: a layer's new shards go out as soon
         // as its optimizer step is done, while the next layers' steps run
         let layer = an.layer_names[an.param_layer[k]].replace('/', ".");
-        e.scope = format!("regather.{layer}/{}", layouts[k].name);
+        e.enter(
+            format!("regather.{layer}/{}", layouts[k].name),
+            Role::new(RoleKind::Regather, layer.clone()),
+        );
         let run = |e: &mut Emitter| -> Result<ValueId, String> {
             let mut v = new_master;
             if compute != DType::F32 {
@@ -1340,9 +1374,9 @@ fn prefetch_schedule(
         .map(|(i, u)| (u.key.as_str(), i))
         .collect();
     let unit_of = |n: &hzp_ir::Node| {
-        n.name
-            .split_once('/')
-            .and_then(|(k, _)| index.get(k).copied())
+        (n.role.kind == RoleKind::Gather)
+            .then(|| index.get(n.role.unit.as_str()).copied())
+            .flatten()
     };
     struct U {
         gathers: Vec<NodeId>,
@@ -1855,7 +1889,9 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
         let new = out
             .add_node(n.name.clone(), n.op.clone(), ins, outs)
             .expect("the program verified before");
-        out.nodes.last_mut().expect("just added").stream = n.stream;
+        let added = out.nodes.last_mut().expect("just added");
+        added.stream = n.stream;
+        added.role = n.role.clone();
         for (&o, nv) in n.outputs.iter().zip(new) {
             map.insert(o, nv);
         }

@@ -10,8 +10,8 @@
 use crate::autodiff::differentiate_scaled;
 use crate::emit::Emitter;
 use hzp_ir::{
-    BinaryOp, DType, Op, Precision, Program, ReduceOp, Tensor, TensorType, UnaryOp, Update,
-    ValueDef, ValueId,
+    BinaryOp, DType, Op, Precision, Program, ReduceOp, Role, RoleKind, Tensor, TensorType, UnaryOp,
+    Update, ValueDef, ValueId,
 };
 use std::collections::HashMap;
 
@@ -205,7 +205,7 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
             };
             let head = sliceable_head(&p, y);
             let mut e = Emitter::new(&mut p);
-            e.scope = "loss".into();
+            e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let shift = Op::Slice {
                     axes: vec![1],
@@ -250,7 +250,7 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
                 "--labels",
             )?;
             let mut e = Emitter::new(&mut p);
-            e.scope = "loss".into();
+            e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let y = to_f32(&mut e, y)?;
                 cross_entropy(&mut e, y, lab)
@@ -259,7 +259,7 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
         }
         LossKind::Mean => {
             let mut e = Emitter::new(&mut p);
-            e.scope = "loss".into();
+            e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let y = to_f32(&mut e, y)?;
                 mean_all(&mut e, y)
@@ -274,7 +274,7 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
                 "--target",
             )?;
             let mut e = Emitter::new(&mut p);
-            e.scope = "loss".into();
+            e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let y = to_f32(&mut e, y)?;
                 let tv = to_f32(&mut e, tv)?;
@@ -438,6 +438,9 @@ pub(crate) fn inline(
         let new = dst
             .add_node(node_name, n.op.clone(), ins, outs)
             .map_err(terr)?;
+        if let Some(added) = dst.nodes.last_mut() {
+            added.role = n.role.clone();
+        }
         for (&o, nv) in n.outputs.iter().zip(new) {
             map.insert(o, nv);
         }
@@ -528,6 +531,9 @@ pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainEr
         let new = p
             .add_node(n.name.clone(), op, ins, outs)
             .map_err(|e| terr(format!("lowering to {}: {e}", compute.name())))?;
+        if let Some(added) = p.nodes.last_mut() {
+            added.role = n.role.clone();
+        }
         for (&o, nv) in n.outputs.iter().zip(new) {
             map.insert(o, nv);
         }
@@ -630,7 +636,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     }
     let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
     let mut e = Emitter::new(&mut p);
-    e.scope = "step".into();
+    e.enter("step", Role::of(RoleKind::Accumulate));
     let inv_m = 1.0 / m as f64;
     let mean_of = |e: &mut Emitter, parts: &[ValueId]| -> Result<ValueId, String> {
         let mut acc = parts[0];
@@ -643,7 +649,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
         }
         Ok(acc)
     };
-    e.scope = "step/accumulate".into();
+    e.enter("step/accumulate", Role::of(RoleKind::Accumulate));
     let loss = mean_of(&mut e, &loss_parts).map_err(terr)?;
     let mut grads = Vec::new();
     for parts in &grad_parts {
@@ -656,7 +662,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     }
     let mut outputs = vec![loss];
     if let Some(max_norm) = cfg.clip_grad_norm {
-        e.scope = "step/clip".into();
+        e.enter("step/clip", Role::new(RoleKind::Optimizer, "clip"));
         let (norm, clipped) = clip(&mut e, &grads, max_norm, None).map_err(terr)?;
         grads = clipped;
         outputs.push(norm);
@@ -664,7 +670,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     let mut updates = Vec::new();
     match &cfg.optimizer {
         Some(opt) => {
-            e.scope = "step/optimizer".into();
+            e.enter("step/optimizer", Role::of(RoleKind::Optimizer));
             optimizer(&mut e, opt, &params, &grads, &mut updates).map_err(terr)?;
         }
         None => {
@@ -822,7 +828,7 @@ pub(crate) fn optimizer(
                 let vn = e.fresh(&format!("adamw.v/{wname}"));
                 let m = e.p.add_state(mn, ty.clone(), None);
                 let v = e.p.add_state(vn, ty, None);
-                e.scope = format!("step/adamw/{wname}");
+                e.enter(format!("step/adamw/{wname}"), Role::of(RoleKind::Optimizer));
                 let g = to_f32(e, g)?;
                 // one fused pass (see Op::AdamW for the formula); the memory plan writes
                 // each result over the state it replaces
@@ -846,7 +852,7 @@ pub(crate) fn optimizer(
             let wdv = e.scalar(weight_decay, f);
             for (&w, &g) in params.iter().zip(grads) {
                 let wname = e.p.value(w).name.clone();
-                e.scope = format!("step/sgd/{wname}");
+                e.enter(format!("step/sgd/{wname}"), Role::of(RoleKind::Optimizer));
                 let mut d = g;
                 let mut kept = Vec::new();
                 if weight_decay != 0.0 {

@@ -472,6 +472,7 @@ fn generated(seed: u64, n: usize) -> Program {
             inputs: vec![],
             outputs: vec![],
             stream: s,
+            role: Default::default(),
         });
         let ok = HappensBefore::new(p).happens_before(prod, NodeId(probe as u32));
         p.nodes.pop();

@@ -2,20 +2,26 @@
 //! work grows with the number of regions, and identical layers are solved once. Prints the
 //! time per node for two sizes (a benchmark-style ratio, not a timed assertion).
 
-use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, TensorType, ValueId};
+use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Role, RoleKind, TensorType, ValueId};
 use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions};
 use std::path::PathBuf;
 use std::time::Instant;
 
 fn add(p: &mut Program, name: &str, op: Op, ins: Vec<ValueId>) -> ValueId {
-    p.add_node(name, op, ins, vec![name.to_string()]).unwrap()[0]
+    add_as(p, name, op, ins, Role::default())
+}
+
+fn add_as(p: &mut Program, name: &str, op: Op, ins: Vec<ValueId>, role: Role) -> ValueId {
+    let v = p.add_node(name, op, ins, vec![name.to_string()]).unwrap()[0];
+    p.nodes.last_mut().unwrap().role = role;
+    v
 }
 
 /// A transformer-like per-rank step: per layer, four weights gathered over `gpu` (bf16
 /// shards), used by matmuls; their gradients cast to f32 and reduce-scattered over
-/// `[node,gpu]`, then all-reduced over nothing else. Collective names carry the layer
-/// (`gather.l3/w1/AllGather`), so buckets stay per layer.
+/// `[node,gpu]`, then all-reduced over nothing else. Roles carry the layer
+/// (`gather("l3")`, `reduce("l3")`), so buckets stay per layer.
 fn generated(layers: usize) -> Program {
     let mesh = Mesh::parse("node=16,gpu=8").unwrap();
     let mut p = Program::new("generated");
@@ -33,7 +39,8 @@ fn generated(layers: usize) -> Program {
                 None,
             );
             let scope = format!("gather.l{l}/w{k}");
-            let a = add(
+            let role = Role::new(RoleKind::Gather, format!("l{l}"));
+            let a = add_as(
                 &mut p,
                 &format!("{scope}/AllGather"),
                 Op::AllGather {
@@ -41,28 +48,33 @@ fn generated(layers: usize) -> Program {
                     axis: 0,
                 },
                 vec![s],
+                role.clone(),
             );
-            let w = add(
+            let w = add_as(
                 &mut p,
                 &format!("{scope}/Reshape"),
                 Op::Reshape { shape: vec![d, d] },
                 vec![a],
+                role.clone(),
             );
             h = add(&mut p, &format!("l{l}/w{k}/MatMul"), Op::MatMul, vec![h, w]);
             let scope = format!("reduce.l{l}/w{k}");
-            let c = add(
+            let role = Role::new(RoleKind::Reduce, format!("l{l}"));
+            let c = add_as(
                 &mut p,
                 &format!("{scope}/Cast"),
                 Op::Cast { to: DType::F32 },
                 vec![h],
+                role.clone(),
             );
-            let f = add(
+            let f = add_as(
                 &mut p,
                 &format!("{scope}/Reshape"),
                 Op::Reshape { shape: vec![8 * d] },
                 vec![c],
+                role.clone(),
             );
-            let r = add(
+            let r = add_as(
                 &mut p,
                 &format!("{scope}/ReduceScatter"),
                 Op::ReduceScatter {
@@ -71,6 +83,7 @@ fn generated(layers: usize) -> Program {
                     reduce: ReduceOp::Sum,
                 },
                 vec![f],
+                role.clone(),
             );
             outs.push(r);
         }

@@ -9,6 +9,7 @@ use crate::op::{Attr, Op, StreamKind};
 use crate::program::{
     Const, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef, ValueId,
 };
+use crate::role::{Role, RoleKind};
 use crate::tensor::{Data, Tensor};
 use half::{bf16, f16};
 use std::collections::{BTreeMap, HashMap};
@@ -925,6 +926,7 @@ impl<'a> Parser<'a, '_> {
             })?;
             self.bump();
         }
+        let role = self.node_role()?;
         if !matches!(self.peek_tok(), Tok::Newline | Tok::Eof) {
             return Err(self.unexpected("the end of the statement"));
         }
@@ -1021,9 +1023,51 @@ impl<'a> Parser<'a, '_> {
             inputs,
             outputs,
             stream,
+            role,
         });
         self.node_spans.push(op_span);
         Ok(())
+    }
+
+    /// An optional `role=KIND` or `role=KIND("unit")` after a node's name and stream.
+    fn node_role(&mut self) -> PResult<Role> {
+        let is_role = matches!(self.peek_tok(), Tok::Word(w) if *w == "role");
+        if !is_role {
+            return Ok(Role::default());
+        }
+        self.bump();
+        if !self.at_punct('=') {
+            return Err(self.unexpected("`=` after `role`"));
+        }
+        self.bump();
+        let span = self.span();
+        let kind = match self.peek_tok() {
+            Tok::Word(w) => RoleKind::from_name(w).ok_or_else(|| {
+                let known: Vec<&str> = RoleKind::ALL.iter().map(|k| k.name()).collect();
+                self.error_help(
+                    span,
+                    format!("unknown role `{w}`"),
+                    "not a role",
+                    format!("roles are {}", known.join(", ")),
+                )
+            })?,
+            _ => return Err(self.unexpected("a role name after `role=`")),
+        };
+        self.bump();
+        let mut unit = String::new();
+        if self.at_punct('(') {
+            self.bump();
+            match self.peek_tok() {
+                Tok::Str(s) => unit = s.to_string(),
+                _ => return Err(self.unexpected("the role's unit as a quoted string")),
+            }
+            self.bump();
+            if !self.at_punct(')') {
+                return Err(self.unexpected("`)` after the role's unit"));
+            }
+            self.bump();
+        }
+        Ok(Role { kind, unit })
     }
 
     fn attr_value(&mut self) -> PResult<Attr> {

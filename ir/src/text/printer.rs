@@ -254,6 +254,15 @@ fn write_node(out: &mut String, p: &Program, n: usize) {
         out.push_str(" @");
         out.push_str(node.stream.name());
     }
+    if !node.role.is_compute() {
+        out.push_str(" role=");
+        out.push_str(node.role.kind.name());
+        if !node.role.unit.is_empty() {
+            out.push('(');
+            write_quoted(out, &node.role.unit);
+            out.push(')');
+        }
+    }
     out.push('\n');
 }
 
