@@ -138,7 +138,6 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
             // The budget is reported below, not enforced: a plan over it still times the
             // whole compile.
             let built = build_plan(&model, None, &a.train, &c, false, true)
-                .map_err(miette::Report::from)
                 .map_err(|e| e.wrap_err(format!("compiling {} for {mesh}", a.model)))?;
             times.push(start.elapsed().as_secs_f64());
             last = Some(built);

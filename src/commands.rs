@@ -688,7 +688,7 @@ fn program_inputs(
 
 /// Adds entries for retied copies (transposed back where needed), so that every original
 /// initializer name has a value.
-fn with_tied_copies(
+pub(crate) fn with_tied_copies(
     mut named: Vec<(String, Tensor)>,
     ties: &[Tie],
     prefix: &str,

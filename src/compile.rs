@@ -2,11 +2,14 @@
 
 use crate::commands::{load_for_compile, train_config};
 use crate::{Format, ModelArgs, TrainArgs};
-use hzp_ir::plan::{BufferKind, Plan, ShardGroups};
-use hzp_ir::{Mesh, Op, Program, RoleKind, StreamKind, ValueDef, ValueId};
+use hzp_ir::plan::{BufferKind, Plan};
+use hzp_ir::{Mesh, Op, Program, StreamKind};
 use hzp_passes::cluster::{parse_bytes, ClusterSpec};
-use hzp_passes::shard_plan::{self, ReduceGrads, ShardOptions, ShardOverride, Strategy};
-use hzp_passes::train::Optimizer;
+use hzp_passes::compile::{
+    compile_plan, Buckets, CompileError, CompileEvent, CompileOptions, Recompute,
+    MAX_PREFETCH_DEPTH,
+};
+use hzp_passes::shard_plan::{self, ReduceGrads, ShardOverride, Strategy};
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -85,30 +88,6 @@ fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
         Some(p) => ClusterSpec::load(p).map_err(|e| miette!("{e}")),
         None => ClusterSpec::from_toml_str(DEFAULT_CLUSTER, "examples/clusters/h100-dgx.toml")
             .map_err(|e| miette!("{e}")),
-    }
-}
-
-/// What each value of a per-rank step holds, for the memory report.
-fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
-    let val = p.value(v);
-    match val.def {
-        ValueDef::Param => BufferKind::Param,
-        ValueDef::State if val.name.starts_with("shard/") => BufferKind::Param,
-        ValueDef::State => BufferKind::OptimState,
-        ValueDef::Input => BufferKind::Input,
-        ValueDef::Const => BufferKind::Other,
-        ValueDef::Node { node, .. } => {
-            let n = &p.nodes[node.index()];
-            match n.role.kind {
-                RoleKind::Reduce | RoleKind::Accumulate => BufferKind::Grad,
-                _ if val.name.starts_with("grad/") => BufferKind::Grad,
-                RoleKind::Regather => BufferKind::Param,
-                RoleKind::Gather => BufferKind::CommBuffer,
-                _ if n.op.is_collective() => BufferKind::CommBuffer,
-                RoleKind::Optimizer => BufferKind::OptimState,
-                RoleKind::Compute | RoleKind::Recompute | RoleKind::Loss => BufferKind::Activation,
-            }
-        }
     }
 }
 
@@ -192,72 +171,46 @@ pub struct Built {
     pub budget: Option<u64>,
 }
 
-/// Why [`build_plan`] gave no plan.
-pub enum BuildError {
-    /// No sharding fits the budget: the planner's message, and its smallest candidate.
-    NoFit {
-        message: String,
-        need: u64,
-        budget: u64,
-        groups: ShardGroups,
-    },
-    Other(miette::Report),
-}
-
-impl From<miette::Report> for BuildError {
-    fn from(e: miette::Report) -> BuildError {
-        BuildError::Other(e)
-    }
-}
-
-impl From<BuildError> for miette::Report {
-    fn from(e: BuildError) -> miette::Report {
-        match e {
-            BuildError::NoFit { message, .. } => miette!("{message}"),
-            BuildError::Other(r) => r,
-        }
-    }
-}
-
-/// The passes of `hzp compile` up to a verified plan (shared with `hzp compare` and `hzp
-/// scale`). `verify_budget`: the verifier also rejects an arena over `--memory`.
 /// Phase timings of a compile, printed to stderr when `HZP_PROFILE_COMPILE` is set.
 struct Phases {
     on: bool,
-    last: std::cell::Cell<Instant>,
+    last: Instant,
 }
 
 impl Phases {
     fn new() -> Phases {
         Phases {
             on: std::env::var_os("HZP_PROFILE_COMPILE").is_some(),
-            last: std::cell::Cell::new(Instant::now()),
+            last: Instant::now(),
         }
     }
 
-    fn mark(&self, what: &str) {
+    fn mark(&mut self, what: &str) {
         if self.on {
             let now = Instant::now();
-            note!(
-                "  {what:<22} {:8.3} s",
-                (now - self.last.get()).as_secs_f64()
-            );
-            self.last.set(now);
+            note!("  {what:<22} {:8.3} s", (now - self.last).as_secs_f64());
+            self.last = now;
         }
     }
 }
 
-/// The most gather units `--prefetch-depth` may issue ahead of the one computing.
-pub const MAX_PREFETCH_DEPTH: usize = 4096;
+/// The forward program and the library compile options `hzp compile`'s flags ask for; the
+/// stages `--print-after` names.
+pub struct Request {
+    pub fwd: Program,
+    pub opts: CompileOptions,
+    pub stages: BTreeSet<&'static str>,
+    pub explain: bool,
+}
 
-pub fn build_plan(
+/// Parses the flags of `hzp compile` (shared with `hzp compare` and `hzp scale`) and loads
+/// the model.
+pub fn request(
     model: &ModelArgs,
     inputs: Option<&Path>,
     t: &TrainArgs,
     c: &CompileArgs,
-    verify_budget: bool,
-    want_json: bool,
-) -> std::result::Result<Built, BuildError> {
+) -> Result<Request> {
     let mesh = Mesh::parse(&c.mesh).map_err(|e| miette!("--mesh: {e}"))?;
     let cluster = load_cluster(c.cluster.as_deref())?;
     cluster.validate_mesh(&mesh).map_err(|e| miette!("{e}"))?;
@@ -267,20 +220,18 @@ pub fn build_plan(
     };
     // `--print-after` names compile stages here, not the stages of `hzp train`.
     let stages = print_stages(&t.print_after)?;
-    let cfg = train_config(
+    let mut cfg = train_config(
         &TrainArgs {
             print_after: Vec::new(),
             ..t.clone()
         },
         true,
     )?;
-    let phases = Phases::new();
     if c.prefetch_depth > MAX_PREFETCH_DEPTH {
         return Err(miette!(
             "--prefetch-depth {} is more than the limit of {MAX_PREFETCH_DEPTH} gather units ahead",
             c.prefetch_depth
-        )
-        .into());
+        ));
     }
     // Both factors are bounded (Mesh::MAX_RANKS, MAX_MICRO_BATCHES), so this cannot wrap.
     let divisor = mesh
@@ -308,267 +259,132 @@ pub fn build_plan(
         "bf16" | "bfloat16" => hzp_ir::DType::BF16,
         "f16" | "fp16" | "float16" => hzp_ir::DType::F16,
         other => {
-            return Err(miette!("--grad-dtype {other}: expected f32, bf16 or f16").into());
+            return Err(miette!("--grad-dtype {other}: expected f32, bf16 or f16"));
         }
     };
     let max_inflight_bytes = match &c.max_inflight_bytes {
         Some(b) => Some(parse_bytes(b).map_err(|e| miette!("--max-inflight-bytes {b}: {e}"))?),
         None => None,
     };
-    let recompute_mode = match c.recompute.to_ascii_lowercase().as_str() {
-        "on" | "true" | "yes" => Some(true),
-        "off" | "false" | "no" => Some(false),
-        "auto" => None,
+    let recompute = match c.recompute.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" => Recompute::On,
+        "off" | "false" | "no" => Recompute::Off,
+        "auto" => Recompute::Auto,
         other => {
-            return Err(miette!("--recompute {other}: expected on, off or auto").into());
+            return Err(miette!("--recompute {other}: expected on, off or auto"));
         }
     };
-    let mut opts = ShardOptions {
-        strategy,
-        memory_budget: budget,
-        micro_batches: cfg.micro_batches,
-        compute: if cfg.compute == hzp_ir::DType::F32 && model.model.starts_with("preset:") {
-            hzp_ir::DType::BF16
-        } else {
-            cfg.compute
-        },
-        reduce_grads: ReduceGrads::parse(&c.reduce_grads).map_err(|e| miette!("{e}"))?,
-        prefetch_depth: c.prefetch_depth,
-        reshard_after_forward: c.reshard_after_forward,
-        recompute: recompute_mode.unwrap_or(false),
-        grad_dtype,
-        overrides,
-        loss: Some(cfg.loss.clone()),
-        sparse_grads: !c.dense_embedding_grads,
+    let buckets = match c.bucket_mb.trim() {
+        "unit" => Buckets::PerUnit,
+        n => Buckets::AtMost(
+            n.parse::<u64>()
+                .ok()
+                .and_then(|m| m.checked_mul(1 << 20))
+                .ok_or_else(|| miette!("--bucket-mb {n}: expected a number of MiB or `unit`"))?,
+        ),
     };
-    let mut cfg = cfg;
-    cfg.compute = opts.compute;
+    // Presets are shapes of large models: planned in bf16 unless a precision was asked for.
+    if cfg.compute == hzp_ir::DType::F32 && model.model.starts_with("preset:") {
+        cfg.compute = hzp_ir::DType::BF16;
+    }
     if stages.contains("training") {
         let step = hzp_passes::train::training_step(&fwd, &cfg).map_err(|e| miette!("{e}"))?;
         show_stage(&stages, "training", || hzp_ir::text::print(&step))?;
     }
-    phases.mark("load");
-    let mut planned = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts);
-    if recompute_mode.is_none() {
-        if let Err(shard_plan::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
-            note!(
-                "note: no plan fits without activation recompute (the smallest needs {}); \
-                 compiling with --recompute (--recompute off to refuse instead)",
-                hzp_ir::plan::format_bytes(candidate.memory.total)
-            );
-            opts.recompute = true;
-            planned = shard_plan::plan_sharding(&fwd, &mesh, &cluster, &opts);
-        }
-    }
-    let sched = hzp_passes::spmd::ScheduleOptions {
-        reduce_grads: opts.reduce_grads,
-        reshard_after_forward: opts.reshard_after_forward,
-        prefetch_depth: opts.prefetch_depth,
+    let opts = CompileOptions {
+        fingerprint,
+        budget,
+        verify_budget: true,
+        strategy,
+        overrides,
+        train: cfg,
+        loss_spec: Some(crate::commands::loss_spec(t)),
+        reduce_grads: ReduceGrads::parse(&c.reduce_grads).map_err(|e| miette!("{e}"))?,
+        prefetch_depth: c.prefetch_depth,
+        reshard_after_forward: c.reshard_after_forward,
+        recompute,
         max_inflight_bytes,
-        recompute: opts.recompute,
-        grad_dtype: opts.grad_dtype,
-        narrow_grads: None,
+        rewrite: !c.no_rewrite,
+        buckets,
         sparse_grads: !c.dense_embedding_grads,
+        grad_dtype,
+        ..CompileOptions::new(model.model.clone(), mesh, cluster)
     };
-    let report = planned.map_err(|e| match e {
-        shard_plan::ShardPlanError::DoesNotFit {
-            ref candidate,
-            budget,
-            ..
-        } => BuildError::NoFit {
-            message: e.to_string(),
-            need: candidate.memory.total,
-            budget,
-            groups: candidate.groups(),
-        },
-        e => BuildError::Other(miette!("{e}")),
-    })?;
-    if c.explain {
-        outln!("{}", shard_plan::explain(&report));
-    }
-    let chosen = report.chosen.groups();
-    let sched = hzp_passes::spmd::ScheduleOptions {
-        narrow_grads: report
-            .chosen
-            .narrow
-            .as_ref()
-            .map(|n| hzp_passes::spmd::NarrowGrads {
-                group: n.group.clone(),
-                params: n.params.iter().cloned().collect(),
-            }),
-        ..sched
-    };
-    let groups = hzp_passes::spmd::ShardSpec {
-        params: chosen.params.clone(),
-        grads: chosen.grads.clone(),
-        optim: chosen.optim.clone(),
-    };
-    let bucket_bytes = match c.bucket_mb.trim() {
-        "unit" => u64::MAX,
-        n => n
-            .parse::<u64>()
-            .ok()
-            .and_then(|m| m.checked_mul(1 << 20))
-            .ok_or_else(|| miette!("--bucket-mb {n}: expected a number of MiB or `unit`"))?,
-    };
-    phases.mark("plan shard groups");
-    // Builds the per-rank step and its memory plan with buckets of at most `bucket_bytes`.
-    let build = |bucket_bytes: u64| -> Result<_> {
-        let rewrite = (!c.no_rewrite).then(|| hzp_passes::spmd::Rewrite {
-            cluster: cluster.clone(),
-            options: hzp_passes::rewrite::RewriteOptions {
-                bucket_bytes,
-                ..Default::default()
-            },
-        });
-        let mut shown: Result<()> = Ok(());
-        let step = hzp_passes::spmd::shard_training_step_rewritten(
-            &fwd,
-            &cfg,
-            &mesh,
-            &groups,
-            &sched,
-            rewrite.as_ref(),
-            &mut |stage, p| {
-                if shown.is_err() {
-                    return;
+    Ok(Request {
+        fwd,
+        opts,
+        stages,
+        explain: c.explain,
+    })
+}
+
+/// Runs the library compile driver on a request, printing what `hzp compile` prints along
+/// the way (notes, `--explain`, `--print-after` stages, `HZP_PROFILE_COMPILE` timings).
+pub fn run_request(r: &Request) -> std::result::Result<Built, CompileError> {
+    let mut phases = Phases::new();
+    phases.mark("load");
+    let rewrite = r.opts.rewrite;
+    let compiled = compile_plan(&r.fwd, &r.opts, &mut |ev| {
+        let shown = match ev {
+            CompileEvent::Note(m) => {
+                note!("{m}");
+                Ok(())
+            }
+            CompileEvent::Planned(report) => {
+                if r.explain {
+                    crate::stdio::out(format_args!("{}\n", shard_plan::explain(report)))
+                } else {
+                    Ok(())
                 }
-                shown = show_stage(&stages, stage, || hzp_ir::text::print(p));
-                if shown.is_ok() && stage == "collectives" && rewrite.is_none() {
-                    shown = show_stage(&stages, "rewrite", || {
+            }
+            CompileEvent::Stage(stage, p) => {
+                let mut shown = show_stage(&r.stages, stage, || hzp_ir::text::print(p));
+                if shown.is_ok() && stage == "collectives" && !rewrite {
+                    shown = show_stage(&r.stages, "rewrite", || {
                         "# collective rewriting is off (--no-rewrite): as after collectives".into()
                     });
                 }
-            },
-        )
-        .map_err(|e| miette!("{e}"))?;
-        shown?;
-        let mem = {
-            let kinds = |v: ValueId| buffer_kind(&step.program, v);
-            let persistent = hzp_passes::memory::default_persistent(&step.program);
-            hzp_passes::memory::plan_memory(&step.program, &kinds, &persistent)
-        };
-        Ok((step, mem))
-    };
-    // Whole-unit buckets hold one more gathered layer and one more gradient layer than the
-    // planner counts; when its estimate with those is over the budget, start from 64 MiB
-    // buckets rather than build twice.
-    const FALLBACK_BUCKET: u64 = 64 << 20;
-    let bucket_bytes = {
-        let m = &report.chosen.memory;
-        let extra = m.gathered / (opts.prefetch_depth as u64 + 1) + m.grad_buckets / 2;
-        if bucket_bytes == u64::MAX
-            && !c.no_rewrite
-            && budget.is_some_and(|b| m.total.saturating_add(extra) > b)
-        {
-            note!(
-                "note: one bucket per layer would need about {} per rank (the planner's {} plus \
-                 a layer of gathered parameters and of gradients), over the budget of {}: \
-                 using buckets of at most 64 MiB (--bucket-mb sets the size)",
-                hzp_ir::plan::format_bytes(m.total.saturating_add(extra)),
-                hzp_ir::plan::format_bytes(m.total),
-                hzp_ir::plan::format_bytes(budget.unwrap_or(0))
-            );
-            FALLBACK_BUCKET
-        } else {
-            bucket_bytes
-        }
-    };
-    let (mut step, mut mem) = build(bucket_bytes)?;
-    // Where whole-unit buckets still break the budget, buckets of the old fixed size are used
-    // instead, and compile says so.
-    if bucket_bytes == u64::MAX && !c.no_rewrite && budget.is_some_and(|b| mem.arena_bytes > b) {
-        let (s2, m2) = build(FALLBACK_BUCKET)?;
-        note!(
-            "note: with one bucket per layer the arena needs {} (budget {}); buckets of at most \
-             64 MiB need {} (--bucket-mb sets the size)",
-            hzp_ir::plan::format_bytes(mem.arena_bytes),
-            hzp_ir::plan::format_bytes(budget.unwrap_or(0)),
-            hzp_ir::plan::format_bytes(m2.arena_bytes)
-        );
-        (step, mem) = (s2, m2);
-    }
-    for (name, rows, table) in &step.row_exchanged {
-        note!(
-            "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
-             per rank per micro-batch) instead of reducing the {} table \
-             (--dense-embedding-grads reduces the table)",
-            hzp_ir::plan::format_bytes(*rows),
-            hzp_ir::plan::format_bytes(*table)
-        );
-    }
-    if c.explain {
-        if let Some(r) = &step.rewrite_report {
-            outln!("collective rewriting:\n{r}");
-        }
-    }
-    phases.mark("build per-rank step + memory plan");
-    let plan_groups = ShardGroups {
-        params: step.groups.params.clone(),
-        grads: step.groups.grads.clone(),
-        optim: step.groups.optim.clone(),
-    };
-    let prog = std::mem::take(&mut step.program);
-    let mut plan = Plan::assemble(
-        model.model.clone(),
-        strategy.name(),
-        mesh.clone(),
-        plan_groups,
-        prog,
-        mem.arena_bytes,
-        mem.buffers.clone(),
-        step.layouts.clone(),
-        cfg.micro_batches,
-        fingerprint,
-    );
-    plan.lr = match &cfg.optimizer {
-        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => Some(*lr),
-        None => None,
-    };
-    plan.loss = Some(crate::commands::loss_spec(t));
-    show_stage(&stages, "memory", || memory_text(&plan))?;
-    // One communicator per (group, stream), as the runtime creates them: collectives of one
-    // group on different streams do not need ordering among themselves.
-    let vopts = hzp_passes::verify_plan::VerifyOptions {
-        budget: if verify_budget { budget } else { None },
-        communicator_per_stream: true,
-    };
-    phases.mark("assemble plan");
-    // Verification and the content hash (with the JSON, when it is wanted) both only read the
-    // plan: they run side by side.
-    let (verified, (json, hash)) = std::thread::scope(|s| {
-        let hashing = s.spawn(|| {
-            if want_json {
-                let (j, h) = plan.to_json_and_hash();
-                (Some(j), h)
-            } else {
-                (None, plan.compute_hash())
+                shown
             }
-        });
-        let verified = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts);
-        (
-            verified,
-            hashing.join().expect("the hashing thread does not panic"),
-        )
-    });
-    if let Err(violations) = verified {
-        let list: Vec<String> = violations.iter().map(|v| format!("  - {v}")).collect();
-        return Err(miette!(
-            "the compiled plan failed verification:\n{}",
-            list.join("\n")
-        )
-        .into());
-    }
-    plan.content_hash = hash;
-    phases.mark("verify + hash + JSON");
+            CompileEvent::Rewritten(report) => {
+                if r.explain {
+                    crate::stdio::out(format_args!("collective rewriting:\n{report}\n"))
+                } else {
+                    Ok(())
+                }
+            }
+            CompileEvent::Assembled(plan) => show_stage(&r.stages, "memory", || memory_text(plan)),
+            CompileEvent::Phase(what) => {
+                phases.mark(what);
+                Ok(())
+            }
+        };
+        shown.map_err(|e| e.to_string())
+    })?;
     Ok(Built {
-        plan,
-        json,
-        report,
-        peak_by_kind: mem.peak_by_kind,
-        cluster,
-        budget,
+        plan: compiled.plan,
+        json: compiled.json,
+        report: compiled.report,
+        peak_by_kind: compiled.peak_by_kind,
+        cluster: r.opts.cluster.clone(),
+        budget: r.opts.budget,
     })
+}
+
+/// The passes of `hzp compile` up to a verified plan. `verify_budget`: the verifier also
+/// rejects an arena over `--memory`.
+pub fn build_plan(
+    model: &ModelArgs,
+    inputs: Option<&Path>,
+    t: &TrainArgs,
+    c: &CompileArgs,
+    verify_budget: bool,
+    want_json: bool,
+) -> Result<Built> {
+    let mut r = request(model, inputs, t, c)?;
+    r.opts.verify_budget = verify_budget;
+    r.opts.want_json = want_json;
+    run_request(&r).map_err(|e| miette!("{e}"))
 }
 
 pub fn compile(
@@ -788,7 +604,7 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
     let plan = crate::run::read_plan(path)?;
     let p = &plan.program;
     let persistent = hzp_passes::memory::default_persistent(p);
-    let kinds = |v: ValueId| buffer_kind(p, v);
+    let kinds = |v: hzp_ir::ValueId| hzp_passes::compile::buffer_kind(p, v);
     let mem = hzp_passes::memory::plan_memory(p, &kinds, &persistent);
     let cluster = load_cluster(cluster)?;
     cluster

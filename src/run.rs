@@ -213,11 +213,7 @@ pub(crate) fn eval_program(args: &RunArgs, plan: &Plan) -> Result<Program> {
         ));
     }
     let mut fwd = load_forward(&model, plan)?;
-    let trained = |n: &str| plan.layouts.iter().any(|l| l.name == n);
-    let ties: Vec<_> = hzp_passes::ties::find_ties(&fwd)
-        .into_iter()
-        .filter(|t| trained(&t.canonical) && !trained(&t.copy))
-        .collect();
+    let ties = plan_ties(&fwd, plan);
     hzp_passes::ties::retie(&mut fwd, &ties).map_err(|e| miette!("{e}"))?;
     let compute = plan
         .program
@@ -230,6 +226,36 @@ pub(crate) fn eval_program(args: &RunArgs, plan: &Plan) -> Result<Program> {
     let loss = crate::commands::loss_from_spec(spec)?;
     let lowered = hzp_passes::train::lower_precision(&fwd, compute).map_err(|e| miette!("{e}"))?;
     hzp_passes::train::attach_loss(&lowered, &loss).map_err(|e| miette!("{e}"))
+}
+
+/// The weights of `fwd` an exporter stored twice that the plan trains as one (it was
+/// compiled with `--retie`): the canonical one is a parameter of the plan, the copy is not.
+fn plan_ties(fwd: &Program, plan: &Plan) -> Vec<hzp_passes::ties::Tie> {
+    let trained = |n: &str| plan.layouts.iter().any(|l| l.name == n);
+    hzp_passes::ties::find_ties(fwd)
+        .into_iter()
+        .filter(|t| trained(&t.canonical) && !trained(&t.copy))
+        .collect()
+}
+
+/// The trained parameters as `--save-params` writes them: with the copies of retied weights
+/// under their own names again (as `hzp train --save-params` writes them), when the model
+/// can be read.
+fn saved_parameters(
+    args: &RunArgs,
+    plan: &Plan,
+    params: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    let model = args.model.clone().unwrap_or_else(|| plan.model.clone());
+    if model.starts_with("preset:") || !Path::new(&model).exists() {
+        return Ok(params);
+    }
+    let fwd = load_forward(&model, plan)?;
+    Ok(crate::commands::with_tied_copies(
+        params,
+        &plan_ties(&fwd, plan),
+        "",
+    ))
 }
 
 /// The full parameters the plan trains: from `--params`, else from the model (checked
@@ -488,7 +514,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let mut saved = None;
     if let Some(out) = &args.save_params {
-        let p = ex.parameters();
+        let p = saved_parameters(args, &plan, ex.parameters())?;
         crate::files::write_npz(out, &outs, &p)?;
         saved = Some(p.len());
         if text {
@@ -587,7 +613,8 @@ fn run_cuda(
             let mut read: Vec<&Path> = vec![args.plan.as_path()];
             read.extend(args.inputs.as_deref());
             read.extend(args.params.as_deref());
-            crate::files::write_npz(out, &read, p)?;
+            let p = saved_parameters(args, plan, p.clone())?;
+            crate::files::write_npz(out, &read, &p)?;
             if text {
                 outln!("saved {} parameters to {}", p.len(), out.display());
             }

@@ -1,14 +1,16 @@
 //! `hzp simulate`, `hzp compare` and `hzp scale`: predictions of the discrete-event simulator
 //! ([`hzp_passes::simulate`]) for a plan, for several strategies, and for several world sizes.
 
-use crate::compile::{build_plan, BuildError, Built, CompileArgs};
+use crate::compile::{request, run_request, Built, CompileArgs};
 use crate::{Format, ModelArgs, TrainArgs};
 use clap::ValueEnum;
 use hzp_ir::plan::format_bytes;
 use hzp_ir::trace::Trace;
 use hzp_ir::Mesh;
 use hzp_passes::cluster::{parse_bytes, ClusterSpec};
+use hzp_passes::compile::CompileError;
 use hzp_passes::cost::Algorithm;
+use hzp_passes::shard_plan::ShardOverride;
 use hzp_passes::shard_plan::Strategy;
 use hzp_passes::simulate::{self, SimOptions, Simulation};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -465,30 +467,30 @@ fn evaluate(
     let mut c = c.clone();
     c.strategy = strategy.to_string();
     c.output = None;
-    let (built, no_fit) = match build_plan(model, inputs, t, &c, false, false) {
+    let mut r = request(model, inputs, t, &c)?;
+    r.opts.verify_budget = false;
+    let (built, no_fit) = match run_request(&r) {
         Ok(b) => (b, None),
-        Err(BuildError::NoFit {
+        Err(CompileError::NoFit {
             need,
             budget,
             groups,
             ..
         }) => {
-            let mut forced = c.clone();
-            forced.shard = Some(format!(
-                "params={},grads={},optim={}",
-                axes(&groups.params),
-                axes(&groups.grads),
-                axes(&groups.optim)
-            ));
-            forced.memory = Some((1u64 << 60).to_string());
-            forced.explain = false;
+            // the planner's smallest candidate, compiled without a budget to show it
+            r.opts.overrides = ShardOverride {
+                params: Some(groups.params),
+                grads: Some(groups.grads),
+                optim: Some(groups.optim),
+            };
+            r.opts.budget = Some(1u64 << 60);
+            r.explain = false;
             (
-                build_plan(model, inputs, t, &forced, false, false)
-                    .map_err(miette::Report::from)?,
+                run_request(&r).map_err(|e| miette!("{e}"))?,
                 Some((need, budget)),
             )
         }
-        Err(BuildError::Other(e)) => return Err(e),
+        Err(e) => return Err(miette!("{e}")),
     };
     let Built {
         plan,
@@ -548,11 +550,6 @@ fn evaluate(
         cross_node_bytes: s.cross_node_bytes(),
         note,
     })
-}
-
-/// `node.gpu` (the `--shard` spelling of a group).
-fn axes(g: &hzp_ir::Group) -> String {
-    g.axes.join(".")
 }
 
 fn parse_strategies(s: &str) -> Result<Vec<String>> {

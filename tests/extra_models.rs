@@ -289,6 +289,184 @@ fn adamw(c: &Case) -> Result<String, String> {
     Ok(format!("5 AdamW steps match (rel err {total:.2e})"))
 }
 
+/// A global batch of 8 rows from the case's 2: integer inputs named `input_ids` shifted per
+/// pair of rows (so ranks and micro-batches see different tokens), float inputs scaled per
+/// pair, masks repeated.
+fn global_batch(c: &Case) -> PathBuf {
+    const ROWS: usize = 8;
+    let io = read_npz(&c.io);
+    let mut out = Vec::new();
+    for (k, t) in io.iter().filter(|(k, _)| k != "torch_out") {
+        let rows = t.shape[0];
+        let row = t.numel() / rows;
+        let mut shape = t.shape.clone();
+        shape[0] = ROWS;
+        let tiled = if t.dtype().is_float() {
+            let v = t.to_f32_vec();
+            let mut data = Vec::with_capacity(row * ROWS);
+            for r in 0..ROWS {
+                let scale = 1.0 + 0.25 * (r / rows) as f32;
+                data.extend(v[(r % rows) * row..][..row].iter().map(|x| x * scale));
+            }
+            Tensor::f32(shape, data)
+        } else {
+            let v = t.to_i64_vec().unwrap();
+            // ids stay below the largest one the case uses (within the vocabulary)
+            let bound = v.iter().copied().max().unwrap_or(0) + 1;
+            let mut data = Vec::with_capacity(row * ROWS);
+            for r in 0..ROWS {
+                let src = &v[(r % rows) * row..][..row];
+                let shift = (r / rows) as i64 * 37;
+                if k == "input_ids" {
+                    data.extend(src.iter().map(|&x| (x + shift).rem_euclid(bound)));
+                } else {
+                    data.extend_from_slice(src);
+                }
+            }
+            Tensor::i64(shape, data)
+        };
+        out.push((k.clone(), tiled));
+    }
+    let path = tmp(&format!("{}.batch8.npz", c.stem));
+    hzp_frontends::npz::write(&path, &out).unwrap();
+    path
+}
+
+/// Relative L2 distance of two parameter sets (every element of every parameter).
+fn params_rel(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> Result<f64, String> {
+    let (mut d, mut n) = (0.0f64, 0.0f64);
+    for (k, want) in b {
+        let have = get(a, k).ok_or_else(|| format!("no `{k}` in the multi-rank run"))?;
+        let (x, y) = (have.to_f64_vec(), want.to_f64_vec());
+        if x.len() != y.len() {
+            return Err(format!("`{k}`: {} vs {} elements", x.len(), y.len()));
+        }
+        for (p, q) in x.iter().zip(&y) {
+            d += (p - q) * (p - q);
+            n += q * q;
+        }
+    }
+    if a.len() != b.len() {
+        return Err(format!("{} vs {} parameters", a.len(), b.len()));
+    }
+    Ok(d.sqrt() / n.sqrt().max(1e-30))
+}
+
+/// `hzp compile` (the default pipeline: planner, collective rewriting with per-unit
+/// buckets, 2 micro-batches) + `hzp run` against `hzp train` on one rank, same global batch,
+/// 3 AdamW steps: losses and parameters within 1e-5 relative. Mesh and strategy rotate over
+/// the cases so every one of them is covered by some model.
+fn multi_rank(c: &Case, k: usize) -> Result<String, String> {
+    const CONFIGS: [(&str, &str); 4] = [
+        ("gpu=2", "asynchzp"),
+        ("node=2,gpu=2", "zero3"),
+        ("gpu=4", "hsdp"),
+        ("node=2,gpu=2", "ddp"),
+    ];
+    let (mesh, strategy) = CONFIGS[k % CONFIGS.len()];
+    let batch = global_batch(c);
+    let b = batch.to_str().unwrap();
+    let with_batch = |cmd: &str, model: &Path, extra: &[&str]| -> Result<String, String> {
+        let mut command = Command::new(hzp_bin());
+        command.arg(cmd).arg(model).args(["--inputs", b]);
+        command.args(extra);
+        let out = command.output().unwrap();
+        if !out.status.success() {
+            return Err(format!(
+                "hzp {cmd} failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let mut model_flags = vec!["--loss", &c.loss, "--retie", "--micro-batches", "2"];
+    let frozen = c.unmapped.join(",");
+    if !c.unmapped.is_empty() {
+        model_flags.extend(["--freeze", &frozen]);
+    }
+    let one = tmp(&format!("{}.mr.one.npz", c.stem));
+    let text = with_batch(
+        "train",
+        &c.onnx,
+        &[
+            model_flags.as_slice(),
+            &["--steps", "3", "--format", "json"],
+            &["--save-params", one.to_str().unwrap()],
+        ]
+        .concat(),
+    )?;
+    let want_losses = json_losses(&text);
+    let plan = tmp(&format!("{}.mr.plan.json", c.stem));
+    with_batch(
+        "compile",
+        &c.onnx,
+        &[
+            model_flags.as_slice(),
+            &["--mesh", mesh, "--strategy", strategy],
+            &["-o", plan.to_str().unwrap()],
+        ]
+        .concat(),
+    )?;
+    let many = tmp(&format!("{}.mr.many.npz", c.stem));
+    let text = with_batch(
+        "run",
+        &plan,
+        &[
+            "--steps",
+            "3",
+            "--format",
+            "json",
+            "--save-params",
+            many.to_str().unwrap(),
+        ],
+    )?;
+    let losses = json_losses(&text);
+    let dl = losses
+        .iter()
+        .zip(&want_losses)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+        .fold(0.0f64, f64::max);
+    // written so that NaN fails too
+    let within = |x: f64| x <= 1e-5;
+    if losses.len() != want_losses.len() || !within(dl) {
+        return Err(format!(
+            "{mesh} {strategy}: losses {losses:?} vs one rank {want_losses:?}"
+        ));
+    }
+    let r = params_rel(&read_npz(&many), &read_npz(&one))?;
+    if !within(r) {
+        return Err(format!(
+            "{mesh} {strategy}: parameters off by {r:.3e} relative after 3 steps"
+        ));
+    }
+    Ok(format!(
+        "{mesh} {strategy}: losses within {dl:.1e}, parameters within {r:.1e}"
+    ))
+}
+
+#[test]
+fn extra_models_multi_rank_plans_match_one_rank() {
+    let cases = cases();
+    let mut failed = Vec::new();
+    for (k, c) in cases.iter().enumerate() {
+        match multi_rank(c, k) {
+            Ok(msg) => eprintln!("{}: {msg}", c.stem),
+            Err(e) => {
+                eprintln!("{}: FAILED: {e}", c.stem);
+                failed.push(format!("{}: {e}", c.stem));
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "multi-rank: {} of {} failed:\n{}",
+        failed.len(),
+        cases.len(),
+        failed.join("\n")
+    );
+}
+
 #[test]
 fn extra_models_evaluate_to_torch_out() {
     for_each_case("forward", forward);

@@ -2,15 +2,17 @@
 //! exporters), on meshes gpu=2, gpu=4, node=2,gpu=2 and node=2,gpu=4 and for the strategies
 //! asynchzp, zero3, hsdp and ddp, five AdamW steps of the multi-threaded executor (async
 //! comm streams) give the parameters of `Trainer` on the unsharded step with the same global
-//! batch, within 1e-5 relative per parameter.
+//! batch, within 1e-5 relative per parameter. Plans are compiled as `hzp compile` does
+//! (`hzp_passes::compile::compile_plan` with its defaults: collective rewriting, one bucket
+//! per unit) with two micro-batches wherever a rank has two rows (one on `node=2,gpu=4`).
 
 mod common;
 use common::*;
-use hzp_ir::plan::{Plan, ShardGroups};
+use hzp_ir::plan::Plan;
 use hzp_ir::{Mesh, Program, Tensor};
 use hzp_passes::cluster::ClusterSpec;
-use hzp_passes::shard_plan::{self, ShardOptions, Strategy};
-use hzp_passes::spmd::{shard_training_step, ShardSpec};
+use hzp_passes::compile::{compile_plan, CompileOptions};
+use hzp_passes::shard_plan::Strategy;
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::exec::{ExecOptions, Executor};
 use hzp_runtime::train::Trainer;
@@ -78,48 +80,16 @@ fn import_at(model: &Path, batch: &[(String, Tensor)], rows: usize) -> Program {
     import(model, &shaped)
 }
 
-/// What `hzp compile` does, in-process: plan the groups, shard the step, plan memory,
-/// verify.
+/// What `hzp compile` does, in-process, through the library driver with its defaults
+/// (planner, collective rewriting with one bucket per unit, memory plan, verification).
 fn build_plan(fwd: &Program, mesh: &Mesh, strategy: &str, cfg: &TrainConfig) -> Plan {
     let cluster = ClusterSpec::load(repo().join("examples/clusters/h100-dgx.toml")).unwrap();
-    let opts = ShardOptions {
+    let opts = CompileOptions {
         strategy: Strategy::parse(strategy).unwrap(),
-        compute: cfg.compute,
-        loss: Some(cfg.loss.clone()),
-        ..ShardOptions::default()
+        train: cfg.clone(),
+        ..CompileOptions::new("test", mesh.clone(), cluster)
     };
-    let report = shard_plan::plan_sharding(fwd, mesh, &cluster, &opts).unwrap();
-    let g = report.chosen.groups();
-    let spec = ShardSpec {
-        params: g.params.clone(),
-        grads: g.grads.clone(),
-        optim: g.optim.clone(),
-    };
-    let step = shard_training_step(fwd, cfg, mesh, &spec).unwrap();
-    let prog = step.program;
-    let kinds = hzp_passes::memory::default_kind(&prog);
-    let persistent = hzp_passes::memory::default_persistent(&prog);
-    let mem = hzp_passes::memory::plan_memory(&prog, &kinds, &persistent);
-    let plan = Plan::new(
-        "test",
-        strategy,
-        mesh.clone(),
-        ShardGroups {
-            params: step.groups.params,
-            grads: step.groups.grads,
-            optim: step.groups.optim,
-        },
-        prog.clone(),
-        mem.arena_bytes,
-        mem.buffers.clone(),
-    )
-    .with_training(step.layouts, 1, String::new());
-    let vopts = hzp_passes::verify_plan::VerifyOptions {
-        budget: None,
-        communicator_per_stream: true,
-    };
-    hzp_passes::verify_plan::verify_plan_with(&plan, &vopts).unwrap();
-    plan
+    compile_plan(fwd, &opts, &mut |_| Ok(())).unwrap().plan
 }
 
 /// Relative L2 error of `a` against `b` over the elements `keep` marks.
@@ -187,9 +157,16 @@ fn check_model(stem: &str, loss: &str) {
     for mesh_s in MESHES {
         let mesh = Mesh::parse(mesh_s).unwrap();
         let w = mesh.world_size();
-        let fwd = import_at(&model, &batch, ROWS / w);
+        // two micro-batches where a rank has at least two rows
+        let m = if ROWS / w >= 2 { 2 } else { 1 };
+        let fwd = import_at(&model, &batch, ROWS / w / m);
+        let mcfg = TrainConfig {
+            micro_batches: m,
+            ..cfg.clone()
+        };
         for strategy in STRATEGIES {
-            let plan = build_plan(&fwd, &mesh, strategy, &cfg);
+            let plan = build_plan(&fwd, &mesh, strategy, &mcfg);
+            assert_eq!(plan.micro_batches, m);
             let mut ex = Executor::new(&plan, &full, ExecOptions::default()).unwrap();
             ex.set_inputs(&program_inputs(&plan.program, &batch))
                 .unwrap();

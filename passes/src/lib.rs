@@ -2,6 +2,7 @@
 
 pub mod autodiff;
 pub mod cluster;
+pub mod compile;
 pub mod cost;
 pub mod emit;
 pub mod memory;

@@ -1,0 +1,449 @@
+//! The compile driver: a forward program in, a verified plan out.
+//!
+//! [`compile_plan`] is what `hzp compile` does after parsing its flags, available to library
+//! users: choose the shard groups ([`crate::shard_plan`]), build the per-rank step with its
+//! collectives, schedule and rewriting ([`crate::spmd`], [`crate::rewrite`]), plan memory
+//! ([`crate::memory`]), assemble the [`Plan`], verify it ([`crate::verify_plan`]) and hash it.
+//! It owns the compile policy:
+//! - [`Recompute::Auto`]: when no sharding fits the budget without activation recompute, plan
+//!   again with it (and say so);
+//! - [`Buckets::PerUnit`]: one bucket per gather or reduction unit, unless the planner's
+//!   estimate or the built arena is over the budget, then buckets of at most
+//!   [`FALLBACK_BUCKET_BYTES`] (and say so);
+//! - the kind of every buffer in the memory report ([`buffer_kind`], from node roles).
+//!
+//! What a CLI prints along the way (notes, the planner's report, programs after stages,
+//! phase timings) comes out through [`CompileEvent`]s; the driver prints nothing.
+
+use crate::cluster::ClusterSpec;
+use crate::memory;
+use crate::rewrite::RewriteOptions;
+use crate::shard_plan::{self, PlanReport, ReduceGrads, ShardOptions, ShardOverride, Strategy};
+use crate::spmd::{self, NarrowGrads, Rewrite, ScheduleOptions, ShardSpec};
+use crate::train::{Optimizer, TrainConfig};
+use crate::verify_plan::{self, VerifyOptions};
+use hzp_ir::plan::{format_bytes, BufferKind, Plan, ShardGroups};
+use hzp_ir::{DType, Mesh, Program, RoleKind, ValueDef, ValueId};
+use std::collections::BTreeMap;
+
+/// Buckets of at most this many bytes are the fallback when whole-unit buckets do not fit.
+pub const FALLBACK_BUCKET_BYTES: u64 = 64 << 20;
+
+/// The most gather units `prefetch_depth` may issue ahead of the one computing.
+pub const MAX_PREFETCH_DEPTH: usize = 4096;
+
+/// Activation recompute (checkpointing per layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recompute {
+    On,
+    Off,
+    /// Only when no sharding fits the budget without it.
+    Auto,
+}
+
+/// How collective rewriting buckets collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buckets {
+    /// One bucket per gather or reduction unit (a layer's parameters or gradients, per
+    /// micro-batch and phase), falling back to [`FALLBACK_BUCKET_BYTES`] over the budget.
+    PerUnit,
+    /// Buckets of at most this many bytes (0: no bucketing).
+    AtMost(u64),
+}
+
+/// Everything [`compile_plan`] decides with. [`CompileOptions::new`] gives `hzp compile`'s
+/// defaults for a mesh and cluster.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// The model's name as recorded in the plan (a path or `preset:...`).
+    pub model: String,
+    /// The model's parameter fingerprint ([`hzp_ir::plan::model_fingerprint`]), taken before
+    /// any freezing or tying, which `hzp run` checks the model it loads against.
+    pub fingerprint: String,
+    pub mesh: Mesh,
+    pub cluster: ClusterSpec,
+    /// Bytes per rank; `None`: the cluster's device memory for planning, no arena check.
+    pub budget: Option<u64>,
+    /// The verifier also rejects an arena over `budget`.
+    pub verify_budget: bool,
+    pub strategy: Strategy,
+    /// Shard groups given by the user; they win over the strategy.
+    pub overrides: ShardOverride,
+    /// Loss, optimizer, clipping, micro-batches and compute dtype.
+    pub train: TrainConfig,
+    /// The loss as the user wrote it, recorded in the plan.
+    pub loss_spec: Option<String>,
+    pub reduce_grads: ReduceGrads,
+    pub prefetch_depth: usize,
+    pub reshard_after_forward: bool,
+    pub recompute: Recompute,
+    /// Bound on gathered bytes in flight or in use at once.
+    pub max_inflight_bytes: Option<u64>,
+    /// Collective rewriting (bucketing, hierarchical decomposition, RS+AG=AR, casts).
+    pub rewrite: bool,
+    pub buckets: Buckets,
+    /// Exchange an embedding's gradient as looked-up rows where that moves fewer bytes.
+    pub sparse_grads: bool,
+    /// Dtype gradients are reduced and accumulated in.
+    pub grad_dtype: DType,
+    /// Also produce the plan's JSON (hashing it in the same pass).
+    pub want_json: bool,
+}
+
+impl CompileOptions {
+    /// `hzp compile`'s defaults: asynchzp, AdamW, one micro-batch, f32, per-micro-batch
+    /// reduction, prefetch depth 1, reshard after forward, recompute only if needed, one
+    /// bucket per unit, row-exchanged embedding gradients, f32 gradients.
+    pub fn new(model: impl Into<String>, mesh: Mesh, cluster: ClusterSpec) -> CompileOptions {
+        CompileOptions {
+            model: model.into(),
+            fingerprint: String::new(),
+            mesh,
+            cluster,
+            budget: None,
+            verify_budget: true,
+            strategy: Strategy::AsyncHzp,
+            overrides: ShardOverride::default(),
+            train: TrainConfig::default(),
+            loss_spec: None,
+            reduce_grads: ReduceGrads::PerMicrobatch,
+            prefetch_depth: 1,
+            reshard_after_forward: true,
+            recompute: Recompute::Auto,
+            max_inflight_bytes: None,
+            rewrite: true,
+            buckets: Buckets::PerUnit,
+            sparse_grads: true,
+            grad_dtype: DType::F32,
+            want_json: false,
+        }
+    }
+}
+
+/// What happens during a compile, for a caller to print.
+pub enum CompileEvent<'a> {
+    /// A decision the user should know about (a policy fallback, a row-exchanged gradient).
+    Note(String),
+    /// The planner chose shard groups (the report `--explain` prints).
+    Planned(&'a PlanReport),
+    /// The per-rank step after a stage of [`spmd::shard_training_step_rewritten`]
+    /// (`collectives`, `rewrite`, `schedule`).
+    Stage(&'a str, &'a Program),
+    /// Collective rewriting finished (its report, as text).
+    Rewritten(&'a str),
+    /// The plan is assembled (memory planned), not yet verified.
+    Assembled(&'a Plan),
+    /// A phase of the compile finished (for timing).
+    Phase(&'static str),
+}
+
+/// A compiled and verified plan, with what the planner weighed.
+pub struct Compiled {
+    pub plan: Plan,
+    /// The plan's JSON ([`Plan::to_json`]) when [`CompileOptions::want_json`].
+    pub json: Option<String>,
+    pub report: PlanReport,
+    /// Bytes of each kind live at the memory peak.
+    pub peak_by_kind: BTreeMap<BufferKind, u64>,
+}
+
+/// Why [`compile_plan`] gave no plan.
+#[derive(Debug)]
+pub enum CompileError {
+    /// No sharding fits the budget: the planner's message and its smallest candidate.
+    NoFit {
+        message: String,
+        need: u64,
+        budget: u64,
+        groups: ShardGroups,
+    },
+    /// Anything else, as a message in the user's terms.
+    Other(String),
+}
+
+impl std::fmt::Display for CompileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompileError::NoFit { message, .. } | CompileError::Other(message) => {
+                f.write_str(message)
+            }
+        }
+    }
+}
+
+impl std::error::Error for CompileError {}
+
+impl From<String> for CompileError {
+    fn from(m: String) -> CompileError {
+        CompileError::Other(m)
+    }
+}
+
+/// What each value of a per-rank step holds, for the memory report: by the value's
+/// definition, else by the role of the node that computes it.
+pub fn buffer_kind(p: &Program, v: ValueId) -> BufferKind {
+    let val = p.value(v);
+    match val.def {
+        ValueDef::Param => BufferKind::Param,
+        // the rank's parameter shards are states named `shard/<parameter>` by spmd
+        ValueDef::State if val.name.starts_with("shard/") => BufferKind::Param,
+        ValueDef::State => BufferKind::OptimState,
+        ValueDef::Input => BufferKind::Input,
+        ValueDef::Const => BufferKind::Other,
+        ValueDef::Node { node, .. } => {
+            let n = &p.nodes[node.index()];
+            match n.role.kind {
+                RoleKind::Reduce | RoleKind::Accumulate => BufferKind::Grad,
+                // a finished gradient, named `grad/<parameter>` by the training step
+                _ if val.name.starts_with("grad/") => BufferKind::Grad,
+                RoleKind::Regather => BufferKind::Param,
+                RoleKind::Gather => BufferKind::CommBuffer,
+                _ if n.op.is_collective() => BufferKind::CommBuffer,
+                RoleKind::Optimizer => BufferKind::OptimState,
+                RoleKind::Compute | RoleKind::Recompute | RoleKind::Loss => BufferKind::Activation,
+            }
+        }
+    }
+}
+
+type Events<'e> = dyn FnMut(CompileEvent<'_>) -> Result<(), String> + 'e;
+
+/// Compiles `fwd` (a forward program, parameters frozen or tied as wanted) into a verified
+/// plan. `on` sees every [`CompileEvent`]; an error it returns stops the compile.
+pub fn compile_plan(
+    fwd: &Program,
+    opts: &CompileOptions,
+    on: &mut Events<'_>,
+) -> Result<Compiled, CompileError> {
+    let mesh = &opts.mesh;
+    let cluster = &opts.cluster;
+    cluster
+        .validate_mesh(mesh)
+        .map_err(|e| CompileError::Other(e.to_string()))?;
+    if opts.prefetch_depth > MAX_PREFETCH_DEPTH {
+        return Err(format!(
+            "a prefetch depth of {} is more than the limit of {MAX_PREFETCH_DEPTH} gather units ahead",
+            opts.prefetch_depth
+        )
+        .into());
+    }
+    let cfg = &opts.train;
+    let mut shard_opts = ShardOptions {
+        strategy: opts.strategy,
+        memory_budget: opts.budget,
+        micro_batches: cfg.micro_batches,
+        compute: cfg.compute,
+        reduce_grads: opts.reduce_grads,
+        prefetch_depth: opts.prefetch_depth,
+        reshard_after_forward: opts.reshard_after_forward,
+        recompute: opts.recompute == Recompute::On,
+        grad_dtype: opts.grad_dtype,
+        overrides: opts.overrides.clone(),
+        loss: Some(cfg.loss.clone()),
+        sparse_grads: opts.sparse_grads,
+    };
+    let mut planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
+    if opts.recompute == Recompute::Auto {
+        if let Err(shard_plan::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
+            on(CompileEvent::Note(format!(
+                "note: no plan fits without activation recompute (the smallest needs {}); \
+                 compiling with --recompute (--recompute off to refuse instead)",
+                format_bytes(candidate.memory.total)
+            )))?;
+            shard_opts.recompute = true;
+            planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
+        }
+    }
+    let report = planned.map_err(|e| match e {
+        shard_plan::ShardPlanError::DoesNotFit {
+            ref candidate,
+            budget,
+            ..
+        } => CompileError::NoFit {
+            message: e.to_string(),
+            need: candidate.memory.total,
+            budget,
+            groups: candidate.groups(),
+        },
+        e => CompileError::Other(e.to_string()),
+    })?;
+    on(CompileEvent::Planned(&report))?;
+    let chosen = report.chosen.groups();
+    let sched = ScheduleOptions {
+        reduce_grads: shard_opts.reduce_grads,
+        reshard_after_forward: shard_opts.reshard_after_forward,
+        prefetch_depth: shard_opts.prefetch_depth,
+        max_inflight_bytes: opts.max_inflight_bytes,
+        recompute: shard_opts.recompute,
+        grad_dtype: shard_opts.grad_dtype,
+        narrow_grads: report.chosen.narrow.as_ref().map(|n| NarrowGrads {
+            group: n.group.clone(),
+            params: n.params.iter().cloned().collect(),
+        }),
+        sparse_grads: opts.sparse_grads,
+    };
+    let groups = ShardSpec {
+        params: chosen.params.clone(),
+        grads: chosen.grads.clone(),
+        optim: chosen.optim.clone(),
+    };
+    on(CompileEvent::Phase("plan shard groups"))?;
+
+    // Builds the per-rank step and its memory plan with buckets of at most `bucket_bytes`.
+    let build = |bucket_bytes: u64,
+                 on: &mut Events<'_>|
+     -> Result<(spmd::ShardedStep, memory::MemoryPlan), CompileError> {
+        let rewrite = opts.rewrite.then(|| Rewrite {
+            cluster: cluster.clone(),
+            options: RewriteOptions {
+                bucket_bytes,
+                ..Default::default()
+            },
+        });
+        let mut shown: Result<(), String> = Ok(());
+        let step = spmd::shard_training_step_rewritten(
+            fwd,
+            cfg,
+            mesh,
+            &groups,
+            &sched,
+            rewrite.as_ref(),
+            &mut |stage, p| {
+                if shown.is_ok() {
+                    shown = on(CompileEvent::Stage(stage, p));
+                }
+            },
+        )
+        .map_err(|e| CompileError::Other(e.to_string()))?;
+        shown?;
+        let mem = {
+            let kinds = |v: ValueId| buffer_kind(&step.program, v);
+            let persistent = memory::default_persistent(&step.program);
+            memory::plan_memory(&step.program, &kinds, &persistent)
+        };
+        Ok((step, mem))
+    };
+    // Whole-unit buckets hold one more gathered layer and one more gradient layer than the
+    // planner counts; when its estimate with those is over the budget, start from the
+    // fallback size rather than build twice.
+    let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
+    let bucket_bytes = match opts.buckets {
+        Buckets::AtMost(b) => b,
+        Buckets::PerUnit => {
+            let m = &report.chosen.memory;
+            let extra = m.gathered / (shard_opts.prefetch_depth as u64 + 1) + m.grad_buckets / 2;
+            let estimate = m.total.saturating_add(extra);
+            match opts.budget {
+                Some(b) if per_unit && estimate > b => {
+                    on(CompileEvent::Note(format!(
+                        "note: one bucket per layer would need about {} per rank (the planner's \
+                         {} plus a layer of gathered parameters and of gradients), over the \
+                         budget of {}: using buckets of at most 64 MiB (--bucket-mb sets the size)",
+                        format_bytes(estimate),
+                        format_bytes(m.total),
+                        format_bytes(b)
+                    )))?;
+                    FALLBACK_BUCKET_BYTES
+                }
+                _ => u64::MAX,
+            }
+        }
+    };
+    let (mut step, mut mem) = build(bucket_bytes, on)?;
+    // Where whole-unit buckets still break the budget, buckets of the fallback size are used
+    // instead, and the compile says so.
+    if let Some(b) = opts.budget {
+        if bucket_bytes == u64::MAX && per_unit && mem.arena_bytes > b {
+            let (s2, m2) = build(FALLBACK_BUCKET_BYTES, &mut |_| Ok(()))?;
+            on(CompileEvent::Note(format!(
+                "note: with one bucket per layer the arena needs {} (budget {}); buckets of at \
+                 most 64 MiB need {} (--bucket-mb sets the size)",
+                format_bytes(mem.arena_bytes),
+                format_bytes(b),
+                format_bytes(m2.arena_bytes)
+            )))?;
+            (step, mem) = (s2, m2);
+        }
+    }
+    for (name, rows, table) in &step.row_exchanged {
+        on(CompileEvent::Note(format!(
+            "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
+             per rank per micro-batch) instead of reducing the {} table \
+             (--dense-embedding-grads reduces the table)",
+            format_bytes(*rows),
+            format_bytes(*table)
+        )))?;
+    }
+    if let Some(r) = &step.rewrite_report {
+        on(CompileEvent::Rewritten(r))?;
+    }
+    on(CompileEvent::Phase("build per-rank step + memory plan"))?;
+    let plan_groups = ShardGroups {
+        params: step.groups.params.clone(),
+        grads: step.groups.grads.clone(),
+        optim: step.groups.optim.clone(),
+    };
+    let prog = std::mem::take(&mut step.program);
+    let mut plan = Plan::assemble(
+        opts.model.clone(),
+        shard_opts.strategy.name(),
+        mesh.clone(),
+        plan_groups,
+        prog,
+        mem.arena_bytes,
+        mem.buffers.clone(),
+        step.layouts.clone(),
+        cfg.micro_batches,
+        opts.fingerprint.clone(),
+    );
+    plan.lr = match &cfg.optimizer {
+        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => Some(*lr),
+        None => None,
+    };
+    plan.loss = opts.loss_spec.clone();
+    on(CompileEvent::Assembled(&plan))?;
+    // One communicator per (group, stream), as the runtime creates them: collectives of one
+    // group on different streams do not need ordering among themselves.
+    let vopts = VerifyOptions {
+        budget: if opts.verify_budget {
+            opts.budget
+        } else {
+            None
+        },
+        communicator_per_stream: true,
+    };
+    on(CompileEvent::Phase("assemble plan"))?;
+    // Verification and the content hash (with the JSON, when it is wanted) both only read the
+    // plan: they run side by side.
+    let (verified, (json, hash)) = std::thread::scope(|s| {
+        let hashing = s.spawn(|| {
+            if opts.want_json {
+                let (j, h) = plan.to_json_and_hash();
+                (Some(j), h)
+            } else {
+                (None, plan.compute_hash())
+            }
+        });
+        let verified = verify_plan::verify_plan_with(&plan, &vopts);
+        (
+            verified,
+            hashing.join().expect("the hashing thread does not panic"),
+        )
+    });
+    if let Err(violations) = verified {
+        let list: Vec<String> = violations.iter().map(|v| format!("  - {v}")).collect();
+        return Err(format!(
+            "the compiled plan failed verification:\n{}",
+            list.join("\n")
+        )
+        .into());
+    }
+    plan.content_hash = hash;
+    on(CompileEvent::Phase("verify + hash + JSON"))?;
+    Ok(Compiled {
+        plan,
+        json,
+        report,
+        peak_by_kind: mem.peak_by_kind,
+    })
+}
