@@ -19,7 +19,7 @@ use crate::cluster::ClusterSpec;
 use crate::memory;
 use crate::rewrite::RewriteOptions;
 use crate::shard_plan::{self, PlanReport, ReduceGrads, ShardOptions, ShardOverride, Strategy};
-use crate::spmd::{self, NarrowGrads, Rewrite, ScheduleOptions, ShardSpec};
+use crate::spmd::{self, NarrowGrads, Rewrite, ScheduleOptions};
 use crate::train::{Optimizer, TrainConfig};
 use crate::verify_plan::{self, VerifyOptions};
 use hzp_ir::plan::{format_bytes, BufferKind, Plan, ShardGroups};
@@ -282,11 +282,7 @@ pub fn compile_plan(
         }),
         sparse_grads: opts.sparse_grads,
     };
-    let groups = ShardSpec {
-        params: chosen.params.clone(),
-        grads: chosen.grads.clone(),
-        optim: chosen.optim.clone(),
-    };
+    let groups = chosen;
     on(CompileEvent::Phase("plan shard groups"))?;
 
     // Builds the per-rank step and its memory plan with buckets of at most `bucket_bytes`.
@@ -378,11 +374,7 @@ pub fn compile_plan(
         on(CompileEvent::Rewritten(r))?;
     }
     on(CompileEvent::Phase("build per-rank step + memory plan"))?;
-    let plan_groups = ShardGroups {
-        params: step.groups.params.clone(),
-        grads: step.groups.grads.clone(),
-        optim: step.groups.optim.clone(),
-    };
+    let plan_groups = step.groups.clone();
     let prog = std::mem::take(&mut step.program);
     let mut plan = Plan::assemble(
         opts.model.clone(),

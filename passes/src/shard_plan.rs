@@ -1122,7 +1122,7 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
         sparse_grads: true,
     };
     let none = Group::new(Vec::<String>::new());
-    let spec = crate::spmd::ShardSpec {
+    let spec = crate::spmd::ShardGroups {
         params: none.clone(),
         grads: none.clone(),
         optim: none,

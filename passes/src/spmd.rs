@@ -28,20 +28,15 @@ use hzp_ir::{
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-/// The three shard groups, as sets of mesh axes.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ShardSpec {
-    pub params: Group,
-    pub grads: Group,
-    pub optim: Group,
-}
+/// The three shard groups (P, G, O) a step is built for: [`hzp_ir::plan::ShardGroups`].
+pub use hzp_ir::plan::ShardGroups;
 
 /// A per-rank training step and the layout of its parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShardedStep {
     pub program: Program,
     pub layouts: Vec<ParamLayout>,
-    pub groups: ShardSpec,
+    pub groups: ShardGroups,
     /// What collective rewriting did, when it ran (for `--explain`).
     pub rewrite_report: Option<String>,
     /// The parameters whose gradients are exchanged as rows (see [`SparseGrad`]): name, bytes
@@ -55,7 +50,7 @@ fn err(s: impl Into<String>) -> TrainError {
 
 /// Orders the axes of P, G and O so that shards nest (see the module docs); checks that the
 /// axes exist and that P ⊆ G ⊆ O.
-pub fn canonical_groups(mesh: &Mesh, spec: &ShardSpec) -> Result<ShardSpec, TrainError> {
+pub fn canonical_groups(mesh: &Mesh, spec: &ShardGroups) -> Result<ShardGroups, TrainError> {
     let in_mesh_order = |g: &Group, what: &str| -> Result<Vec<String>, TrainError> {
         for a in &g.axes {
             if mesh.axis(a).is_none() {
@@ -84,7 +79,7 @@ pub fn canonical_groups(mesh: &Mesh, spec: &ShardSpec) -> Result<ShardSpec, Trai
     gg.extend(g.iter().filter(|a| !p.contains(a)).cloned());
     let mut oo = gg.clone();
     oo.extend(o.iter().filter(|a| !gg.contains(a)).cloned());
-    Ok(ShardSpec {
+    Ok(ShardGroups {
         params: Group { axes: p },
         grads: Group { axes: gg },
         optim: Group { axes: oo },
@@ -230,7 +225,7 @@ pub fn shard_training_step(
     fwd: &Program,
     cfg: &TrainConfig,
     mesh: &Mesh,
-    spec: &ShardSpec,
+    spec: &ShardGroups,
 ) -> Result<ShardedStep, TrainError> {
     shard_training_step_with(fwd, cfg, mesh, spec, &ScheduleOptions::default())
 }
@@ -510,7 +505,7 @@ pub fn shard_training_step_with(
     fwd: &Program,
     cfg: &TrainConfig,
     mesh: &Mesh,
-    spec: &ShardSpec,
+    spec: &ShardGroups,
     sched: &ScheduleOptions,
 ) -> Result<ShardedStep, TrainError> {
     shard_training_step_traced(fwd, cfg, mesh, spec, sched, &mut |_, _| {})
@@ -535,7 +530,7 @@ pub fn shard_training_step_traced(
     fwd: &Program,
     cfg: &TrainConfig,
     mesh: &Mesh,
-    spec: &ShardSpec,
+    spec: &ShardGroups,
     sched: &ScheduleOptions,
     trace: &mut dyn FnMut(&str, &Program),
 ) -> Result<ShardedStep, TrainError> {
@@ -548,7 +543,7 @@ pub fn shard_training_step_rewritten(
     fwd: &Program,
     cfg: &TrainConfig,
     mesh: &Mesh,
-    spec: &ShardSpec,
+    spec: &ShardGroups,
     sched: &ScheduleOptions,
     rewrite: Option<&Rewrite>,
     trace: &mut dyn FnMut(&str, &Program),
@@ -575,7 +570,7 @@ pub fn shard_training_step_rewritten(
             }
             let ng = canonical_groups(
                 mesh,
-                &ShardSpec {
+                &ShardGroups {
                     params: spec.params.clone(),
                     grads: nw.group.clone(),
                     optim: spec.grads.clone(),

@@ -18,7 +18,7 @@ use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::memory::{default_kind, default_persistent, plan_memory};
 use hzp_passes::rewrite::RewriteOptions;
 use hzp_passes::shard_plan::ReduceGrads;
-use hzp_passes::spmd::{shard_training_step_rewritten, Rewrite, ScheduleOptions, ShardSpec};
+use hzp_passes::spmd::{shard_training_step_rewritten, Rewrite, ScheduleOptions, ShardGroups};
 use hzp_passes::summary::layer_of_params;
 use hzp_passes::train::{self, LossKind, Optimizer, TrainConfig};
 use hzp_passes::verify_plan::{verify_plan_with, VerifyOptions};
@@ -193,11 +193,11 @@ fn mesh_of(c: &Case) -> Mesh {
     Mesh::parse(&text.join(",")).unwrap()
 }
 
-fn spec_of(c: &Case) -> ShardSpec {
+fn spec_of(c: &Case) -> ShardGroups {
     let take = |k: usize| Group {
         axes: c.order[..k].iter().map(|&i| c.axes[i].0.clone()).collect(),
     };
-    ShardSpec {
+    ShardGroups {
         params: take(c.np),
         grads: take(c.ng),
         optim: take(c.no),
@@ -484,11 +484,7 @@ fn check(c: &Case, rewrite: bool) -> Result<(), TestCaseError> {
         "random.hzp",
         "asynchzp",
         mesh.clone(),
-        hzp_ir::plan::ShardGroups {
-            params: step.groups.params.clone(),
-            grads: step.groups.grads.clone(),
-            optim: step.groups.optim.clone(),
-        },
+        hzp_ir::plan::step.groups.clone(),
         prog.clone(),
         mem.arena_bytes,
         mem.buffers.clone(),

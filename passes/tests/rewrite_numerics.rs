@@ -6,7 +6,7 @@ mod sharded_common;
 use hzp_ir::{DType, Mesh, Program, Tensor};
 use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
-use hzp_passes::spmd::{shard_training_step, ShardSpec, ShardedStep};
+use hzp_passes::spmd::{shard_training_step, ShardGroups, ShardedStep};
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;
@@ -46,7 +46,7 @@ fn train(
 /// Rewrites the sharded step and checks training matches; returns the report.
 fn check(
     mesh: &str,
-    spec: ShardSpec,
+    spec: ShardGroups,
     compute: DType,
     cluster: &ClusterSpec,
     opts: &RewriteOptions,
@@ -75,8 +75,8 @@ fn check(
     rep
 }
 
-fn spec(p: &[&str], gr: &[&str], o: &[&str]) -> ShardSpec {
-    ShardSpec {
+fn spec(p: &[&str], gr: &[&str], o: &[&str]) -> ShardGroups {
+    ShardGroups {
         params: g(p),
         grads: g(gr),
         optim: g(o),

@@ -441,7 +441,7 @@ fn plans_every_preset_family() {
 /// the option. With rows exchanged, the modeled traffic is smaller.
 #[test]
 fn the_planner_models_the_row_exchange_the_step_makes() {
-    use hzp_passes::spmd::{shard_training_step_with, ScheduleOptions, ShardSpec};
+    use hzp_passes::spmd::{shard_training_step_with, ScheduleOptions, ShardGroups};
     use hzp_passes::train::{LossKind, Optimizer, TrainConfig};
     let p = hzp_frontends::presets::parse_preset("preset:llama-tiny").unwrap();
     let cfg = TrainConfig {
@@ -469,7 +469,7 @@ fn the_planner_models_the_row_exchange_the_step_makes() {
                 };
                 let r = plan_sharding(&p, &mesh(m), &h100(), &opts).unwrap();
                 let c = &r.chosen;
-                let spec = ShardSpec {
+                let spec = ShardGroups {
                     params: c.params.clone(),
                     grads: c.grads.clone(),
                     optim: c.optim.clone(),

@@ -12,7 +12,7 @@ use hzp_passes::memory::{default_kind, default_persistent, plan_memory};
 use hzp_passes::simulate::{
     calibrate, measurements_from_trace, simulate, OpClass, SimOptions, Simulation,
 };
-use hzp_passes::spmd::{shard_training_step, ShardSpec};
+use hzp_passes::spmd::{shard_training_step, ShardGroups};
 use hzp_passes::train::TrainConfig;
 use plan_common::{parse, plan_of, TWO_STREAMS};
 
@@ -214,7 +214,7 @@ fn gpt_plan(mesh: &str, groups: [&[&str]; 3]) -> Plan {
     )
     .unwrap();
     let mesh = Mesh::parse(mesh).unwrap();
-    let spec = ShardSpec {
+    let spec = ShardGroups {
         params: Group::new(groups[0].iter().copied()),
         grads: Group::new(groups[1].iter().copied()),
         optim: Group::new(groups[2].iter().copied()),
@@ -226,11 +226,7 @@ fn gpt_plan(mesh: &str, groups: [&[&str]; 3]) -> Plan {
         "tiny-gpt",
         "asynchzp",
         mesh,
-        ShardGroups {
-            params: step.groups.params,
-            grads: step.groups.grads,
-            optim: step.groups.optim,
-        },
+        step.groups,
         p,
         m.arena_bytes,
         m.buffers,

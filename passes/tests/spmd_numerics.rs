@@ -5,7 +5,7 @@
 mod sharded_common;
 use hzp_ir::Mesh;
 use hzp_passes::shard_plan::ReduceGrads;
-use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardSpec};
+use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardGroups};
 use sharded_common::{
     batch, g, h100_rewrite, import, meaningful, rel, rel_masked, with_optimizer_lr,
 };
@@ -37,7 +37,7 @@ fn cfg(clip: Option<f64>, sgd: bool) -> TrainConfig {
     }
 }
 
-fn check(file: &str, model: &str, mesh: &str, spec: ShardSpec, clip: Option<f64>, sgd: bool) {
+fn check(file: &str, model: &str, mesh: &str, spec: ShardGroups, clip: Option<f64>, sgd: bool) {
     check_with(
         file,
         model,
@@ -53,7 +53,7 @@ fn check_with(
     file: &str,
     model: &str,
     mesh: &str,
-    spec: ShardSpec,
+    spec: ShardGroups,
     cfg: TrainConfig,
     sched: &ScheduleOptions,
     tol: f64,
@@ -131,7 +131,7 @@ fn check_with(
 fn zero3_ddp_hsdp_and_hierarchical_match_one_rank() {
     let f = "llama_tiny.legacy.op17.onnx";
     let m = "llama_tiny";
-    let spec = |p: &[&str], gr: &[&str], o: &[&str]| ShardSpec {
+    let spec = |p: &[&str], gr: &[&str], o: &[&str]| ShardGroups {
         params: g(p),
         grads: g(gr),
         optim: g(o),
@@ -193,7 +193,7 @@ fn zero3_ddp_hsdp_and_hierarchical_match_one_rank() {
 /// by bytes, activations recomputed.
 #[test]
 fn schedules_match_one_rank() {
-    let spec = |p: &[&str], gr: &[&str], o: &[&str]| ShardSpec {
+    let spec = |p: &[&str], gr: &[&str], o: &[&str]| ShardGroups {
         params: g(p),
         grads: g(gr),
         optim: g(o),
@@ -282,7 +282,7 @@ fn narrow_gradient_groups_match_one_rank() {
             "llama_tiny.legacy.op17.onnx",
             "llama_tiny",
             "node=2,gpu=2",
-            ShardSpec {
+            ShardGroups {
                 params: g(&["gpu"]),
                 grads: g(&["node", "gpu"]),
                 optim: g(&["node", "gpu"]),
@@ -303,7 +303,7 @@ fn narrow_gradient_groups_are_checked() {
     let fwd = import("llama_tiny.legacy.op17.onnx", 8, 8);
     let mesh = Mesh::parse("node=2,gpu=2").unwrap();
     let first = fwd.value(fwd.params[0].value).name.clone();
-    let spec = ShardSpec {
+    let spec = ShardGroups {
         params: g(&["gpu"]),
         grads: g(&["node", "gpu"]),
         optim: g(&["node", "gpu"]),
@@ -341,7 +341,7 @@ fn narrow_gradient_groups_are_checked() {
 /// layer's backward meanwhile), except for the last one, whose result the optimizer needs.
 #[test]
 fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
-    let spec = ShardSpec {
+    let spec = ShardGroups {
         params: g(&["gpu"]),
         grads: g(&["gpu"]),
         optim: g(&["gpu"]),
@@ -358,7 +358,7 @@ fn compute_does_not_wait_for_a_reduction_before_the_next_is_issued() {
 /// issued.
 #[test]
 fn compute_does_not_wait_for_a_regather_before_the_next_is_issued() {
-    let spec = ShardSpec {
+    let spec = ShardGroups {
         params: g(&[]),
         grads: g(&["gpu"]),
         optim: g(&["gpu"]),
@@ -373,7 +373,7 @@ fn compute_does_not_wait_for_a_regather_before_the_next_is_issued() {
 /// checks that the compute stream first reads each collective `is` picks only after the next
 /// one is issued. Returns how many there were (with rewriting).
 fn each_read_after_the_next_is_issued(
-    spec: &ShardSpec,
+    spec: &ShardGroups,
     what: &str,
     is: &dyn Fn(&hzp_ir::Node) -> bool,
 ) -> usize {
@@ -418,7 +418,7 @@ fn each_read_after_the_next_is_issued(
 /// compute stream read the collective's own result).
 #[test]
 fn no_accumulator_copies_a_bucket_slice() {
-    let spec = ShardSpec {
+    let spec = ShardGroups {
         params: g(&["gpu"]),
         grads: g(&["gpu"]),
         optim: g(&["gpu"]),
@@ -445,7 +445,7 @@ fn no_accumulator_copies_a_bucket_slice() {
 
 /// llama_tiny's sharded step on gpu=2 with `spec` (4 rows of 16 tokens per rank), with or
 /// without collective rewriting on the H100 spec.
-fn llama_step(spec: &ShardSpec, rewrite: bool) -> hzp_ir::Program {
+fn llama_step(spec: &ShardGroups, rewrite: bool) -> hzp_ir::Program {
     llama_step_with(
         spec,
         &cfg(None, false),
@@ -457,7 +457,7 @@ fn llama_step(spec: &ShardSpec, rewrite: bool) -> hzp_ir::Program {
 
 /// [`llama_step`] with a training config and schedule, the whole sharded step.
 fn llama_step_with(
-    spec: &ShardSpec,
+    spec: &ShardGroups,
     cfg: &TrainConfig,
     sched: &ScheduleOptions,
     rewrite: bool,
@@ -481,7 +481,7 @@ fn llama_step_with(
 /// training (SGD, which a wrong gradient shows in).
 #[test]
 fn an_untied_embedding_exchanges_its_rows_not_the_table() {
-    let spec = ShardSpec {
+    let spec = ShardGroups {
         params: g(&["gpu"]),
         grads: g(&["gpu"]),
         optim: g(&["gpu"]),
