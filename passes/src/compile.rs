@@ -233,14 +233,18 @@ pub fn compile_plan(
         memory_budget: opts.budget,
         micro_batches: cfg.micro_batches,
         compute: cfg.compute,
-        reduce_grads: opts.reduce_grads,
-        prefetch_depth: opts.prefetch_depth,
-        reshard_after_forward: opts.reshard_after_forward,
-        recompute: opts.recompute == Recompute::On,
-        grad_dtype: opts.grad_dtype,
         overrides: opts.overrides.clone(),
         loss: Some(cfg.loss.clone()),
-        sparse_grads: opts.sparse_grads,
+        schedule: ScheduleOptions {
+            reduce_grads: opts.reduce_grads,
+            reshard_after_forward: opts.reshard_after_forward,
+            prefetch_depth: opts.prefetch_depth,
+            max_inflight_bytes: opts.max_inflight_bytes,
+            recompute: opts.recompute == Recompute::On,
+            grad_dtype: opts.grad_dtype,
+            narrow_grads: None,
+            sparse_grads: opts.sparse_grads,
+        },
     };
     let mut planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
     if opts.recompute == Recompute::Auto {
@@ -250,7 +254,7 @@ pub fn compile_plan(
                  compiling with --recompute (--recompute off to refuse instead)",
                 format_bytes(candidate.memory.total)
             )))?;
-            shard_opts.recompute = true;
+            shard_opts.schedule.recompute = true;
             planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
         }
     }
@@ -270,17 +274,11 @@ pub fn compile_plan(
     on(CompileEvent::Planned(&report))?;
     let chosen = report.chosen.groups();
     let sched = ScheduleOptions {
-        reduce_grads: shard_opts.reduce_grads,
-        reshard_after_forward: shard_opts.reshard_after_forward,
-        prefetch_depth: shard_opts.prefetch_depth,
-        max_inflight_bytes: opts.max_inflight_bytes,
-        recompute: shard_opts.recompute,
-        grad_dtype: shard_opts.grad_dtype,
         narrow_grads: report.chosen.narrow.as_ref().map(|n| NarrowGrads {
             group: n.group.clone(),
             params: n.params.iter().cloned().collect(),
         }),
-        sparse_grads: opts.sparse_grads,
+        ..shard_opts.schedule.clone()
     };
     let groups = chosen;
     on(CompileEvent::Phase("plan shard groups"))?;
@@ -327,7 +325,7 @@ pub fn compile_plan(
         Buckets::AtMost(b) => b,
         Buckets::PerUnit => {
             let m = &report.chosen.memory;
-            let extra = m.gathered / (shard_opts.prefetch_depth as u64 + 1) + m.grad_buckets / 2;
+            let extra = m.gathered / (opts.prefetch_depth as u64 + 1) + m.grad_buckets / 2;
             let estimate = m.total.saturating_add(extra);
             match opts.budget {
                 Some(b) if per_unit && estimate > b => {

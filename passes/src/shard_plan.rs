@@ -240,24 +240,14 @@ pub struct ShardOptions {
     pub micro_batches: usize,
     /// Compute dtype (bf16, f16 or f32); master weights and Adam states are fp32.
     pub compute: DType,
-    /// Dtype gradients are held, accumulated and reduced in (fp32 by default, as the
-    /// collective-insertion pass does; bf16/f16 halves gradient memory and traffic).
-    pub grad_dtype: DType,
-    pub reduce_grads: ReduceGrads,
-    /// Layers gathered ahead of the one computing.
-    pub prefetch_depth: usize,
-    /// Free gathered parameters after a layer's forward (and gather again in backward).
-    pub reshard_after_forward: bool,
-    /// Activation checkpointing per layer.
-    pub recompute: bool,
     /// The user's `--shard` groups; they win over the strategy.
     pub overrides: ShardOverride,
     /// The loss used to derive the backward; `None` tries `lm`, then `mean`.
     pub loss: Option<LossKind>,
-    /// Exchange an untied embedding's gradient as its looked-up rows where that moves fewer
-    /// bytes than reducing the table, as [`crate::spmd::ScheduleOptions::sparse_grads`]
-    /// does (on by default).
-    pub sparse_grads: bool,
+    /// The schedule the candidates are built and costed with (gradient reduction and dtype,
+    /// prefetch, resharding, recompute, row-exchanged embedding gradients). Its
+    /// `narrow_grads` is the planner's to choose and is ignored here.
+    pub schedule: crate::spmd::ScheduleOptions,
 }
 
 impl Default for ShardOptions {
@@ -267,15 +257,27 @@ impl Default for ShardOptions {
             memory_budget: None,
             micro_batches: 1,
             compute: DType::BF16,
-            grad_dtype: DType::F32,
-            reduce_grads: ReduceGrads::PerMicrobatch,
-            prefetch_depth: 1,
-            reshard_after_forward: true,
-            recompute: false,
             overrides: ShardOverride::default(),
             loss: None,
-            sparse_grads: true,
+            schedule: crate::spmd::ScheduleOptions {
+                reduce_grads: ReduceGrads::PerMicrobatch,
+                reshard_after_forward: true,
+                prefetch_depth: 1,
+                max_inflight_bytes: None,
+                recompute: false,
+                grad_dtype: DType::F32,
+                narrow_grads: None,
+                sparse_grads: true,
+            },
         }
+    }
+}
+
+impl ShardOptions {
+    /// The same options with per-layer activation recompute on or off.
+    pub fn with_recompute(mut self, recompute: bool) -> ShardOptions {
+        self.schedule.recompute = recompute;
+        self
     }
 }
 
@@ -719,20 +721,20 @@ fn no_fit_message(
 fn no_fit_hint(opts: &ShardOptions, c: &Candidate) -> String {
     let m = &c.memory;
     let mut tries: Vec<(u64, &str)> = Vec::new();
-    if !opts.recompute {
+    if !opts.schedule.recompute {
         tries.push((m.activations, "activation recompute (--recompute)"));
     }
     tries.push((m.activations, "a smaller micro-batch or sequence"));
-    if opts.grad_dtype.size_bytes() > 2 && m.grads + m.grad_buckets > 0 {
+    if opts.schedule.grad_dtype.size_bytes() > 2 && m.grads + m.grad_buckets > 0 {
         tries.push((m.grads + m.grad_buckets, "bf16 gradients"));
     }
-    if opts.reduce_grads == ReduceGrads::PerStep && opts.micro_batches > 1 {
+    if opts.schedule.reduce_grads == ReduceGrads::PerStep && opts.micro_batches > 1 {
         tries.push((m.grads, "reducing gradients per micro-batch"));
     }
-    if !opts.reshard_after_forward {
+    if !opts.schedule.reshard_after_forward {
         tries.push((m.gathered, "resharding after forward"));
     }
-    if opts.prefetch_depth > 1 {
+    if opts.schedule.prefetch_depth > 1 {
         tries.push((m.gathered, "a smaller prefetch depth"));
     }
     if opts.strategy != Strategy::AsyncHzp || !opts.overrides.is_empty() {
@@ -1060,10 +1062,10 @@ fn profile(
     // they exceed the budget, nothing fits and measuring the peak is not needed.
     let (mut act_bytes, mut act_recompute_bytes) = (act_bytes, act_recompute_bytes);
     let budget = opts.memory_budget.unwrap_or(cluster.device.memory_bytes);
-    let hopeless = !opts.recompute && act_bytes > budget;
+    let hopeless = !opts.schedule.recompute && act_bytes > budget;
     if fallback.is_none() && !hopeless {
         if let Some(measured) = probe_activations(fwd, opts) {
-            if opts.recompute {
+            if opts.schedule.recompute {
                 act_recompute_bytes = measured;
             } else {
                 act_bytes = measured;
@@ -1113,11 +1115,11 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
     };
     let sched = crate::spmd::ScheduleOptions {
         reduce_grads: ReduceGrads::PerMicrobatch,
-        reshard_after_forward: opts.reshard_after_forward,
-        prefetch_depth: opts.prefetch_depth,
+        reshard_after_forward: opts.schedule.reshard_after_forward,
+        prefetch_depth: opts.schedule.prefetch_depth,
         max_inflight_bytes: None,
-        recompute: opts.recompute,
-        grad_dtype: opts.grad_dtype,
+        recompute: opts.schedule.recompute,
+        grad_dtype: opts.schedule.grad_dtype,
         narrow_grads: None,
         sparse_grads: true,
     };
@@ -1285,7 +1287,7 @@ fn evaluate(
     let w = mesh.world_size();
     let m = opts.micro_batches.max(1);
     let c = opts.compute.size_bytes() as u64;
-    let r = opts.grad_dtype.size_bytes() as u64;
+    let r = opts.schedule.grad_dtype.size_bytes() as u64;
     let o64 = o as u64;
     let layer_pad = layer_pad(prof, o64);
     let psi: u64 = layer_pad.iter().sum();
@@ -1294,7 +1296,8 @@ fn evaluate(
     let largest = |k: usize| -> u64 { sorted.iter().take(k).sum() };
 
     // Memory.
-    let sharded_grads = g > 1 && (opts.reduce_grads == ReduceGrads::PerMicrobatch || m == 1);
+    let sharded_grads =
+        g > 1 && (opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch || m == 1);
     let params = c * psi / p as u64;
     let master = 4 * psi / o64;
     let narrow_pad: u64 = layer_pad
@@ -1309,14 +1312,14 @@ fn evaluate(
         r * psi
     };
     let optim_states = 8 * psi / o64;
-    let activations = if opts.recompute {
+    let activations = if opts.schedule.recompute {
         prof.act_recompute_bytes
     } else {
         prof.act_bytes
     };
     let gathered = if p > 1 {
-        if opts.reshard_after_forward {
-            c * largest(opts.prefetch_depth + 1)
+        if opts.schedule.reshard_after_forward {
+            c * largest(opts.schedule.prefetch_depth + 1)
         } else {
             c * psi
         }
@@ -1342,7 +1345,7 @@ fn evaluate(
     let mut links: BTreeMap<String, f64> = BTreeMap::new();
     let mut comm_s = 0.0;
     let mf = m as f64;
-    let regather = p > 1 && opts.reshard_after_forward;
+    let regather = p > 1 && opts.schedule.reshard_after_forward;
     let rs_times = if g > 1 {
         if sharded_grads {
             mf
@@ -1381,7 +1384,10 @@ fn evaluate(
     let mut row_elems = vec![0u64; prof.layers];
     let mut row_bytes = vec![0u64; prof.layers];
     let mut row_exchanged = Vec::new();
-    if opts.sparse_grads && sharded_grads && opts.reduce_grads == ReduceGrads::PerMicrobatch {
+    if opts.schedule.sparse_grads
+        && sharded_grads
+        && opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch
+    {
         for (k, t) in prof.row_tables.iter().enumerate() {
             let l = prof.param_layer[k];
             let gathered = t.and_then(|t| t.gathered(g as u64, o64, r).map(|b| (t, b)));
@@ -1510,7 +1516,7 @@ fn evaluate(
     let opt_s = ((24 + r + c) * psi / o64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
     let fwd_total: f64 = prof.fwd_s.iter().sum::<f64>() + prof.other_fwd_s;
     let bwd_total: f64 = prof.bwd_s.iter().sum::<f64>() + prof.other_bwd_s;
-    let rec_total: f64 = if opts.recompute {
+    let rec_total: f64 = if opts.schedule.recompute {
         prof.fwd_s.iter().sum()
     } else {
         0.0
@@ -1552,13 +1558,19 @@ fn evaluate(
                 reduce
             };
             tasks.push(Task {
-                compute: prof.bwd_s[l] + if opts.recompute { prof.fwd_s[l] } else { 0.0 },
+                compute: prof.bwd_s[l]
+                    + if opts.schedule.recompute {
+                        prof.fwd_s[l]
+                    } else {
+                        0.0
+                    },
                 gather,
                 reduce,
             });
         }
     }
-    let step_s = simulate(&tasks, opts.prefetch_depth) + rs_cross + ar_cross + opt_s + ag_regather;
+    let step_s =
+        simulate(&tasks, opts.schedule.prefetch_depth) + rs_cross + ar_cross + opt_s + ag_regather;
     let exposed_comm_s = (step_s - compute_s).max(0.0);
     let cross_node_bytes = links
         .iter()
@@ -1687,7 +1699,10 @@ pub fn plan_sharding(
             "micro-batches per step must be at least 1".into(),
         ));
     }
-    for (what, d) in [("compute", opts.compute), ("gradient", opts.grad_dtype)] {
+    for (what, d) in [
+        ("compute", opts.compute),
+        ("gradient", opts.schedule.grad_dtype),
+    ] {
         if !d.is_float() {
             return Err(ShardPlanError::Options(format!(
                 "the {what} dtype must be f32, bf16 or f16, not {}",
@@ -1746,10 +1761,10 @@ pub fn plan_sharding(
     // those cross the node boundary once per step instead of once per micro-batch.
     if opts.strategy == Strategy::AsyncHzp
         && opts.overrides.grads.is_none()
-        && opts.reduce_grads == ReduceGrads::PerMicrobatch
+        && opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch
         && opts.micro_batches > 1
     {
-        let r = opts.grad_dtype.size_bytes() as u64;
+        let r = opts.schedule.grad_dtype.size_bytes() as u64;
         let base = candidates.len();
         for i in 0..base {
             let c = &candidates[i];
@@ -1842,11 +1857,11 @@ pub fn plan_sharding(
         budget_bytes: budget,
         micro_batches: opts.micro_batches,
         compute_dtype: opts.compute.name().to_string(),
-        grad_dtype: opts.grad_dtype.name().to_string(),
-        reduce_grads: opts.reduce_grads,
-        prefetch_depth: opts.prefetch_depth,
-        reshard_after_forward: opts.reshard_after_forward,
-        recompute: opts.recompute,
+        grad_dtype: opts.schedule.grad_dtype.name().to_string(),
+        reduce_grads: opts.schedule.reduce_grads,
+        prefetch_depth: opts.schedule.prefetch_depth,
+        reshard_after_forward: opts.schedule.reshard_after_forward,
+        recompute: opts.schedule.recompute,
         parameters: fwd.num_parameters(),
         layers: prof.layers,
         activation_bytes: prof.act_bytes,

@@ -484,7 +484,7 @@ fn check(c: &Case, rewrite: bool) -> Result<(), TestCaseError> {
         "random.hzp",
         "asynchzp",
         mesh.clone(),
-        hzp_ir::plan::step.groups.clone(),
+        step.groups.clone(),
         prog.clone(),
         mem.arena_bytes,
         mem.buffers.clone(),

@@ -7,6 +7,7 @@ use hzp_passes::shard_plan::{
     explain, layer_params, nested_groups, node_local_group, plan_sharding, Candidate, ReduceGrads,
     ShardOptions, ShardOverride, ShardPlanError, Strategy,
 };
+use hzp_passes::spmd::ScheduleOptions;
 use std::path::PathBuf;
 
 fn h100() -> ClusterSpec {
@@ -255,7 +256,10 @@ fn memory_formulas_on_a_hand_built_program() {
         &m,
         ShardOptions {
             micro_batches: 2,
-            reduce_grads: ReduceGrads::PerStep,
+            schedule: ScheduleOptions {
+                reduce_grads: ReduceGrads::PerStep,
+                ..ShardOptions::default().schedule
+            },
             ..Default::default()
         },
     );
@@ -267,7 +271,10 @@ fn memory_formulas_on_a_hand_built_program() {
         &p,
         &m,
         ShardOptions {
-            grad_dtype: DType::BF16,
+            schedule: ScheduleOptions {
+                grad_dtype: DType::BF16,
+                ..ShardOptions::default().schedule
+            },
             ..Default::default()
         },
     );
@@ -278,7 +285,10 @@ fn memory_formulas_on_a_hand_built_program() {
         &p,
         &m,
         ShardOptions {
-            reshard_after_forward: false,
+            schedule: ScheduleOptions {
+                reshard_after_forward: false,
+                ..ShardOptions::default().schedule
+            },
             ..Default::default()
         },
     );
@@ -296,7 +306,10 @@ fn activations_in_f32_and_with_recompute() {
             &m,
             ShardOptions {
                 compute,
-                recompute,
+                schedule: ScheduleOptions {
+                    recompute,
+                    ..ShardOptions::default().schedule
+                },
                 ..Default::default()
             },
         );
@@ -464,7 +477,10 @@ fn the_planner_models_the_row_exchange_the_step_makes() {
                 let opts = ShardOptions {
                     strategy,
                     compute: DType::F32,
-                    sparse_grads: sparse,
+                    schedule: ScheduleOptions {
+                        sparse_grads: sparse,
+                        ..ShardOptions::default().schedule
+                    },
                     ..Default::default()
                 };
                 let r = plan_sharding(&p, &mesh(m), &h100(), &opts).unwrap();

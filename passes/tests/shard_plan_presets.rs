@@ -35,9 +35,9 @@ fn opts(strategy: Strategy, recompute: bool) -> ShardOptions {
         memory_budget: Some(80 * GIB),
         micro_batches: 4,
         compute: DType::BF16,
-        recompute,
         ..Default::default()
     }
+    .with_recompute(recompute)
 }
 
 fn plan(p: &Program, o: &ShardOptions) -> PlanReport {
