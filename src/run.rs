@@ -7,7 +7,7 @@ use hzp_ir::{Group, Op, Program, Tensor};
 use hzp_passes::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
-use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent, STREAMS};
+use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent};
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -483,7 +483,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             }
         );
         outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
-        for (k, s) in STREAMS.iter().enumerate() {
+        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
             let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
             outln!(
                 "  {:<16} {:>10.3}  {:>6.1}%",
@@ -538,7 +538,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             stats.iter().map(|s| f(s).as_secs_f64()).collect()
         };
         let mut streams = BTreeMap::new();
-        for (k, s) in STREAMS.iter().enumerate() {
+        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
             streams.insert(s.name(), secs(&|x: &StepStats| x.busy[k]));
         }
         let v = serde_json::json!({
@@ -645,7 +645,7 @@ pub fn trace_json(ex: &Executor, events: &[TraceEvent]) -> String {
             "name": "process_name", "ph": "M", "pid": r, "tid": 0,
             "args": {"name": format!("rank {r}")}
         }));
-        for (k, s) in STREAMS.iter().enumerate() {
+        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
             list.push(serde_json::json!({
                 "name": "thread_name", "ph": "M", "pid": r, "tid": k,
                 "args": {"name": s.name()}
@@ -668,7 +668,7 @@ pub fn trace_json(ex: &Executor, events: &[TraceEvent]) -> String {
             "ts": e.start.as_secs_f64() * 1e6,
             "dur": e.dur.as_secs_f64() * 1e6,
             "pid": e.rank,
-            "tid": hzp_runtime::exec::stream_index(e.stream),
+            "tid": e.stream.index(),
             "args": {"node": n.name, "op": n.op.name(), "bytes": bytes, "step": e.step},
         }));
     }

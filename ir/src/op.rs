@@ -218,6 +218,26 @@ pub enum StreamKind {
 }
 
 impl StreamKind {
+    /// Every stream of a rank, in [`StreamKind::index`] order.
+    pub const ALL: [StreamKind; 3] = [
+        StreamKind::Compute,
+        StreamKind::AllGather,
+        StreamKind::ReduceScatter,
+    ];
+
+    /// How many streams a rank has.
+    pub const COUNT: usize = StreamKind::ALL.len();
+
+    /// The stream's position in [`StreamKind::ALL`]: the index of per-stream arrays (vector
+    /// clocks, busy times, trace thread ids) everywhere.
+    pub fn index(self) -> usize {
+        match self {
+            StreamKind::Compute => 0,
+            StreamKind::AllGather => 1,
+            StreamKind::ReduceScatter => 2,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             StreamKind::Compute => "compute",
@@ -227,13 +247,7 @@ impl StreamKind {
     }
 
     pub fn from_name(s: &str) -> Option<StreamKind> {
-        [
-            StreamKind::Compute,
-            StreamKind::AllGather,
-            StreamKind::ReduceScatter,
-        ]
-        .into_iter()
-        .find(|k| k.name() == s)
+        StreamKind::ALL.into_iter().find(|k| k.name() == s)
     }
 }
 

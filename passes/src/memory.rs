@@ -32,23 +32,7 @@ use std::collections::{BTreeMap, HashMap};
 pub const ALIGN: u64 = 64;
 
 /// Number of streams of a rank.
-pub const NUM_STREAMS: usize = 3;
-
-/// The streams, in the order of [`stream_index`].
-pub const STREAMS: [StreamKind; NUM_STREAMS] = [
-    StreamKind::Compute,
-    StreamKind::AllGather,
-    StreamKind::ReduceScatter,
-];
-
-/// Index of a stream in vector clocks.
-pub fn stream_index(s: StreamKind) -> usize {
-    match s {
-        StreamKind::Compute => 0,
-        StreamKind::AllGather => 1,
-        StreamKind::ReduceScatter => 2,
-    }
-}
+pub const NUM_STREAMS: usize = StreamKind::COUNT;
 
 /// A misuse of events found while building [`HappensBefore`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,7 +95,7 @@ impl HappensBefore {
         };
         let mut last: [Option<usize>; NUM_STREAMS] = [None; NUM_STREAMS];
         for (i, node) in p.nodes.iter().enumerate() {
-            let s = stream_index(node.stream);
+            let s = node.stream.index();
             let mut c = last[s].map_or([0; NUM_STREAMS], |j| hb.clock[j]);
             if let Op::WaitEvent { event } = node.op {
                 match record_of.get(&event) {
@@ -158,7 +142,7 @@ impl HappensBefore {
             && self.clock[b][self.stream[a] as usize] >= self.pos[a]
     }
 
-    /// Index (see [`stream_index`]) of the stream node `n` runs on.
+    /// Index (see [`StreamKind::index`]) of the stream node `n` runs on.
     pub fn stream_of(&self, n: NodeId) -> usize {
         self.stream[n.index()] as usize
     }

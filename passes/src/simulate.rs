@@ -58,7 +58,7 @@
 
 use crate::cluster::ClusterSpec;
 use crate::cost::{self, Algorithm, CollectiveKind, CostError, CostModel};
-use crate::memory::{self, HappensBefore, STREAMS};
+use crate::memory::{self, HappensBefore};
 use hzp_ir::trace::{tid_of_stream, Trace, TraceEvent};
 use hzp_ir::{BufferKind, DType, Op, Plan, Program, StreamKind, TensorType, ValueDef, ValueId};
 use serde::Serialize;
@@ -447,7 +447,7 @@ fn run_concurrent(
     let n = p.nodes.len();
     let mut start = vec![f64::NAN; n];
     let mut end = vec![f64::NAN; n];
-    let mut streams: Vec<StreamState> = STREAMS
+    let mut streams: Vec<StreamState> = hzp_ir::StreamKind::ALL
         .iter()
         .map(|&s| StreamState {
             nodes: (0..n).filter(|&i| p.nodes[i].stream == s).collect(),
@@ -567,7 +567,7 @@ fn run_concurrent(
         if !t_next.is_finite() {
             let blocked = streams
                 .iter()
-                .zip(STREAMS)
+                .zip(hzp_ir::StreamKind::ALL)
                 .filter(|(s, _)| s.next < s.nodes.len())
                 .map(|(s, k)| {
                     let node = &p.nodes[s.nodes[s.next]];
@@ -698,7 +698,7 @@ fn critical_path(p: &Program, costs: &[NodeCost]) -> f64 {
     let mut best = 0.0f64;
     for i in 0..n {
         let node = &p.nodes[i];
-        let s = memory::stream_index(node.stream);
+        let s = node.stream.index();
         let mut ready = last_on[s].map_or(0.0, |j| fin[j]);
         if let Op::WaitEvent { event } = node.op {
             if let Some(&r) = record.get(&event) {
@@ -943,7 +943,7 @@ pub fn simulate(
     let mut ops = Vec::with_capacity(n);
     for (i, c) in costs.iter().enumerate() {
         let node = &p.nodes[i];
-        let s = memory::stream_index(node.stream);
+        let s = node.stream.index();
         let d = run.end[i] - run.start[i];
         if c.class == OpClass::Wait {
             if s == 0 {

@@ -77,22 +77,6 @@ pub enum ExecError {
     Run(String),
 }
 
-/// Index of a stream in per-stream arrays.
-pub fn stream_index(s: StreamKind) -> usize {
-    match s {
-        StreamKind::Compute => 0,
-        StreamKind::AllGather => 1,
-        StreamKind::ReduceScatter => 2,
-    }
-}
-
-/// The streams, by [`stream_index`].
-pub const STREAMS: [StreamKind; 3] = [
-    StreamKind::Compute,
-    StreamKind::AllGather,
-    StreamKind::ReduceScatter,
-];
-
 /// What one step cost (means over the ranks, except the wall time).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepStats {
@@ -102,7 +86,7 @@ pub struct StepStats {
     pub loss: Option<f64>,
     /// From the start of the step to the end of its updates.
     pub wall: Duration,
-    /// Per stream ([`stream_index`]): time spent running nodes (collectives included; waits
+    /// Per stream ([`StreamKind::index`]): time spent running nodes (collectives included; waits
     /// on events excluded). In sync mode a collective counts for the stream the plan put it
     /// on, though the compute thread ran it.
     pub busy: [Duration; 3],
@@ -350,7 +334,7 @@ impl Executor {
             }
             nodes.push(NodeRt {
                 kind,
-                stream: stream_index(n.stream),
+                stream: n.stream.index(),
                 ins,
                 outs,
             });
@@ -371,7 +355,7 @@ impl Executor {
                 })?;
                 let member = members.iter().position(|&m| m == r).unwrap_or(0);
                 let size = members.len();
-                let key = (stream_index(n.stream), members);
+                let key = (n.stream.index(), members);
                 let comm = *comm_key.entry(key).or_insert_with(|| {
                     comms.push(Communicator::new(size));
                     comms.len() - 1
@@ -601,7 +585,7 @@ impl Executor {
                 let traces = &traces;
                 let abort = &abort;
                 std::thread::Builder::new()
-                    .name(format!("hzp-r{r}-{}", STREAMS[s].name()))
+                    .name(format!("hzp-r{r}-{}", StreamKind::ALL[s].name()))
                     .spawn_scoped(scope, move || {
                         let mut trace = if this.opts.trace {
                             Vec::with_capacity(list.len() * steps)
@@ -671,7 +655,7 @@ impl Executor {
                 self.trace.extend(t);
             }
             self.trace
-                .sort_by_key(|e| (e.rank, stream_index(e.stream), e.start, e.node));
+                .sort_by_key(|e| (e.rank, e.stream.index(), e.start, e.node));
         }
         Ok(out)
     }
@@ -933,7 +917,7 @@ impl<'a> ThreadCtx<'a> {
                 if ex.opts.trace && !matches!(node.kind, Kind::Nop) {
                     trace.push(TraceEvent {
                         rank: self.rank,
-                        stream: STREAMS[node.stream],
+                        stream: StreamKind::ALL[node.stream],
                         node: ni,
                         step: base_step + k + 1,
                         start: start - epoch,
