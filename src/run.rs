@@ -8,6 +8,7 @@ use hzp_passes::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent, STREAMS};
+use hzp_runtime::watchdog::FlightReport;
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -73,6 +74,14 @@ pub struct RunArgs {
     /// innermost mesh axis; inter: the others).
     #[arg(long, value_name = "intra=..,inter=..")]
     pub link: Option<String>,
+    /// Stop the run when a collective, event wait or step barrier takes longer than this
+    /// (seconds, or 500ms / 30s / 5m); every rank stops and prints its flight record.
+    #[arg(long, default_value = "300", value_name = "T")]
+    pub collective_timeout: String,
+    /// On a failed run, write each rank's flight record (its last collectives and their
+    /// state) to DIR/rank-<r>.json.
+    #[arg(long, value_name = "DIR")]
+    pub flight_recorder: Option<PathBuf>,
     /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
     #[arg(long, value_name = "P.npz")]
     pub params: Option<PathBuf>,
@@ -325,6 +334,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "sync" => CommMode::Sync,
         other => return Err(miette!("--comm `{other}`: expected async or sync")),
     };
+    let timeout = hzp_runtime::watchdog::parse_timeout(&args.collective_timeout)
+        .map_err(|e| miette!("--collective-timeout {e}"))?;
+    let fault = hzp_runtime::watchdog::Fault::from_env().map_err(|e| miette!("{e}"))?;
     let plan = read_plan(&args.plan)?;
     let link: Option<Arc<dyn LinkModel>> = match (&args.emulate_links, &args.link) {
         (Some(path), _) => {
@@ -388,10 +400,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let w = plan.mesh.world_size();
     let text = args.format == Format::Text;
+    let recorder_dir = args.flight_recorder.clone();
     let opts = ExecOptions {
         comm,
         link: link.clone(),
         trace: args.trace.is_some(),
+        collective_timeout: Some(timeout),
+        fault,
+        on_stuck: Some(Arc::new(move |report: &FlightReport| {
+            // threads that ignore the abort: report, then end the process (nothing else can)
+            emit_flight_report(report, recorder_dir.as_deref());
+            note!("error: {}", report.reason);
+            std::process::exit(EXIT_STUCK);
+        })),
+        flight_capacity: 0,
     };
     let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
     let header = |verb: &str| {
@@ -418,13 +440,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 args.inputs.as_deref().unwrap_or(Path::new("")).display()
             )
         })?;
-        ex.run(args.steps).map_err(|e| miette!("{e}"))?
+        let r = ex.run(args.steps).map_err(|e| miette!("{e}"));
+        flight_on_error(r, &ex, args)?
     } else {
         // the loop prints a line per step as it goes: the header comes first
         if text {
             outln!("{}", header("running"));
         }
-        crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule)?
+        let r = crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule);
+        flight_on_error(r, &ex, args)?
     };
 
     if text {
@@ -540,6 +564,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
         outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }
     Ok(())
+}
+
+/// Exit code when threads of a failed run do not stop (a hang the watchdog found).
+pub const EXIT_STUCK: i32 = 3;
+
+/// Entries of each rank's flight record printed on failure (the files hold them all).
+const PRINTED_ENTRIES: usize = 12;
+
+/// Prints the flight report on stderr and writes it to `dir`.
+pub fn emit_flight_report(report: &FlightReport, dir: Option<&Path>) {
+    note!("{}", report.summary(PRINTED_ENTRIES).trim_end());
+    if let Some(dir) = dir {
+        match report.write_dir(dir) {
+            Ok(files) => note!(
+                "flight recorder: wrote {} file{} to {}",
+                files.len(),
+                if files.len() == 1 { "" } else { "s" },
+                dir.display()
+            ),
+            Err(e) => note!("flight recorder: {e}"),
+        }
+    }
+}
+
+/// On a failed run, the executor's flight report goes out before the error.
+fn flight_on_error<T>(r: Result<T>, ex: &Executor, args: &RunArgs) -> Result<T> {
+    if r.is_err() {
+        if let Some(report) = ex.flight_report() {
+            emit_flight_report(report, args.flight_recorder.as_deref());
+        }
+    }
+    r
 }
 
 /// `--backend cuda`: this process's rank of the plan on its GPU (see `hzp launch`). Without

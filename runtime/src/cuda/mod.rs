@@ -16,6 +16,7 @@ pub mod kernels;
 pub mod lower;
 pub mod probe;
 pub mod rendezvous;
+pub mod transport;
 
 #[cfg(feature = "cuda")]
 mod device;
