@@ -21,6 +21,21 @@ pub mod transport;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+pub mod local;
+
+/// The `coll_*` kernels of the local device communicator (`kernels/collective.cu`): an
+/// accumulation for every dtype, a mean's scale for every dtype but bool.
+pub fn local_kernel_names() -> Vec<String> {
+    let mut v = Vec::new();
+    for t in ["f32", "bf16", "f16", "i64", "i32", "b8"] {
+        v.push(format!("coll_acc_{t}"));
+        if t != "b8" {
+            v.push(format!("coll_scale_{t}"));
+        }
+    }
+    v
+}
+#[cfg(feature = "cuda")]
 pub use device::{compile, compile_kernels, CudaExecutor, CudaOptions};
 
 use crate::exec::{CommMode, ExecError, StepStats};
