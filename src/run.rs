@@ -82,6 +82,11 @@ pub struct RunArgs {
     /// state) to DIR/rank-<r>.json.
     #[arg(long, value_name = "DIR")]
     pub flight_recorder: Option<PathBuf>,
+    /// With --backend cuda: run every rank of the plan in this process on the one GPU, each
+    /// with its own arena and streams, collectives through a local device communicator
+    /// (checks a multi-rank plan on a machine with one GPU).
+    #[arg(long)]
+    pub ranks_on_one_gpu: bool,
     /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
     #[arg(long, value_name = "P.npz")]
     pub params: Option<PathBuf>,
@@ -396,7 +401,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 "--data, --val-data, --log, --lr, schedules and checkpoints run on the CPU backend; the CUDA backend takes --inputs and the plan's learning rate (not built yet)"
             ));
         }
-        return run_cuda(args, &plan, &params, &fixed, comm, lr_max);
+        if fault.is_some() {
+            return Err(miette!(
+                "HZP_FAULT injects faults into the CPU backend only; unset it for --backend cuda"
+            ));
+        }
+        return run_cuda(args, &plan, &params, &fixed, comm, lr_max, timeout);
+    }
+    if args.ranks_on_one_gpu {
+        return Err(miette!(
+            "--ranks-on-one-gpu is an option of --backend cuda (the CPU backend always runs every rank in this process)"
+        ));
     }
     let w = plan.mesh.world_size();
     let text = args.format == Format::Text;
@@ -607,6 +622,7 @@ fn run_cuda(
     inputs: &[(String, Tensor)],
     comm: CommMode,
     lr: f64,
+    timeout: Duration,
 ) -> Result<()> {
     if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
         return Err(miette!(
@@ -627,12 +643,34 @@ fn run_cuda(
     };
     let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
     let mut feed = |_step: usize| Ok(batch.clone());
+    let dir = args.flight_recorder.clone();
+    let ropts = hzp_runtime::cuda::RunOptions {
+        comm,
+        timeout,
+        on_failure: Some(Arc::new(move |report: &FlightReport| {
+            emit_flight_report(report, dir.as_deref())
+        })),
+    };
+    if args.ranks_on_one_gpu {
+        let res = hzp_runtime::cuda::run_plan_one_gpu(
+            plan,
+            params,
+            &mut feed,
+            args.steps,
+            &ropts,
+            args.save_params.is_some(),
+            &mut on_step,
+        )
+        .map_err(|e| miette!("{e}"))?;
+        printed?;
+        return report_one_gpu(args, plan, &res);
+    }
     let res = hzp_runtime::cuda::run_plan(
         plan,
         params,
         &mut feed,
         args.steps,
-        comm,
+        &ropts,
         args.save_params.is_some(),
         &mut on_step,
     )
@@ -657,6 +695,94 @@ fn run_cuda(
             "steps": args.steps,
             "losses": res.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
             "step_seconds": res.steps.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
+        });
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    }
+    Ok(())
+}
+
+/// The end of a `--ranks-on-one-gpu` run: the per-stream summary (means over the ranks and
+/// the steps after the first), the parameters, the JSON report with every rank's losses.
+fn report_one_gpu(
+    args: &RunArgs,
+    plan: &Plan,
+    res: &hzp_runtime::cuda::OneGpuResult,
+) -> Result<()> {
+    let text = args.format == Format::Text;
+    let w = res.steps.len();
+    // per step: the mean over the ranks (the wall time: the slowest rank)
+    let n_steps = res.steps.first().map_or(0, Vec::len);
+    let merged: Vec<StepStats> = (0..n_steps)
+        .map(|k| {
+            let of = |f: &dyn Fn(&StepStats) -> Duration| -> Duration {
+                res.steps.iter().map(|r| f(&r[k])).sum::<Duration>() / w.max(1) as u32
+            };
+            StepStats {
+                step: res.steps[0][k].step,
+                loss: res.steps[0][k].loss,
+                wall: res
+                    .steps
+                    .iter()
+                    .map(|r| r[k].wall)
+                    .max()
+                    .unwrap_or_default(),
+                busy: [of(&|s| s.busy[0]), of(&|s| s.busy[1]), of(&|s| s.busy[2])],
+                exposed_comm: of(&|s| s.exposed_comm),
+            }
+        })
+        .collect();
+    if text && !merged.is_empty() {
+        let m = measured(&merged);
+        let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
+        outln!(
+            "ran {} ({} on {}, {w} ranks on one GPU, strategy {}), communication {}: per step, mean over {} step{} and the ranks{}:",
+            args.plan.display(),
+            plan.model,
+            plan.mesh,
+            plan.strategy,
+            args.comm,
+            m.len(),
+            if m.len() == 1 { "" } else { "s" },
+            if merged.len() > 1 { " (the first, warm-up, left out)" } else { "" }
+        );
+        outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
+        for (k, s) in STREAMS.iter().enumerate() {
+            let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
+            outln!(
+                "  {:<16} {:>10.3}  {:>6.1}%",
+                s.name(),
+                ms(b),
+                100.0 * b.as_secs_f64() / wall.as_secs_f64().max(1e-12)
+            );
+        }
+        let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
+        outln!(
+            "  exposed communication {:.3} ms; step {:.3} ms (the slowest rank)",
+            ms(exposed),
+            ms(wall)
+        );
+    }
+    if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
+        let mut read: Vec<&Path> = vec![args.plan.as_path()];
+        read.extend(args.inputs.as_deref());
+        read.extend(args.params.as_deref());
+        crate::files::write_npz(out, &read, p)?;
+        if text {
+            outln!("saved {} parameters to {}", p.len(), out.display());
+        }
+    }
+    if !text {
+        let v = serde_json::json!({
+            "plan": args.plan.display().to_string(),
+            "backend": "cuda",
+            "ranks_on_one_gpu": true,
+            "comm": args.comm,
+            "steps": args.steps,
+            "losses": res.steps.first().map(|r| r.iter().map(|s| s.loss).collect::<Vec<_>>()),
+            "rank_losses": res.steps.iter().map(|r| r.iter().map(|s| s.loss).collect::<Vec<_>>()).collect::<Vec<_>>(),
+            "step_seconds": merged.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
+            "busy_seconds": merged.iter().map(|s| s.busy.iter().map(|b| b.as_secs_f64()).collect::<Vec<_>>()).collect::<Vec<_>>(),
+            "exposed_comm_seconds": merged.iter().map(|s| s.exposed_comm.as_secs_f64()).collect::<Vec<_>>(),
         });
         outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }

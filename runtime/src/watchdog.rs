@@ -135,9 +135,11 @@ impl Fault {
                         "hang" => FaultKind::Hang,
                         "skip-collective" => FaultKind::SkipCollective,
                         "wrong-bytes" => FaultKind::WrongBytes,
-                        other => return Err(format!(
+                        other => {
+                            return Err(format!(
                             "kind `{other}` (expected panic, hang, skip-collective or wrong-bytes)"
-                        )),
+                        ))
+                        }
                     });
                 }
                 other => return Err(format!("unknown key `{other}` (expected rank, step, kind)")),
@@ -304,6 +306,21 @@ impl FlightRecorder {
                 CollState::Issued => {}
                 CollState::Started => e.started_us = now_us.max(1),
                 CollState::Completed | CollState::Failed => e.ended_us = now_us.max(1),
+            }
+        }
+    }
+
+    /// Marks every unfinished entry of `rank` completed at `now_us` (a backend whose step
+    /// ended with every stream done: the CUDA executor, which enqueues collectives and learns
+    /// of their completion only then).
+    pub fn settle(&self, rank: usize, now_us: u64) {
+        for s in 0..self.streams {
+            let mut r = self.ring(rank, s);
+            for e in r.entries.iter_mut() {
+                if matches!(e.state, CollState::Issued | CollState::Started) {
+                    e.state = CollState::Completed;
+                    e.ended_us = now_us.max(1);
+                }
             }
         }
     }

@@ -399,7 +399,6 @@ impl LocalComm {
         }
         Ok(())
     }
-
 }
 
 /// What a rendezvous hands back.
@@ -408,7 +407,10 @@ struct Round2 {
     error: Option<String>,
 }
 
-fn kernel(functions: &HashMap<String, sys::CUfunction>, name: &str) -> Result<sys::CUfunction, String> {
+fn kernel(
+    functions: &HashMap<String, sys::CUfunction>,
+    name: &str,
+) -> Result<sys::CUfunction, String> {
     functions
         .get(name)
         .copied()
