@@ -167,7 +167,7 @@ impl CudaExecutor {
             )));
         }
         let mut need = vec![Lib::Driver, Lib::Nvrtc, Lib::Cublas, Lib::CublasLt];
-        if world > 1 {
+        if world > 1 || nccl_groups_of_one() {
             need.push(Lib::Nccl);
         }
         let pr = probe::probe();
@@ -425,7 +425,7 @@ impl CudaExecutor {
         let n_ids: usize = table
             .iter()
             .zip(&self.low.comms)
-            .filter(|(_, k)| k.members.len() > 1)
+            .filter(|(_, k)| k.members.len() > 1 || nccl_groups_of_one())
             .map(|(t, _)| t.len())
             .sum();
         const ID: usize = 128;
@@ -456,7 +456,7 @@ impl CudaExecutor {
         let mut at = 0;
         let mut comms = Vec::new();
         for (k, inst) in self.low.comms.iter().zip(&table) {
-            if k.members.len() <= 1 {
+            if k.members.len() <= 1 && !nccl_groups_of_one() {
                 comms.push(None);
                 continue;
             }
@@ -1445,4 +1445,11 @@ fn wait_comm_ready(comm: nccl_sys::ncclComm_t, deadline: Instant) -> Result<(), 
             e => return Err(nccl_result(e, comm)),
         }
     }
+}
+
+/// `HZP_NCCL_GROUPS_OF_ONE=1`: NCCL communicators for groups of one rank too (normally a
+/// copy), so that NCCL's set-up, collectives, error polling and tear-down run on a machine
+/// with one GPU (the device check's world-size-1 run).
+fn nccl_groups_of_one() -> bool {
+    std::env::var_os("HZP_NCCL_GROUPS_OF_ONE").is_some_and(|v| v == "1")
 }
