@@ -73,10 +73,13 @@ pub struct LocalComm {
 unsafe impl Send for LocalComm {}
 unsafe impl Sync for LocalComm {}
 
+/// A communicator's identity: (stream, members).
+type CommId = (usize, Vec<usize>);
+
 /// Every communicator of the ranks of one process, and their shared abort flag.
 pub struct LocalGroup {
     ctx: Arc<CudaContext>,
-    comms: Mutex<HashMap<(usize, Vec<usize>), Arc<LocalComm>>>,
+    comms: Mutex<HashMap<CommId, Arc<LocalComm>>>,
     /// Set when any rank fails: every host wait gives up.
     pub abort: AtomicBool,
     pub timeout: Duration,
@@ -199,6 +202,7 @@ impl LocalComm {
     }
 
     /// One host rendezvous (see the module docs); `phase` names it in a timeout.
+    #[allow(clippy::too_many_arguments)]
     fn rendezvous(
         &self,
         me: usize,
