@@ -237,7 +237,7 @@ const AT_BARRIER: u64 = u64::MAX - 1;
 /// ... at the start of a step, before its first node.
 const AT_STEP_START: u64 = u64::MAX - 2;
 
-/// Where a thread is, for the watchdog: two relaxed stores per node, two more around a wait.
+/// Where a thread is, for the watchdog: one relaxed store per node, two more around a wait.
 struct Progress {
     /// The node it runs (its index), or one of the markers above.
     at: AtomicU64,
