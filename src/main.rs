@@ -310,6 +310,13 @@ fn install_panic_hook() {
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
             .unwrap_or_default();
+        // A rank's thread of the plan executor: the executor catches the panic, stops the
+        // other ranks and reports it with the flight recorder (and the run exits non-zero).
+        let thread = std::thread::current();
+        if thread.name().is_some_and(|n| n.starts_with("hzp-r")) {
+            note!("{} panicked: {msg}{at}", thread.name().unwrap_or_default());
+            return;
+        }
         note!(
             "internal error: hzp stopped on a bug, not on something you did wrong: {msg}{at}. Please report it with the command line that caused it."
         );

@@ -8,6 +8,7 @@ use hzp_passes::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent};
+use hzp_runtime::watchdog::FlightReport;
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -73,6 +74,19 @@ pub struct RunArgs {
     /// innermost mesh axis; inter: the others).
     #[arg(long, value_name = "intra=..,inter=..")]
     pub link: Option<String>,
+    /// Stop the run when a collective, event wait or step barrier takes longer than this
+    /// (seconds, or 500ms / 30s / 5m); every rank stops and prints its flight record.
+    #[arg(long, default_value = "300", value_name = "T")]
+    pub collective_timeout: String,
+    /// On a failed run, write each rank's flight record (its last collectives and their
+    /// state) to DIR/rank-<r>.json.
+    #[arg(long, value_name = "DIR")]
+    pub flight_recorder: Option<PathBuf>,
+    /// With --backend cuda: run every rank of the plan in this process on the one GPU, each
+    /// with its own arena and streams, collectives through a local device communicator
+    /// (checks a multi-rank plan on a machine with one GPU).
+    #[arg(long)]
+    pub ranks_on_one_gpu: bool,
     /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
     #[arg(long, value_name = "P.npz")]
     pub params: Option<PathBuf>,
@@ -351,6 +365,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "sync" => CommMode::Sync,
         other => return Err(miette!("--comm `{other}`: expected async or sync")),
     };
+    let timeout = hzp_runtime::watchdog::parse_timeout(&args.collective_timeout)
+        .map_err(|e| miette!("--collective-timeout {e}"))?;
+    let fault = hzp_runtime::watchdog::Fault::from_env().map_err(|e| miette!("{e}"))?;
     let plan = read_plan(&args.plan)?;
     let link: Option<Arc<dyn LinkModel>> = match (&args.emulate_links, &args.link) {
         (Some(path), _) => {
@@ -410,14 +427,34 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 "--data, --val-data, --log, --lr, schedules and checkpoints run on the CPU backend; the CUDA backend takes --inputs and the plan's learning rate (not built yet)"
             ));
         }
-        return run_cuda(args, &plan, &params, &fixed, comm, lr_max);
+        if fault.is_some() {
+            return Err(miette!(
+                "HZP_FAULT injects faults into the CPU backend only; unset it for --backend cuda"
+            ));
+        }
+        return run_cuda(args, &plan, &params, &fixed, comm, lr_max, timeout);
+    }
+    if args.ranks_on_one_gpu {
+        return Err(miette!(
+            "--ranks-on-one-gpu is an option of --backend cuda (the CPU backend always runs every rank in this process)"
+        ));
     }
     let w = plan.mesh.world_size();
     let text = args.format == Format::Text;
+    let recorder_dir = args.flight_recorder.clone();
     let opts = ExecOptions {
         comm,
         link: link.clone(),
         trace: args.trace.is_some(),
+        collective_timeout: Some(timeout),
+        fault,
+        on_stuck: Some(Arc::new(move |report: &FlightReport| {
+            // threads that ignore the abort: report, then end the process (nothing else can)
+            emit_flight_report(report, recorder_dir.as_deref());
+            note!("error: {}", report.reason);
+            std::process::exit(EXIT_STUCK);
+        })),
+        flight_capacity: 0,
     };
     let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
     let header = |verb: &str| {
@@ -444,13 +481,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 args.inputs.as_deref().unwrap_or(Path::new("")).display()
             )
         })?;
-        ex.run(args.steps).map_err(|e| miette!("{e}"))?
+        let r = ex.run(args.steps).map_err(|e| miette!("{e}"));
+        flight_on_error(r, &ex, args)?
     } else {
         // the loop prints a line per step as it goes: the header comes first
         if text {
             outln!("{}", header("running"));
         }
-        crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule)?
+        let r = crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule);
+        flight_on_error(r, &ex, args)?
     };
 
     if text {
@@ -568,6 +607,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// Exit code when threads of a failed run do not stop (a hang the watchdog found).
+pub const EXIT_STUCK: i32 = 3;
+
+/// Entries of each rank's flight record printed on failure (the files hold them all).
+const PRINTED_ENTRIES: usize = 12;
+
+/// Prints the flight report on stderr and writes it to `dir`.
+pub fn emit_flight_report(report: &FlightReport, dir: Option<&Path>) {
+    note!("{}", report.summary(PRINTED_ENTRIES).trim_end());
+    if let Some(dir) = dir {
+        match report.write_dir(dir) {
+            Ok(files) => note!(
+                "flight recorder: wrote {} file{} to {}",
+                files.len(),
+                if files.len() == 1 { "" } else { "s" },
+                dir.display()
+            ),
+            Err(e) => note!("flight recorder: {e}"),
+        }
+    }
+}
+
+/// On a failed run, the executor's flight report goes out before the error.
+fn flight_on_error<T>(r: Result<T>, ex: &Executor, args: &RunArgs) -> Result<T> {
+    if r.is_err() {
+        if let Some(report) = ex.flight_report() {
+            emit_flight_report(report, args.flight_recorder.as_deref());
+        }
+    }
+    r
+}
+
 /// `--backend cuda`: this process's rank of the plan on its GPU (see `hzp launch`). Without
 /// the libraries, or in a build without the `cuda` feature, the runtime says which.
 fn run_cuda(
@@ -577,6 +648,7 @@ fn run_cuda(
     inputs: &[(String, Tensor)],
     comm: CommMode,
     lr: f64,
+    timeout: Duration,
 ) -> Result<()> {
     if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
         return Err(miette!(
@@ -597,12 +669,34 @@ fn run_cuda(
     };
     let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
     let mut feed = |_step: usize| Ok(batch.clone());
+    let dir = args.flight_recorder.clone();
+    let ropts = hzp_runtime::cuda::RunOptions {
+        comm,
+        timeout,
+        on_failure: Some(Arc::new(move |report: &FlightReport| {
+            emit_flight_report(report, dir.as_deref())
+        })),
+    };
+    if args.ranks_on_one_gpu {
+        let res = hzp_runtime::cuda::run_plan_one_gpu(
+            plan,
+            params,
+            &mut feed,
+            args.steps,
+            &ropts,
+            args.save_params.is_some(),
+            &mut on_step,
+        )
+        .map_err(|e| miette!("{e}"))?;
+        printed?;
+        return report_one_gpu(args, plan, &res);
+    }
     let res = hzp_runtime::cuda::run_plan(
         plan,
         params,
         &mut feed,
         args.steps,
-        comm,
+        &ropts,
         args.save_params.is_some(),
         &mut on_step,
     )
@@ -628,6 +722,94 @@ fn run_cuda(
             "steps": args.steps,
             "losses": res.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
             "step_seconds": res.steps.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
+        });
+        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    }
+    Ok(())
+}
+
+/// The end of a `--ranks-on-one-gpu` run: the per-stream summary (means over the ranks and
+/// the steps after the first), the parameters, the JSON report with every rank's losses.
+fn report_one_gpu(
+    args: &RunArgs,
+    plan: &Plan,
+    res: &hzp_runtime::cuda::OneGpuResult,
+) -> Result<()> {
+    let text = args.format == Format::Text;
+    let w = res.steps.len();
+    // per step: the mean over the ranks (the wall time: the slowest rank)
+    let n_steps = res.steps.first().map_or(0, Vec::len);
+    let merged: Vec<StepStats> = (0..n_steps)
+        .map(|k| {
+            let of = |f: &dyn Fn(&StepStats) -> Duration| -> Duration {
+                res.steps.iter().map(|r| f(&r[k])).sum::<Duration>() / w.max(1) as u32
+            };
+            StepStats {
+                step: res.steps[0][k].step,
+                loss: res.steps[0][k].loss,
+                wall: res
+                    .steps
+                    .iter()
+                    .map(|r| r[k].wall)
+                    .max()
+                    .unwrap_or_default(),
+                busy: [of(&|s| s.busy[0]), of(&|s| s.busy[1]), of(&|s| s.busy[2])],
+                exposed_comm: of(&|s| s.exposed_comm),
+            }
+        })
+        .collect();
+    if text && !merged.is_empty() {
+        let m = measured(&merged);
+        let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
+        outln!(
+            "ran {} ({} on {}, {w} ranks on one GPU, strategy {}), communication {}: per step, mean over {} step{} and the ranks{}:",
+            args.plan.display(),
+            plan.model,
+            plan.mesh,
+            plan.strategy,
+            args.comm,
+            m.len(),
+            if m.len() == 1 { "" } else { "s" },
+            if merged.len() > 1 { " (the first, warm-up, left out)" } else { "" }
+        );
+        outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
+        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
+            let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
+            outln!(
+                "  {:<16} {:>10.3}  {:>6.1}%",
+                s.name(),
+                ms(b),
+                100.0 * b.as_secs_f64() / wall.as_secs_f64().max(1e-12)
+            );
+        }
+        let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
+        outln!(
+            "  exposed communication {:.3} ms; step {:.3} ms (the slowest rank)",
+            ms(exposed),
+            ms(wall)
+        );
+    }
+    if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
+        let mut read: Vec<&Path> = vec![args.plan.as_path()];
+        read.extend(args.inputs.as_deref());
+        read.extend(args.params.as_deref());
+        crate::files::write_npz(out, &read, p)?;
+        if text {
+            outln!("saved {} parameters to {}", p.len(), out.display());
+        }
+    }
+    if !text {
+        let v = serde_json::json!({
+            "plan": args.plan.display().to_string(),
+            "backend": "cuda",
+            "ranks_on_one_gpu": true,
+            "comm": args.comm,
+            "steps": args.steps,
+            "losses": res.steps.first().map(|r| r.iter().map(|s| s.loss).collect::<Vec<_>>()),
+            "rank_losses": res.steps.iter().map(|r| r.iter().map(|s| s.loss).collect::<Vec<_>>()).collect::<Vec<_>>(),
+            "step_seconds": merged.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
+            "busy_seconds": merged.iter().map(|s| s.busy.iter().map(|b| b.as_secs_f64()).collect::<Vec<_>>()).collect::<Vec<_>>(),
+            "exposed_comm_seconds": merged.iter().map(|s| s.exposed_comm.as_secs_f64()).collect::<Vec<_>>(),
         });
         outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     }

@@ -237,6 +237,27 @@ fn cuda_backend_names_what_is_missing() {
         err.contains("not found") || err.contains("without CUDA"),
         "{err}"
     );
+    // every rank on the one GPU: the same check of the libraries first (or, in a build
+    // without the feature, the rebuild hint), never a panic
+    let (code, _, err) = hzp(&[
+        "run",
+        s(&plan),
+        "--inputs",
+        s(&io()),
+        "--backend",
+        "cuda",
+        "--ranks-on-one-gpu",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("--ranks-on-one-gpu")
+            && (err.contains("not found") || err.contains("without the `cuda` feature")),
+        "{err}"
+    );
+    // an option of the CUDA backend only
+    let (code, _, err) = hzp(&["run", s(&plan), "--inputs", s(&io()), "--ranks-on-one-gpu"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is an option of --backend cuda"), "{err}");
 }
 
 /// `hzp compile` honours the training flags that change the model: with `--retie` the tied

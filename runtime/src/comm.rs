@@ -19,8 +19,8 @@
 
 use half::{bf16, f16};
 use hzp_ir::{DType, Group, Op, ReduceOp};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a collective takes on emulated links.
@@ -42,6 +42,11 @@ pub fn collective_bytes(op: &Op, in_bytes: usize, out_bytes: usize) -> u64 {
 /// Where one member's operands are (set before the arrival barrier, read after it).
 #[derive(Default)]
 struct Slot {
+    /// The caller's label of the collective (the executor: the node's index), compared
+    /// across members so that a rank that issued another collective is named.
+    node: AtomicUsize,
+    /// Calls this member has entered.
+    calls: AtomicU64,
     input: AtomicUsize,
     input_len: AtomicUsize,
     output: AtomicUsize,
@@ -62,6 +67,10 @@ struct Round {
 /// One group instance on one stream (see the [module docs](self)).
 pub struct Communicator {
     n: usize,
+    /// The global ranks of the members, for messages.
+    members: Vec<usize>,
+    /// Names of the callers' labels (the executor's node names), for messages.
+    labels: Option<Arc<[String]>>,
     slots: Vec<Slot>,
     round: Mutex<Round>,
     cv: Condvar,
@@ -77,9 +86,19 @@ pub const ABORTED: &str = "aborted: another rank or stream failed";
 impl Communicator {
     /// A communicator for `n` members.
     pub fn new(n: usize) -> Communicator {
+        Communicator::with_members((0..n.max(1)).collect(), None)
+    }
+
+    /// A communicator of the ranks `members` (in member order); `labels` names the labels
+    /// callers pass to [`Communicator::run`] (node names), so that a mismatch names them.
+    pub fn with_members(members: Vec<usize>, labels: Option<Arc<[String]>>) -> Communicator {
+        let n = members.len().max(1);
+        let members = if members.is_empty() { vec![0] } else { members };
         Communicator {
-            n: n.max(1),
-            slots: (0..n.max(1)).map(|_| Slot::default()).collect(),
+            n,
+            members,
+            labels,
+            slots: (0..n).map(|_| Slot::default()).collect(),
             round: Mutex::new(Round::default()),
             cv: Condvar::new(),
         }
@@ -88,6 +107,66 @@ impl Communicator {
     /// Number of members.
     pub fn size(&self) -> usize {
         self.n
+    }
+
+    /// The members' global ranks, in member order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// How many calls each member has entered so far (a member behind the others has not
+    /// issued a collective they wait in).
+    pub fn calls(&self) -> Vec<u64> {
+        self.slots
+            .iter()
+            .map(|s| s.calls.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Calls member `m` has entered so far.
+    pub fn calls_of(&self, m: usize) -> u64 {
+        self.slots
+            .get(m)
+            .map_or(0, |s| s.calls.load(Ordering::Relaxed))
+    }
+
+    fn label(&self, node: usize) -> String {
+        match self.labels.as_deref().and_then(|l| l.get(node)) {
+            Some(name) => format!("`{name}`"),
+            None => format!("#{node}"),
+        }
+    }
+
+    /// Compares every member's call with member 0's (called by the last to arrive, when all
+    /// have published): a different label or byte count is a mismatch that names both.
+    fn check_same_call(&self, call: u64) -> Result<(), String> {
+        let sig = |j: usize| {
+            let s = &self.slots[j];
+            (
+                s.node.load(Ordering::Relaxed),
+                s.input_len.load(Ordering::Relaxed),
+                s.output_len.load(Ordering::Relaxed),
+            )
+        };
+        let first = sig(0);
+        for j in 1..self.n {
+            let other = sig(j);
+            if other != first {
+                return Err(format!(
+                    "collective mismatch: call {call} of the communicator of ranks {:?} is {} ({} bytes in, {} out) on rank {} but {} ({} bytes in, {} out) on rank {}",
+                    self.members,
+                    self.label(first.0),
+                    first.1,
+                    first.2,
+                    self.members[0],
+                    self.label(other.0),
+                    other.1,
+                    other.2,
+                    self.members[j],
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Runs one collective as member `me`. `dtype` and `in_shape` describe the input (the
@@ -111,14 +190,22 @@ impl Communicator {
         output_len: usize,
         link: Option<(&dyn LinkModel, &Group)>,
         abort: &AtomicBool,
+        node: usize,
+        on_start: Option<&dyn Fn()>,
     ) -> Result<(), String> {
         let n = self.n;
+        if me >= n {
+            return Err(format!("member {me} of a communicator of {n}"));
+        }
         let slot = &self.slots[me];
+        let call = slot.calls.fetch_add(1, Ordering::Relaxed);
+        slot.node.store(node, Ordering::Relaxed);
         slot.input.store(input as usize, Ordering::Relaxed);
         slot.input_len.store(input_len, Ordering::Relaxed);
         slot.output.store(output as usize, Ordering::Relaxed);
         slot.output_len.store(output_len, Ordering::Relaxed);
-        let mine = check_args(op, dtype, in_shape, n, input_len, output_len);
+        let mine = check_args(op, dtype, in_shape, n, input_len, output_len)
+            .map_err(|e| format!("rank {}: {e}", self.members[me]));
 
         // Arrive: the mutex orders the slot stores before every member's reads.
         let ready_at = {
@@ -129,6 +216,10 @@ impl Communicator {
             let gen = r.arrive_gen;
             r.arrived += 1;
             if r.arrived == n {
+                if let Err(e) = self.check_same_call(call) {
+                    // the mismatch explains a member's argument error better than it does
+                    r.error = Some(e);
+                }
                 r.arrived = 0;
                 r.arrive_gen += 1;
                 r.ready_at = Some(Instant::now());
@@ -141,6 +232,9 @@ impl Communicator {
             (r.ready_at.unwrap_or_else(Instant::now), r.error.clone())
         };
         let (ready_at, error) = ready_at;
+        if let (None, Some(f)) = (&error, on_start) {
+            f();
+        }
         let result = match error {
             Some(e) => Err(e),
             // SAFETY: every member has published valid operands (the caller's contract),
@@ -279,7 +373,7 @@ impl Communicator {
 }
 
 /// Checks one member's operands against the op (sizes, divisibility, supported reduction).
-fn check_args(
+pub(crate) fn check_args(
     op: &Op,
     dtype: DType,
     s: &[usize],

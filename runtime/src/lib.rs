@@ -13,3 +13,4 @@ pub mod index_check;
 pub mod schedule;
 pub mod spmd;
 pub mod train;
+pub mod watchdog;

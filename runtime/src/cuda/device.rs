@@ -17,11 +17,13 @@
 //! collectives' time is the exposed communication.
 
 use super::kernels;
+use super::local::{coll_bytes, describe, LocalComm, LocalGroup};
 use super::lower::{Arg, CollKind, Collective, Gemm, LoweredPlan, Work};
 use super::probe::{self, Lib};
 use super::rendezvous::{DistEnv, Rendezvous};
 use crate::exec::arena::{scalar_f64, tensor_from_bytes, write_tensor};
 use crate::exec::{cut_parameters, CommMode, ExecError, StepStats};
+use crate::watchdog::{CollRecord, CollState, FlightRecorder, FlightReport, RankRecord};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result as drv, sys, CudaContext};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
@@ -29,7 +31,7 @@ use cudarc::nvrtc::sys as nvrtc_sys;
 use hzp_ir::{DType, Plan, ReduceOp, Tensor, ValueId};
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,7 +39,9 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
     pub comm: CommMode,
-    /// How long the rendezvous and host-side event waits may take.
+    /// How long the rendezvous, host-side event waits, a communicator's set-up and a step's
+    /// collectives may take (`--collective-timeout`): past it, NCCL communicators are aborted
+    /// and the step fails naming what it waited for.
     pub timeout: Duration,
 }
 
@@ -78,6 +82,17 @@ unsafe impl Send for Events {}
 unsafe impl Sync for Events {}
 
 struct Comms(Vec<Option<nccl_sys::ncclComm_t>>);
+
+/// How a rank's collectives move data: NCCL (one process per GPU), or the local device
+/// communicator (every rank in this process on one GPU, `--ranks-on-one-gpu`).
+enum Transport {
+    Nccl(Comms),
+    Local {
+        group: Arc<LocalGroup>,
+        /// Per communicator key of the lowering: the instance (None: a group of one).
+        comms: Vec<Option<Arc<LocalComm>>>,
+    },
+}
 // SAFETY: each communicator is used by the one thread of its stream (and at set-up/teardown
 // by the main thread while no other runs).
 unsafe impl Send for Comms {}
@@ -102,7 +117,8 @@ pub struct CudaExecutor {
     plan: Plan,
     low: LoweredPlan,
     dist: DistEnv,
-    rdv: Rendezvous,
+    /// The process group (None with every rank in this process).
+    rdv: Option<Rendezvous>,
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
     functions: HashMap<String, sys::CUfunction>,
@@ -113,10 +129,17 @@ pub struct CudaExecutor {
     /// (before, after) pair in `wait_timing`.
     node_timing: Events,
     wait_timing: Vec<Option<(usize, usize)>>,
-    comms: Comms,
+    transport: Transport,
     blas: Blas,
     opts: CudaOptions,
     steps_run: usize,
+    /// The collectives this rank issued (enqueued), for the report of a failed step.
+    recorder: FlightRecorder,
+    born: Instant,
+    /// A step failed: NCCL communicators are aborted, not destroyed, on the way out.
+    failed: bool,
+    /// Calls issued per communicator key (the flight recorder's `comm_seq`).
+    calls: Vec<AtomicU64>,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -139,23 +162,58 @@ impl CudaExecutor {
         let world = plan.mesh.world_size();
         if dist.world_size != world {
             return Err(ExecError::Plan(format!(
-                "the plan's mesh {} has {world} ranks, but WORLD_SIZE is {} (start {world} processes: hzp launch --nproc-per-node {world} -- run ...)",
+                "the plan's mesh {} has {world} ranks, but WORLD_SIZE is {} (start {world} processes: hzp launch --nproc-per-node {world} -- run ...; or all ranks on one GPU: hzp run --backend cuda --ranks-on-one-gpu)",
                 plan.mesh, dist.world_size
             )));
         }
         let mut need = vec![Lib::Driver, Lib::Nvrtc, Lib::Cublas, Lib::CublasLt];
-        if world > 1 {
+        if world > 1 || nccl_groups_of_one() {
             need.push(Lib::Nccl);
         }
         let pr = probe::probe();
         pr.require(&need, "hzp run --backend cuda")
             .map_err(run_err)?;
         pr.preload(&need).map_err(run_err)?;
-
         // Refuse what the backend cannot run before touching the device.
         let low = super::lower::lower_program(plan, dist.rank).map_err(ExecError::Plan)?;
         let shards = cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
+        let rank = dist.rank;
+        Self::open(plan, low, &shards[rank], opts, dist, None)
+    }
 
+    /// Rank `rank` of `plan` in a process that runs every rank on its one GPU: its own arena
+    /// and streams, the same lowering, events and memory plan as under NCCL, collectives
+    /// through `group` (see [`super::local`]). `image` is the compiled kernels (compiled
+    /// once for all ranks); `shards` this rank's parameter shards.
+    pub fn new_local(
+        plan: &Plan,
+        shards: &[(ValueId, Tensor)],
+        opts: CudaOptions,
+        rank: usize,
+        group: &Arc<LocalGroup>,
+        image: &[u8],
+    ) -> Result<CudaExecutor, ExecError> {
+        let world = plan.mesh.world_size();
+        let low = super::lower::lower_program(plan, rank).map_err(ExecError::Plan)?;
+        let dist = DistEnv {
+            rank,
+            world_size: world,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: String::new(),
+            master_port: 0,
+        };
+        Self::open(plan, low, shards, opts, dist, Some((group.clone(), image)))
+    }
+
+    fn open(
+        plan: &Plan,
+        low: LoweredPlan,
+        shards: &[(ValueId, Tensor)],
+        opts: CudaOptions,
+        dist: DistEnv,
+        local: Option<(Arc<LocalGroup>, &[u8])>,
+    ) -> Result<CudaExecutor, ExecError> {
         drv::init()
             .map_err(|e| drv_err("cuInit (the driver loaded, but found no usable GPU)", e))?;
         let count = drv::device::get_count().map_err(|e| drv_err("cuDeviceGetCount", e))?;
@@ -175,12 +233,28 @@ impl CudaExecutor {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| drv_err("reading the compute capability", e))?;
-        let image = compile_kernels(major, minor)?;
+        let compiled;
+        let image: &[u8] = match &local {
+            Some((_, image)) => image,
+            None => {
+                compiled = compile_kernels(major, minor)?;
+                &compiled
+            }
+        };
         // SAFETY: the image is a complete cubin from NVRTC; the context is current.
         let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
             .map_err(|e| drv_err("loading the compiled kernels", e))?;
 
         let mut functions = HashMap::new();
+        if local.is_some() {
+            for k in super::local_kernel_names() {
+                let name = CString::new(k.clone()).expect("kernel names are ASCII");
+                // SAFETY: module is loaded.
+                let f = unsafe { drv::module::get_function(module, name) }
+                    .map_err(|e| drv_err(&format!("kernel `{k}`"), e))?;
+                functions.insert(k, f);
+            }
+        }
         for nw in &low.nodes {
             for w in &nw.work {
                 if let Work::Kernel(l) = w {
@@ -239,7 +313,30 @@ impl CudaExecutor {
         unsafe { blas::set_stream(blas_h, streams[0] as _) }
             .map_err(|e| run_err(format!("cuBLAS: setting the stream: {e:?}")))?;
 
-        let rdv = Rendezvous::connect(&dist, opts.timeout).map_err(|e| run_err(e.to_string()))?;
+        let rdv = match &local {
+            Some(_) => None,
+            None => {
+                Some(Rendezvous::connect(&dist, opts.timeout).map_err(|e| run_err(e.to_string()))?)
+            }
+        };
+        let transport = match &local {
+            Some((group, _)) => Transport::Local {
+                group: group.clone(),
+                comms: low
+                    .comms
+                    .iter()
+                    .map(|k| {
+                        if k.members.len() <= 1 {
+                            Ok(None)
+                        } else {
+                            group.comm(k.stream, &k.axes, &k.members).map(Some)
+                        }
+                    })
+                    .collect::<Result<_, String>>()
+                    .map_err(run_err)?,
+            },
+            None => Transport::Nccl(Comms(Vec::new())),
+        };
         let mut ex = CudaExecutor {
             plan: plan.clone(),
             low,
@@ -252,14 +349,21 @@ impl CudaExecutor {
             events,
             node_timing: Events(timing),
             wait_timing,
-            comms: Comms(Vec::new()),
+            transport,
             blas: Blas(sys_handle::Handle(blas_h)),
             opts,
             steps_run: 0,
+            recorder: FlightRecorder::new(1, 3, crate::watchdog::DEFAULT_CAPACITY),
+            born: Instant::now(),
+            failed: false,
+            calls: Vec::new(),
         };
-        ex.check_same_plan()?;
-        ex.create_comms()?;
-        for (v, t) in &shards[ex.dist.rank] {
+        ex.calls = (0..ex.low.comms.len()).map(|_| AtomicU64::new(0)).collect();
+        if ex.rdv.is_some() {
+            ex.check_same_plan()?;
+            ex.create_comms()?;
+        }
+        for (v, t) in shards {
             ex.write(*v, t)?;
         }
         let consts: Vec<(ValueId, Tensor)> = ex
@@ -277,9 +381,10 @@ impl CudaExecutor {
 
     /// Every rank must run the same plan: all-gather the content hashes.
     fn check_same_plan(&mut self) -> Result<(), ExecError> {
+        let hash = self.plan.content_hash.clone();
         let all = self
-            .rdv
-            .all_gather(self.plan.content_hash.as_bytes())
+            .rdv()?
+            .all_gather(hash.as_bytes())
             .map_err(|e| run_err(e.to_string()))?;
         if let Some((r, h)) = all
             .iter()
@@ -320,7 +425,7 @@ impl CudaExecutor {
         let n_ids: usize = table
             .iter()
             .zip(&self.low.comms)
-            .filter(|(_, k)| k.members.len() > 1)
+            .filter(|(_, k)| k.members.len() > 1 || nccl_groups_of_one())
             .map(|(t, _)| t.len())
             .sum();
         const ID: usize = 128;
@@ -333,11 +438,11 @@ impl CudaExecutor {
                     .map_err(|e| run_err(format!("NCCL: ncclGetUniqueId: {e:?}")))?;
                 b.extend(id.internal.iter().map(|&c| c as u8));
             }
-            self.rdv
+            self.rdv()?
                 .broadcast(Some(&b))
                 .map_err(|e| run_err(e.to_string()))?
         } else {
-            self.rdv
+            self.rdv()?
                 .broadcast(None)
                 .map_err(|e| run_err(e.to_string()))?
         };
@@ -351,7 +456,7 @@ impl CudaExecutor {
         let mut at = 0;
         let mut comms = Vec::new();
         for (k, inst) in self.low.comms.iter().zip(&table) {
-            if k.members.len() <= 1 {
+            if k.members.len() <= 1 && !nccl_groups_of_one() {
                 comms.push(None);
                 continue;
             }
@@ -362,21 +467,52 @@ impl CudaExecutor {
             for (d, s) in id.internal.iter_mut().zip(&ids[slot * ID..(slot + 1) * ID]) {
                 *d = *s as _;
             }
+            let what = format!(
+                "rank {}: joining the NCCL communicator of group [{}] (ranks {:?}) on stream {}",
+                self.dist.rank,
+                k.axes.join(","),
+                k.members,
+                k.stream
+            );
             let mut comm = std::ptr::null_mut();
-            // SAFETY: a fresh communicator handle; every member calls this with the same id.
-            unsafe { nccl::comm_init_rank(&mut comm, k.members.len() as i32, id, k.member as i32) }
-                .map_err(|e| {
-                    run_err(format!(
-                        "NCCL: joining the communicator of group [{}] (ranks {:?}) on stream {}: {e:?}",
-                        k.axes.join(","),
-                        k.members,
-                        k.stream
-                    ))
-                })?;
+            let mut cfg = NcclConfig::non_blocking();
+            // SAFETY: a fresh communicator handle; every member calls this with the same id;
+            // the config is the 2.17 prefix of ncclConfig_t, its size and version say so.
+            let r = unsafe {
+                nccl_sys::ncclCommInitRankConfig(
+                    &mut comm,
+                    k.members.len() as i32,
+                    id,
+                    k.member as i32,
+                    &mut cfg as *mut NcclConfig as *mut nccl_sys::ncclConfig_t,
+                )
+            };
+            if !matches!(
+                r,
+                nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress
+            ) {
+                // the communicators joined so far go with the error
+                self.transport = Transport::Nccl(Comms(comms));
+                self.failed = true;
+                return Err(run_err(format!("{what}: {}", nccl_result(r, comm))));
+            }
             comms.push(Some(comm));
+            // non-blocking: the set-up goes on in NCCL's threads; wait for it, within the
+            // timeout (a peer that never joins is noticed, not waited on forever)
+            if let Err(e) = wait_comm_ready(comm, Instant::now() + self.opts.timeout) {
+                self.transport = Transport::Nccl(Comms(comms));
+                self.failed = true;
+                return Err(run_err(format!("{what}: {e}")));
+            }
         }
-        self.comms = Comms(comms);
+        self.transport = Transport::Nccl(Comms(comms));
         Ok(())
+    }
+
+    fn rdv(&mut self) -> Result<&mut Rendezvous, ExecError> {
+        self.rdv.as_mut().ok_or_else(|| {
+            run_err("internal: a process-group operation with every rank in this process")
+        })
     }
 
     fn write(&self, v: ValueId, t: &Tensor) -> Result<(), ExecError> {
@@ -484,13 +620,16 @@ impl CudaExecutor {
                 .collect()
         });
         for r in results {
-            r?;
+            if let Err(e) = r {
+                self.fail();
+                return Err(e);
+            }
         }
-        for &st in &self.h.streams {
-            // SAFETY: live stream.
-            unsafe { drv::stream::synchronize(st) }
-                .map_err(|e| drv_err("finishing the step", e))?;
+        if let Err(e) = self.finish_streams(step, t0) {
+            self.fail();
+            return Err(e);
         }
+        self.recorder.settle(0, self.now_us());
         self.check_error_word(step)?;
         // updates, in order, on the compute stream
         for &(v, t, bytes) in &self.low.updates {
@@ -531,6 +670,179 @@ impl CudaExecutor {
             busy,
             exposed_comm: exposed,
         })
+    }
+
+    fn now_us(&self) -> u64 {
+        self.born.elapsed().as_micros() as u64 + 1
+    }
+
+    /// Marks the run failed: NCCL communicators are aborted (a peer blocked in a collective
+    /// with this rank is released with an error instead of waiting forever), the local
+    /// group's other ranks stop waiting.
+    fn fail(&mut self) {
+        self.failed = true;
+        match &mut self.transport {
+            Transport::Nccl(comms) => {
+                for c in comms.0.iter_mut() {
+                    if let Some(h) = c.take() {
+                        // SAFETY: a communicator this rank created; abort frees it.
+                        let _ = unsafe { nccl::comm_abort(h) };
+                    }
+                }
+            }
+            Transport::Local { group, .. } => group.abort.store(true, Ordering::SeqCst),
+        }
+    }
+
+    /// Waits for the step's work on every stream, polling: NCCL's asynchronous errors (a
+    /// peer that died), the local group's abort flag, and the collective timeout.
+    fn finish_streams(&self, step: usize, t0: Instant) -> Result<(), ExecError> {
+        let deadline = t0 + self.opts.timeout;
+        let mut spins = 0u32;
+        loop {
+            let mut pending = Vec::new();
+            for (k, &st) in self.h.streams.iter().enumerate() {
+                // SAFETY: a live stream of the current context.
+                match unsafe { sys::cuStreamQuery(st) } {
+                    sys::CUresult::CUDA_SUCCESS => {}
+                    sys::CUresult::CUDA_ERROR_NOT_READY => pending.push(k),
+                    e => {
+                        return Err(drv_err(
+                            &format!("rank {}: step {step}, stream {k}", self.dist.rank),
+                            drv::DriverError(e),
+                        ))
+                    }
+                }
+            }
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if let Transport::Nccl(comms) = &self.transport {
+                for (i, c) in comms.0.iter().enumerate() {
+                    let Some(c) = *c else { continue };
+                    let mut st = nccl_sys::ncclResult_t::ncclSuccess;
+                    // SAFETY: a live communicator.
+                    unsafe { nccl_sys::ncclCommGetAsyncError(c, &mut st) };
+                    if !matches!(
+                        st,
+                        nccl_sys::ncclResult_t::ncclSuccess
+                            | nccl_sys::ncclResult_t::ncclInProgress
+                    ) {
+                        return Err(run_err(format!(
+                            "rank {}: step {step}: the NCCL communicator of {} failed: {}; its last collective: {}",
+                            self.dist.rank,
+                            self.comm_name(i),
+                            nccl_result(st, c),
+                            self.last_collective(i)
+                        )));
+                    }
+                }
+            }
+            if let Transport::Local { group, .. } = &self.transport {
+                if group.abort.load(Ordering::Relaxed) {
+                    return Err(run_err(crate::comm::ABORTED));
+                }
+            }
+            if Instant::now() >= deadline {
+                let waits: Vec<String> = self
+                    .recorder
+                    .entries(0)
+                    .into_iter()
+                    .filter(|(_, e)| e.step == step as u64 && e.state != CollState::Completed)
+                    .map(|(_, e)| {
+                        format!(
+                            "`{}` ({}, call {} of its communicator)",
+                            self.low.nodes[e.node as usize].name,
+                            self.comm_name(e.comm as usize),
+                            e.comm_seq
+                        )
+                    })
+                    .collect();
+                return Err(ExecError::Timeout(format!(
+                    "collective timeout ({:.1} s): rank {}'s step {step} has not finished on stream(s) {pending:?}; its collectives of the step that may not have finished: {}",
+                    self.opts.timeout.as_secs_f64(),
+                    self.dist.rank,
+                    if waits.is_empty() { "none".to_string() } else { waits.join(", ") }
+                )));
+            }
+            spins += 1;
+            std::thread::sleep(if spins < 100 {
+                Duration::from_micros(50)
+            } else {
+                Duration::from_millis(1)
+            });
+        }
+    }
+
+    /// `group [gpu] (ranks [0, 1], stream 1)` of communicator key `k`.
+    fn comm_name(&self, k: usize) -> String {
+        match self.low.comms.get(k) {
+            Some(c) => format!(
+                "group [{}] (ranks {:?}, stream {})",
+                c.axes.join(","),
+                c.members,
+                c.stream
+            ),
+            None => format!("communicator {k}"),
+        }
+    }
+
+    /// The last collective this rank issued on communicator key `k`.
+    fn last_collective(&self, k: usize) -> String {
+        self.recorder
+            .entries(0)
+            .into_iter()
+            .rev()
+            .find(|(_, e)| e.comm as usize == k)
+            .map(|(_, e)| {
+                format!(
+                    "`{}` (step {}, call {}, {} bytes)",
+                    self.low.nodes[e.node as usize].name, e.step, e.comm_seq, e.bytes
+                )
+            })
+            .unwrap_or_else(|| "none".into())
+    }
+
+    /// This rank's flight record (its last collectives as enqueued; `completed` once the
+    /// step they belong to finished on the device).
+    pub fn flight_report(&self, reason: &str) -> FlightReport {
+        let collectives = self
+            .recorder
+            .entries(0)
+            .into_iter()
+            .map(|(s, e)| {
+                let nw = &self.low.nodes[e.node as usize];
+                let key = self.low.comms.get(e.comm as usize);
+                let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
+                CollRecord {
+                    seq: e.seq,
+                    step: e.step,
+                    stream: ["compute", "allgather", "reducescatter"][s.min(2)].to_string(),
+                    node: nw.name.clone(),
+                    op: nw.op.to_string(),
+                    group: key
+                        .map(|k| format!("[{}]", k.axes.join(",")))
+                        .unwrap_or_default(),
+                    members: key.map(|k| k.members.clone()).unwrap_or_default(),
+                    comm_seq: e.comm_seq,
+                    bytes: e.bytes,
+                    state: e.state,
+                    issued_ms: e.issued_us as f64 / 1000.0,
+                    started_ms: ms(e.started_us),
+                    ended_ms: ms(e.ended_us),
+                }
+            })
+            .collect();
+        FlightReport {
+            reason: reason.to_string(),
+            ranks: vec![RankRecord {
+                rank: self.dist.rank,
+                world: self.dist.world_size,
+                reason: reason.to_string(),
+                error: None,
+                collectives,
+            }],
+        }
     }
 
     fn elapsed(&self, a: usize, b: usize) -> Result<f32, ExecError> {
@@ -634,7 +946,36 @@ impl CudaExecutor {
                         }
                         Work::Kernel(l) => self.launch(l, stream).map_err(node_err)?,
                         Work::Gemm(g) => self.gemm(g).map_err(node_err)?,
-                        Work::Collective(c) => self.collective(c, stream).map_err(node_err)?,
+                        Work::Collective(c) => {
+                            let calls = self
+                                .calls
+                                .get(c.comm)
+                                .map_or(0, |k| k.fetch_add(1, Ordering::Relaxed));
+                            self.recorder.issue(
+                                0,
+                                nw.stream,
+                                step,
+                                i,
+                                c.comm,
+                                calls,
+                                coll_bytes(c),
+                                self.now_us(),
+                            );
+                            let r = self.collective(c, stream, abort);
+                            let state = if r.is_ok() {
+                                CollState::Started
+                            } else {
+                                CollState::Failed
+                            };
+                            self.recorder.mark(0, nw.stream, state, self.now_us());
+                            r.map_err(|m| {
+                                if m == crate::comm::ABORTED {
+                                    run_err(m)
+                                } else {
+                                    node_err(m)
+                                }
+                            })?
+                        }
                     }
                 }
                 drv::event::record(t[2 * i + 1], stream).map_err(|e| drv_err("recording", e))?;
@@ -769,18 +1110,40 @@ impl CudaExecutor {
         Ok(())
     }
 
-    unsafe fn collective(&self, c: &Collective, stream: sys::CUstream) -> Result<(), String> {
-        let esz = match c.dtype {
-            DType::F32 | DType::I32 => 4,
-            DType::BF16 | DType::F16 => 2,
-            DType::I64 => 8,
-            DType::Bool => 1,
-        };
+    unsafe fn collective(
+        &self,
+        c: &Collective,
+        stream: sys::CUstream,
+        abort: &AtomicBool,
+    ) -> Result<(), String> {
+        let esz = c.dtype.size_bytes();
         let (send, recv) = (self.h.base + c.send, self.h.base + c.recv);
-        let Some(comm) = self.comms.0.get(c.comm).copied().flatten() else {
+        let key = &self.low.comms[c.comm];
+        let what = || describe(c, &key.axes, &key.members, key.stream);
+        let one = |stream| {
             // a group of one: the result is the input
-            let bytes = c.count * esz;
-            return drv::memcpy_dtod_async(recv, send, bytes, stream).map_err(|e| format!("{e:?}"));
+            drv::memcpy_dtod_async(recv, send, c.count * esz, stream)
+                .map_err(|e| format!("CUDA: the copy of {}: {e:?}", what()))
+        };
+        let comm = match &self.transport {
+            Transport::Local { group, comms } => {
+                return match comms.get(c.comm).cloned().flatten() {
+                    None => one(stream),
+                    Some(lc) => lc.run(
+                        key.member,
+                        c,
+                        self.h.base,
+                        stream,
+                        &self.functions,
+                        group,
+                        abort,
+                    ),
+                };
+            }
+            Transport::Nccl(comms) => match comms.0.get(c.comm).copied().flatten() {
+                None => return one(stream),
+                Some(comm) => comm,
+            },
         };
         let ty = match c.dtype {
             DType::F32 => nccl_sys::ncclDataType_t::ncclFloat32,
@@ -808,7 +1171,8 @@ impl CudaExecutor {
             CollKind::Broadcast => nccl::broadcast(sp, rp, c.count, ty, c.root as i32, comm, s),
             CollKind::AllToAll => {
                 let chunk = c.count / c.size;
-                nccl::group_start().map_err(|e| format!("NCCL: {e:?}"))?;
+                nccl::group_start()
+                    .map_err(|e| format!("{}: ncclGroupStart: {:?}", what(), e.0))?;
                 for peer in 0..c.size {
                     let off = (peer * chunk * esz) as u64;
                     nccl::send(
@@ -819,31 +1183,55 @@ impl CudaExecutor {
                         comm,
                         s,
                     )
-                    .map_err(|e| format!("NCCL: {e:?}"))?;
+                    .map_err(|e| format!("{}: {}", what(), nccl_result(e.0, comm)))?;
                     nccl::recv((recv + off) as *mut c_void, chunk, ty, peer as i32, comm, s)
-                        .map_err(|e| format!("NCCL: {e:?}"))?;
+                        .map_err(|e| format!("{}: {}", what(), nccl_result(e.0, comm)))?;
                 }
                 nccl::group_end()
             }
         };
-        r.map(|_| ()).map_err(|e| format!("NCCL: {e:?}"))
+        match r {
+            // non-blocking communicator: the call is queued once NCCL says it is
+            Ok(nccl::NcclStatus::InProgress) => {
+                wait_comm_ready(comm, Instant::now() + self.opts.timeout)
+                    .map_err(|e| format!("{}: {e}", what()))
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(format!("{}: {}", what(), nccl_result(e.0, comm))),
+        }
     }
 
     /// The full parameters, put back together from every rank's master shard (gathered to
     /// every rank over the rendezvous connection). Every rank must call it.
     pub fn parameters(&mut self) -> Result<Vec<(String, Tensor)>, ExecError> {
-        let p = self.plan.program.clone();
+        let mine = self.master_bytes()?;
+        let all = self
+            .rdv()?
+            .all_gather(&mine)
+            .map_err(|e| run_err(e.to_string()))?;
+        assemble_parameters(&self.plan, &all)
+    }
+
+    /// This rank's parameters (its master shards) as bytes, in program order.
+    pub fn master_bytes(&self) -> Result<Vec<u8>, ExecError> {
         let mut mine = Vec::new();
-        for prm in &p.params {
+        for prm in &self.plan.program.params {
             let t = self.read(prm.value)?;
             mine.extend_from_slice(crate::exec::arena::data_bytes(&t.data));
         }
-        let all = self
-            .rdv
-            .all_gather(&mine)
-            .map_err(|e| run_err(e.to_string()))?;
+        Ok(mine)
+    }
+}
+
+/// The full parameters from every rank's [`CudaExecutor::master_bytes`] (`all[r]`).
+pub fn assemble_parameters(
+    plan: &Plan,
+    all: &[Vec<u8>],
+) -> Result<Vec<(String, Tensor)>, ExecError> {
+    let p = &plan.program;
+    {
         let mut out = Vec::new();
-        for l in &self.plan.layouts {
+        for l in &plan.layouts {
             let Some(k) = p
                 .params
                 .iter()
@@ -857,8 +1245,7 @@ impl CudaExecutor {
                 .map(|x| p.ty(x.value).size_bytes())
                 .sum();
             let len = p.ty(p.params[k].value).size_bytes();
-            let members = self
-                .plan
+            let members = plan
                 .mesh
                 .group_members(&l.optim_group, 0)
                 .unwrap_or_else(|| vec![0]);
@@ -885,11 +1272,21 @@ impl Drop for CudaExecutor {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: tear-down of handles this executor created; errors are ignored on the way out.
         unsafe {
+            if let Transport::Nccl(comms) = &self.transport {
+                for c in comms.0.iter().flatten() {
+                    if self.failed {
+                        // a peer may be gone: abort (never blocks), then the streams drain
+                        let _ = nccl::comm_abort(*c);
+                    }
+                }
+            }
             for &s in &self.h.streams {
                 let _ = drv::stream::synchronize(s);
             }
-            for c in self.comms.0.iter().flatten() {
-                let _ = nccl::comm_destroy(*c);
+            if let (Transport::Nccl(comms), false) = (&self.transport, self.failed) {
+                for c in comms.0.iter().flatten() {
+                    let _ = nccl::comm_destroy(*c);
+                }
             }
             let _ = blas::destroy_handle(self.blas.0 .0);
             for &e in self.events.0.iter().chain(&self.node_timing.0) {
@@ -972,4 +1369,87 @@ pub fn compile(arch: &str, cubin: bool) -> Result<Vec<u8>, String> {
         nvrtc_sys::nvrtcDestroyProgram(&mut prog);
         result
     }
+}
+
+/// `ncclConfig_t` as NCCL 2.17 defined it (a prefix of every later version): `size` and
+/// `version` tell a newer NCCL which fields follow, the rest take their defaults.
+#[repr(C)]
+struct NcclConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: i32,
+    cga_cluster_size: i32,
+    min_ctas: i32,
+    max_ctas: i32,
+    net_name: *const std::ffi::c_char,
+    split_share: i32,
+}
+
+impl NcclConfig {
+    /// NCCL_CONFIG_INITIALIZER with `blocking = 0`.
+    fn non_blocking() -> NcclConfig {
+        const UNDEF: i32 = i32::MIN;
+        NcclConfig {
+            size: std::mem::size_of::<NcclConfig>(),
+            magic: 0xcafe_beef,
+            version: 21700,
+            blocking: 0,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
+    }
+}
+
+/// NCCL's name of a result and, with a communicator, its last error message.
+fn nccl_result(r: nccl_sys::ncclResult_t, comm: nccl_sys::ncclComm_t) -> String {
+    // SAFETY: NCCL returns static or thread-local C strings (or null).
+    let last = unsafe {
+        let p = nccl_sys::ncclGetLastError(comm);
+        if p.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    if last.is_empty() {
+        format!("{r:?}")
+    } else {
+        format!("{r:?} ({last})")
+    }
+}
+
+/// Polls a non-blocking communicator until its pending operation is done, an error, or the
+/// deadline (the caller then aborts it: [`CudaExecutor::fail`], or the drop of a failed
+/// executor).
+fn wait_comm_ready(comm: nccl_sys::ncclComm_t, deadline: Instant) -> Result<(), String> {
+    loop {
+        let mut st = nccl_sys::ncclResult_t::ncclInProgress;
+        // SAFETY: a live communicator.
+        let r = unsafe { nccl_sys::ncclCommGetAsyncError(comm, &mut st) };
+        if r != nccl_sys::ncclResult_t::ncclSuccess {
+            return Err(format!("ncclCommGetAsyncError: {}", nccl_result(r, comm)));
+        }
+        match st {
+            nccl_sys::ncclResult_t::ncclSuccess => return Ok(()),
+            nccl_sys::ncclResult_t::ncclInProgress => {
+                if Instant::now() >= deadline {
+                    // the caller's failure path aborts the communicator
+                    return Err("timed out (a peer did not join or did not take part)".into());
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            e => return Err(nccl_result(e, comm)),
+        }
+    }
+}
+
+/// `HZP_NCCL_GROUPS_OF_ONE=1`: NCCL communicators for groups of one rank too (normally a
+/// copy), so that NCCL's set-up, collectives, error polling and tear-down run on a machine
+/// with one GPU (the device check's world-size-1 run).
+fn nccl_groups_of_one() -> bool {
+    std::env::var_os("HZP_NCCL_GROUPS_OF_ONE").is_some_and(|v| v == "1")
 }

@@ -9,10 +9,12 @@ pub const ELEMENTWISE: &str = include_str!("kernels/elementwise.cu");
 pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 /// Copies through n-d walks, Trilu, Gather*, Scatter*, OneHot, TopK.
 pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
+/// The local device communicator's reductions (`coll_acc_*`, `coll_scale_*`).
+pub const COLLECTIVE: &str = include_str!("kernels/collective.cu");
 
 /// The whole program NVRTC compiles, in dependency order.
 pub fn source() -> String {
-    [COMMON, ELEMENTWISE, REDUCE, MOVEMENT].join("\n")
+    [COMMON, ELEMENTWISE, REDUCE, MOVEMENT, COLLECTIVE].join("\n")
 }
 
 /// Threads per block of the one-block-per-lane kernels (softmax, norm, float reduce); the
@@ -80,5 +82,7 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.push("adamw_f32".into());
+    // the local device communicator's reductions (see `transport`)
+    v.extend(super::local_kernel_names());
     v
 }

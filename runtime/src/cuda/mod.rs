@@ -16,11 +16,27 @@ pub mod kernels;
 pub mod lower;
 pub mod probe;
 pub mod rendezvous;
+pub mod transport;
 
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::{compile, compile_kernels, CudaExecutor, CudaOptions};
+pub mod local;
+
+/// The `coll_*` kernels of the local device communicator (`kernels/collective.cu`): an
+/// accumulation for every dtype, a mean's scale for every dtype but bool.
+pub fn local_kernel_names() -> Vec<String> {
+    let mut v = Vec::new();
+    for t in ["f32", "bf16", "f16", "i64", "i32", "b8"] {
+        v.push(format!("coll_acc_{t}"));
+        if t != "b8" {
+            v.push(format!("coll_scale_{t}"));
+        }
+    }
+    v
+}
+#[cfg(feature = "cuda")]
+pub use device::{assemble_parameters, compile, compile_kernels, CudaExecutor, CudaOptions};
 
 use crate::exec::{CommMode, ExecError, StepStats};
 use hzp_ir::{Plan, Tensor};
@@ -39,6 +55,205 @@ pub struct CudaRunResult {
     pub params: Option<Vec<(String, Tensor)>>,
 }
 
+/// How [`run_plan`] and [`run_plan_one_gpu`] run.
+#[derive(Clone)]
+pub struct RunOptions {
+    pub comm: CommMode,
+    /// `--collective-timeout`: the rendezvous, a communicator's set-up, a step's collectives.
+    pub timeout: Duration,
+    /// Gets the flight report of a failed step (this process's ranks) before the error is
+    /// returned.
+    pub on_failure: Option<crate::watchdog::StuckHook>,
+}
+
+/// What [`run_plan_one_gpu`] gives back.
+#[derive(Clone, Debug)]
+pub struct OneGpuResult {
+    /// Per rank, per step.
+    pub steps: Vec<Vec<StepStats>>,
+    /// The full parameters after the last step (when asked for).
+    pub params: Option<Vec<(String, Tensor)>>,
+}
+
+/// Runs `steps` steps of `plan` with every rank in this process on its one GPU (`hzp run
+/// --backend cuda --ranks-on-one-gpu`): per rank its own arena and compute / all-gather /
+/// reduce-scatter streams, the NCCL path's lowering, events and memory plan, collectives
+/// through the local device communicator ([`local`]). `on_step(rank, stats)` after each step
+/// of each rank. Errors as [`run_plan`]'s; a failure on one rank stops the others.
+pub fn run_plan_one_gpu(
+    plan: &Plan,
+    full_params: &[(String, Tensor)],
+    inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
+    steps: usize,
+    opts: &RunOptions,
+    want_params: bool,
+    on_step: &mut dyn FnMut(usize, &StepStats),
+) -> Result<OneGpuResult, ExecError> {
+    let need = [
+        probe::Lib::Driver,
+        probe::Lib::Nvrtc,
+        probe::Lib::Cublas,
+        probe::Lib::CublasLt,
+    ];
+    probe::probe()
+        .require(&need, "hzp run --backend cuda --ranks-on-one-gpu")
+        .map_err(ExecError::Run)?;
+    one_gpu_built(plan, full_params, inputs, steps, opts, want_params, on_step)
+}
+
+#[cfg(feature = "cuda")]
+fn one_gpu_built(
+    plan: &Plan,
+    full_params: &[(String, Tensor)],
+    inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
+    steps: usize,
+    opts: &RunOptions,
+    want_params: bool,
+    on_step: &mut dyn FnMut(usize, &StepStats),
+) -> Result<OneGpuResult, ExecError> {
+    use cudarc::driver::{result as drv, CudaContext};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let need = [
+        probe::Lib::Driver,
+        probe::Lib::Nvrtc,
+        probe::Lib::Cublas,
+        probe::Lib::CublasLt,
+    ];
+    probe::probe().preload(&need).map_err(ExecError::Run)?;
+    let world = plan.mesh.world_size();
+    // every rank's lowering first: refuse what the backend cannot run before the device
+    for r in 0..world {
+        lower::lower_program(plan, r).map_err(ExecError::Plan)?;
+    }
+    let shards =
+        crate::exec::cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
+    drv::init().map_err(|e| {
+        ExecError::Run(format!(
+            "CUDA: cuInit (the driver loaded, but found no usable GPU): {e:?}"
+        ))
+    })?;
+    let ctx = CudaContext::new(0)
+        .map_err(|e| ExecError::Run(format!("CUDA: creating the context: {e:?}")))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| ExecError::Run(format!("CUDA: reading the compute capability: {e:?}")))?;
+    let image = compile_kernels(major, minor)?;
+    let group = Arc::new(local::LocalGroup::new(ctx.clone(), opts.timeout));
+    let copts = CudaOptions {
+        comm: opts.comm,
+        timeout: opts.timeout,
+    };
+    let mut exs = Vec::with_capacity(world);
+    for (r, sh) in shards.iter().enumerate() {
+        exs.push(CudaExecutor::new_local(
+            plan,
+            sh,
+            copts.clone(),
+            r,
+            &group,
+            &image,
+        )?);
+    }
+    let mut per_rank: Vec<Vec<StepStats>> = vec![Vec::with_capacity(steps); world];
+    for k in 0..steps {
+        let batch = inputs(k)?;
+        for ex in exs.iter_mut() {
+            ex.set_inputs(&batch)?;
+        }
+        let group = &group;
+        let results: Vec<Result<StepStats, ExecError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = exs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, ex)| {
+                    std::thread::Builder::new()
+                        .name(format!("hzp-r{r}-cuda"))
+                        .spawn_scoped(s, move || {
+                            let res =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    ex.step()
+                                }))
+                                .unwrap_or_else(|_| {
+                                    Err(ExecError::Run(format!("rank {r}'s step panicked")))
+                                });
+                            if res.is_err() {
+                                group.abort.store(true, Ordering::SeqCst);
+                            }
+                            res
+                        })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err(ExecError::Run("a rank's thread panicked".into()))),
+                    Err(e) => Err(ExecError::Run(format!("cannot start a thread: {e}"))),
+                })
+                .collect()
+        });
+        // the first error that is not only "another rank failed"
+        let mut first: Option<ExecError> = None;
+        for res in &results {
+            if let Err(e) = res {
+                let aborted = matches!(e, ExecError::Run(m) if m == crate::comm::ABORTED);
+                if first.is_none()
+                    || !aborted
+                        && matches!(&first, Some(ExecError::Run(m)) if m == crate::comm::ABORTED)
+                {
+                    first = Some(e.clone());
+                }
+            }
+        }
+        if let Some(e) = first {
+            if let Some(h) = &opts.on_failure {
+                let reason = e.to_string();
+                let mut ranks = Vec::new();
+                for ex in &exs {
+                    ranks.extend(ex.flight_report(&reason).ranks);
+                }
+                h(&crate::watchdog::FlightReport { reason, ranks });
+            }
+            return Err(e);
+        }
+        for (r, res) in results.into_iter().enumerate() {
+            let st = res?;
+            on_step(r, &st);
+            per_rank[r].push(st);
+        }
+    }
+    let params = if want_params {
+        let all = exs
+            .iter()
+            .map(|ex| ex.master_bytes())
+            .collect::<Result<Vec<_>, _>>()?;
+        Some(assemble_parameters(plan, &all)?)
+    } else {
+        None
+    };
+    drop(exs);
+    Ok(OneGpuResult {
+        steps: per_rank,
+        params,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn one_gpu_built(
+    _plan: &Plan,
+    _full_params: &[(String, Tensor)],
+    _inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
+    _steps: usize,
+    _opts: &RunOptions,
+    _want_params: bool,
+    _on_step: &mut dyn FnMut(usize, &StepStats),
+) -> Result<OneGpuResult, ExecError> {
+    Err(ExecError::Run(
+        "hzp run --backend cuda --ranks-on-one-gpu: this hzp was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`".into(),
+    ))
+}
+
 /// Runs `steps` steps of `plan` as this process's rank (from the torchrun variables; a
 /// single process when none are set), step `s` (0-based) on the global batch `inputs(s)`
 /// (the learning rate among them), calling `on_step` after each step. With `want_params`, gathers the full parameters at the end.
@@ -51,7 +266,7 @@ pub fn run_plan(
     full_params: &[(String, Tensor)],
     inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
     steps: usize,
-    comm: CommMode,
+    opts: &RunOptions,
     want_params: bool,
     on_step: &mut dyn FnMut(usize, &StepStats),
 ) -> Result<CudaRunResult, ExecError> {
@@ -68,7 +283,7 @@ pub fn run_plan(
     probe::probe()
         .require(&need, "hzp run --backend cuda")
         .map_err(ExecError::Run)?;
-    run_built(plan, full_params, inputs, steps, comm, want_params, on_step)
+    run_built(plan, full_params, inputs, steps, opts, want_params, on_step)
 }
 
 #[cfg(feature = "cuda")]
@@ -77,19 +292,28 @@ fn run_built(
     full_params: &[(String, Tensor)],
     inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
     steps: usize,
-    comm: CommMode,
+    opts: &RunOptions,
     want_params: bool,
     on_step: &mut dyn FnMut(usize, &StepStats),
 ) -> Result<CudaRunResult, ExecError> {
+    let on_failure = opts.on_failure.clone();
     let opts = CudaOptions {
-        comm,
-        timeout: Duration::from_secs(300),
+        comm: opts.comm,
+        timeout: opts.timeout,
     };
     let mut ex = CudaExecutor::new(plan, full_params, opts)?;
     let mut out = Vec::with_capacity(steps);
     for k in 0..steps {
         ex.set_inputs(&inputs(k)?)?;
-        let s = ex.step()?;
+        let s = match ex.step() {
+            Ok(s) => s,
+            Err(e) => {
+                if let Some(h) = &on_failure {
+                    h(&ex.flight_report(&e.to_string()));
+                }
+                return Err(e);
+            }
+        };
         on_step(ex.rank(), &s);
         out.push(s);
     }
@@ -111,11 +335,10 @@ fn run_built(
     _full_params: &[(String, Tensor)],
     _inputs: &mut dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError>,
     _steps: usize,
-    _comm: CommMode,
+    _opts: &RunOptions,
     _want_params: bool,
     _on_step: &mut dyn FnMut(usize, &StepStats),
 ) -> Result<CudaRunResult, ExecError> {
-    let _ = Duration::ZERO;
     Err(ExecError::Run(
         "hzp run --backend cuda: this hzp was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`".into(),
     ))

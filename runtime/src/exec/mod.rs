@@ -25,13 +25,16 @@ pub mod sync;
 use crate::comm::{Communicator, LinkModel};
 use crate::cpu::matmul::{matmul_views_into, MatView};
 use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
+use crate::watchdog::{
+    CollRecord, CollState, Fault, FaultKind, FlightRecorder, FlightReport, RankRecord, StuckHook,
+};
 use arena::{data_bytes, data_mut, data_ref, scalar_f64, tensor_from_bytes, write_tensor, Arena};
 use hzp_ir::{
     DType, Group, Mesh, Op, ParamLayout, Plan, Program, StreamKind, Tensor, TensorType, ValueDef,
     ValueId,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use sync::{EventTable, StepBarrier};
@@ -54,6 +57,28 @@ pub struct ExecOptions {
     pub link: Option<Arc<dyn LinkModel>>,
     /// Record a timeline of every node (see [`Executor::trace`]).
     pub trace: bool,
+    /// The longest a thread may wait in one collective, event wait or step barrier before
+    /// the run is stopped (`None`: [`crate::watchdog::DEFAULT_TIMEOUT`]).
+    pub collective_timeout: Option<Duration>,
+    /// An injected fault (tests; `HZP_FAULT`).
+    pub fault: Option<Fault>,
+    /// Called when threads of a failed run do not stop (see [`StuckHook`]).
+    pub on_stuck: Option<StuckHook>,
+    /// Flight-recorder entries kept per rank and stream (0: the default).
+    pub flight_capacity: usize,
+}
+
+impl std::fmt::Debug for ExecOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecOptions")
+            .field("comm", &self.comm)
+            .field("link", &self.link.is_some())
+            .field("trace", &self.trace)
+            .field("collective_timeout", &self.collective_timeout)
+            .field("fault", &self.fault)
+            .field("on_stuck", &self.on_stuck.is_some())
+            .finish()
+    }
 }
 
 /// Why a plan cannot run, or a step failed. Messages use the plan's names.
@@ -75,6 +100,17 @@ pub enum ExecError {
     },
     #[error("{0}")]
     Run(String),
+    /// A wait longer than the collective timeout (the message names the ranks and the
+    /// collective).
+    #[error("{0}")]
+    Timeout(String),
+}
+
+impl ExecError {
+    /// An error that only says another thread failed first.
+    fn is_abort(&self) -> bool {
+        matches!(self, ExecError::Run(m) if m == crate::comm::ABORTED)
+    }
 }
 
 /// What one step cost (means over the ranks, except the wall time).
@@ -168,6 +204,54 @@ pub struct Executor {
     opts: ExecOptions,
     trace: Vec<TraceEvent>,
     steps_run: usize,
+    recorder: FlightRecorder,
+    /// The first collective in program order (where skip-collective and wrong-bytes faults
+    /// strike).
+    first_collective: Option<usize>,
+    /// The flight report of the last failed run.
+    report: Option<FlightReport>,
+    /// The clock of the flight recorder and the watchdog.
+    born: Instant,
+}
+
+/// [`Progress::at`] of a thread outside a step (or done).
+const IDLE: u64 = u64::MAX;
+/// ... at a step barrier.
+const AT_BARRIER: u64 = u64::MAX - 1;
+/// ... at the start of a step, before its first node.
+const AT_STEP_START: u64 = u64::MAX - 2;
+
+/// Where a thread is, for the watchdog: one relaxed store per node, two more around a wait.
+struct Progress {
+    /// The node it runs (its index), or one of the markers above.
+    at: AtomicU64,
+    /// When (µs on the executor's clock, +1) its current wait began; 0 when not waiting.
+    since: AtomicU64,
+    step: AtomicU64,
+}
+
+impl Default for Progress {
+    fn default() -> Progress {
+        Progress {
+            at: AtomicU64::new(IDLE),
+            since: AtomicU64::new(0),
+            step: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Progress {
+    fn set(&self, at: u64, since: u64) {
+        self.at.store(at, Ordering::Relaxed);
+        self.since.store(since, Ordering::Relaxed);
+    }
+}
+
+/// What the watchdog reads of a run.
+struct RunShared<'a> {
+    lists: &'a [(usize, usize, Vec<usize>)],
+    progress: &'a [Progress],
+    rank_errors: &'a Mutex<Vec<Option<String>>>,
 }
 
 fn plan_err(s: impl Into<String>) -> ExecError {
@@ -341,6 +425,7 @@ impl Executor {
         }
 
         // Communicators: one per (stream, group instance).
+        let labels: Arc<[String]> = p.nodes.iter().map(|n| n.name.clone()).collect();
         let mut comms: Vec<Communicator> = Vec::new();
         let mut comm_key: HashMap<(usize, Vec<usize>), usize> = HashMap::new();
         let mut comm_of = vec![vec![None; p.nodes.len()]; world];
@@ -355,9 +440,10 @@ impl Executor {
                 })?;
                 let member = members.iter().position(|&m| m == r).unwrap_or(0);
                 let size = members.len();
-                let key = (n.stream.index(), members);
+                debug_assert_eq!(size, members.len());
+                let key = (n.stream.index(), members.clone());
                 let comm = *comm_key.entry(key).or_insert_with(|| {
-                    comms.push(Communicator::new(size));
+                    comms.push(Communicator::with_members(members, Some(labels.clone())));
                     comms.len() - 1
                 });
                 row[ni] = Some(CommRef { comm, member });
@@ -400,6 +486,35 @@ impl Executor {
             None
         };
 
+        let first_collective = nodes
+            .iter()
+            .position(|n| matches!(n.kind, Kind::Collective));
+        if let Some(f) = &opts.fault {
+            if f.rank >= world {
+                return Err(plan_err(format!(
+                    "the injected fault names rank {}, the plan has {world} rank{}",
+                    f.rank,
+                    if world == 1 { "" } else { "s" }
+                )));
+            }
+            if matches!(f.kind, FaultKind::SkipCollective | FaultKind::WrongBytes)
+                && first_collective.is_none()
+            {
+                return Err(plan_err(format!(
+                    "the injected fault {} needs a collective, the plan has none",
+                    f.kind.name()
+                )));
+            }
+        }
+        let recorder = FlightRecorder::new(
+            world,
+            StreamKind::COUNT,
+            if opts.flight_capacity == 0 {
+                crate::watchdog::DEFAULT_CAPACITY
+            } else {
+                opts.flight_capacity
+            },
+        );
         let mut ex = Executor {
             program: p.clone(),
             mesh,
@@ -416,6 +531,10 @@ impl Executor {
             opts,
             trace: Vec::new(),
             steps_run: 0,
+            recorder,
+            first_collective,
+            report: None,
+            born: Instant::now(),
         };
         ex.place_persistent(full_params)?;
         Ok(ex)
@@ -554,7 +673,11 @@ impl Executor {
         let barrier = StepBarrier::new(n_threads);
         let abort = AtomicBool::new(false);
         let failure: Mutex<Option<ExecError>> = Mutex::new(None);
+        // Each rank's own error (not the aborts another's caused), for the flight report.
+        let rank_errors: Mutex<Vec<Option<String>>> = Mutex::new(vec![None; w]);
         let events: Vec<EventTable> = (0..w).map(|_| EventTable::new(self.n_events)).collect();
+        let progress: Vec<Progress> = (0..lists.len()).map(|_| Progress::default()).collect();
+        let finished = AtomicUsize::new(0);
         // Per step, rank and stream: [busy, wait] in ns.
         let stats: Vec<Mutex<Vec<[u64; 4]>>> = (0..steps)
             .map(|_| Mutex::new(vec![[0u64; 4]; w * 3]))
@@ -564,9 +687,23 @@ impl Executor {
         let epoch = Instant::now();
         let base_step = self.steps_run;
         let traces: Mutex<Vec<Vec<TraceEvent>>> = Mutex::new(Vec::new());
+        self.report = None;
         let this = &*self;
+        let fail = |e: ExecError| {
+            abort.store(true, Ordering::Relaxed);
+            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
+            // the first real error wins over the aborts it caused
+            if f.is_none() || (!e.is_abort() && f.as_ref().is_some_and(ExecError::is_abort)) {
+                *f = Some(e);
+            }
+        };
+        let shared = RunShared {
+            lists: &lists,
+            progress: &progress,
+            rank_errors: &rank_errors,
+        };
         std::thread::scope(|scope| {
-            for (r, s, list) in &lists {
+            for (slot, (r, s, list)) in lists.iter().enumerate() {
                 let (r, s) = (*r, *s);
                 let ctx = ThreadCtx {
                     ex: this,
@@ -577,13 +714,15 @@ impl Executor {
                     abort: &abort,
                     events: &events[r],
                     sync_mode,
+                    progress: &progress[slot],
                 };
-                let failure = &failure;
                 let stats = &stats;
                 let walls = &walls;
                 let losses = &losses;
                 let traces = &traces;
-                let abort = &abort;
+                let fail = &fail;
+                let finished = &finished;
+                let rank_errors = &rank_errors;
                 std::thread::Builder::new()
                     .name(format!("hzp-r{r}-{}", StreamKind::ALL[s].name()))
                     .spawn_scoped(scope, move || {
@@ -593,38 +732,60 @@ impl Executor {
                             Vec::new()
                         };
                         let mut scratch = Scratch::default();
-                        let res = ctx.run(
-                            steps,
-                            base_step,
-                            epoch,
-                            stats,
-                            walls,
-                            losses,
-                            &mut trace,
-                            &mut scratch,
-                        );
+                        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            ctx.run(
+                                steps,
+                                base_step,
+                                epoch,
+                                stats,
+                                walls,
+                                losses,
+                                &mut trace,
+                                &mut scratch,
+                            )
+                        }))
+                        .unwrap_or_else(|payload| {
+                            let msg = payload
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| payload.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "(no message)".into());
+                            Err(ExecError::Run(format!(
+                                "rank {r}'s {} thread panicked: {msg}",
+                                StreamKind::ALL[s].name()
+                            )))
+                        });
+                        ctx.progress.set(IDLE, 0);
                         if let Err(e) = res {
-                            abort.store(true, Ordering::Relaxed);
-                            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
-                            // the first real error wins over the aborts it caused
-                            let is_abort =
-                                matches!(&e, ExecError::Run(m) if m == crate::comm::ABORTED);
-                            if f.is_none() || (!is_abort && matches!(&*f, Some(ExecError::Run(m)) if m == crate::comm::ABORTED)) {
-                                *f = Some(e);
+                            if !e.is_abort() {
+                                let mut re = rank_errors.lock().unwrap_or_else(|e| e.into_inner());
+                                re[r].get_or_insert_with(|| e.to_string());
                             }
+                            fail(e);
                         }
                         if this.opts.trace {
-                            traces
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .push(trace);
+                            traces.lock().unwrap_or_else(|e| e.into_inner()).push(trace);
                         }
+                        finished.fetch_add(1, Ordering::Release);
                     })
                     .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
             }
+            // The watchdog: a wait longer than the timeout stops the run; threads that do not
+            // stop after that get the stuck hook.
+            let shared = &shared;
+            let fail = &fail;
+            let (abort, finished, failure) = (&abort, &finished, &failure);
+            std::thread::Builder::new()
+                .name("hzp-watchdog".into())
+                .spawn_scoped(scope, move || {
+                    this.watch(shared, abort, finished, failure, fail)
+                })
+                .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
             Ok::<(), ExecError>(())
         })?;
         if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let errors = rank_errors.into_inner().unwrap_or_else(|e| e.into_inner());
+            self.report = Some(self.flight_report_of(&e.to_string(), &errors));
             return Err(e);
         }
         let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
@@ -816,6 +977,266 @@ impl Executor {
         }
     }
 
+    /// The flight report of the last run that failed (cleared by the next run that starts).
+    pub fn flight_report(&self) -> Option<&FlightReport> {
+        self.report.as_ref()
+    }
+
+    fn now_us(&self) -> u64 {
+        self.born.elapsed().as_micros() as u64 + 1
+    }
+
+    /// The injected fault that strikes `rank` in `step`, if any.
+    fn fault_at(&self, rank: usize, step: u64) -> Option<FaultKind> {
+        match &self.opts.fault {
+            Some(f) if f.rank == rank && f.step as u64 == step => Some(f.kind),
+            _ => None,
+        }
+    }
+
+    /// Every rank's record from the flight recorder.
+    fn flight_report_of(&self, reason: &str, errors: &[Option<String>]) -> FlightReport {
+        let p = &self.program;
+        let ranks = (0..self.world)
+            .map(|r| {
+                let collectives = self
+                    .recorder
+                    .entries(r)
+                    .into_iter()
+                    .map(|(s, e)| {
+                        let n = &p.nodes[e.node as usize];
+                        let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
+                        CollRecord {
+                            seq: e.seq,
+                            step: e.step,
+                            stream: StreamKind::ALL[s].name().to_string(),
+                            node: n.name.clone(),
+                            op: n.op.name().to_string(),
+                            group: n.op.group().map(|g| g.to_string()).unwrap_or_default(),
+                            members: self
+                                .comms
+                                .get(e.comm as usize)
+                                .map(|c| c.members().to_vec())
+                                .unwrap_or_default(),
+                            comm_seq: e.comm_seq,
+                            bytes: e.bytes,
+                            state: e.state,
+                            issued_ms: e.issued_us as f64 / 1000.0,
+                            started_ms: ms(e.started_us),
+                            ended_ms: ms(e.ended_us),
+                        }
+                    })
+                    .collect();
+                RankRecord {
+                    rank: r,
+                    world: self.world,
+                    reason: reason.to_string(),
+                    error: errors.get(r).cloned().flatten(),
+                    collectives,
+                }
+            })
+            .collect();
+        FlightReport {
+            reason: reason.to_string(),
+            ranks,
+        }
+    }
+
+    /// Describes where thread `slot` is.
+    fn where_is(&self, sh: &RunShared, slot: usize, now: u64) -> String {
+        let (r, s, _) = &sh.lists[slot];
+        let pr = &sh.progress[slot];
+        let at = pr.at.load(Ordering::Relaxed);
+        let since = pr.since.load(Ordering::Relaxed);
+        let step = pr.step.load(Ordering::Relaxed);
+        let who = format!("rank {r}'s {} thread", StreamKind::ALL[*s].name());
+        let waited = Duration::from_micros(now.saturating_sub(since));
+        match at {
+            IDLE => format!("{who} is done"),
+            AT_BARRIER => format!(
+                "{who} has waited {:.1} s at the end of step {step} for the other threads",
+                waited.as_secs_f64()
+            ),
+            AT_STEP_START => format!("{who} is stuck at the start of step {step}"),
+            ni => {
+                let ni = ni as usize;
+                let n = &self.program.nodes[ni];
+                if since == 0 {
+                    return format!(
+                        "{who} is running `{}` ({}) in step {step}",
+                        n.name,
+                        n.op.name()
+                    );
+                }
+                match self.nodes[ni].kind {
+                    Kind::Collective => {
+                        let mut msg = format!(
+                            "{who} has waited {:.1} s in {}",
+                            waited.as_secs_f64(),
+                            self.describe_collective(*r, ni, step)
+                        );
+                        if let Some(c) = self.comm_of[*r][ni] {
+                            let comm = &self.comms[c.comm];
+                            let calls = comm.calls();
+                            let mine = calls.get(c.member).copied().unwrap_or(0);
+                            let behind: Vec<String> = comm
+                                .members()
+                                .iter()
+                                .zip(&calls)
+                                .filter(|(_, &k)| k < mine)
+                                .map(|(m, k)| format!("rank {m} ({k})"))
+                                .collect();
+                            if behind.is_empty() {
+                                msg += "; every member has issued it";
+                            } else {
+                                msg += &format!(
+                                    "; not issued by {} (calls entered on this communicator; rank {r}: {mine})",
+                                    behind.join(", ")
+                                );
+                            }
+                        }
+                        msg
+                    }
+                    _ => format!(
+                        "{who} has waited {:.1} s in `{}` ({}) in step {step}",
+                        waited.as_secs_f64(),
+                        n.name,
+                        n.op.name()
+                    ),
+                }
+            }
+        }
+    }
+
+    /// `name` (Op over group g, ranks [..], B bytes, step s).
+    fn describe_collective(&self, rank: usize, ni: usize, step: u64) -> String {
+        let n = &self.program.nodes[ni];
+        let node = &self.nodes[ni];
+        let bytes = crate::comm::collective_bytes(
+            &n.op,
+            node.ins.first().map_or(0, |(l, _)| l.bytes),
+            node.outs.first().map_or(0, |(l, _)| l.bytes),
+        );
+        let members = self.comm_of[rank][ni]
+            .map(|c| format!("{:?}", self.comms[c.comm].members()))
+            .unwrap_or_default();
+        format!(
+            "`{}` ({} over group {}, ranks {members}, {bytes} bytes, step {step})",
+            n.name,
+            n.op.name(),
+            n.op.group().map(|g| g.to_string()).unwrap_or_default()
+        )
+    }
+
+    /// The watchdog of one run (see [`ExecOptions::collective_timeout`]).
+    fn watch(
+        &self,
+        sh: &RunShared,
+        abort: &AtomicBool,
+        finished: &AtomicUsize,
+        failure: &Mutex<Option<ExecError>>,
+        fail: &(dyn Fn(ExecError) + Sync),
+    ) {
+        let timeout = self
+            .opts
+            .collective_timeout
+            .unwrap_or(crate::watchdog::DEFAULT_TIMEOUT);
+        let grace = crate::watchdog::grace(timeout);
+        let n = sh.lists.len();
+        let poll = (timeout / 20).clamp(Duration::from_millis(1), Duration::from_millis(50));
+        let limit = timeout.as_micros() as u64;
+        let mut aborted_at: Option<Instant> = None;
+        while finished.load(Ordering::Acquire) < n {
+            std::thread::sleep(poll);
+            if abort.load(Ordering::Relaxed) {
+                let t = *aborted_at.get_or_insert_with(Instant::now);
+                if t.elapsed() < grace || finished.load(Ordering::Acquire) == n {
+                    continue;
+                }
+                let now = self.now_us();
+                let stuck: Vec<String> = (0..n)
+                    .filter(|&i| sh.progress[i].at.load(Ordering::Relaxed) != IDLE)
+                    .map(|i| self.where_is(sh, i, now))
+                    .collect();
+                let reason = failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_ref()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default();
+                let errors = sh
+                    .rank_errors
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                let report = self.flight_report_of(
+                    &format!(
+                        "{reason}; {} thread{} did not stop within {:.1} s of the abort: {}",
+                        stuck.len(),
+                        if stuck.len() == 1 { "" } else { "s" },
+                        grace.as_secs_f64(),
+                        stuck.join("; ")
+                    ),
+                    &errors,
+                );
+                if let Some(h) = &self.opts.on_stuck {
+                    h(&report);
+                }
+                return;
+            }
+            let now = self.now_us();
+            let overdue = sh.progress.iter().any(|p| {
+                let since = p.since.load(Ordering::Relaxed);
+                since != 0 && now.saturating_sub(since) > limit
+            });
+            if !overdue {
+                continue;
+            }
+            // The waits, the collectives first (they name the rank that is missing), the
+            // longest first; then the threads that are not waiting (one may be the cause).
+            let mut waits: Vec<(u8, u64, usize)> = Vec::new();
+            let mut running = Vec::new();
+            for (i, p) in sh.progress.iter().enumerate() {
+                let since = p.since.load(Ordering::Relaxed);
+                let at = p.at.load(Ordering::Relaxed);
+                if at == IDLE {
+                    continue;
+                }
+                if since == 0 {
+                    running.push(i);
+                    continue;
+                }
+                let class = match at {
+                    AT_BARRIER => 2,
+                    ni if matches!(
+                        self.nodes.get(ni as usize).map(|n| &n.kind),
+                        Some(Kind::Collective)
+                    ) =>
+                    {
+                        0
+                    }
+                    _ => 1,
+                };
+                waits.push((class, since, i));
+            }
+            waits.sort();
+            let mut parts: Vec<String> = waits
+                .iter()
+                .take(6)
+                .map(|&(_, _, i)| self.where_is(sh, i, now))
+                .collect();
+            if waits.len() > 6 {
+                parts.push(format!("{} more threads wait", waits.len() - 6));
+            }
+            parts.extend(running.iter().take(4).map(|&i| self.where_is(sh, i, now)));
+            fail(ExecError::Timeout(format!(
+                "collective timeout ({:.1} s): {}",
+                timeout.as_secs_f64(),
+                parts.join("; ")
+            )));
+        }
+    }
+
     fn loss(&self) -> Option<f64> {
         let o = *self.program.outputs.first()?;
         let l = self.loc[o.index()];
@@ -842,6 +1263,7 @@ struct ThreadCtx<'a> {
     abort: &'a AtomicBool,
     events: &'a EventTable,
     sync_mode: bool,
+    progress: &'a Progress,
 }
 
 /// A thread's reusable kernel scratch: the workspace and the view lists (so that running a
@@ -871,7 +1293,22 @@ impl<'a> ThreadCtx<'a> {
         let run_err = ExecError::Run;
         for (k, step_stats) in stats.iter().enumerate().take(steps) {
             let stamp = (base_step + k + 1) as u64;
-            self.barrier.wait(self.abort).map_err(run_err)?;
+            self.progress.step.store(stamp, Ordering::Relaxed);
+            self.barrier_wait().map_err(run_err)?;
+            self.progress.set(AT_STEP_START, 0);
+            if self.stream == 0 {
+                match ex.fault_at(self.rank, stamp) {
+                    Some(FaultKind::Panic) => panic!(
+                        "injected fault (HZP_FAULT): rank {} panics at the start of step {stamp}",
+                        self.rank
+                    ),
+                    Some(FaultKind::Hang) => loop {
+                        // a thread stuck where no abort reaches it (as a hung kernel would be)
+                        std::thread::sleep(Duration::from_secs(1));
+                    },
+                    _ => {}
+                }
+            }
             let t0 = Instant::now();
             // [busy per stream..., wait]
             let mut busy = [0u64; 3];
@@ -879,19 +1316,23 @@ impl<'a> ThreadCtx<'a> {
             for &ni in self.list {
                 let node = &ex.nodes[ni];
                 let start = Instant::now();
+                self.progress.at.store(ni as u64, Ordering::Relaxed);
                 let charged = match node.kind {
                     Kind::Record(e) => {
                         self.events.record(e, stamp);
                         None
                     }
                     Kind::Wait(e) => {
-                        self.events.wait(e, stamp, self.abort).map_err(run_err)?;
+                        self.progress.since.store(ex.now_us(), Ordering::Relaxed);
+                        let r = self.events.wait(e, stamp, self.abort);
+                        self.progress.since.store(0, Ordering::Relaxed);
+                        r.map_err(run_err)?;
                         waited += start.elapsed().as_nanos() as u64;
                         None
                     }
                     Kind::Nop => None,
                     _ => {
-                        self.exec_node(ni, scratch).map_err(|message| {
+                        self.exec_node(ni, stamp, scratch).map_err(|message| {
                             if message == crate::comm::ABORTED {
                                 return ExecError::Run(message);
                             }
@@ -934,7 +1375,7 @@ impl<'a> ThreadCtx<'a> {
                     st[self.rank * 3][1] += waited;
                 }
             }
-            self.barrier.wait(self.abort).map_err(run_err)?;
+            self.barrier_wait().map_err(run_err)?;
             if leader {
                 losses
                     .lock()
@@ -944,7 +1385,7 @@ impl<'a> ThreadCtx<'a> {
             if self.stream == 0 {
                 ex.apply_updates(self.rank);
             }
-            self.barrier.wait(self.abort).map_err(run_err)?;
+            self.barrier_wait().map_err(run_err)?;
             if leader {
                 walls
                     .lock()
@@ -955,8 +1396,100 @@ impl<'a> ThreadCtx<'a> {
         Ok(())
     }
 
+    /// The step barrier, watched.
+    fn barrier_wait(&self) -> Result<(), String> {
+        self.progress.set(AT_BARRIER, self.ex.now_us());
+        let r = self.barrier.wait(self.abort);
+        self.progress.since.store(0, Ordering::Relaxed);
+        r
+    }
+
+    /// Runs one collective node: flight recorder, watchdog progress, injected faults.
+    fn exec_collective(&self, ni: usize, step: u64) -> Result<(), String> {
+        let ex = self.ex;
+        let node = &ex.nodes[ni];
+        let op = &ex.program.nodes[ni].op;
+        let arena = &ex.arenas[self.rank];
+        let c = ex.comm_of[self.rank][ni].ok_or("no communicator")?;
+        let comm = &ex.comms[c.comm];
+        let (i, ity) = &node.ins[0];
+        let (o, _) = &node.outs[0];
+        let mut in_len = i.bytes;
+        if ex.first_collective == Some(ni) {
+            match ex.fault_at(self.rank, step) {
+                Some(FaultKind::SkipCollective) => return Ok(()),
+                Some(FaultKind::WrongBytes) => {
+                    // one element short (long when there is none): the others must notice
+                    let es = ity.dtype.size_bytes();
+                    in_len = if in_len >= es {
+                        in_len - es
+                    } else {
+                        in_len + es
+                    };
+                }
+                _ => {}
+            }
+        }
+        let link = match (&ex.opts.link, op.group()) {
+            (Some(l), Some(g)) => Some((l.as_ref(), g)),
+            _ => None,
+        };
+        let bytes = crate::comm::collective_bytes(op, i.bytes, o.bytes);
+        let (rank, stream) = (self.rank, node.stream);
+        let rec = &ex.recorder;
+        rec.issue(
+            rank,
+            stream,
+            step,
+            ni,
+            c.comm,
+            comm.calls_of(c.member),
+            bytes,
+            ex.now_us(),
+        );
+        self.progress.since.store(ex.now_us(), Ordering::Relaxed);
+        let started = || rec.mark(rank, stream, CollState::Started, ex.now_us());
+        // SAFETY: the input and output buffers stay in use by this node until the call
+        // returns (the plan's buffer discipline); a short `in_len` is refused before any
+        // member reads.
+        let r = unsafe {
+            comm.run(
+                c.member,
+                op,
+                ity.dtype,
+                &ity.shape,
+                arena.ptr(i.off),
+                in_len,
+                arena.ptr(o.off),
+                o.bytes,
+                link.map(|(l, g)| (l as &dyn LinkModel, g as &Group)),
+                self.abort,
+                ni,
+                Some(&started),
+            )
+        };
+        self.progress.since.store(0, Ordering::Relaxed);
+        let state = if r.is_ok() {
+            CollState::Completed
+        } else {
+            CollState::Failed
+        };
+        rec.mark(rank, stream, state, ex.now_us());
+        r.map_err(|m| {
+            if m == crate::comm::ABORTED {
+                m
+            } else {
+                format!(
+                    "{m} (group {}, ranks {:?}, {bytes} bytes per rank)",
+                    op.group().map(|g| g.to_string()).unwrap_or_default(),
+                    comm.members()
+                )
+            }
+        })
+    }
+
     /// Runs a compute, move or collective node of this thread's rank.
-    fn exec_node(&self, ni: usize, scratch: &mut Scratch<'a>) -> Result<(), String> {
+    fn exec_node(&self, ni: usize, step: u64, scratch: &mut Scratch<'a>) -> Result<(), String> {
         let ex = self.ex;
         let node = &ex.nodes[ni];
         let arena = &ex.arenas[self.rank];
@@ -982,32 +1515,7 @@ impl<'a> ThreadCtx<'a> {
                 };
                 Ok(())
             }
-            Kind::Collective => {
-                let c = ex.comm_of[self.rank][ni].ok_or("no communicator")?;
-                let comm = &ex.comms[c.comm];
-                let (i, ity) = &node.ins[0];
-                let (o, _) = &node.outs[0];
-                let link = match (&ex.opts.link, op.group()) {
-                    (Some(l), Some(g)) => Some((l.as_ref(), g)),
-                    _ => None,
-                };
-                // SAFETY: the input and output buffers stay in use by this node until the
-                // call returns (the plan's buffer discipline).
-                unsafe {
-                    comm.run(
-                        c.member,
-                        op,
-                        ity.dtype,
-                        &ity.shape,
-                        arena.ptr(i.off),
-                        i.bytes,
-                        arena.ptr(o.off),
-                        o.bytes,
-                        link.map(|(l, g)| (l as &dyn LinkModel, g as &Group)),
-                        self.abort,
-                    )
-                }
-            }
+            Kind::Collective => self.exec_collective(ni, step),
             Kind::MatMul(ref stored) => {
                 let ([(la, ta), (lb, tb)], [(lc, _)]) = (&node.ins[..], &node.outs[..]) else {
                     return Err("internal: a MatMul takes two inputs and one result".into());

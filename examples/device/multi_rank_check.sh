@@ -1,0 +1,129 @@
+#!/bin/bash
+# Issue 17's GPU verification, in one device call: multi-rank plans run with every rank on
+# the one lent GPU (`hzp run --backend cuda --ranks-on-one-gpu`) give the single-rank plan's
+# losses and parameters (fp32, 1e-5 relative); async vs --comm sync step times; the NCCL
+# path at world size 1. Made from ../shared/device/gpu_check.sh; payload in .device/ (made
+# by examples/device/prepare.sh). Run from the repository root:
+#   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
+# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1 (all by default; gpt2s alone takes the longest),
+# MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
+# Every run has its own timeout and the script goes on after a failure; `RESULT` lines are the
+# verdicts; everything (logs, JSON, flight records of failures) lands in $OUT.
+set -u
+D=$PWD/.device; O=${OUT:-/tmp/out}; mkdir -p "$O"; W=/tmp/mr; mkdir -p $W
+exec > >(tee "$O/multi_rank.txt") 2>&1
+H=$D/hzp; chmod +x $H
+M=${MODELS:-$PWD/tests/models}
+PART=${PART:-all}
+MESHES=${MESHES:-"gpu=2 gpu=4 node=2,gpu=2"}
+STRATS=${STRATS:-"asynchzp zero3 hsdp ddp"}
+TINY=${TINY:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm bert_tiny.legacy.op17:mean"}
+STEPS=${STEPS:-5}; GSTEPS=${GSTEPS:-3}; T=${RUN_S:-150}
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+el "== gpu"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+$H --version
+
+# tile NPZ OUT K: every array of NPZ repeated K times along axis 0 (a global batch that
+# divides by every mesh's world size)
+tile() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import sys, numpy as np
+src, dst, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+z = np.load(src)
+np.savez(dst, **{n: np.concatenate([z[n]] * k, axis=0) for n in z.files})
+PY
+}
+
+# check NAME ONNX IO LOSS STEPS EXTRA...: the gpu=1 plan on CUDA is the reference; every
+# mesh x strategy runs with all ranks on the GPU and is compared with it
+check() {
+  local name=$1 onnx=$2 io=$3 loss=$4 steps=$5; shift 5
+  local ref=$W/$name.g1
+  if ! $H compile $onnx --inputs $io --loss $loss "$@" --mesh gpu=1 -o $ref.json >/dev/null 2>$ref.cerr; then
+    el "RESULT $name gpu=1: FAIL compile"; tail -5 $ref.cerr; return
+  fi
+  timeout $T $H run $ref.json --inputs $io --steps $steps --backend cuda --format json \
+    --save-params $ref.npz >$ref.out 2>$ref.err || { el "RESULT $name gpu=1 cuda: FAIL rc=$?"; tail -20 $ref.err; return; }
+  for mesh in $MESHES; do
+    for strat in $STRATS; do
+      local tag=$name.$(echo $mesh | tr ',=' '_-').$strat
+      if ! $H compile $onnx --inputs $io --loss $loss "$@" --mesh $mesh --strategy $strat -o $W/$tag.json >/dev/null 2>$W/$tag.cerr; then
+        el "RESULT $tag: compile refused: $(grep -v '^note' $W/$tag.cerr | tr -s ' \n' ' ' | cut -c1-200)"; continue
+      fi
+      local s=$(date +%s)
+      timeout $T $H run $W/$tag.json --inputs $io --steps $steps --backend cuda --ranks-on-one-gpu \
+        --format json --save-params $W/$tag.npz --collective-timeout 60 --flight-recorder $W/$tag.fr \
+        >$W/$tag.out 2>$W/$tag.err
+      local rc=$?
+      if [ $rc != 0 ]; then el "RESULT $tag: FAIL rc=$rc ($(( $(date +%s) - s ))s)"; tail -30 $W/$tag.err; continue; fi
+      python3 $D/compare_ranks.py $tag $ref.out $W/$tag.out $ref.npz $W/$tag.npz
+    done
+  done
+}
+
+if [ $PART = all ] || [ $PART = tiny ]; then
+  el "== tiny models: every mesh x strategy, all ranks on one GPU, vs the gpu=1 plan on CUDA"
+  for spec in $TINY; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    tile $M/$base.io.npz $W/$base.io4.npz 2
+    check $stem $M/$stem.onnx $W/$base.io4.npz $loss $STEPS $extra
+  done
+fi
+
+if [ $PART = all ] || [ $PART = gpt2s ]; then
+  el "== GPT-2 small (124M, seq 1024, batch 8): every mesh x strategy, all ranks on one GPU"
+  mkdir -p $W/gpt2s
+  if timeout 300 python3 $D/make_gpt2s.py $W/gpt2s; then
+    check gpt2s $W/gpt2s/model.onnx $W/gpt2s/batch.npz lm $GSTEPS --retie
+  else
+    el "RESULT gpt2s: FAIL export"
+  fi
+fi
+
+if [ $PART = all ] || [ $PART = perf ]; then
+  el "== async vs --comm sync (median step of 6, the first left out)"
+  for spec in "gpt2s:$W/gpt2s/model.onnx:$W/gpt2s/batch.npz:gpu=4:asynchzp" "gpt2s:$W/gpt2s/model.onnx:$W/gpt2s/batch.npz:gpu=4:zero3" "llama:$M/llama_tiny.legacy.op17.onnx:$W/llama_tiny.io4.npz:gpu=4:zero3"; do
+    IFS=: read -r name onnx io mesh strat <<<"$spec"
+    [ -f $onnx ] && [ -f $io ] || { el "perf $name: no model (run PART=gpt2s/tiny first)"; continue; }
+    p=$W/perf.$name.$strat.json
+    x=""; [[ $name == gpt2s ]] && x=--retie
+    $H compile $onnx --inputs $io --loss lm $x --mesh $mesh --strategy $strat -o $p >/dev/null 2>&1 || { el "perf $name $strat: compile failed"; continue; }
+    for c in async sync; do
+      timeout $T $H run $p --inputs $io --steps 6 --backend cuda --ranks-on-one-gpu --comm $c --format json >$p.$c.out 2>$p.$c.err || { el "perf $name $c: FAIL"; tail -10 $p.$c.err; }
+    done
+    python3 - $name $mesh $strat $p.async.out $p.sync.out <<'PY'
+import json, statistics, sys
+name, mesh, strat, a, s = sys.argv[1:6]
+def med(f):
+    try:
+        j = json.load(open(f)); x = j["step_seconds"][1:]
+        e = [v for v in j.get("exposed_comm_seconds", [])[1:]]
+        return 1e3 * statistics.median(x), 1e3 * statistics.median(e) if e else float("nan")
+    except Exception as ex:
+        return float("nan"), float("nan")
+(am, ae), (sm, se) = med(a), med(s)
+print(f"RESULT perf {name} {mesh} {strat}: async {am:.1f} ms (exposed comm {ae:.1f}), sync {sm:.1f} ms (exposed comm {se:.1f}), sync/async {sm/am if am == am and am > 0 else float('nan'):.2f}")
+PY
+  done
+fi
+
+if [ $PART = all ] || [ $PART = nccl1 ]; then
+  el "== NCCL at world size 1 (HZP_NCCL_GROUPS_OF_ONE=1: NCCL communicators for groups of one, through hzp launch)"
+  g1=$W/gpt2_tiny.legacy.op17.g1
+  [ -f $g1.json ] || $H compile $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie --mesh gpu=1 -o $g1.json >/dev/null 2>&1
+  [ -f $W/gpt2_tiny.io4.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io4.npz 2
+  timeout 60 $H run $g1.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --backend cuda --format json --save-params $W/n1.copy.npz >$W/n1.copy.out 2>$W/n1.copy.err
+  HZP_NCCL_GROUPS_OF_ONE=1 timeout 90 $H launch --nproc-per-node 1 -- run $g1.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS \
+    --backend cuda --format json --save-params $W/n1.nccl.npz --collective-timeout 30 >$W/n1.nccl.out 2>$W/n1.nccl.err
+  echo "rc=$?"; tail -15 $W/n1.nccl.err
+  # hzp launch prefixes each line with the rank: strip it for the JSON
+  sed -E 's/^\[rank [0-9]+\] ?//' $W/n1.nccl.out > $W/n1.nccl.json
+  python3 $D/compare_ranks.py nccl-world-1 $W/n1.copy.out $W/n1.nccl.json $W/n1.copy.npz $W/n1.nccl.npz
+  el "== two processes on one GPU through hzp launch (NCCL refuses two ranks on one device: expect a clear error naming --ranks-on-one-gpu)"
+  $H compile $M/llama_tiny.legacy.op17.onnx --inputs $W/llama_tiny.io4.npz --loss lm --mesh gpu=2 --strategy zero3 -o $W/l2.json >/dev/null 2>&1
+  timeout 60 $H launch --nproc-per-node 2 -- run $W/l2.json --inputs $W/llama_tiny.io4.npz --steps 2 --backend cuda --collective-timeout 20 2>&1 | tail -15
+fi
+(cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)
+grep '^\[.*RESULT\|^RESULT' "$O/multi_rank.txt" | sed -E 's/^\[[0-9]+s\] //' > "$O/results.txt"
+el "== done: $(grep -c PASS $O/results.txt) PASS, $(grep -c -E 'FAIL|MISMATCH' $O/results.txt) FAIL/MISMATCH"
