@@ -716,6 +716,13 @@ impl Op {
         }
     }
 
+    /// Whether the output is the input's bytes read another way (`Reshape`, `Identity`): no
+    /// data moves, and planners may let the output share the input's buffer. (`Copy` is the
+    /// op that does move.) The one definition every pass and backend uses.
+    pub fn is_view(&self) -> bool {
+        matches!(self, Op::Reshape { .. } | Op::Identity)
+    }
+
     pub fn is_collective(&self) -> bool {
         matches!(
             self,

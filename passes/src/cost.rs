@@ -228,8 +228,8 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
 pub fn op_bytes(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
     let out = sum_bytes(outs);
     match op {
-        Op::Reshape { .. } | Op::Identity | Op::Free | Op::RecordEvent { .. } => 0.0,
-        Op::WaitEvent { .. } => 0.0,
+        op if op.is_view() => 0.0,
+        Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. } => 0.0,
         Op::Slice { .. } => 2.0 * out,
         Op::Gather { .. } | Op::GatherElements { .. } | Op::GatherND { .. } => {
             2.0 * out + ins.get(1).map_or(0.0, |t| bytes_f(t))

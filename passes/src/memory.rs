@@ -280,7 +280,7 @@ fn view_pairs(p: &Program) -> Vec<(ValueId, ValueId)> {
         .iter()
         .enumerate()
         .map(|(i, n)| {
-            if !matches!(n.op, Op::Reshape { .. } | Op::Identity) && !transposed[i] {
+            if !n.op.is_view() && !transposed[i] {
                 return None;
             }
             let ([x, ..], [y]) = (n.inputs.as_slice(), n.outputs.as_slice()) else {
@@ -611,7 +611,7 @@ pub(crate) fn in_place_updates(
             let n = &p.nodes[node.index()];
             let ([x], true) = (
                 n.inputs.as_slice(),
-                matches!(n.op, Op::Reshape { .. } | Op::Identity),
+                n.op.is_view(),
             ) else {
                 break;
             };

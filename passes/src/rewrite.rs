@@ -264,7 +264,7 @@ impl Coster<'_> {
 
     /// Seconds of one op (collective or not), overhead included; views cost (almost) 0.
     fn op_seconds(&self, op: &Op, ins: &[&TensorType], out: &TensorType) -> f64 {
-        if matches!(op, Op::Reshape { .. } | Op::Identity) {
+        if op.is_view() {
             return OP_OVERHEAD_S * 1e-3;
         }
         if op.is_collective() {

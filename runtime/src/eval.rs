@@ -400,7 +400,7 @@ fn evaluate_here(
             .map(|&v| slots[v.index()].as_deref().ok_or_else(|| not_computed(v)))
             .collect::<Result<_, _>>()?;
         // a reshape or identity of a dying intermediate reuses its buffer
-        let reuse = matches!(node.op, Op::Reshape { .. } | Op::Identity)
+        let reuse = node.op.is_view()
             && node.inputs.len() == 1
             && node.outputs.len() == 1
             && last_use[node.inputs[0].index()] == Some(i)
