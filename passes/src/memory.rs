@@ -609,10 +609,7 @@ pub(crate) fn in_place_updates(
                 break;
             };
             let n = &p.nodes[node.index()];
-            let ([x], true) = (
-                n.inputs.as_slice(),
-                n.op.is_view(),
-            ) else {
+            let ([x], true) = (n.inputs.as_slice(), n.op.is_view()) else {
                 break;
             };
             let x = *x;
