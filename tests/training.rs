@@ -424,7 +424,8 @@ fn bf16_training_matches_pytorch_autocast() {
             r.stem
         );
         // written so that NaN fails too
-        if !(off <= bound) {
+        let within = |x: f64| x <= bound;
+        if !within(off) {
             failures.push(format!("{}: {got:?} vs autocast {amp:?}", r.stem));
         }
         checked += 1;
