@@ -3,7 +3,7 @@
 //! A [`Program`] is an arena of [`Value`]s and [`Node`]s addressed by typed ids
 //! ([`ValueId`], [`NodeId`]), nodes kept in topological order. Values have a dtype and a
 //! static shape. Parameters (trainable) are kept apart from constants. The op set covers
-//! compute (forward, later backward and optimizer), collectives on groups of a hierarchical
+//! compute (forward, backward and optimizer ops), collectives on groups of a hierarchical
 //! [`Mesh`], memory ops and stream events.
 //!
 //! The text form ([`text`]) prints deterministically and parses back to the same program.

@@ -1,4 +1,4 @@
-//! The op set: compute ops (forward and, later, backward/optimizer), collectives on mesh
+//! The op set: compute ops (forward, backward and optimizer), collectives on mesh
 //! groups, memory ops and stream events. Every op has static attributes; shapes are static.
 //!
 //! One op, one place: its name and attributes (for the text form) and its type rule live here;

@@ -7,7 +7,9 @@
 //! - a state `shard/w` holds the rank's compute-dtype shard `[n_pad / p]`;
 //! - forward and backward read `Reshape(Slice(AllGather_P(shard/w)))`;
 //! - the full gradient is padded, reduce-scattered over G, then over O\G, all-reduced over
-//!   the rest of the world (W\O), and scaled by 1/W (the loss is the mean over ranks);
+//!   the rest of the world (W\O); the backward is seeded with 1/(W·M) for W ranks and M
+//!   micro-batches, so the accumulated sum is the gradient of the mean loss over ranks and
+//!   micro-batches;
 //! - the optimizer updates the master shard and its states on the 1/o shard;
 //! - `shard/w` is rebuilt by casting the new master and all-gathering it over O\P.
 //!
