@@ -15,6 +15,7 @@ use hzp_passes::shard_plan::Strategy;
 use hzp_passes::simulate::{self, SimOptions, Simulation};
 use indicatif::{ProgressBar, ProgressStyle};
 use miette::{miette, IntoDiagnostic, Result};
+use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -566,45 +567,6 @@ fn parse_strategies(s: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// `f` over `items` on up to as many threads as the machine has cores (each item is a whole
-/// compile + simulation), results in the order of `items`.
-fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(items.len());
-    if workers <= 1 {
-        return items.iter().map(&f).collect();
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut out: Vec<Option<R>> = (0..items.len()).map(|_| None).collect();
-    let done: Vec<Vec<(usize, R)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        if i >= items.len() {
-                            break mine;
-                        }
-                        mine.push((i, f(&items[i])));
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
-    for (i, r) in done.into_iter().flatten() {
-        out[i] = Some(r);
-    }
-    out.into_iter()
-        .map(|r| r.expect("every item was taken by a worker"))
-        .collect()
-}
-
 fn progress(total: usize, quiet: bool) -> ProgressBar {
     if quiet || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
@@ -749,11 +711,16 @@ pub fn compare(
     let sim = a.sim.options()?;
     let pb = progress(strategies.len(), a.quiet);
     pb.set_message("compiling and simulating");
-    let results = par_map(&strategies, |s| {
-        let r = evaluate(model, inputs, t, c, s, &sim);
-        pb.inc(1);
-        r
-    });
+    // every configuration is a whole compile + simulation: one per rayon worker, results in
+    // the order of the list
+    let results: Vec<_> = strategies
+        .par_iter()
+        .map(|s| {
+            let r = evaluate(model, inputs, t, c, s, &sim);
+            pb.inc(1);
+            r
+        })
+        .collect();
     let mut rows = Vec::new();
     let mut first_error = None;
     for (s, r) in strategies.iter().zip(results) {
@@ -982,14 +949,17 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
             jobs.push((s.clone(), n, mesh.clone(), m, compile_args(a, mesh)?));
         }
     }
-    let results = par_map(&jobs, |(s, n, mesh, m, c)| {
-        let row = match evaluate(m, None, t, c, s, &sim) {
-            Ok(r) => r,
-            Err(e) => empty_row(s, mesh, *n, format!("{e}")),
-        };
-        pb.inc(1);
-        row
-    });
+    let results: Vec<_> = jobs
+        .par_iter()
+        .map(|(s, n, mesh, m, c)| {
+            let row = match evaluate(m, None, t, c, s, &sim) {
+                Ok(r) => r,
+                Err(e) => empty_row(s, mesh, *n, format!("{e}")),
+            };
+            pb.inc(1);
+            row
+        })
+        .collect();
     let mut rows: Vec<ScaleRow> = Vec::new();
     let mut base: Option<(&str, usize, f64)> = None;
     for ((s, n, mesh, _, _), row) in jobs.iter().zip(results) {
