@@ -117,6 +117,8 @@ pub struct CudaExecutor {
     blas: Blas,
     opts: CudaOptions,
     steps_run: usize,
+    /// Token ids and labels are range-checked in every batch (see `set_inputs`).
+    index_check: crate::index_check::IndexChecker,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -241,6 +243,7 @@ impl CudaExecutor {
 
         let rdv = Rendezvous::connect(&dist, opts.timeout).map_err(|e| run_err(e.to_string()))?;
         let mut ex = CudaExecutor {
+            index_check: crate::index_check::IndexChecker::new(&plan.program),
             plan: plan.clone(),
             low,
             dist,
@@ -407,8 +410,10 @@ impl CudaExecutor {
         self.dist.rank
     }
 
-    /// Sets the global batch; this rank takes rows `[r*b, (r+1)*b)` of every input.
+    /// Sets the global batch; this rank takes rows `[r*b, (r+1)*b)` of every input. Token
+    /// ids and class labels out of range are an error (nothing is set then).
     pub fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        self.index_check.check(global).map_err(ExecError::Inputs)?;
         let w = self.plan.mesh.world_size();
         let r = self.dist.rank;
         for &v in &self.plan.program.inputs.clone() {
