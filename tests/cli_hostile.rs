@@ -444,6 +444,42 @@ fn thread_counts_are_capped_with_a_note() {
     );
 }
 
+/// `hzp bench compile --layers`: one row per layer count and the ratio from each to the
+/// next; a preset that already sets layers, a zero count and several meshes are refused.
+#[test]
+fn the_layers_benchmark_reports_ratios_and_refuses_nonsense() {
+    let preset = "preset:gpt,hidden=64,heads=2,vocab=128,seq=16,batch=2";
+    let (code, out, err) = hzp(&[
+        "bench", "compile", preset, "--layers", "1,2,4", "--mesh", "gpu=2", "--repeat", "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for line in [
+        "layers 2 / 1 (x2.00): wall x",
+        "layers 4 / 2 (x2.00): wall x",
+    ] {
+        assert!(out.contains(line), "{out}");
+    }
+    assert!(out.contains("CPU x") && out.contains("peak RSS x"), "{out}");
+    fails_with(
+        &["bench", "compile", "preset:gpt,layers=2", "--layers", "4"],
+        &["already sets layers="],
+    );
+    fails_with(
+        &["bench", "compile", preset, "--layers", "0,2"],
+        &["at least 1"],
+    );
+    fails_with(
+        &[
+            "bench", "compile", preset, "--layers", "1", "--mesh", "gpu=2", "--mesh", "gpu=4",
+        ],
+        &["one mesh"],
+    );
+    fails_with(
+        &["bench", "compile", s(&mlp()), "--layers", "1"],
+        &["needs a preset model"],
+    );
+}
+
 // ------------------------------------------------------------------ token ids
 
 /// The GPT-2 inputs with one token id replaced.
@@ -715,8 +751,58 @@ fn every_subcommand_survives_a_full_stdout_and_stderr() {
         s(&plan),
     ]);
     assert_eq!(code, 0, "{err}");
+    // a checkpoint for `hzp checkpoint`, a text file for `hzp data prepare`
+    let ck = d.join("ck");
+    let (code, _, err) = hzp(&[
+        "run",
+        s(&plan),
+        "--inputs",
+        s(&llama_io()),
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        s(&ck),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text = d.join("text.txt");
+    std::fs::write(&text, "some text to turn into tokens\n").unwrap();
     let preset = "preset:gpt,layers=2,hidden=64,heads=2,vocab=128,seq=16,batch=2";
     let cmds: Vec<Vec<String>> = vec![
+        vec!["checkpoint".into(), "show".into(), s(&ck).into()],
+        vec![
+            "checkpoint".into(),
+            "export".into(),
+            s(&ck).into(),
+            "-o".into(),
+            s(&d.join("export.npz")).into(),
+        ],
+        vec![
+            "data".into(),
+            "prepare".into(),
+            s(&text).into(),
+            "-o".into(),
+            s(&d.join("tokens.bin")).into(),
+        ],
+        vec![
+            "bench".into(),
+            "compile".into(),
+            preset.into(),
+            "--mesh".into(),
+            "gpu=2".into(),
+            "--repeat".into(),
+            "1".into(),
+        ],
+        vec![
+            "bench".into(),
+            "compile".into(),
+            "preset:gpt,hidden=64,heads=2,vocab=128,seq=16,batch=2".into(),
+            "--layers".into(),
+            "1,2".into(),
+            "--mesh".into(),
+            "gpu=2".into(),
+            "--repeat".into(),
+            "1".into(),
+        ],
         vec!["import".into(), s(&mlp()).into()],
         vec!["show".into(), preset.into()],
         vec![

@@ -1088,9 +1088,10 @@ mod tests {
     }
 
     type Win = [(u32, u32); NUM_STREAMS];
+    type Def = Option<(usize, u32)>;
 
     /// A random buffer: windows on each stream, producer (or none), and a size in lines.
-    fn item(r: &mut Rng, len: [usize; NUM_STREAMS]) -> (Win, Option<(usize, u32)>, u64) {
+    fn item(r: &mut Rng, len: [usize; NUM_STREAMS]) -> (Win, Def, u64) {
         let def = if r.below(10) == 0 {
             None
         } else {
@@ -1107,12 +1108,12 @@ mod tests {
         (win, def, 1 + r.below(6))
     }
 
-    fn covers(w: &Win, def: Option<(usize, u32)>) -> bool {
+    fn covers(w: &Win, def: Def) -> bool {
         def.is_some_and(|(t, k)| w[t].0 <= k && k < w[t].1)
     }
 
     /// The relation `Occupancy` indexes: one produced in the other's window, or both before.
-    fn conflict(a: &(Win, Option<(usize, u32)>), b: &(Win, Option<(usize, u32)>)) -> bool {
+    fn conflict(a: &(Win, Def), b: &(Win, Def)) -> bool {
         covers(&a.0, b.1) || covers(&b.0, a.1) || (a.1.is_none() && b.1.is_none())
     }
 
@@ -1139,7 +1140,7 @@ mod tests {
                 1 + r.below(20) as usize,
             ];
             let mut occ = Occupancy::new(len);
-            let mut placed: Vec<((Win, Option<(usize, u32)>), u64, u64)> = Vec::new();
+            let mut placed: Vec<((Win, Def), u64, u64)> = Vec::new();
             for _ in 0..150 {
                 let (win, def, lines) = item(&mut r, len);
                 let (base, need) = (64 * r.below(3), 64 * lines);
@@ -1169,7 +1170,7 @@ mod tests {
         for seed in 1..40u64 {
             let mut r = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) + 7);
             let len = [1 + r.below(60) as usize, 1 + r.below(9) as usize, 0];
-            let items: Vec<(Win, Option<(usize, u32)>, u64, u64)> = (0..120)
+            let items: Vec<(Win, Def, u64, u64)> = (0..120)
                 .map(|_| {
                     let (win, def, lines) = item(&mut r, len);
                     let o = 64 * r.below(40);
