@@ -558,19 +558,62 @@ fn token_ids_outside_the_vocabulary_are_rejected_everywhere() {
 
 /// An .npz whose one deflated entry inflates to `bytes` of zeros (a few KiB on disk).
 fn zip_bomb(path: &Path, bytes: usize) {
+    zip_bomb_with(path, Vec::new(), bytes);
+}
+
+/// `arrays`, then an entry `big` that inflates to `bytes` of zeros, all deflated.
+fn zip_bomb_with(path: &Path, mut arrays: Vec<(String, Tensor)>, bytes: usize) {
     let n = bytes / 4;
-    let t = Tensor::new(vec![n], Data::F32(vec![0.0; n]));
-    let raw = npz::write_bytes(&[("big".to_string(), t)]).unwrap();
+    arrays.push((
+        "big".to_string(),
+        Tensor::new(vec![n], Data::F32(vec![0.0; n])),
+    ));
+    let raw = npz::write_bytes(&arrays).unwrap();
     // Re-pack with deflate: the archive stays small, the declared size is the full array.
     let mut src = zip::ZipArchive::new(std::io::Cursor::new(raw)).unwrap();
     let f = std::fs::File::create(path).unwrap();
     let mut w = zip::ZipWriter::new(f);
-    let mut e = src.by_index(0).unwrap();
     let opts = zip::write::SimpleFileOptions::default()
         .compression_method(zip::CompressionMethod::Deflated);
-    w.start_file(e.name().to_string(), opts).unwrap();
-    std::io::copy(&mut e, &mut w).unwrap();
+    for i in 0..src.len() {
+        let mut e = src.by_index(i).unwrap();
+        w.start_file(e.name().to_string(), opts).unwrap();
+        std::io::copy(&mut e, &mut w).unwrap();
+    }
     w.finish().unwrap();
+}
+
+/// `hzp show` needs shapes only: it reads the headers of --inputs' arrays, not their data,
+/// so an unused array over the memory budget does not stop it (eval, which reads the
+/// data, refuses the same file).
+#[test]
+fn show_reads_the_shapes_of_inputs_without_their_data() {
+    let d = tempdir("show-shapes");
+    let io = d.join("gpt2_big.npz");
+    zip_bomb_with(&io, read_npz(&gpt2_io()), 64 << 20);
+    let (code, plain, err) = hzp(&["show", s(&gpt2()), "--inputs", s(&gpt2_io())]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = hzp(&[
+        "show",
+        s(&gpt2()),
+        "--inputs",
+        s(&io),
+        "--max-memory",
+        "16MiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, plain, "the same summary as from the inputs alone");
+    fails_with(
+        &[
+            "eval",
+            s(&gpt2()),
+            "--inputs",
+            s(&io),
+            "--max-memory",
+            "16MiB",
+        ],
+        &["array `big`", "memory budget of 16.0 MiB"],
+    );
 }
 
 #[test]
