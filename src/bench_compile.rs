@@ -1,6 +1,8 @@
 //! `hzp bench compile`: how long `hzp compile` takes and how much memory it needs, for one
 //! model on several meshes. A plan is SPMD (one program for every rank), so its compile time
 //! and size should not grow with the number of ranks; the table says whether they do.
+//! With `--layers N,N,...` it compiles a preset at each layer count instead, on one mesh, and
+//! gives the ratio of time and peak memory per step (they should grow about linearly).
 
 use crate::compile::{build_plan, CompileArgs};
 use crate::{ModelArgs, TrainArgs};
@@ -40,6 +42,11 @@ pub struct BenchCompileArgs {
     /// Skip collective rewriting, as `hzp compile --no-rewrite`.
     #[arg(long)]
     pub no_rewrite: bool,
+    /// Compile the preset with each of these layer counts (e.g. 96,192,384,768) on one mesh
+    /// (the --mesh given, default gpu=8), and print the ratio of wall time, CPU time and peak
+    /// memory from each count to the next (issue 19: at most about 2.3 per doubling).
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    pub layers: Vec<usize>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -112,7 +119,146 @@ fn secs(s: f64) -> String {
     }
 }
 
+/// CPU time of this process so far (user + system, all threads), if the OS reports it.
+fn cpu_seconds() -> Option<f64> {
+    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes into the struct it is given, which outlives the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return None;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    Some(t(u.ru_utime) + t(u.ru_stime))
+}
+
+struct LayersRow {
+    layers: usize,
+    /// Wall and CPU seconds of each compile, each sorted.
+    wall: Vec<f64>,
+    cpu: Vec<f64>,
+    peak_rss: Option<u64>,
+    nodes: usize,
+}
+
+/// `hzp bench compile preset:NAME --layers N,N,...`: one row per layer count.
+fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
+    if !a.model.starts_with("preset:") {
+        return Err(miette!(
+            "--layers needs a preset model (e.g. preset:gpt), not `{}`",
+            a.model
+        ));
+    }
+    if a.model.split(',').any(|s| s.trim().starts_with("layers=")) {
+        return Err(miette!(
+            "`{}` already sets layers=; with --layers give the preset without it",
+            a.model
+        ));
+    }
+    if a.layers.contains(&0) {
+        return Err(miette!("--layers: a layer count must be at least 1"));
+    }
+    let mesh = match a.mesh.as_slice() {
+        [] => "gpu=8".to_string(),
+        [m] => m.clone(),
+        _ => {
+            return Err(miette!(
+                "--layers compiles on one mesh; give at most one --mesh"
+            ))
+        }
+    };
+    let repeat = a.repeat.max(1);
+    let c = compile_args(a, &mesh)?;
+    let resets = reset_peak_rss();
+    let mut rows = Vec::new();
+    for &n in &a.layers {
+        let model = ModelArgs {
+            model: format!("{},layers={n}", a.model),
+            shapes: a.shapes.clone(),
+            bind: Vec::new(),
+        };
+        if resets {
+            reset_peak_rss();
+        }
+        let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+        let mut nodes = 0;
+        for _ in 0..repeat {
+            let (start, cpu0) = (Instant::now(), cpu_seconds());
+            let built = build_plan(&model, None, &a.train, &c, false, true)
+                .map_err(miette::Report::from)
+                .map_err(|e| e.wrap_err(format!("compiling {} for {mesh}", model.model)))?;
+            wall.push(start.elapsed().as_secs_f64());
+            if let (Some(x), Some(y)) = (cpu0, cpu_seconds()) {
+                cpu.push(y - x);
+            }
+            nodes = built.plan.program.nodes.len();
+        }
+        wall.sort_by(f64::total_cmp);
+        cpu.sort_by(f64::total_cmp);
+        rows.push(LayersRow {
+            layers: n,
+            wall,
+            cpu,
+            peak_rss: peak_rss_bytes(),
+            nodes,
+        });
+    }
+    outln!(
+        "compile {},layers=N on {mesh} (strategy {}, budget {}{}{}), {} compile(s) per count \
+         (median), plan JSON made (not written)",
+        a.model,
+        a.strategy,
+        a.memory,
+        if a.recompute { ", recompute" } else { "" },
+        if a.no_rewrite { ", no rewrite" } else { "" },
+        repeat
+    );
+    let median = |v: &[f64]| v.get(v.len() / 2).copied();
+    let cell = |x: Option<f64>| x.map_or("n/a".to_string(), secs);
+    outln!(
+        "  {:>7}  {:>9}  {:>9}  {:>10}  {:>8}",
+        "layers",
+        "wall",
+        "CPU",
+        "peak RSS",
+        "nodes"
+    );
+    for r in &rows {
+        outln!(
+            "  {:>7}  {:>9}  {:>9}  {:>10}  {:>8}",
+            r.layers,
+            cell(median(&r.wall)),
+            cell(median(&r.cpu)),
+            r.peak_rss
+                .map_or("n/a".to_string(), hzp_ir::plan::format_bytes),
+            r.nodes
+        );
+    }
+    if !resets {
+        outln!("  peak RSS: the peak of the process so far (it could not be reset per count)");
+    }
+    let ratio = |x: Option<f64>, y: Option<f64>| match (x, y) {
+        (Some(x), Some(y)) if y > 0.0 => format!("x{:.2}", x / y),
+        _ => "n/a".to_string(),
+    };
+    for w in rows.windows(2) {
+        let (p, r) = (&w[0], &w[1]);
+        outln!(
+            "layers {} / {} (x{:.2}): wall {}, CPU {}, peak RSS {}",
+            r.layers,
+            p.layers,
+            r.layers as f64 / p.layers as f64,
+            ratio(median(&r.wall), median(&p.wall)),
+            ratio(median(&r.cpu), median(&p.cpu)),
+            ratio(r.peak_rss.map(|b| b as f64), p.peak_rss.map(|b| b as f64)),
+        );
+    }
+    Ok(())
+}
+
 pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
+    if !a.layers.is_empty() {
+        return bench_layers(a);
+    }
     let meshes: Vec<String> = if a.mesh.is_empty() {
         vec!["node=8,gpu=8".into(), "node=1024,gpu=8".into()]
     } else {

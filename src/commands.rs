@@ -136,9 +136,44 @@ pub fn import(args: &ModelArgs, inputs: Option<&Path>, output: Option<&Path>) ->
     Ok(())
 }
 
+/// `show --inputs`: the model loaded with the shapes of the arrays, read from their headers
+/// alone. `None` when that is not enough: the archive could not be read that way, or the
+/// import needs the values of inputs (a value that decides a shape is computed from them);
+/// the caller then reads the arrays. A model that imports without values gives the same
+/// program with them (only inputs a shape needs are specialized on).
+fn load_with_array_shapes(args: &ModelArgs, path: &Path) -> Result<Option<Program>> {
+    let Ok(arrays) = npz::read_shapes(path) else {
+        return Ok(None);
+    };
+    let mut shapes = parse_shapes(&args.shapes)?;
+    for (k, shape) in arrays {
+        shapes.entry(k).or_insert(shape);
+    }
+    let opts = LoadOptions {
+        shapes,
+        values: BTreeMap::new(),
+        bind: parse_binds(&args.bind)?,
+    };
+    match load_model(&args.model, &opts) {
+        Ok(p) => Ok(Some(p)),
+        Err(hzp_frontends::LoadError::Onnx(e))
+            if e.kind == hzp_frontends::onnx::ImportErrorKind::Node =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(miette::Report::new(e)),
+    }
+}
+
 pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<()> {
-    let arrays = inputs.map(read_npz).transpose()?;
-    let p = load(args, arrays.as_deref())?;
+    // Only shapes are needed: the arrays of --inputs are read only if the import needs values.
+    let p = match inputs {
+        None => load(args, None)?,
+        Some(path) => match load_with_array_shapes(args, path)? {
+            Some(p) => p,
+            None => load(args, Some(&read_npz(path)?))?,
+        },
+    };
     let s = hzp_passes::summary::summarize(&p);
     let equal = hzp_passes::ties::find_ties(&p);
     let shared = hzp_passes::ties::shared_parameters(&p);

@@ -309,6 +309,13 @@ fn shapes_fed_as_inputs_are_bound_by_value_and_checked() {
     let f = with_s(vec![1, 6]);
     let (code, _, err) = hzp(&["eval", m, "--inputs", f.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
+    // show reads only the arrays' shapes, and their values when the import needs them
+    let (code, text, err) = hzp(&["show", m, "--inputs", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("Reshape"), "{text}");
+    let (code, _, err) = hzp(&["show", m, "--inputs", only_x.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("`s`") && err.contains("--bind"), "{err}");
     let (code, _, err) = hzp(&[
         "eval",
         m,

@@ -444,6 +444,42 @@ fn thread_counts_are_capped_with_a_note() {
     );
 }
 
+/// `hzp bench compile --layers`: one row per layer count and the ratio from each to the
+/// next; a preset that already sets layers, a zero count and several meshes are refused.
+#[test]
+fn the_layers_benchmark_reports_ratios_and_refuses_nonsense() {
+    let preset = "preset:gpt,hidden=64,heads=2,vocab=128,seq=16,batch=2";
+    let (code, out, err) = hzp(&[
+        "bench", "compile", preset, "--layers", "1,2,4", "--mesh", "gpu=2", "--repeat", "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for line in [
+        "layers 2 / 1 (x2.00): wall x",
+        "layers 4 / 2 (x2.00): wall x",
+    ] {
+        assert!(out.contains(line), "{out}");
+    }
+    assert!(out.contains("CPU x") && out.contains("peak RSS x"), "{out}");
+    fails_with(
+        &["bench", "compile", "preset:gpt,layers=2", "--layers", "4"],
+        &["already sets layers="],
+    );
+    fails_with(
+        &["bench", "compile", preset, "--layers", "0,2"],
+        &["at least 1"],
+    );
+    fails_with(
+        &[
+            "bench", "compile", preset, "--layers", "1", "--mesh", "gpu=2", "--mesh", "gpu=4",
+        ],
+        &["one mesh"],
+    );
+    fails_with(
+        &["bench", "compile", s(&mlp()), "--layers", "1"],
+        &["needs a preset model"],
+    );
+}
+
 // ------------------------------------------------------------------ token ids
 
 /// The GPT-2 inputs with one token id replaced.
@@ -522,19 +558,62 @@ fn token_ids_outside_the_vocabulary_are_rejected_everywhere() {
 
 /// An .npz whose one deflated entry inflates to `bytes` of zeros (a few KiB on disk).
 fn zip_bomb(path: &Path, bytes: usize) {
+    zip_bomb_with(path, Vec::new(), bytes);
+}
+
+/// `arrays`, then an entry `big` that inflates to `bytes` of zeros, all deflated.
+fn zip_bomb_with(path: &Path, mut arrays: Vec<(String, Tensor)>, bytes: usize) {
     let n = bytes / 4;
-    let t = Tensor::new(vec![n], Data::F32(vec![0.0; n]));
-    let raw = npz::write_bytes(&[("big".to_string(), t)]).unwrap();
+    arrays.push((
+        "big".to_string(),
+        Tensor::new(vec![n], Data::F32(vec![0.0; n])),
+    ));
+    let raw = npz::write_bytes(&arrays).unwrap();
     // Re-pack with deflate: the archive stays small, the declared size is the full array.
     let mut src = zip::ZipArchive::new(std::io::Cursor::new(raw)).unwrap();
     let f = std::fs::File::create(path).unwrap();
     let mut w = zip::ZipWriter::new(f);
-    let mut e = src.by_index(0).unwrap();
     let opts = zip::write::SimpleFileOptions::default()
         .compression_method(zip::CompressionMethod::Deflated);
-    w.start_file(e.name().to_string(), opts).unwrap();
-    std::io::copy(&mut e, &mut w).unwrap();
+    for i in 0..src.len() {
+        let mut e = src.by_index(i).unwrap();
+        w.start_file(e.name().to_string(), opts).unwrap();
+        std::io::copy(&mut e, &mut w).unwrap();
+    }
     w.finish().unwrap();
+}
+
+/// `hzp show` needs shapes only: it reads the headers of --inputs' arrays, not their data,
+/// so an unused array over the memory budget does not stop it (eval, which reads the
+/// data, refuses the same file).
+#[test]
+fn show_reads_the_shapes_of_inputs_without_their_data() {
+    let d = tempdir("show-shapes");
+    let io = d.join("gpt2_big.npz");
+    zip_bomb_with(&io, read_npz(&gpt2_io()), 64 << 20);
+    let (code, plain, err) = hzp(&["show", s(&gpt2()), "--inputs", s(&gpt2_io())]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = hzp(&[
+        "show",
+        s(&gpt2()),
+        "--inputs",
+        s(&io),
+        "--max-memory",
+        "16MiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, plain, "the same summary as from the inputs alone");
+    fails_with(
+        &[
+            "eval",
+            s(&gpt2()),
+            "--inputs",
+            s(&io),
+            "--max-memory",
+            "16MiB",
+        ],
+        &["array `big`", "memory budget of 16.0 MiB"],
+    );
 }
 
 #[test]
@@ -715,8 +794,58 @@ fn every_subcommand_survives_a_full_stdout_and_stderr() {
         s(&plan),
     ]);
     assert_eq!(code, 0, "{err}");
+    // a checkpoint for `hzp checkpoint`, a text file for `hzp data prepare`
+    let ck = d.join("ck");
+    let (code, _, err) = hzp(&[
+        "run",
+        s(&plan),
+        "--inputs",
+        s(&llama_io()),
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        s(&ck),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text = d.join("text.txt");
+    std::fs::write(&text, "some text to turn into tokens\n").unwrap();
     let preset = "preset:gpt,layers=2,hidden=64,heads=2,vocab=128,seq=16,batch=2";
     let cmds: Vec<Vec<String>> = vec![
+        vec!["checkpoint".into(), "show".into(), s(&ck).into()],
+        vec![
+            "checkpoint".into(),
+            "export".into(),
+            s(&ck).into(),
+            "-o".into(),
+            s(&d.join("export.npz")).into(),
+        ],
+        vec![
+            "data".into(),
+            "prepare".into(),
+            s(&text).into(),
+            "-o".into(),
+            s(&d.join("tokens.bin")).into(),
+        ],
+        vec![
+            "bench".into(),
+            "compile".into(),
+            preset.into(),
+            "--mesh".into(),
+            "gpu=2".into(),
+            "--repeat".into(),
+            "1".into(),
+        ],
+        vec![
+            "bench".into(),
+            "compile".into(),
+            "preset:gpt,hidden=64,heads=2,vocab=128,seq=16,batch=2".into(),
+            "--layers".into(),
+            "1,2".into(),
+            "--mesh".into(),
+            "gpu=2".into(),
+            "--repeat".into(),
+            "1".into(),
+        ],
         vec!["import".into(), s(&mlp()).into()],
         vec!["show".into(), preset.into()],
         vec![

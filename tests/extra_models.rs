@@ -105,6 +105,13 @@ fn hzp(c: &Case, cmd: &str, extra: &[&str]) -> Result<String, String> {
         command.args(["--freeze", &c.unmapped.join(",")]);
     }
     let out = command.args(extra).output().unwrap();
+    // a failure is reported, never a panic (Rust's exit code 101; issue 19)
+    assert_ne!(
+        out.status.code(),
+        Some(101),
+        "hzp {cmd} panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     if !out.status.success() {
         return Err(format!(
             "hzp {cmd} failed: {}{}",

@@ -89,6 +89,14 @@ fn run_case(dir: &Path, out: &Path) -> Result<(), String> {
         .arg(out)
         .output()
         .map_err(|e| format!("cannot run hzp: {e}"))?;
+    // a failure is reported, never a panic (Rust's exit code 101; issue 19)
+    assert_ne!(
+        res.status.code(),
+        Some(101),
+        "hzp eval panicked on {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&res.stderr)
+    );
     if !res.status.success() {
         let err = String::from_utf8_lossy(&res.stderr);
         return Err(err.trim().replace('\n', " "));

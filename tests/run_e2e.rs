@@ -331,3 +331,57 @@ fn async_sync_and_reference_runner_agree_bitwise() {
         }
     }
 }
+
+/// Token ids are range-checked by every executor where a batch enters, not only by the CLI:
+/// on a zero3 plan whose embedding gradient is exchanged as rows (indices all-gathered, each
+/// rank scatter-adding the rows of its shard), a negative or too-large id would otherwise be
+/// in no rank's shard and its row would be dropped silently.
+#[test]
+fn executors_reject_out_of_range_token_ids_on_a_row_exchanged_plan() {
+    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
+    let io = read_npz(&own_models_dir().join("llama_tiny.io.npz"));
+    let batch = global_batch(&io);
+    let cfg = config("lm");
+    let mesh = Mesh::parse("node=2,gpu=2").unwrap();
+    let fwd = import_at(&model, &batch, ROWS / 4);
+    let full: Vec<(String, Tensor)> = fwd
+        .params
+        .iter()
+        .map(|p| (fwd.value(p.value).name.clone(), p.data.clone().unwrap()))
+        .collect();
+    let plan = build_plan(&fwd, &mesh, "zero3", &cfg);
+    assert!(
+        plan.program
+            .nodes
+            .iter()
+            .any(|n| matches!(n.op, hzp_ir::Op::AllToAll { .. })),
+        "the plan exchanges no embedding gradient as rows"
+    );
+    let ids_in = fwd.find_value("input_ids").unwrap();
+    let vocab = hzp_runtime::index_check::index_bounds(&fwd)[&ids_in].bound;
+    let good = program_inputs(&plan.program, &batch);
+    for bad_id in [-1i64, vocab as i64] {
+        let mut bad = good.clone();
+        let (_, ids) = bad.iter_mut().find(|(k, _)| k == "input_ids").unwrap();
+        match &mut ids.data {
+            hzp_ir::Data::I64(v) => v[3] = bad_id,
+            d => panic!("input_ids are {d:?}"),
+        }
+        let mut ex = Executor::new(&plan, &full, ExecOptions::default()).unwrap();
+        let e = ex.set_inputs(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("`input_ids` holds {bad_id}")),
+            "executor: {e}"
+        );
+        // the good batch is still accepted afterwards, and steps
+        ex.set_inputs(&good).unwrap();
+        ex.run(1).unwrap();
+        let mut spmd =
+            hzp_runtime::spmd::SpmdRunner::new(&plan.program, &plan.layouts, &full).unwrap();
+        let e = spmd.step(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("`input_ids` holds {bad_id}")),
+            "reference runner: {e}"
+        );
+    }
+}

@@ -15,6 +15,8 @@ use std::sync::LazyLock;
 fn hzp(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(hzp_bin()).args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
+    // a failure is reported, never a panic (Rust's exit code 101; issue 19)
+    assert_ne!(out.status.code(), Some(101), "hzp {args:?} panicked: {err}");
     let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
     (
         out.status.code().unwrap_or(-1),

@@ -97,6 +97,92 @@ pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>, NpzError> {
     read_zip(BufReader::new(f), &name)
 }
 
+/// The key and shape of every array of an `.npz` archive (or of the one array of a `.npy`
+/// file), from the array headers alone: no array data is read, decompressed past its
+/// header, or allocated, whatever sizes the headers declare (`hzp show --inputs` needs
+/// only shapes).
+pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, NpzError> {
+    let name = path.display().to_string();
+    let io_err = |e: io::Error| file_err(&name, format!("cannot read: {e}"));
+    let mut f = crate::limits::open_regular(path).map_err(io_err)?;
+    let mut magic = [0u8; 6];
+    let n = read_up_to(&mut f, &mut magic).map_err(io_err)?;
+    f.rewind().map_err(io_err)?;
+    if magic[..n].starts_with(NPY_MAGIC) {
+        let key = npy_key(path);
+        let shape = npy_shape(&mut f).map_err(|m| entry_err(&name, &key, m))?;
+        return Ok(vec![(key, shape)]);
+    }
+    check_zip_magic(&magic[..n], &name)?;
+    let mut zip = zip::ZipArchive::new(BufReader::new(f))
+        .map_err(|e| file_err(&name, format!("not a readable .npz archive (zip): {e}")))?;
+    let mut out = Vec::new();
+    let mut seen = HashSet::new();
+    for i in 0..zip.len() {
+        let mut entry = zip
+            .by_index(i)
+            .map_err(|e| file_err(&name, format!("entry {i} of the archive: {e}")))?;
+        if entry.is_dir() {
+            continue;
+        }
+        let raw_name = entry.name().to_string();
+        let Some(key) = raw_name.strip_suffix(".npy").map(str::to_string) else {
+            return Err(entry_err(
+                &name,
+                &raw_name,
+                "is not an .npy array (its name does not end in .npy)",
+            ));
+        };
+        let shape = npy_shape(&mut entry).map_err(|m| entry_err(&name, &key, m))?;
+        if !seen.insert(key.clone()) {
+            return Err(entry_err(&name, &key, "appears twice in the archive"));
+        }
+        out.push((key, shape));
+    }
+    Ok(out)
+}
+
+/// The largest `.npy` header [`read_shapes`] reads (numpy writes a few hundred bytes).
+const MAX_NPY_HEADER: usize = 1 << 20;
+
+/// The shape in the header of the `.npy` array `r` starts with (read no further).
+fn npy_shape(r: &mut impl Read) -> Result<Vec<usize>, String> {
+    let mut pre = [0u8; 12];
+    let n = read_up_to(r, &mut pre[..10]).map_err(|e| format!("cannot read: {e}"))?;
+    if n < 8 || &pre[..6] != NPY_MAGIC {
+        return Err("not an .npy array (it does not start with \\x93NUMPY)".into());
+    }
+    let (major, minor) = (pre[6], pre[7]);
+    let hlen = match major {
+        1 if n == 10 => u16::from_le_bytes([pre[8], pre[9]]) as usize,
+        2 | 3 if n == 10 => {
+            if read_up_to(r, &mut pre[10..12]).map_err(|e| format!("cannot read: {e}"))? != 2 {
+                return Err("truncated .npy header".into());
+            }
+            u32::from_le_bytes([pre[8], pre[9], pre[10], pre[11]]) as usize
+        }
+        1..=3 => return Err("truncated .npy header".into()),
+        _ => {
+            return Err(format!(
+                ".npy format version {major}.{minor} is not supported (1.0, 2.0 and 3.0 are)"
+            ))
+        }
+    };
+    if hlen > MAX_NPY_HEADER {
+        return Err(format!(
+            "the .npy header says it is {hlen} bytes long, more than the {MAX_NPY_HEADER} hzp reads"
+        ));
+    }
+    let mut header = vec![0u8; hlen];
+    if read_up_to(r, &mut header).map_err(|e| format!("cannot read: {e}"))? != hlen {
+        return Err("truncated .npy header".into());
+    }
+    if major < 3 && !header.is_ascii() {
+        return Err("bad .npy header: non-ASCII bytes in a version 1/2 header".into());
+    }
+    Ok(parse_header(&header)?.shape)
+}
+
 /// Like [`read`], from bytes already in memory; `display_name` names them in errors.
 pub fn read_bytes(bytes: &[u8], display_name: &str) -> Result<Vec<(String, Tensor)>, NpzError> {
     if bytes.starts_with(NPY_MAGIC) {
@@ -825,6 +911,34 @@ mod tests {
             ("empty".into(), Tensor::new(vec![0, 5], Data::I64(vec![]))),
             ("nested/name.with.dots".into(), Tensor::scalar_i64(-9)),
         ]
+    }
+
+    #[test]
+    fn shapes_come_from_the_headers_alone() {
+        let d = tmpdir("shapes");
+        let arrays = every_dtype();
+        let path = d.join("all.npz");
+        write(&path, &arrays).unwrap();
+        let want: Vec<(String, Vec<usize>)> = arrays
+            .iter()
+            .map(|(k, t)| (k.clone(), t.shape.clone()))
+            .collect();
+        assert_eq!(read_shapes(&path).unwrap(), want);
+        // a bare .npy, and one whose data is cut off: the header is all that is read
+        let (k, t) = &arrays[0];
+        let mut bytes = npy_header(t);
+        write_data(&mut bytes, &t.data).unwrap();
+        let npy = d.join(format!("{k}.npy"));
+        std::fs::write(&npy, &bytes[..bytes.len() - 3]).unwrap();
+        assert_eq!(
+            read_shapes(&npy).unwrap(),
+            vec![(k.clone(), t.shape.clone())]
+        );
+        assert!(read(&npy).is_err());
+        // a cut header is an error naming the entry
+        std::fs::write(&npy, &bytes[..9]).unwrap();
+        let e = read_shapes(&npy).unwrap_err().to_string();
+        assert!(e.contains("truncated .npy header"), "{e}");
     }
 
     fn tmpdir(tag: &str) -> PathBuf {

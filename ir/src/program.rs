@@ -469,12 +469,16 @@ impl Program {
 #[derive(Debug, Default, Clone)]
 pub struct NameSet {
     used: HashSet<String>,
+    /// Per base given to `fresh`: every `base.i` below this number is used (names are never
+    /// released), so the next search starts here instead of at 1.
+    next: HashMap<String, usize>,
 }
 
 impl NameSet {
     pub fn from_program(p: &Program) -> NameSet {
         NameSet {
             used: p.values.iter().map(|v| v.name.clone()).collect(),
+            next: HashMap::new(),
         }
     }
 
@@ -492,13 +496,14 @@ impl NameSet {
         if self.used.insert(base.to_string()) {
             return base.to_string();
         }
-        let mut i = 1usize;
+        let mut i = self.next.get(base).copied().unwrap_or(1);
         loop {
             let cand = format!("{base}.{i}");
+            i += 1;
             if self.used.insert(cand.clone()) {
+                self.next.insert(base.to_string(), i);
                 return cand;
             }
-            i += 1;
         }
     }
 }

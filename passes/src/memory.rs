@@ -382,38 +382,6 @@ pub fn value_bytes(p: &Program, v: ValueId) -> u64 {
         .unwrap_or(u64::MAX)
 }
 
-/// A value's life packed for the placement loop (see [`Life`]).
-#[derive(Clone, Copy)]
-struct Slot {
-    /// Producer's issue index, -1: before the step.
-    start: i64,
-    /// No node at or after this issue index can conflict with the value (see `plan_memory`).
-    span_end: i64,
-    last: [u32; NUM_STREAMS],
-    /// What the producer has seen (strictly before it).
-    seen: [u32; NUM_STREAMS],
-    may_end: bool,
-    has_def: bool,
-}
-
-impl Slot {
-    fn ends_before(&self, other: &Slot) -> bool {
-        self.may_end
-            && other.has_def
-            && other.start >= 0
-            && self.last.iter().zip(&other.seen).all(|(a, b)| a <= b)
-    }
-
-    fn conflicts(&self, other: &Slot) -> bool {
-        // A conflict needs the later producer inside the earlier value's span.
-        let (a, b) = (self, other);
-        let overlap = a.start == b.start
-            || (a.start < b.start && b.start < a.span_end)
-            || (b.start < a.start && a.start < b.span_end);
-        overlap && !self.ends_before(other) && !other.ends_before(self)
-    }
-}
-
 fn align_up(b: u64) -> u64 {
     b.div_ceil(ALIGN).saturating_mul(ALIGN)
 }
@@ -434,37 +402,6 @@ pub struct MemoryPlan {
     /// For each node in issue order: (its index, bytes live while it runs).
     pub timeline: Vec<(usize, u64)>,
 }
-
-/// For each value, the issue index from which no producer can conflict with it: on each
-/// stream t, the first node whose clock has seen every use of the value (clocks grow along a
-/// stream); the latest of these over the streams, or `n` (never) for values that live to the
-/// end of the step or across steps. A value `b` produced at or after `span_end[a]` has seen
-/// every use of `a` ([`Life::ends_before`]).
-pub(crate) fn span_ends(hb: &HappensBefore, lives: &[Life], n: usize) -> Vec<i64> {
-    lives
-        .iter()
-        .map(|l| {
-            if l.whole_step || l.to_end {
-                return n as i64;
-            }
-            (0..NUM_STREAMS)
-                .filter(|&t| !hb.nodes_on(t).is_empty())
-                .map(|t| {
-                    let on = hb.nodes_on(t);
-                    let k = on.partition_point(|&x| {
-                        let seen = hb.seen_before(NodeId(x));
-                        !l.last.iter().zip(seen).all(|(&a, b)| a <= b)
-                    });
-                    on.get(k).map_or(n, |&x| x as usize)
-                })
-                .max()
-                .unwrap_or(0) as i64
-        })
-        .collect()
-}
-
-/// Width of the buckets that index stream positions.
-pub(crate) const BUCKET: u32 = 64;
 
 /// Where a value can be overwritten from: for each stream t, the positions `lo..hi` on t
 /// (0-based, in that stream's order) of the producers that could conflict with it. `lo` is
@@ -498,79 +435,306 @@ pub(crate) fn windows(hb: &HappensBefore, lives: &[Life]) -> Vec<[(u32, u32); NU
         .collect()
 }
 
+/// The number of nodes on each stream.
+pub(crate) fn stream_lens(hb: &HappensBefore) -> [usize; NUM_STREAMS] {
+    std::array::from_fn(|t| hb.nodes_on(t).len())
+}
+
 /// The stream and 0-based position on it of a value's producer.
 pub(crate) fn def_slot(hb: &HappensBefore, l: &Life) -> Option<(usize, u32)> {
     l.def.map(|d| (hb.stream[d] as usize, hb.pos[d] - 1))
 }
 
-/// Values indexed by the stream buckets their windows cover and by where their producers
-/// are, to find the values a producer may conflict with without looking at all of them.
-pub(crate) struct ConflictIndex {
-    windows: [Vec<Vec<u32>>; NUM_STREAMS],
-    defs: [Vec<Vec<u32>>; NUM_STREAMS],
-    /// Values produced before the step (they conflict with each other).
+/// Buffers indexed by their windows (see [`windows`]) and addresses, built once: the
+/// buffers a producer may overwrite that share bytes with it, found without visiting every
+/// buffer whose window covers it (the plan verifier's conflict check).
+///
+/// Per stream, each window is split into the canonical nodes of a segment tree over the
+/// stream's positions (so the nodes on the path to a position hold exactly the windows that
+/// cover it); each node keeps its buffers sorted by offset with the running maximum of their
+/// ends, so a query walks back from the first buffer at or past the end of the queried bytes
+/// and stops at the first point where no earlier buffer reaches into them.
+pub(crate) struct WindowIndex {
+    len: [usize; NUM_STREAMS],
+    /// Per stream: node -> its entries `first[node]..first[node + 1]`.
+    first: [Vec<u32>; NUM_STREAMS],
+    /// Per stream: (offset, end, id), by node, then offset.
+    entries: [Vec<(u64, u64, u32)>; NUM_STREAMS],
+    /// Per stream: the highest end among a node's entries up to this one.
+    reach: [Vec<u64>; NUM_STREAMS],
+    /// Buffers produced before the step (they conflict with each other).
     before: Vec<u32>,
 }
 
-impl ConflictIndex {
-    pub(crate) fn new(hb: &HappensBefore) -> ConflictIndex {
-        let buckets = |t: usize| vec![Vec::new(); hb.nodes_on(t).len() / BUCKET as usize + 1];
-        ConflictIndex {
-            windows: std::array::from_fn(buckets),
-            defs: std::array::from_fn(buckets),
-            before: Vec::new(),
-        }
-    }
-
-    pub(crate) fn insert(
-        &mut self,
-        id: u32,
-        win: &[(u32, u32); NUM_STREAMS],
-        def: Option<(usize, u32)>,
-    ) {
-        for (t, &(lo, hi)) in win.iter().enumerate() {
-            if lo < hi {
-                for b in &mut self.windows[t][(lo / BUCKET) as usize..=((hi - 1) / BUCKET) as usize]
-                {
-                    b.push(id);
+impl WindowIndex {
+    /// `items`: (id, window, producer's slot, offset, end) of each buffer.
+    /// `len`: the number of nodes on each stream (see [`stream_lens`]).
+    pub(crate) fn new(
+        len: [usize; NUM_STREAMS],
+        items: impl Iterator<
+            Item = (
+                u32,
+                [(u32, u32); NUM_STREAMS],
+                Option<(usize, u32)>,
+                u64,
+                u64,
+            ),
+        >,
+    ) -> WindowIndex {
+        let mut raw: [Vec<(u32, u64, u64, u32)>; NUM_STREAMS] = Default::default();
+        let mut before = Vec::new();
+        for (id, win, def, start, end) in items {
+            for (t, &(lo, hi)) in win.iter().enumerate() {
+                if lo < hi {
+                    canonical_nodes(len[t], lo, hi, |i| raw[t].push((i as u32, start, end, id)));
                 }
             }
+            if def.is_none() {
+                before.push(id);
+            }
         }
-        match def {
-            Some((t, k)) => self.defs[t][(k / BUCKET) as usize].push(id),
-            None => self.before.push(id),
-        }
-    }
-
-    /// Calls `f` with every indexed value whose window covers the producer at `def`, or that
-    /// was, like this one, produced before the step (`def` `None`): the values produced no
-    /// later that it may overwrite.
-    pub(crate) fn covering(&self, def: Option<(usize, u32)>, mut f: impl FnMut(u32)) {
-        match def {
-            Some((t, k)) => self.windows[t][(k / BUCKET) as usize]
+        let mut first: [Vec<u32>; NUM_STREAMS] = Default::default();
+        let mut entries: [Vec<(u64, u64, u32)>; NUM_STREAMS] = Default::default();
+        let mut reach: [Vec<u64>; NUM_STREAMS] = Default::default();
+        for t in 0..NUM_STREAMS {
+            let r = &mut raw[t];
+            r.sort_unstable();
+            let mut f = vec![0u32; 2 * len[t] + 1];
+            for &(node, ..) in r.iter() {
+                f[node as usize + 1] += 1;
+            }
+            for i in 1..f.len() {
+                f[i] += f[i - 1];
+            }
+            let mut m = 0u64;
+            let mut prev = u32::MAX;
+            reach[t] = r
                 .iter()
-                .for_each(|&i| f(i)),
-            None => self.before.iter().for_each(|&i| f(i)),
+                .map(|&(node, _, end, _)| {
+                    if node != prev {
+                        (prev, m) = (node, 0);
+                    }
+                    m = m.max(end);
+                    m
+                })
+                .collect();
+            entries[t] = r.iter().map(|&(_, s, e, id)| (s, e, id)).collect();
+            first[t] = f;
+        }
+        WindowIndex {
+            len,
+            first,
+            entries,
+            reach,
+            before,
         }
     }
 
-    /// Calls `f` with every indexed value whose window covers the producer at `def` (values
-    /// produced no later), whose producer lies in `win` (values produced no earlier), or that
-    /// was, like this one, produced before the step; possibly more than once.
-    pub(crate) fn candidates(
+    /// Calls `f` with every indexed buffer that shares a byte with `start..end` and whose
+    /// window covers the producer at `def` (values produced no later that it may overwrite),
+    /// or, for `def` `None`, with every buffer produced before the step (whatever its bytes).
+    pub(crate) fn overlapping(
         &self,
-        win: &[(u32, u32); NUM_STREAMS],
         def: Option<(usize, u32)>,
+        start: u64,
+        end: u64,
         mut f: impl FnMut(u32),
     ) {
-        self.covering(def, &mut f);
-        for (t, &(lo, hi)) in win.iter().enumerate() {
-            if lo < hi {
-                for b in &self.defs[t][(lo / BUCKET) as usize..=((hi - 1) / BUCKET) as usize] {
-                    b.iter().for_each(|&i| f(i));
+        let Some((t, k)) = def else {
+            self.before.iter().for_each(|&i| f(i));
+            return;
+        };
+        let (first, entries, reach) = (&self.first[t], &self.entries[t], &self.reach[t]);
+        path_nodes(self.len[t], k, |node| {
+            let (a, b) = (first[node] as usize, first[node + 1] as usize);
+            let mut j = a + entries[a..b].partition_point(|&(s, _, _)| s < end);
+            while j > a && reach[j - 1] > start {
+                j -= 1;
+                let (_, e, id) = entries[j];
+                if e > start {
+                    f(id);
                 }
             }
+        });
+    }
+}
+
+/// Address ranges `[start, end)`, merged: sorted, disjoint and not touching.
+#[derive(Clone, Debug, Default)]
+struct Runs(Vec<(u64, u64)>);
+
+impl Runs {
+    fn insert(&mut self, start: u64, end: u64) {
+        // the runs that overlap or touch [start, end) are i..j
+        let i = self.0.partition_point(|&(_, e)| e < start);
+        let j = self.0.partition_point(|&(s, _)| s <= end);
+        if i == j {
+            self.0.insert(i, (start, end));
+        } else {
+            let merged = (self.0[i].0.min(start), self.0[j - 1].1.max(end));
+            self.0[i] = merged;
+            self.0.drain(i + 1..j);
         }
+    }
+
+    /// The end of the run that overlaps `[at, end)`, if one does. Every offset from `at` up to
+    /// that end overlaps the run too (with `end - at` bytes), so a first fit may skip them.
+    fn blocking(&self, at: u64, end: u64) -> Option<u64> {
+        let j = self.0.partition_point(|&(s, _)| s < end);
+        let (_, e) = *self.0.get(j.checked_sub(1)?)?;
+        (e > at).then_some(e)
+    }
+}
+
+/// The placed buffers of [`plan_memory`], indexed so that a first fit meets the space taken by
+/// conflicting buffers as merged runs instead of one buffer at a time.
+///
+/// A buffer `a` produced no later than `b` conflicts with it exactly when `b`'s producer lies
+/// in `a`'s window on `b`'s stream (see [`windows`]); two buffers produced before the step
+/// always conflict. Per stream, two segment trees over the stream's positions hold the
+/// address ranges of placed buffers as [`Runs`]: `cover` by window (each window is split into
+/// the tree's canonical nodes, so the nodes on the path to a position hold exactly the
+/// buffers whose windows cover it), `defs` by producer (each node holds the buffers produced
+/// at positions below it, so the canonical nodes of a window hold exactly the buffers produced
+/// in it). Runs merge buffers that touch, so a stack of saved activations is one run, and a
+/// first fit costs about the number of gaps it tries, not the number of live buffers.
+struct Occupancy {
+    /// Per stream: node of the segment tree (`1..2 * len`) -> index in `runs`, or `NONE`.
+    cover: [Vec<u32>; NUM_STREAMS],
+    defs: [Vec<u32>; NUM_STREAMS],
+    len: [usize; NUM_STREAMS],
+    /// Buffers produced before the step.
+    before: Runs,
+    runs: Vec<Runs>,
+    /// Scratch: the runs a query looks at.
+    scratch: Vec<u32>,
+}
+
+const NONE: u32 = u32::MAX;
+
+/// Calls `f` with the canonical nodes of positions `lo..hi` in an iterative segment tree of
+/// `len` leaves (nodes `1..2 * len`, leaf of position k at `len + k`).
+fn canonical_nodes(len: usize, lo: u32, hi: u32, mut f: impl FnMut(usize)) {
+    let (mut l, mut r) = (len + lo as usize, len + hi as usize);
+    while l < r {
+        if l & 1 == 1 {
+            f(l);
+            l += 1;
+        }
+        if r & 1 == 1 {
+            r -= 1;
+            f(r);
+        }
+        l >>= 1;
+        r >>= 1;
+    }
+}
+
+/// Calls `f` with the nodes on the path from the leaf of position `k` to the root.
+fn path_nodes(len: usize, k: u32, mut f: impl FnMut(usize)) {
+    let mut i = len + k as usize;
+    while i > 0 {
+        f(i);
+        i >>= 1;
+    }
+}
+
+impl Occupancy {
+    fn new(len: [usize; NUM_STREAMS]) -> Occupancy {
+        Occupancy {
+            cover: std::array::from_fn(|t| vec![NONE; 2 * len[t]]),
+            defs: std::array::from_fn(|t| vec![NONE; 2 * len[t]]),
+            len,
+            before: Runs::default(),
+            runs: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    fn add(runs: &mut Vec<Runs>, slot: &mut u32, start: u64, end: u64) {
+        if *slot == NONE {
+            *slot = runs.len() as u32;
+            runs.push(Runs::default());
+        }
+        runs[*slot as usize].insert(start, end);
+    }
+
+    /// Records a buffer with window `win`, produced at `def`, at bytes `start..end`.
+    fn insert(
+        &mut self,
+        win: &[(u32, u32); NUM_STREAMS],
+        def: Option<(usize, u32)>,
+        start: u64,
+        end: u64,
+    ) {
+        let Occupancy {
+            cover,
+            defs,
+            len,
+            before,
+            runs,
+            ..
+        } = self;
+        for (t, &(lo, hi)) in win.iter().enumerate() {
+            if lo < hi {
+                canonical_nodes(len[t], lo, hi, |i| {
+                    Self::add(runs, &mut cover[t][i], start, end)
+                });
+            }
+        }
+        match def {
+            Some((t, k)) => path_nodes(len[t], k, |i| Self::add(runs, &mut defs[t][i], start, end)),
+            None => before.insert(start, end),
+        }
+    }
+
+    /// The lowest offset from `base` where `need` bytes overlap no recorded buffer that
+    /// conflicts with a buffer of window `win` produced at `def`.
+    fn first_fit(
+        &mut self,
+        win: &[(u32, u32); NUM_STREAMS],
+        def: Option<(usize, u32)>,
+        base: u64,
+        need: u64,
+    ) -> u64 {
+        let mut sets = std::mem::take(&mut self.scratch);
+        sets.clear();
+        let mut keep = |slot: u32| {
+            if slot != NONE {
+                sets.push(slot);
+            }
+        };
+        // buffers produced no later whose windows cover this producer
+        if let Some((t, k)) = def {
+            path_nodes(self.len[t], k, |i| keep(self.cover[t][i]));
+        }
+        // buffers produced no earlier, in this buffer's windows
+        for (t, &(lo, hi)) in win.iter().enumerate() {
+            if lo < hi {
+                canonical_nodes(self.len[t], lo, hi, |i| keep(self.defs[t][i]));
+            }
+        }
+        let mut at = base;
+        loop {
+            let mut moved = false;
+            let mut skip = |r: &Runs| {
+                while let Some(e) = r.blocking(at, at.saturating_add(need)) {
+                    at = e;
+                    moved = true;
+                }
+            };
+            if def.is_none() {
+                skip(&self.before);
+            }
+            for &s in &sets {
+                skip(&self.runs[s as usize]);
+            }
+            if !moved {
+                break;
+            }
+        }
+        self.scratch = sets;
+        at
     }
 }
 
@@ -705,10 +869,7 @@ pub fn plan_memory(
         }
     }
 
-    // The others, greedily. On each stream t, the first node whose producer could take over a
-    // value's bytes is the first whose clock has seen every use (clocks grow along a stream);
-    // the latest of these over the streams (n: never) ends the issue range `span_end` in which
-    // a later producer can conflict with the value.
+    // The others, greedily (largest first, see the first-fit loop below).
     let mut aliased = vec![false; p.values.len()];
     // Reshapes and identities share their input's buffer: the class of a view root lives
     // from the root's producer to the last use of any of its views (and to the end of the
@@ -743,61 +904,22 @@ pub fn plan_memory(
         .filter(|&i| !lives[i].whole_step && sizes[i] > 0 && !aliased[i])
         .collect();
     let start = |i: usize| lives[i].def.map_or(-1, |d| d as i64);
-    let span_end = span_ends(&hb, &lives, n);
     let mut order = transient.clone();
     order.sort_by_key(|&i| (std::cmp::Reverse(align_up(sizes[i])), start(i), i));
-    // What the inner loop needs of each value, packed.
-    let slot = |i: usize| -> Slot {
-        let l = &lives[i];
-        Slot {
-            start: start(i),
-            span_end: span_end[i],
-            last: l.last,
-            seen: l
-                .def
-                .map_or([0; NUM_STREAMS], |d| hb.seen_before(NodeId(d as u32))),
-            may_end: !l.whole_step && !l.to_end,
-            has_def: l.def.is_some(),
-        }
-    };
     // First fit: each buffer goes at the lowest offset where it overlaps no placed buffer it
-    // conflicts with; the conflict index finds the placed buffers that may conflict.
+    // conflicts with. A placed buffer `a` conflicts with `b` exactly when the later-issued
+    // one's producer lies in the earlier one's window on its stream (see `windows`), or both
+    // were produced before the step; `Occupancy` answers that without visiting every placed
+    // buffer that may be live together with `b` (saved activations make that set grow with
+    // the layers).
     let wins = windows(&hb, &lives);
-    let mut index = ConflictIndex::new(&hb);
-    let mut placed: Vec<(u64, u64, Slot)> = Vec::with_capacity(order.len());
-    let mut stamp: Vec<u32> = Vec::new();
-    let mut cands: Vec<(u64, u64)> = Vec::new();
-    for (bi, &b) in order.iter().enumerate() {
-        let sb = slot(b);
+    let mut occ = Occupancy::new(stream_lens(&hb));
+    for &b in &order {
         let need = align_up(sizes[b]);
         let def = def_slot(&hb, &lives[b]);
-        cands.clear();
-        index.candidates(&wins[b], def, |pi| {
-            let pi = pi as usize;
-            if stamp[pi] == bi as u32 {
-                return;
-            }
-            stamp[pi] = bi as u32;
-            let (o, e, sa) = &placed[pi];
-            if sa.conflicts(&sb) {
-                cands.push((*o, *e));
-            }
-        });
-        cands.sort_unstable();
-        let mut at = base;
-        for &(o, e) in &cands {
-            if o >= at.saturating_add(need) {
-                break;
-            }
-            if e > at {
-                at = e;
-            }
-        }
+        let at = occ.first_fit(&wins[b], def, base, need);
         offset[b] = at;
-        let id = placed.len() as u32;
-        placed.push((at, at.saturating_add(need), sb));
-        stamp.push(u32::MAX);
-        index.insert(id, &wins[b], def);
+        occ.insert(&wins[b], def, at, at.saturating_add(need));
     }
     // (persistent roots were placed first, transient ones just now)
     for (i, r) in roots.iter().enumerate() {
@@ -928,5 +1050,136 @@ pub fn default_kind(p: &Program) -> impl Fn(ValueId) -> BufferKind + '_ {
             _ => BufferKind::Activation,
         },
         _ => BufferKind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// xorshift64*: a small deterministic generator for the random cases below.
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1)
+        }
+    }
+
+    type Win = [(u32, u32); NUM_STREAMS];
+    type Def = Option<(usize, u32)>;
+
+    /// A random buffer: windows on each stream, producer (or none), and a size in lines.
+    fn item(r: &mut Rng, len: [usize; NUM_STREAMS]) -> (Win, Def, u64) {
+        let def = if r.below(10) == 0 {
+            None
+        } else {
+            let t = r.below(NUM_STREAMS as u64) as usize;
+            Some((t, r.below(len[t] as u64) as u32))
+        };
+        let win = std::array::from_fn(|t| {
+            let lo = r.below(len[t] as u64 + 1) as u32;
+            // mostly short windows, some long ones (saved activations)
+            let span = if r.below(5) == 0 { len[t] as u64 } else { 4 };
+            let hi = (lo as u64 + r.below(span + 1)).min(len[t] as u64) as u32;
+            (lo, hi)
+        });
+        (win, def, 1 + r.below(6))
+    }
+
+    fn covers(w: &Win, def: Def) -> bool {
+        def.is_some_and(|(t, k)| w[t].0 <= k && k < w[t].1)
+    }
+
+    /// The relation `Occupancy` indexes: one produced in the other's window, or both before.
+    fn conflict(a: &(Win, Def), b: &(Win, Def)) -> bool {
+        covers(&a.0, b.1) || covers(&b.0, a.1) || (a.1.is_none() && b.1.is_none())
+    }
+
+    #[test]
+    fn runs_merge_touching_and_overlapping_ranges() {
+        let mut r = Runs::default();
+        for (s, e) in [(10, 20), (30, 40), (20, 25), (50, 60), (35, 52), (0, 5)] {
+            r.insert(s, e);
+        }
+        assert_eq!(r.0, vec![(0, 5), (10, 25), (30, 60)]);
+        assert_eq!(r.blocking(5, 10), None);
+        assert_eq!(r.blocking(4, 10), Some(5));
+        assert_eq!(r.blocking(25, 31), Some(60));
+        assert_eq!(r.blocking(60, 100), None);
+    }
+
+    #[test]
+    fn occupancy_first_fit_matches_a_scan_of_every_conflicting_buffer() {
+        for seed in 1..40u64 {
+            let mut r = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let len = [
+                1 + r.below(70) as usize,
+                r.below(20) as usize,
+                1 + r.below(20) as usize,
+            ];
+            let mut occ = Occupancy::new(len);
+            let mut placed: Vec<((Win, Def), u64, u64)> = Vec::new();
+            for _ in 0..150 {
+                let (win, def, lines) = item(&mut r, len);
+                let (base, need) = (64 * r.below(3), 64 * lines);
+                let got = occ.first_fit(&win, def, base, need);
+                let mut cands: Vec<(u64, u64)> = placed
+                    .iter()
+                    .filter(|(a, _, _)| conflict(a, &(win, def)))
+                    .map(|&(_, o, e)| (o, e))
+                    .collect();
+                cands.sort_unstable();
+                let mut want = base;
+                for (o, e) in cands {
+                    if o >= want + need {
+                        break;
+                    }
+                    want = want.max(e);
+                }
+                assert_eq!(got, want, "seed {seed}, after {} buffers", placed.len());
+                occ.insert(&win, def, got, got + need);
+                placed.push(((win, def), got, got + need));
+            }
+        }
+    }
+
+    #[test]
+    fn window_index_finds_exactly_the_covering_buffers_that_share_bytes() {
+        for seed in 1..40u64 {
+            let mut r = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) + 7);
+            let len = [1 + r.below(60) as usize, 1 + r.below(9) as usize, 0];
+            let items: Vec<(Win, Def, u64, u64)> = (0..120)
+                .map(|_| {
+                    let (win, def, lines) = item(&mut r, len);
+                    let o = 64 * r.below(40);
+                    (win, def, o, o + 64 * lines)
+                })
+                .collect();
+            let index = WindowIndex::new(
+                len,
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(w, d, o, e))| (i as u32, w, d, o, e)),
+            );
+            for &(_, def, o, e) in &items {
+                let mut got = Vec::new();
+                index.overlapping(def, o, e, |i| got.push(i));
+                got.sort_unstable();
+                let want: Vec<u32> = (0..items.len() as u32)
+                    .filter(|&i| {
+                        let (w, d, bo, be) = items[i as usize];
+                        match def {
+                            None => d.is_none(),
+                            Some(_) => covers(&w, def) && bo < e && o < be,
+                        }
+                    })
+                    .collect();
+                assert_eq!(got, want, "seed {seed}");
+            }
+        }
     }
 }

@@ -1277,12 +1277,14 @@ pub fn shard_training_step_rewritten(
         .iter()
         .map(|v| v.iter().map(|&s| e.p.value(s).name.clone()).collect())
         .collect();
-    // Rebuild each compute shard from the new master shard.
+    // Rebuild each compute shard from the new master shard (the first update of each target).
+    let mut update_of: HashMap<ValueId, ValueId> = HashMap::with_capacity(updates.len());
+    for u in &updates {
+        update_of.entry(u.target).or_insert(u.value);
+    }
     for (k, &master) in masters.iter().enumerate() {
-        let new_master = updates
-            .iter()
-            .find(|u| u.target == master)
-            .map(|u| u.value)
+        let new_master = *update_of
+            .get(&master)
             .ok_or_else(|| err("the optimizer did not update a parameter"))?;
         // one regather unit per layer, as the gathers: a layer's new shards go out as soon
         // as its optimizer step is done, while the next layers' steps run
@@ -1816,6 +1818,20 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
     out.precision = p.precision;
     // Values are copied in order; nodes are re-added with events interleaved.
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    // each parameter's data, constant's data and state's initial value (the first entry of
+    // one listed twice, as `Program::param` finds it)
+    let mut param_data: HashMap<ValueId, &Option<hzp_ir::Tensor>> = HashMap::new();
+    for x in &p.params {
+        param_data.entry(x.value).or_insert(&x.data);
+    }
+    let mut const_data: HashMap<ValueId, &hzp_ir::Tensor> = HashMap::new();
+    for c in &p.consts {
+        const_data.entry(c.value).or_insert(&c.data);
+    }
+    let mut state_init: HashMap<ValueId, &Option<hzp_ir::Tensor>> = HashMap::new();
+    for s in &p.states {
+        state_init.entry(s.value).or_insert(&s.init);
+    }
     for (i, v) in p.values.iter().enumerate() {
         let id = ValueId(i as u32);
         match v.def {
@@ -1823,19 +1839,15 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
                 map.insert(id, out.add_input(v.name.clone(), v.ty.clone()));
             }
             ValueDef::Param => {
-                let data = p.param(id).and_then(|x| x.data.clone());
+                let data = param_data.get(&id).and_then(|&d| d.clone());
                 map.insert(id, out.add_param(v.name.clone(), v.ty.clone(), data));
             }
             ValueDef::Const => {
-                let data = p.const_data(id).cloned().expect("const has data");
+                let data = (*const_data.get(&id).expect("const has data")).clone();
                 map.insert(id, out.add_const(v.name.clone(), data));
             }
             ValueDef::State => {
-                let init = p
-                    .states
-                    .iter()
-                    .find(|s| s.value == id)
-                    .and_then(|s| s.init.clone());
+                let init = state_init.get(&id).and_then(|&s| s.clone());
                 map.insert(id, out.add_state(v.name.clone(), v.ty.clone(), init));
             }
             ValueDef::Node { .. } => {}

@@ -511,24 +511,29 @@ impl Verifier<'_> {
             }
         }
         // The others: a producer can only overwrite values whose windows cover it (see
-        // `memory::windows`); index them, and check each pair that shares bytes once.
+        // `memory::windows`); index them by window and address, and check each pair that
+        // shares bytes once, from its later-produced side.
         let wins = crate::memory::windows(&self.hb, &lives);
-        let mut index = crate::memory::ConflictIndex::new(&self.hb);
-        for (x, &k) in ok.iter().enumerate() {
-            let v = plan.buffers[k].value.index();
-            index.insert(
-                x as u32,
-                &wins[v],
-                crate::memory::def_slot(&self.hb, &lives[v]),
-            );
-        }
+        let index = crate::memory::WindowIndex::new(
+            crate::memory::stream_lens(&self.hb),
+            ok.iter().enumerate().map(|(x, &k)| {
+                let b = plan.buffers[k];
+                let v = b.value.index();
+                (
+                    x as u32,
+                    wins[v],
+                    crate::memory::def_slot(&self.hb, &lives[v]),
+                    b.offset,
+                    b.end(),
+                )
+            }),
+        );
         let mut stamp: Vec<u32> = vec![u32::MAX; ok.len()];
         for (x, &i) in ok.iter().enumerate() {
             let a = plan.buffers[i];
             let v = a.value.index();
             let def = crate::memory::def_slot(&self.hb, &lives[v]);
-            // every pair is met from its later-produced side
-            index.covering(def, |y| {
+            index.overlapping(def, a.offset, a.end(), |y| {
                 let y = y as usize;
                 if y == x || stamp[y] == x as u32 {
                     return;

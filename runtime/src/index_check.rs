@@ -174,36 +174,61 @@ fn first_outside(t: &Tensor, bound: usize) -> Option<(usize, i64)> {
     }
 }
 
+/// The index uses of a program's inputs (see [`index_bounds`]), found once, to check every
+/// batch an executor is given: each backend checks its batches where they enter, so no
+/// entry point (a CLI command or a library caller) can feed an out-of-range id to a lookup
+/// or to the row-exchanged embedding gradient, which would drop its row silently.
+#[derive(Clone, Debug, Default)]
+pub struct IndexChecker {
+    /// (input name, its tightest use), in the program's input order.
+    uses: Vec<(String, IndexUse)>,
+}
+
+impl IndexChecker {
+    pub fn new(p: &Program) -> IndexChecker {
+        let mut bounds = index_bounds(p);
+        IndexChecker {
+            uses: p
+                .inputs
+                .iter()
+                .filter_map(|v| Some((p.value(*v).name.clone(), bounds.remove(v)?)))
+                .collect(),
+        }
+    }
+
+    /// Checks the arrays of `inputs` (by input name; names the program does not use as
+    /// indices are skipped). The error names the input, the first bad element's position
+    /// and value, and the bound.
+    pub fn check(&self, inputs: &[(String, Tensor)]) -> Result<(), String> {
+        for (name, u) in &self.uses {
+            for (k, t) in inputs {
+                if k != name {
+                    continue;
+                }
+                if let Some((i, x)) = first_outside(t, u.bound) {
+                    return Err(format!(
+                        "input `{name}` holds {x} at position {} (of shape {:?}), outside 0..{}: {}{}",
+                        position(&t.shape, i),
+                        t.shape,
+                        u.bound,
+                        u.what,
+                        if x < 0 {
+                            " (negative ids are rejected, as PyTorch does, rather than counted from the end)"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Checks the integer inputs of `p` used as indices (see the module doc). `inputs` are
 /// matched to program inputs by name; names the program does not use are skipped.
 pub fn check_index_inputs(p: &Program, inputs: &[(String, Tensor)]) -> Result<(), String> {
-    let bounds = index_bounds(p);
-    if bounds.is_empty() {
-        return Ok(());
-    }
-    for (&v, u) in &bounds {
-        let name = &p.value(v).name;
-        for (k, t) in inputs {
-            if k != name {
-                continue;
-            }
-            if let Some((i, x)) = first_outside(t, u.bound) {
-                return Err(format!(
-                    "input `{name}` holds {x} at position {} (of shape {:?}), outside 0..{}: {}{}",
-                    position(&t.shape, i),
-                    t.shape,
-                    u.bound,
-                    u.what,
-                    if x < 0 {
-                        " (negative ids are rejected, as PyTorch does, rather than counted from the end)"
-                    } else {
-                        ""
-                    }
-                ));
-            }
-        }
-    }
-    Ok(())
+    IndexChecker::new(p).check(inputs)
 }
 
 #[cfg(test)]

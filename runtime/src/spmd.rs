@@ -21,6 +21,8 @@ pub struct SpmdRunner {
     /// `persistent[rank][k]`: the tensor of `slots[k]` (parameters and states) on `rank`.
     persistent: Vec<Vec<Tensor>>,
     slots: Vec<ValueId>,
+    /// Token ids and labels are range-checked in every batch.
+    index_check: crate::index_check::IndexChecker,
 }
 
 fn flat_padded(t: &Tensor, padded: usize) -> Vec<f32> {
@@ -102,6 +104,7 @@ impl SpmdRunner {
             slots.push(st.value);
         }
         Ok(SpmdRunner {
+            index_check: crate::index_check::IndexChecker::new(program),
             program: program.clone(),
             mesh,
             layouts: layouts.to_vec(),
@@ -116,6 +119,9 @@ impl SpmdRunner {
         &mut self,
         global: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, EvalError> {
+        self.index_check
+            .check(global)
+            .map_err(EvalError::IndexRange)?;
         let p = &self.program;
         let w = self.mesh.world_size();
         let nv = p.values.len();

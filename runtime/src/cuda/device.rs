@@ -140,6 +140,8 @@ pub struct CudaExecutor {
     failed: bool,
     /// Calls issued per communicator key (the flight recorder's `comm_seq`).
     calls: Vec<AtomicU64>,
+    /// Token ids and labels are range-checked in every batch (see `set_inputs`).
+    index_check: crate::index_check::IndexChecker,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -338,6 +340,7 @@ impl CudaExecutor {
             None => Transport::Nccl(Comms(Vec::new())),
         };
         let mut ex = CudaExecutor {
+            index_check: crate::index_check::IndexChecker::new(&plan.program),
             plan: plan.clone(),
             low,
             dist,
@@ -543,8 +546,10 @@ impl CudaExecutor {
         self.dist.rank
     }
 
-    /// Sets the global batch; this rank takes rows `[r*b, (r+1)*b)` of every input.
+    /// Sets the global batch; this rank takes rows `[r*b, (r+1)*b)` of every input. Token
+    /// ids and class labels out of range are an error (nothing is set then).
     pub fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        self.index_check.check(global).map_err(ExecError::Inputs)?;
         let w = self.plan.mesh.world_size();
         let r = self.dist.rank;
         for &v in &self.plan.program.inputs.clone() {

@@ -212,6 +212,8 @@ pub struct Executor {
     report: Option<FlightReport>,
     /// The clock of the flight recorder and the watchdog.
     born: Instant,
+    /// Token ids and labels are range-checked in every batch (see `set_inputs`).
+    index_check: crate::index_check::IndexChecker,
 }
 
 /// [`Progress::at`] of a thread outside a step (or done).
@@ -516,6 +518,7 @@ impl Executor {
             },
         );
         let mut ex = Executor {
+            index_check: crate::index_check::IndexChecker::new(p),
             program: p.clone(),
             mesh,
             layouts: plan.layouts.clone(),
@@ -599,7 +602,9 @@ impl Executor {
     /// its rows; rank r takes rows `[r*b, (r+1)*b)` (b: the per-rank rows, micro-batches
     /// included). A scalar input (the learning rate) is given once and every rank reads it.
     /// The batch stays until set again.
+    /// Token ids and class labels out of range are an error (nothing is set then).
     pub fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        self.index_check.check(global).map_err(ExecError::Inputs)?;
         let w = self.world;
         let inputs = self.program.inputs.clone();
         for v in inputs {
