@@ -35,6 +35,8 @@
 //! | RmsNorm | 4 per element + T + 2 per normalized row |
 //! | LayerNormGrad | 17 per element (the statistics, then two sweeps: the row sums of g = dy * scale and g * xhat, then dx) + T + 5 per normalized row |
 //! | RmsNormGrad | 14 per element + T + 4 per normalized row |
+//! | Attention | per (query, key) pair a head computes: `2 D + 2 Dv` (q.k and p v) + T + 4 (online softmax); pairs = `B Hq T S`, about half with `causal` ([`attention_pairs`]) |
+//! | AttentionGrad | per pair, as FlashAttention-2's backward: q.k again, dO.v, p dO into dV, ds k into dQ, ds q into dK: `6 D + 4 Dv` (2.5x the forward's products for D = Dv) + T + 4 |
 //! | Reduce sum/max/min/prod, ArgMax, CumSum | numel(input) (+ numel(output) for mean) |
 //! | TopK | numel(input) * ceil(log2(max(k, 2))) comparisons |
 //! | ScatterElements/ScatterND with add | numel(updates) |
@@ -181,6 +183,21 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
                 outer * (inner * 14.0 + T + 4.0)
             }
         }
+        Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
+            let [Some(q), Some(k), Some(v)] = [0, 1, 2].map(|i| ins.get(i)) else {
+                return 0.0;
+            };
+            let (Some(&d), Some(&dv)) = (q.shape.last(), v.shape.last()) else {
+                return 0.0;
+            };
+            let (d, dv) = (d as f64, dv as f64);
+            let pairs = attention_pairs(q, k, *causal);
+            if matches!(op, Op::Attention { .. }) {
+                pairs * (2.0 * d + 2.0 * dv + T + 4.0)
+            } else {
+                pairs * (6.0 * d + 4.0 * dv + T + 4.0)
+            }
+        }
         Op::Reduce { op: r, .. } => {
             if *r == ReduceOp::Mean {
                 in_numel + out_numel
@@ -221,6 +238,22 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         | Op::RecordEvent { .. }
         | Op::WaitEvent { .. } => 0.0,
     }
+}
+
+/// The (query, key) pairs an attention with q [B,Hq,T,D] and k [B,Hkv,S,D] computes:
+/// `B Hq T S`, or with `causal` (key j <= query i) only the pairs on or below the diagonal.
+pub fn attention_pairs(q: &TensorType, k: &TensorType, causal: bool) -> f64 {
+    if q.rank() != 4 || k.rank() != 4 {
+        return 0.0;
+    }
+    let heads = (q.shape[0] * q.shape[1]) as f64;
+    let (t, s) = (q.shape[2] as f64, k.shape[2] as f64);
+    if !causal {
+        return heads * t * s;
+    }
+    // row i sees min(i + 1, S) keys
+    let full = t.min(s); // rows 0..full see i + 1 keys
+    heads * (full * (full + 1.0) / 2.0 + (t - full) * s)
 }
 
 /// Bytes an op reads plus bytes it writes in device memory. See the module docs for the
