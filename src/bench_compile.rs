@@ -123,6 +123,7 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
         model: a.model.clone(),
         shapes: a.shapes.clone(),
         bind: Vec::new(),
+        no_fuse_attention: false,
     };
     let resets = reset_peak_rss();
     let mut rows = Vec::new();
