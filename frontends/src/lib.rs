@@ -53,7 +53,7 @@ pub enum LoadError {
 /// Reads a model given as `path.onnx`, `path.hzp` or `preset:NAME[,key=value...]`.
 pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> {
     if spec.starts_with("preset:") {
-        return Ok(presets::parse_preset(spec)?);
+        return Ok(presets::parse_preset_with(spec, !opts.no_fuse_attention)?);
     }
     let path = Path::new(spec);
     let ext = path
