@@ -530,3 +530,135 @@ impl Emit<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hzp_ir::text::parse;
+
+    const HEAD: &str = "program \"g\"\ninput %q : f32[2,4,5,8]\ninput %k : f32[2,2,5,8]\n\
+        input %v : f32[2,2,5,8]\ninput %m : f32[2,1,1,5]\ninput %s : f32[]\n\
+        const %c : f32[] = [0.5]\nconst %ninf : f32[] = [-inf]\nconst %big : f32[] = [-1e9]\n\
+        %kr = Reshape{shape=[2,2,1,5,8]}(%k) : f32[2,2,1,5,8] \"kr\"\n\
+        %ke = Expand{shape=[2,2,2,5,8]}(%kr) : f32[2,2,2,5,8] \"ke\"\n\
+        %kk = Reshape{shape=[2,4,5,8]}(%ke) : f32[2,4,5,8] \"kk\"\n\
+        %vr = Reshape{shape=[2,2,1,5,8]}(%v) : f32[2,2,1,5,8] \"vr\"\n\
+        %ve = Expand{shape=[2,2,2,5,8]}(%vr) : f32[2,2,2,5,8] \"ve\"\n\
+        %vv = Reshape{shape=[2,4,5,8]}(%ve) : f32[2,4,5,8] \"vv\"\n\
+        %kt = Transpose{perm=[0,1,3,2]}(%kk) : f32[2,4,8,5] \"kt\"\n\
+        %qs = Mul(%q, %c) : f32[2,4,5,8] \"qs\"\n\
+        %kts = Mul(%kt, %c) : f32[2,4,8,5] \"kts\"\n\
+        %sc = MatMul(%qs, %kts) : f32[2,4,5,5] \"sc\"\n";
+
+    fn prog(body: &str, out: &str) -> Program {
+        parse(&format!("{HEAD}{body}output %{out}\n"), "g.hzp", &|_| None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn inputs(p: &Program) -> Vec<(String, Tensor)> {
+        p.inputs
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let t = p.ty(v);
+                let vals: Vec<f64> = (0..t.numel())
+                    .map(|j| {
+                        let x = ((j * 37 + i * 11) % 23) as f64 / 7.0 - 1.5;
+                        if p.value(v).name == "m" && j % 5 == 4 {
+                            f64::NEG_INFINITY
+                        } else {
+                            x
+                        }
+                    })
+                    .collect();
+                (
+                    p.value(v).name.clone(),
+                    Tensor::from_f64(t.dtype, t.shape.clone(), &vals),
+                )
+            })
+            .collect()
+    }
+
+    /// Fuses `p` and checks how many attentions were found and that the outputs agree.
+    fn check(body: &str, out: &str, want: usize) -> Program {
+        let p = prog(body, out);
+        let mut f = p.clone();
+        let n = fuse_attention(&mut f).unwrap();
+        assert_eq!(n, want, "{body}");
+        hzp_ir::verify(&f).unwrap();
+        let ins = inputs(&p);
+        let a = hzp_runtime::eval::evaluate(&p, &ins).unwrap();
+        let b = hzp_runtime::eval::evaluate(&f, &ins).unwrap();
+        for ((na, x), (nb, y)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            for (u, w) in x.to_f64_vec().iter().zip(y.to_f64_vec()) {
+                assert!((u - w).abs() <= 1e-5 * (1.0 + u.abs()), "{body}: {u} vs {w}");
+            }
+        }
+        f
+    }
+
+    #[test]
+    fn grouped_query_attention_with_a_mask_is_one_op() {
+        let f = check(
+            "%x = Add(%sc, %m) : f32[2,4,5,5] \"x\"\n%p = Softmax{axis=3}(%x) : f32[2,4,5,5] \"p\"\n\
+             %y = MatMul(%p, %vv) : f32[2,4,5,8] \"y\"\n",
+            "y",
+            1,
+        );
+        let att = f
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::Attention { .. }))
+            .unwrap();
+        assert_eq!(att.op, Op::Attention { scale: 0.25, causal: false });
+        // the key/value heads are read unrepeated, and the output keeps its name
+        assert_eq!(f.ty(att.inputs[1]).shape, vec![2, 2, 5, 8]);
+        assert_eq!(f.ty(att.inputs[2]).shape, vec![2, 2, 5, 8]);
+        assert_eq!(f.value(f.outputs[0]).name, "y");
+        assert!(!f.nodes.iter().any(|n| matches!(n.op, Op::Softmax { .. })));
+    }
+
+    #[test]
+    fn boolean_masks_and_scores_scaled_after_the_product() {
+        check(
+            "%d = Div(%sc, %c) : f32[2,4,5,5] \"d\"\n%b = Greater(%m, %c) : bool[2,1,1,5] \"b\"\n\
+             %x = Where(%b, %ninf, %d) : f32[2,4,5,5] \"x\"\n%p = Softmax{axis=3}(%x) : f32[2,4,5,5] \"p\"\n\
+             %y = MatMul(%p, %vv) : f32[2,4,5,8] \"y\"\n",
+            "y",
+            1,
+        );
+    }
+
+    #[test]
+    fn differing_semantics_are_left_alone() {
+        let tail = "%y = MatMul(%p, %vv) : f32[2,4,5,8] \"y\"\n";
+        let cases = [
+            // something between the softmax and the product (dropout's scaling)
+            "%p0 = Softmax{axis=3}(%sc) : f32[2,4,5,5] \"p0\"\n%p = Mul(%p0, %c) : f32[2,4,5,5] \"p\"\n",
+            // a softmax over another axis
+            "%p = Softmax{axis=2}(%sc) : f32[2,4,5,5] \"p\"\n",
+            // a scale that is not a constant
+            "%d = Mul(%sc, %s) : f32[2,4,5,5] \"d\"\n%p = Softmax{axis=3}(%d) : f32[2,4,5,5] \"p\"\n",
+            // a fill that is not -inf-like: not an additive mask
+            "%b = Greater(%m, %c) : bool[2,1,1,5] \"b\"\n%x = Where(%b, %big, %sc) : f32[2,4,5,5] \"x\"\n\
+             %p = Softmax{axis=3}(%x) : f32[2,4,5,5] \"p\"\n",
+            // scores transformed otherwise (soft-capping)
+            "%t = Tanh(%sc) : f32[2,4,5,5] \"t\"\n%p = Softmax{axis=3}(%t) : f32[2,4,5,5] \"p\"\n",
+        ];
+        for body in cases {
+            check(&format!("{body}{tail}"), "y", 0);
+        }
+        // the probabilities or the scores read by something else
+        check(
+            &format!("%p = Softmax{{axis=3}}(%sc) : f32[2,4,5,5] \"p\"\n{tail}%z = Add(%p, %c) : f32[2,4,5,5] \"z\"\n"),
+            "z",
+            0,
+        );
+        let p = prog(
+            &format!("%p = Softmax{{axis=3}}(%sc) : f32[2,4,5,5] \"p\"\n{tail}"),
+            "sc",
+        );
+        assert_eq!(fuse_attention(&mut p.clone()).unwrap(), 0);
+    }
+}
