@@ -32,7 +32,9 @@
 //! safe softmax gives the same). With a plain softmax and a run-time mask that fully masks
 //! a row, the explicit graph would give NaN for that row; the fused op gives zeros.
 
-use hzp_ir::{broadcast_shapes, BinaryOp, DType, NameSet, Op, Program, ReduceOp, Tensor, ValueDef, ValueId};
+use hzp_ir::{
+    broadcast_shapes, BinaryOp, DType, NameSet, Op, Program, ReduceOp, Tensor, ValueDef, ValueId,
+};
 
 /// A value to read: one that exists, or a new node over one.
 #[derive(Clone, Debug)]
@@ -95,8 +97,7 @@ impl Graph<'_> {
     fn unscale(&self, mut v: ValueId, single: bool) -> (ValueId, f64) {
         let mut scale = 1.0;
         loop {
-            let Some((Op::Binary(b @ (BinaryOp::Mul | BinaryOp::Div)), &[x, y])) =
-                self.producer(v)
+            let Some((Op::Binary(b @ (BinaryOp::Mul | BinaryOp::Div)), &[x, y])) = self.producer(v)
             else {
                 break;
             };
@@ -239,7 +240,8 @@ impl Graph<'_> {
                 }
             }
             Some((Op::Reshape { .. }, &[x]))
-                if self.p.ty(x).rank() >= 2 && self.p.ty(x).shape[self.p.ty(x).rank() - 2..] == ts[r - 2..] =>
+                if self.p.ty(x).rank() >= 2
+                    && self.p.ty(x).shape[self.p.ty(x).rank() - 2..] == ts[r - 2..] =>
             {
                 let inner = self.untranspose(x);
                 let mut shape = ts[..r - 2].to_vec();
@@ -276,7 +278,9 @@ impl Graph<'_> {
             let ss = &self.p.ty(src).shape;
             let hkv = match (es.as_slice(), ss.as_slice()) {
                 (&[b2, hkv, g, s2, d2], &[b3, hkv2, 1, s3, d3])
-                    if (b2, s2, d2) == (b, s, d) && (b3, hkv2, s3, d3) == (b, hkv, s, d) && hkv * g == h =>
+                    if (b2, s2, d2) == (b, s, d)
+                        && (b3, hkv2, s3, d3) == (b, hkv, s, d)
+                        && hkv * g == h =>
                 {
                     hkv
                 }
@@ -290,7 +294,10 @@ impl Graph<'_> {
             if hkv == h {
                 break;
             }
-            return (reshaped(self.p, Src::Value(src), vec![b, hkv, s, d]), h / hkv);
+            return (
+                reshaped(self.p, Src::Value(src), vec![b, hkv, s, d]),
+                h / hkv,
+            );
         }
         (x.clone(), 1)
     }
@@ -381,8 +388,7 @@ impl Graph<'_> {
         };
         let last = t.shape.last().copied().unwrap_or(1);
         last == 0
-            || t
-                .to_f64_vec()
+            || t.to_f64_vec()
                 .chunks(last)
                 .any(|row| row.iter().all(|&x| x == f64::NEG_INFINITY))
     }
@@ -421,7 +427,11 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
     let mut names = NameSet::from_program(p);
     let mut before: Vec<Vec<hzp_ir::Node>> = vec![Vec::new(); p.nodes.len()];
     let mut replace: Vec<(ValueId, ValueId)> = Vec::new();
+    let first_new = p.values.len();
+    // the values each hit adds, to number them just before the product they replace
+    let mut added: Vec<std::ops::Range<usize>> = Vec::new();
     for h in &hits {
+        let start = p.values.len();
         let base = p.nodes[h.at].name.clone();
         let mut em = Emit {
             p,
@@ -468,6 +478,7 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
         )?;
         before[h.at].push(p.nodes.pop().expect("just added"));
         replace.push((old, outs[0]));
+        added.push(start..p.values.len());
     }
     let old = std::mem::take(&mut p.nodes);
     for (i, n) in old.into_iter().enumerate() {
@@ -493,6 +504,14 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
         let b = std::mem::replace(&mut p.values[new.index()].name, a);
         p.values[old.index()].name = b;
     }
+    let mut order: Vec<ValueId> = Vec::with_capacity(p.values.len());
+    for v in 0..first_new {
+        if let Some(k) = replace.iter().position(|&(old, _)| old.index() == v) {
+            order.extend(added[k].clone().map(|i| ValueId(i as u32)));
+        }
+        order.push(ValueId(v as u32));
+    }
+    p.reorder_values(&order);
     p.eliminate_dead_code();
     Ok(hits.len())
 }
@@ -508,7 +527,9 @@ struct Emit<'a> {
 impl Emit<'_> {
     fn node(&mut self, op: Op, ins: Vec<ValueId>, what: &str) -> Result<ValueId, String> {
         let name = self.names.fresh(&format!("{}/{what}", self.base));
-        let v = self.p.add_node(format!("{}/{what}", self.base), op, ins, vec![name])?[0];
+        let v = self
+            .p
+            .add_node(format!("{}/{what}", self.base), op, ins, vec![name])?[0];
         self.out.push(self.p.nodes.pop().expect("just added"));
         Ok(v)
     }
@@ -592,7 +613,10 @@ mod tests {
         for ((na, x), (nb, y)) in a.iter().zip(&b) {
             assert_eq!(na, nb);
             for (u, w) in x.to_f64_vec().iter().zip(y.to_f64_vec()) {
-                assert!((u - w).abs() <= 1e-5 * (1.0 + u.abs()), "{body}: {u} vs {w}");
+                assert!(
+                    (u - w).abs() <= 1e-5 * (1.0 + u.abs()),
+                    "{body}: {u} vs {w}"
+                );
             }
         }
         f
@@ -611,7 +635,13 @@ mod tests {
             .iter()
             .find(|n| matches!(n.op, Op::Attention { .. }))
             .unwrap();
-        assert_eq!(att.op, Op::Attention { scale: 0.25, causal: false });
+        assert_eq!(
+            att.op,
+            Op::Attention {
+                scale: 0.25,
+                causal: false
+            }
+        );
         // the key/value heads are read unrepeated, and the output keeps its name
         assert_eq!(f.ty(att.inputs[1]).shape, vec![2, 2, 5, 8]);
         assert_eq!(f.ty(att.inputs[2]).shape, vec![2, 2, 5, 8]);

@@ -899,13 +899,7 @@ fn explicit_attention(
 }
 
 /// `[B,S,n*hd]` -> `[B,n,S,hd]`.
-fn split_heads(
-    g: &mut Graph,
-    c: &PresetConfig,
-    name: &str,
-    x: ValueId,
-    n: usize,
-) -> R<ValueId> {
+fn split_heads(g: &mut Graph, c: &PresetConfig, name: &str, x: ValueId, n: usize) -> R<ValueId> {
     let x = g.reshape(
         &format!("{name}.heads"),
         x,

@@ -10,7 +10,10 @@ use hzp_runtime::cpu::eval_op;
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> f64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
     }
     fn vec(&mut self, n: usize, scale: f64) -> Vec<f32> {
@@ -44,15 +47,28 @@ struct Data {
 fn data(c: &Case, rng: &mut Rng) -> Data {
     let hq = c.hkv * c.g;
     let q = Tensor::f32(vec![c.b, hq, c.t, c.d], rng.vec(c.b * hq * c.t * c.d, 1.5));
-    let k = Tensor::f32(vec![c.b, c.hkv, c.s, c.d], rng.vec(c.b * c.hkv * c.s * c.d, 1.5));
-    let v = Tensor::f32(vec![c.b, c.hkv, c.s, c.dv], rng.vec(c.b * c.hkv * c.s * c.dv, 1.0));
-    let dout = Tensor::f32(vec![c.b, hq, c.t, c.dv], rng.vec(c.b * hq * c.t * c.dv, 1.0));
+    let k = Tensor::f32(
+        vec![c.b, c.hkv, c.s, c.d],
+        rng.vec(c.b * c.hkv * c.s * c.d, 1.5),
+    );
+    let v = Tensor::f32(
+        vec![c.b, c.hkv, c.s, c.dv],
+        rng.vec(c.b * c.hkv * c.s * c.dv, 1.0),
+    );
+    let dout = Tensor::f32(
+        vec![c.b, hq, c.t, c.dv],
+        rng.vec(c.b * hq * c.t * c.dv, 1.0),
+    );
     let mask = match c.mask {
         1 => {
             let mut m = vec![0f32; c.b * c.s];
             for bi in 0..c.b {
                 // batch 0 of several: every key padded (fully masked rows)
-                let valid = if bi == 0 && c.b > 1 { 0 } else { (c.s * 2).div_ceil(3) };
+                let valid = if bi == 0 && c.b > 1 {
+                    0
+                } else {
+                    (c.s * 2).div_ceil(3)
+                };
                 for j in valid..c.s {
                     m[bi * c.s + j] = f32::NEG_INFINITY;
                 }
@@ -217,7 +233,11 @@ fn fused_attention_matches_the_explicit_form() {
             for causal in [false, true] {
                 let mask = ((n + g) % 4) as u8;
                 let d = [1usize, 5, 17, 8, 64][n % 5];
-                let s = if causal { t } else { [t, t + 3, (t / 2).max(1)][n % 3] };
+                let s = if causal {
+                    t
+                } else {
+                    [t, t + 3, (t / 2).max(1)][n % 3]
+                };
                 let c = Case {
                     b: 1 + n % 2,
                     hkv: 1 + (n + g) % 2,
@@ -280,7 +300,9 @@ fn fully_masked_rows_give_zeros_and_no_gradient() {
     let per_batch = o.len() / 2;
     assert!(o[..per_batch].iter().all(|&v| v == 0.0));
     assert!(lse[..lse.len() / 2].iter().all(|&v| v == f64::NEG_INFINITY));
-    assert!(o[per_batch..].iter().all(|v| v.is_finite()) && o[per_batch..].iter().any(|&v| v != 0.0));
+    assert!(
+        o[per_batch..].iter().all(|v| v.is_finite()) && o[per_batch..].iter().any(|&v| v != 0.0)
+    );
     let grad = Op::AttentionGrad {
         scale: 0.5,
         causal: false,
@@ -288,7 +310,9 @@ fn fully_masked_rows_give_zeros_and_no_gradient() {
     let g = eval_op(&grad, &[&x.q, &x.k, &x.v, &fwd[0], &fwd[1], &x.dout, m]).unwrap();
     let dq = g[0].to_f64_vec();
     assert!(dq[..dq.len() / 2].iter().all(|&v| v == 0.0));
-    assert!(g.iter().all(|t| t.to_f64_vec().iter().all(|v| v.is_finite())));
+    assert!(g
+        .iter()
+        .all(|t| t.to_f64_vec().iter().all(|v| v.is_finite())));
 }
 
 /// Central differences of `L = sum(o * w)` against the kernel's gradient with dO = w.

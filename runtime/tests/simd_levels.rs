@@ -113,22 +113,22 @@ fn digest() -> String {
         Tensor::f32(
             vec![37, 37],
             (0..37 * 37)
-                .map(|i| if i % 11 == 3 { f32::NEG_INFINITY } else { (i % 7) as f32 * 0.1 })
+                .map(|i| {
+                    if i % 11 == 3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        (i % 7) as f32 * 0.1
+                    }
+                })
                 .collect(),
         ),
         Tensor::f32(vec![1, 4, 37, 19], take(4 * 37 * 19, 2003, 0.5)),
     );
     for causal in [false, true] {
-        let att = Op::Attention {
-            scale: 0.2,
-            causal,
-        };
+        let att = Op::Attention { scale: 0.2, causal };
         let fwd = eval_op(&att, &[&aq, &ak, &av, &amask]).unwrap();
         cases.push((att, vec![&aq, &ak, &av, &amask]));
-        let grad = Op::AttentionGrad {
-            scale: 0.2,
-            causal,
-        };
+        let grad = Op::AttentionGrad { scale: 0.2, causal };
         // the forward's results as inputs of the gradient: leaked, as `cases` borrows them
         let (o, lse) = (
             Box::leak(Box::new(fwd[0].clone())),

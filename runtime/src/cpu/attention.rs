@@ -363,7 +363,12 @@ impl GradCtx<'_> {
     /// `(p_ij, ds_ij)` for the query row `row` (flat over B, Hq, T) of head (b, h) at
     /// position i and key `j` of key/value head `kvh` (flat over B, Hkv).
     #[inline(always)]
-    fn p_ds(&self, (b, h, i, row): (usize, usize, usize, usize), kvh: usize, j: usize) -> (f32, f32) {
+    fn p_ds(
+        &self,
+        (b, h, i, row): (usize, usize, usize, usize),
+        kvh: usize,
+        j: usize,
+    ) -> (f32, f32) {
         let (d, dv, s) = (self.dm.d, self.dm.dv, self.dm.s);
         let l = self.lse[row];
         if l == f32::NEG_INFINITY {
