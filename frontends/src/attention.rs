@@ -96,11 +96,9 @@ impl Graph<'_> {
     /// product of the factors. `single` requires each value under a factor to be read once.
     fn unscale(&self, mut v: ValueId, single: bool) -> (ValueId, f64) {
         let mut scale = 1.0;
-        loop {
-            let Some((Op::Binary(b @ (BinaryOp::Mul | BinaryOp::Div)), &[x, y])) = self.producer(v)
-            else {
-                break;
-            };
+        while let Some((Op::Binary(b @ (BinaryOp::Mul | BinaryOp::Div)), &[x, y])) =
+            self.producer(v)
+        {
             let inner = match (*b, self.scalar(x), self.scalar(y)) {
                 (BinaryOp::Mul, _, Some(c)) if c != 0.0 => (x, c),
                 (BinaryOp::Mul, Some(c), _) if c != 0.0 => (y, c),
