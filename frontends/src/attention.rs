@@ -28,6 +28,9 @@
 //! whose leading axes broadcast, and a plain softmax with a constant mask that has a fully
 //! -inf row (the explicit softmax gives NaN there, the fused op zeros).
 //!
+//! A constant mask that is exactly causal (0 on and below the diagonal, -inf or the dtype's
+//! lowest above it) becomes the op's `causal` flag.
+//!
 //! A row whose every score is -inf gives zeros (PyTorch's SDPA semantics; the importer's
 //! safe softmax gives the same). With a plain softmax and a run-time mask that fully masks
 //! a row, the explicit graph would give NaN for that row; the fused op gives zeros.
@@ -63,6 +66,7 @@ struct Hit {
     v: Src,
     masks: Vec<MaskPart>,
     scale: f64,
+    causal: bool,
 }
 
 struct Graph<'a> {
@@ -366,6 +370,11 @@ impl Graph<'_> {
                 return None;
             }
         }
+        // a constant mask that is exactly the causal one becomes the causal flag (the
+        // kernels then skip the keys after each query instead of adding -inf to them)
+        let (tq, sk) = (full[2], full[3]);
+        let causal = matches!(masks.as_slice(), [m] if self.is_causal_mask(m, tq, sk));
+        let masks = if causal { Vec::new() } else { masks };
         Some(Hit {
             at,
             q,
@@ -373,6 +382,37 @@ impl Graph<'_> {
             v,
             masks,
             scale,
+            causal,
+        })
+    }
+
+    /// A constant additive mask whose last two axes [T, S] are 0 where key j <= query i and
+    /// at most -1e30 (-inf, or the dtype's lowest as Hugging Face writes it) elsewhere, the
+    /// same in every leading position: what `causal` means. With key 0 always visible no row
+    /// is fully masked, so exp of those scores is 0 either way.
+    fn is_causal_mask(&self, m: &MaskPart, tq: usize, s: usize) -> bool {
+        let MaskPart::Value(v) = m else {
+            return false;
+        };
+        let Some(t) = self.p.const_data(*v) else {
+            return false;
+        };
+        let r = t.shape.len();
+        if r < 2 {
+            return false;
+        }
+        if t.shape[r - 2..] != [tq, s] || tq == 0 || s == 0 {
+            return false;
+        }
+        t.to_f64_vec().chunks(tq * s).all(|plane| {
+            plane.iter().enumerate().all(|(k, &x)| {
+                let (i, j) = (k / s, k % s);
+                if j <= i {
+                    x == 0.0
+                } else {
+                    x <= -1e30
+                }
+            })
         })
     }
 
@@ -469,7 +509,7 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
             format!("{base}/attention"),
             Op::Attention {
                 scale: h.scale,
-                causal: false,
+                causal: h.causal,
             },
             ins,
             vec![o_name, lse_name],
@@ -645,6 +685,67 @@ mod tests {
         assert_eq!(f.ty(att.inputs[2]).shape, vec![2, 2, 5, 8]);
         assert_eq!(f.value(f.outputs[0]).name, "y");
         assert!(!f.nodes.iter().any(|n| matches!(n.op, Op::Softmax { .. })));
+    }
+
+    #[test]
+    fn a_constant_causal_mask_becomes_the_causal_flag() {
+        let tri = |low: &str| -> String {
+            (0..25)
+                .map(|k| if k % 5 <= k / 5 { "0.0" } else { low })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for low in ["-inf", "-3.4028235e38"] {
+            let f = check(
+                &format!(
+                    "const %cm : f32[5,5] = [{}]\n%x = Add(%sc, %cm) : f32[2,4,5,5] \"x\"\n\
+                     %p = Softmax{{axis=3}}(%x) : f32[2,4,5,5] \"p\"\n\
+                     %y = MatMul(%p, %vv) : f32[2,4,5,8] \"y\"\n",
+                    tri(low)
+                ),
+                "y",
+                1,
+            );
+            let att = f
+                .nodes
+                .iter()
+                .find(|n| matches!(n.op, Op::Attention { .. }));
+            let att = att.unwrap();
+            assert_eq!(
+                att.op,
+                Op::Attention {
+                    scale: 0.25,
+                    causal: true
+                }
+            );
+            assert_eq!(att.inputs.len(), 3, "the mask is dropped");
+        }
+        // a mask that also pads keys stays a mask
+        let padded: String = (0..25)
+            .map(|k| {
+                if k % 5 <= k / 5 && k % 5 != 3 {
+                    "0.0"
+                } else {
+                    "-inf"
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let f = check(
+            &format!(
+                "const %cm : f32[5,5] = [{padded}]\n%x = Add(%sc, %cm) : f32[2,4,5,5] \"x\"\n\
+                 %p = Softmax{{axis=3}}(%x) : f32[2,4,5,5] \"p\"\n\
+                 %y = MatMul(%p, %vv) : f32[2,4,5,8] \"y\"\n"
+            ),
+            "y",
+            1,
+        );
+        assert!(f.nodes.iter().any(|n| n.op
+            == Op::Attention {
+                scale: 0.25,
+                causal: false
+            }
+            && n.inputs.len() == 4));
     }
 
     #[test]

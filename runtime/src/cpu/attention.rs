@@ -2,21 +2,24 @@
 //! as FlashAttention-2 does it: no score or probability matrix is ever stored.
 //!
 //! Forward: per (batch, query head, block of [`ROWS`] queries), keys in blocks of
-//! [`COLS`]; each block's scores update a running row maximum, the running sum of
-//! exponentials and the output rows (accumulated in the output itself), rescaled when the
-//! maximum grows (online softmax). The result is the output and each row's log-sum-exp.
-//! Scratch is two stack arrays per task: O(rows), not O(T x S).
+//! [`COLS`]: the block's scores `scale Q Kᵀ` (one gemm), mask and causal cut added, then
+//! per row the running maximum and sum of exponentials are updated and the output rows,
+//! accumulated in the output itself, rescaled when the maximum grows (online softmax),
+//! before `O += P V` (a second gemm). The result is the output and each row's log-sum-exp.
+//! Scratch is one ROWS x COLS block on the stack per task: O(block), not O(T x S).
 //!
-//! Backward: `D_i = dO_i . O_i` per row, then the probabilities are recomputed from the
-//! saved log-sum-exp, `p_ij = exp(s_ij - lse_i)`, twice: once per block of query rows for
-//! dQ (`dQ_i = scale sum_j p_ij (dO_i . v_j - D_i) k_j`) and once per block of keys of a
-//! key/value head for dK and dV, summing over every query head of its group and every
-//! query row (`dV_j = sum_i p_ij dO_i`, `dK_j = scale sum_i p_ij (dO_i . v_j - D_i) q_i`).
+//! Backward: `D_i = dO_i . O_i` per row, then per (query block, key block) the
+//! probabilities are recomputed from the saved log-sum-exp, `P = exp(S - lse)`, with
+//! `dP = dO Vᵀ` and `dS = P (dP - D)`, twice: once per block of query rows for `dQ +=
+//! scale dS K`, and once per block of keys of a key/value head for `dV += Pᵀ dO` and
+//! `dK += scale dSᵀ Q`, summed over every query head of its group and every query block.
 //! Each output row has one owner task, so there are no atomics and the sums have one order.
 //!
-//! Determinism: dot products keep eight partial sums in a fixed order, every other loop is
-//! elementwise, and `exp` is [`math::exp`] (fused multiply-adds at every level), so every
-//! vector level gives the same bits (`runtime/tests/simd_levels.rs`).
+//! Determinism: the block products go through the `gemm` crate (single-threaded inside a
+//! task, its kernel chosen by the CPU as for `MatMul`, whatever `HZP_SIMD` says), the
+//! rest is elementwise with `exp` = [`math::exp`] (fused multiply-adds at every level) and
+//! `D_i`'s dot products in a fixed order, so every vector level gives the same bits
+//! (`runtime/tests/simd_levels.rs`).
 //!
 //! A row whose every score is -inf (a fully masked row) yields zeros with `lse = -inf` and
 //! no gradient: PyTorch's convention for SDPA (its "safe" softmax), which the importer
@@ -25,10 +28,11 @@
 use super::elem::{floats, out_stage_len, stage_len, store_f32};
 use super::into::{TensorMut, TensorRef, Workspace};
 use super::math;
+use super::matmul::gemm_block;
 use super::threads::{for_each_index, SendPtr};
 
-/// Query rows per task.
-const ROWS: usize = 32;
+/// Query rows per task and per block of the backward.
+const ROWS: usize = 64;
 /// Keys per block.
 const COLS: usize = 64;
 
@@ -125,24 +129,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// y += a x
-#[inline(always)]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
-}
-
-/// The scaled, masked score of query row `qi` against key `j`.
-#[inline(always)]
-fn score(dm: &Dims, qi: &[f32], kj: &[f32], mask: Option<(&[f32], usize)>, j: usize) -> f32 {
-    let s = dm.scale * dot(qi, kj);
-    match mask {
-        Some((m, sj)) => s + m[j * sj],
-        None => s,
-    }
-}
-
 /// The forward: outputs `o` (q's dtype) and `lse` (f32).
 pub fn attention(
     ins: &[TensorRef],
@@ -205,6 +191,51 @@ fn forward(
     });
 }
 
+/// `S[r][c] = scale q_{i0+r} . k_{j0+c}` + mask, -inf after the query when causal: the
+/// block's scores, `rows x cols` at row stride `cols`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn scores(
+    dm: &Dims,
+    (b, h, i0, j0): (usize, usize, usize, usize),
+    (rows, cols): (usize, usize),
+    q: &[f32],
+    k: &[f32],
+    mask: Option<Mask>,
+    sc: &mut [f32],
+) {
+    let d = dm.d;
+    // SAFETY: q holds `rows` rows of d from i0 (the caller's slice), k the keys j0..j0+cols
+    // of this head; sc holds rows * cols.
+    unsafe {
+        gemm_block(
+            (rows, cols, d),
+            q.as_ptr(),
+            (d as isize, 1),
+            k[j0 * d..].as_ptr(),
+            (1, d as isize),
+            sc.as_mut_ptr(),
+            cols,
+            false,
+            dm.scale,
+        );
+    }
+    for r in 0..rows {
+        let i = i0 + r;
+        let row = &mut sc[r * cols..(r + 1) * cols];
+        if let Some(mk) = mask {
+            let (m, sj) = mk.row(b, h, i);
+            for (c, x) in row.iter_mut().enumerate() {
+                *x += m[(j0 + c) * sj];
+            }
+        }
+        if dm.causal && j0 + cols > i + 1 {
+            let from = (i + 1).saturating_sub(j0);
+            row[from..].fill(f32::NEG_INFINITY);
+        }
+    }
+}
+
 /// Rows `i0..i0 + m.len()` of head (b, h): `o` accumulates, `m` holds the running maximum
 /// and finally the log-sum-exp.
 #[allow(clippy::too_many_arguments)]
@@ -219,53 +250,58 @@ fn forward_rows(
     o: &mut [f32],
     m: &mut [f32],
 ) {
-    let (d, dv) = (dm.d, dm.dv);
+    let dv = dm.dv;
     let rows = m.len();
     let mut l = [0f32; ROWS];
-    let mut p = [0f32; COLS];
+    let mut sc = [0f32; ROWS * COLS];
     o.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     let end = dm.keys(i0 + rows - 1);
     let mut j0 = 0;
     while j0 < end {
-        let j1 = (j0 + COLS).min(end);
+        let cols = (end - j0).min(COLS);
+        let sc = &mut sc[..rows * cols];
+        scores(dm, (b, h, i0, j0), (rows, cols), q, k, mask, sc);
         for r in 0..rows {
-            let i = i0 + r;
-            let je = j1.min(dm.keys(i));
-            if je <= j0 {
-                continue;
-            }
-            let qi = &q[r * d..(r + 1) * d];
-            let mrow = mask.map(|mk| mk.row(b, h, i));
-            let mut mx = m[r];
-            for j in j0..je {
-                let sc = score(dm, qi, &k[j * d..(j + 1) * d], mrow, j);
-                p[j - j0] = sc;
-                mx = mx.max(sc);
-            }
+            let row = &mut sc[r * cols..(r + 1) * cols];
+            let mx = row.iter().fold(m[r], |a, &x| a.max(x));
             if mx == f32::NEG_INFINITY {
-                continue; // every score so far is -inf
+                row.fill(0.0); // every score so far is -inf
+                continue;
             }
             let alpha = if m[r] == f32::NEG_INFINITY {
                 0.0
             } else {
                 math::exp(m[r] - mx)
             };
-            let orow = &mut o[r * dv..(r + 1) * dv];
             if alpha != 1.0 {
                 l[r] *= alpha;
-                orow.iter_mut().for_each(|x| *x *= alpha);
+                o[r * dv..(r + 1) * dv].iter_mut().for_each(|x| *x *= alpha);
             }
             let mut sum = 0f32;
-            for j in j0..je {
-                let e = math::exp(p[j - j0] - mx);
-                sum += e;
-                axpy(e, &v[j * dv..(j + 1) * dv], orow);
+            for x in row.iter_mut() {
+                *x = math::exp(*x - mx);
+                sum += *x;
             }
             l[r] += sum;
             m[r] = mx;
         }
-        j0 = j1;
+        // o += P V
+        // SAFETY: sc is rows x cols, v holds keys j0..j0+cols of dv, o is rows x dv.
+        unsafe {
+            gemm_block(
+                (rows, dv, cols),
+                sc.as_ptr(),
+                (cols as isize, 1),
+                v[j0 * dv..].as_ptr(),
+                (dv as isize, 1),
+                o.as_mut_ptr(),
+                dv,
+                true,
+                1.0,
+            );
+        }
+        j0 += cols;
     }
     for r in 0..rows {
         let orow = &mut o[r * dv..(r + 1) * dv];
@@ -360,34 +396,60 @@ struct GradCtx<'a> {
 }
 
 impl GradCtx<'_> {
-    /// `(p_ij, ds_ij)` for the query row `row` (flat over B, Hq, T) of head (b, h) at
-    /// position i and key `j` of key/value head `kvh` (flat over B, Hkv).
+    /// For query rows i0..i0+rows of head (b, h) (flat row `row0` = first of them) against
+    /// keys j0..j0+cols of key/value head `kvh`: `p` (in `sc`) and `ds = p (dP - D)` (in
+    /// `dp`), both rows x cols.
     #[inline(always)]
     fn p_ds(
         &self,
-        (b, h, i, row): (usize, usize, usize, usize),
-        kvh: usize,
-        j: usize,
-    ) -> (f32, f32) {
-        let (d, dv, s) = (self.dm.d, self.dm.dv, self.dm.s);
-        let l = self.lse[row];
-        if l == f32::NEG_INFINITY {
-            return (0.0, 0.0);
+        (b, h, i0, row0): (usize, usize, usize, usize),
+        (kvh, j0): (usize, usize),
+        (rows, cols): (usize, usize),
+        sc: &mut [f32],
+        dp: &mut [f32],
+    ) {
+        let dm = &self.dm;
+        let (d, dv, s) = (dm.d, dm.dv, dm.s);
+        let q = &self.q[row0 * d..(row0 + rows) * d];
+        let k = &self.k[kvh * s * d..(kvh + 1) * s * d];
+        let v = &self.v[kvh * s * dv..(kvh + 1) * s * dv];
+        scores(dm, (b, h, i0, j0), (rows, cols), q, k, self.mask, sc);
+        // dP = dO V^T
+        // SAFETY: dO rows row0.. of dv, keys j0..j0+cols of v, dp rows x cols.
+        unsafe {
+            gemm_block(
+                (rows, cols, dv),
+                self.dout[row0 * dv..].as_ptr(),
+                (dv as isize, 1),
+                v[j0 * dv..].as_ptr(),
+                (1, dv as isize),
+                dp.as_mut_ptr(),
+                cols,
+                false,
+                1.0,
+            );
         }
-        let qi = &self.q[row * d..(row + 1) * d];
-        let kj = &self.k[(kvh * s + j) * d..(kvh * s + j + 1) * d];
-        let mrow = self.mask.map(|mk| mk.row(b, h, i));
-        let sc = score(&self.dm, qi, kj, mrow, j);
-        let p = math::exp(sc - l);
-        let vj = &self.v[(kvh * s + j) * dv..(kvh * s + j + 1) * dv];
-        let dp = dot(&self.dout[row * dv..(row + 1) * dv], vj);
-        (p, p * (dp - self.drow[row]))
+        for r in 0..rows {
+            let l = self.lse[row0 + r];
+            let dsum = self.drow[row0 + r];
+            let pr = &mut sc[r * cols..(r + 1) * cols];
+            let dr = &mut dp[r * cols..(r + 1) * cols];
+            if l == f32::NEG_INFINITY {
+                pr.fill(0.0);
+                dr.fill(0.0);
+                continue;
+            }
+            for (p, g) in pr.iter_mut().zip(dr.iter_mut()) {
+                *p = math::exp(*p - l);
+                *g = *p * (*g - dsum);
+            }
+        }
     }
 }
 
 fn grad_q(c: &GradCtx, dq: &mut [f32]) {
     let dm = c.dm;
-    let (t, d) = (dm.t, dm.d);
+    let (t, s, d) = (dm.t, dm.s, dm.d);
     let blocks = t.div_ceil(ROWS);
     let qp = SendPtr(dq.as_mut_ptr());
     for_each_index(dm.b * dm.hq * blocks, |task| {
@@ -395,24 +457,39 @@ fn grad_q(c: &GradCtx, dq: &mut [f32]) {
         let (b, h) = (bh / dm.hq, bh % dm.hq);
         let kvh = b * dm.hkv + h / dm.group();
         let (i0, i1) = (blk * ROWS, ((blk + 1) * ROWS).min(t));
+        let rows = i1 - i0;
+        let row0 = bh * t + i0;
         // SAFETY: task (b, h, blk) alone writes rows i0..i1 of head (b, h).
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(qp.get().add((bh * t + i0) * d), (i1 - i0) * d)
-        };
+        let out = unsafe { std::slice::from_raw_parts_mut(qp.get().add(row0 * d), rows * d) };
+        let k = &c.k[kvh * s * d..(kvh + 1) * s * d];
         math::vectorized(
             #[inline(always)]
             || {
+                let mut sc = [0f32; ROWS * COLS];
+                let mut dp = [0f32; ROWS * COLS];
                 out.fill(0.0);
-                for i in i0..i1 {
-                    let row = bh * t + i;
-                    let dqi = &mut out[(i - i0) * d..(i - i0 + 1) * d];
-                    for j in 0..dm.keys(i) {
-                        let (_, ds) = c.p_ds((b, h, i, row), kvh, j);
-                        if ds != 0.0 {
-                            let kj = &c.k[(kvh * dm.s + j) * d..(kvh * dm.s + j + 1) * d];
-                            axpy(dm.scale * ds, kj, dqi);
-                        }
+                let end = dm.keys(i1 - 1);
+                let mut j0 = 0;
+                while j0 < end {
+                    let cols = (end - j0).min(COLS);
+                    let (sc, dp) = (&mut sc[..rows * cols], &mut dp[..rows * cols]);
+                    c.p_ds((b, h, i0, row0), (kvh, j0), (rows, cols), sc, dp);
+                    // dQ += scale dS K
+                    // SAFETY: dp rows x cols, keys j0..j0+cols of d, out rows x d.
+                    unsafe {
+                        gemm_block(
+                            (rows, d, cols),
+                            dp.as_ptr(),
+                            (cols as isize, 1),
+                            k[j0 * d..].as_ptr(),
+                            (d as isize, 1),
+                            out.as_mut_ptr(),
+                            d,
+                            true,
+                            dm.scale,
+                        );
                     }
+                    j0 += cols;
                 }
             },
         );
@@ -428,38 +505,60 @@ fn grad_kv(c: &GradCtx, dk: &mut [f32], dv: &mut [f32]) {
         let (kvh, blk) = (task / blocks, task % blocks);
         let b = kvh / dm.hkv;
         let (j0, j1) = (blk * COLS, ((blk + 1) * COLS).min(s));
+        let cols = j1 - j0;
         let base = kvh * s + j0;
         // SAFETY: task (kvh, blk) alone writes keys j0..j1 of key/value head kvh.
         let (dkb, dvb) = unsafe {
             (
-                std::slice::from_raw_parts_mut(kp.get().add(base * d), (j1 - j0) * d),
-                std::slice::from_raw_parts_mut(vp.get().add(base * dvn), (j1 - j0) * dvn),
+                std::slice::from_raw_parts_mut(kp.get().add(base * d), cols * d),
+                std::slice::from_raw_parts_mut(vp.get().add(base * dvn), cols * dvn),
             )
         };
         math::vectorized(
             #[inline(always)]
             || {
+                let mut sc = [0f32; ROWS * COLS];
+                let mut dp = [0f32; ROWS * COLS];
                 dkb.fill(0.0);
                 dvb.fill(0.0);
                 let g = dm.group();
+                // causal: queries before j0 see none of these keys
+                let first = if dm.causal { j0 / ROWS * ROWS } else { 0 };
                 for h in (kvh % dm.hkv) * g..(kvh % dm.hkv + 1) * g {
-                    // causal: query i sees key j iff j <= i
-                    let first = if dm.causal { j0 } else { 0 };
-                    for i in first..t {
-                        let row = (b * dm.hq + h) * t + i;
-                        let je = j1.min(dm.keys(i));
-                        let qi = &c.q[row * d..(row + 1) * d];
-                        let gi = &c.dout[row * dvn..(row + 1) * dvn];
-                        for j in j0..je {
-                            let (p, ds) = c.p_ds((b, h, i, row), kvh, j);
-                            let r = j - j0;
-                            if p != 0.0 {
-                                axpy(p, gi, &mut dvb[r * dvn..(r + 1) * dvn]);
-                            }
-                            if ds != 0.0 {
-                                axpy(dm.scale * ds, qi, &mut dkb[r * d..(r + 1) * d]);
-                            }
+                    let mut i0 = first;
+                    while i0 < t {
+                        let rows = (t - i0).min(ROWS);
+                        let row0 = (b * dm.hq + h) * t + i0;
+                        let (sc, dp) = (&mut sc[..rows * cols], &mut dp[..rows * cols]);
+                        c.p_ds((b, h, i0, row0), (kvh, j0), (rows, cols), sc, dp);
+                        // dV += P^T dO, dK += scale dS^T Q
+                        // SAFETY: sc and dp are rows x cols (read transposed), dO and q
+                        // hold rows row0..row0+rows, dvb and dkb are cols x dv / cols x d.
+                        unsafe {
+                            gemm_block(
+                                (cols, dvn, rows),
+                                sc.as_ptr(),
+                                (1, cols as isize),
+                                c.dout[row0 * dvn..].as_ptr(),
+                                (dvn as isize, 1),
+                                dvb.as_mut_ptr(),
+                                dvn,
+                                true,
+                                1.0,
+                            );
+                            gemm_block(
+                                (cols, d, rows),
+                                dp.as_ptr(),
+                                (1, cols as isize),
+                                c.q[row0 * d..].as_ptr(),
+                                (d as isize, 1),
+                                dkb.as_mut_ptr(),
+                                d,
+                                true,
+                                dm.scale,
+                            );
                         }
+                        i0 += rows;
                     }
                 }
             },
