@@ -175,6 +175,7 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
             model: format!("{},layers={n}", a.model),
             shapes: a.shapes.clone(),
             bind: Vec::new(),
+            no_fuse_attention: false,
         };
         if resets {
             reset_peak_rss();
@@ -269,6 +270,7 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
         model: a.model.clone(),
         shapes: a.shapes.clone(),
         bind: Vec::new(),
+        no_fuse_attention: false,
     };
     let resets = reset_peak_rss();
     let mut rows = Vec::new();

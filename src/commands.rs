@@ -73,6 +73,7 @@ fn load(args: &ModelArgs, inputs: Option<&[(String, Tensor)]>) -> Result<Program
         shapes,
         values,
         bind: parse_binds(&args.bind)?,
+        no_fuse_attention: args.no_fuse_attention,
     };
     load_model(&args.model, &opts).map_err(miette::Report::new)
 }
@@ -153,6 +154,7 @@ fn load_with_array_shapes(args: &ModelArgs, path: &Path) -> Result<Option<Progra
         shapes,
         values: BTreeMap::new(),
         bind: parse_binds(&args.bind)?,
+        no_fuse_attention: args.no_fuse_attention,
     };
     match load_model(&args.model, &opts) {
         Ok(p) => Ok(Some(p)),
@@ -1014,6 +1016,7 @@ pub(crate) fn load_for_compile(
     let opts = LoadOptions {
         shapes,
         bind: parse_binds(&args.bind)?,
+        no_fuse_attention: args.no_fuse_attention,
         ..Default::default()
     };
     let p = load_model(&args.model, &opts).map_err(miette::Report::new)?;

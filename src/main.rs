@@ -59,6 +59,10 @@ pub struct ModelArgs {
     /// --inputs are used the same way.
     #[arg(long = "bind", value_name = "NAME=V,V,...")]
     pub bind: Vec<String>,
+    /// Keep an ONNX model's attention as the exporter wrote it (products, mask, softmax)
+    /// instead of one fused Attention op per layer (the default fuses it).
+    #[arg(long = "no-fuse-attention")]
+    pub no_fuse_attention: bool,
 }
 
 /// Flags that define the training step.

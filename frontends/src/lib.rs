@@ -8,6 +8,7 @@
 //!
 //! [`load_model`] picks the frontend from the model argument the user gave.
 
+pub mod attention;
 pub mod hzp_file;
 pub mod limits;
 pub mod npz;
@@ -30,6 +31,10 @@ pub struct LoadOptions {
     pub values: BTreeMap<String, hzp_ir::Tensor>,
     /// `--bind NAME=1,2,3`: input values as numbers; see [`onnx::ImportOptions::bind`].
     pub bind: BTreeMap<String, Vec<f64>>,
+    /// `--no-fuse-attention`: keep an ONNX model's attention as the exporter wrote it
+    /// (products, mask, softmax) instead of one fused `Attention` op per layer
+    /// ([`attention::fuse_attention`]).
+    pub no_fuse_attention: bool,
 }
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -48,7 +53,7 @@ pub enum LoadError {
 /// Reads a model given as `path.onnx`, `path.hzp` or `preset:NAME[,key=value...]`.
 pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> {
     if spec.starts_with("preset:") {
-        return Ok(presets::parse_preset(spec)?);
+        return Ok(presets::parse_preset_with(spec, !opts.no_fuse_attention)?);
     }
     let path = Path::new(spec);
     let ext = path
@@ -67,7 +72,15 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> 
                 values: opts.values.clone(),
                 bind: opts.bind.clone(),
             };
-            Ok(onnx::import_file(path, &o)?)
+            let mut p = onnx::import_file(path, &o)?;
+            if !opts.no_fuse_attention {
+                attention::fuse_attention(&mut p).map_err(|e| {
+                    LoadError::Unknown(format!(
+                        "{spec}: fusing attention failed ({e}); --no-fuse-attention keeps it explicit"
+                    ))
+                })?;
+            }
+            Ok(p)
         }
         Some("hzp") => {
             let p = hzp_file::load(path)?;

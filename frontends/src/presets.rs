@@ -21,8 +21,10 @@
 //! presets load the weights of the matching PyTorch models):
 //!
 //! - input `input_ids: i64[batch, seq]`, output `logits: f32[batch, seq, vocab]`;
-//! - causal attention with a mask built by ops (`Fill` then `Trilu`), never a constant, and
-//!   masked scores set to -1e9 by `Where` before `Softmax`;
+//! - causal attention as one `Attention` op per layer (`causal`, scale 1/sqrt(head_dim),
+//!   grouped-query K/V read directly); written out with `parse_preset_with(spec, false)`
+//!   (`--no-fuse-attention`): a mask built by ops (`Fill` then `Trilu`), never a constant,
+//!   masked scores set to -1e9 by `Where` before `Softmax`, K/V heads repeated;
 //! - GPT (GPT-2/GPT-3): learned positions (a `Slice` of `transformer.wpe.weight`),
 //!   LayerNorm with bias, fused `c_attn` ([hidden, 3*hidden], Conv1D layout), tanh GELU,
 //!   biases everywhere, LM head tied to `transformer.wte.weight` through a `Transpose`;
@@ -435,10 +437,16 @@ pub fn parse_config(spec: &str) -> Result<PresetConfig, PresetError> {
     Ok(c)
 }
 
-/// Parses a preset spec and builds its program.
+/// Parses a preset spec and builds its program (attention as one fused op per layer).
 pub fn parse_preset(spec: &str) -> Result<Program, PresetError> {
+    parse_preset_with(spec, true)
+}
+
+/// [`parse_preset`], with attention fused (one `Attention` op per layer) or written out
+/// (`fuse_attention = false`: scores, causal mask, softmax and products, as before fusion).
+pub fn parse_preset_with(spec: &str, fuse_attention: bool) -> Result<Program, PresetError> {
     let c = parse_config(spec)?;
-    c.build().map_err(|e| PresetError {
+    c.build_with(fuse_attention).map_err(|e| PresetError {
         spec: spec.to_string(),
         message: e.message,
     })
@@ -564,8 +572,13 @@ impl PresetConfig {
         Ok(())
     }
 
-    /// Builds the forward program (parameters without data).
+    /// Builds the forward program (parameters without data), attention fused.
     pub fn build(&self) -> Result<Program, PresetError> {
+        self.build_with(true)
+    }
+
+    /// [`Self::build`], attention fused or written out.
+    pub fn build_with(&self, fuse_attention: bool) -> Result<Program, PresetError> {
         let err = |message: String| PresetError {
             spec: format!("preset:{}", self.name),
             message,
@@ -574,9 +587,14 @@ impl PresetConfig {
         let mut g = Graph {
             p: Program::new(self.name.clone()),
             names: NameSet::default(),
+            fuse_attention,
         };
         build_model(&mut g, self)
             .map_err(|m| err(format!("internal error while building: {m}")))?;
+        if fuse_attention {
+            // the causal mask and score constants only the written-out form reads
+            g.p.eliminate_dead_code();
+        }
         Ok(g.p)
     }
 
@@ -613,6 +631,8 @@ impl PresetConfig {
 struct Graph {
     p: Program,
     names: NameSet,
+    /// One `Attention` op per layer instead of the written-out form.
+    fuse_attention: bool,
 }
 
 type R<T> = Result<T, String>;
@@ -821,25 +841,31 @@ fn shared_values(g: &mut Graph, c: &PresetConfig) -> R<Shared> {
     })
 }
 
-/// Causal attention of `q: [B,nh,S,hd]`, `k_t: [B,nh,hd,S]`, `v: [B,nh,S,hd]` -> `[B,S,H]`.
+/// Causal attention of `q: [B,nh,S,hd]`, `k: [B,kv,S,hd]`, `v: [B,kv,S,hd]` -> `[B,S,H]`:
+/// one `Attention` op, or written out (key/value heads repeated, keys transposed).
 fn attention(
     g: &mut Graph,
     c: &PresetConfig,
     sh: &Shared,
     pre: &str,
     q: ValueId,
-    k_t: ValueId,
+    k: ValueId,
     v: ValueId,
 ) -> R<ValueId> {
-    let scores = g.node(&format!("{pre}.scores"), Op::MatMul, &[q, k_t])?;
-    let scores = g.bin(&format!("{pre}.scaled"), BinaryOp::Mul, scores, sh.scale)?;
-    let scores = g.node(
-        &format!("{pre}.masked"),
-        Op::Where,
-        &[sh.mask, scores, sh.masked],
-    )?;
-    let probs = g.node(&format!("{pre}.probs"), Op::Softmax { axis: 3 }, &[scores])?;
-    let ctx = g.node(&format!("{pre}.context"), Op::MatMul, &[probs, v])?;
+    let ctx = if g.fuse_attention {
+        let scale = 1.0 / (c.head_dim() as f64).sqrt();
+        g.nodes(
+            &format!("{pre}.attention"),
+            Op::Attention {
+                scale,
+                causal: true,
+            },
+            &[q, k, v],
+            2,
+        )?[0]
+    } else {
+        explicit_attention(g, c, sh, pre, q, k, v)?
+    };
     let ctx = g.transpose(&format!("{pre}.context_t"), ctx, &[0, 2, 1, 3])?;
     g.reshape(
         &format!("{pre}.context_merged"),
@@ -848,22 +874,38 @@ fn attention(
     )
 }
 
-/// `[B,S,n*hd]` -> `[B,n,S,hd]` (or `[B,n,hd,S]` when `keys_t`).
-fn split_heads(
+/// The written-out attention `softmax(mask(q kᵀ * scale)) v`, [B,nh,S,hd].
+fn explicit_attention(
     g: &mut Graph,
     c: &PresetConfig,
-    name: &str,
-    x: ValueId,
-    n: usize,
-    keys_t: bool,
+    sh: &Shared,
+    pre: &str,
+    q: ValueId,
+    k: ValueId,
+    v: ValueId,
 ) -> R<ValueId> {
+    let k = repeat_kv(g, c, &format!("{pre}.k"), k)?;
+    let v = repeat_kv(g, c, &format!("{pre}.v"), v)?;
+    let k_t = g.transpose(&format!("{pre}.k_t"), k, &[0, 1, 3, 2])?;
+    let scores = g.node(&format!("{pre}.scores"), Op::MatMul, &[q, k_t])?;
+    let scores = g.bin(&format!("{pre}.scaled"), BinaryOp::Mul, scores, sh.scale)?;
+    let scores = g.node(
+        &format!("{pre}.masked"),
+        Op::Where,
+        &[sh.mask, scores, sh.masked],
+    )?;
+    let probs = g.node(&format!("{pre}.probs"), Op::Softmax { axis: 3 }, &[scores])?;
+    g.node(&format!("{pre}.context"), Op::MatMul, &[probs, v])
+}
+
+/// `[B,S,n*hd]` -> `[B,n,S,hd]`.
+fn split_heads(g: &mut Graph, c: &PresetConfig, name: &str, x: ValueId, n: usize) -> R<ValueId> {
     let x = g.reshape(
         &format!("{name}.heads"),
         x,
         &[c.batch, c.seq, n, c.head_dim()],
     )?;
-    let perm: &[usize] = if keys_t { &[0, 2, 3, 1] } else { &[0, 2, 1, 3] };
-    g.transpose(&format!("{name}.heads_t"), x, perm)
+    g.transpose(&format!("{name}.heads_t"), x, &[0, 2, 1, 3])
 }
 
 fn gpt_block(g: &mut Graph, c: &PresetConfig, sh: &Shared, pre: &str, x: ValueId) -> R<ValueId> {
@@ -898,9 +940,9 @@ fn gpt_block(g: &mut Graph, c: &PresetConfig, sh: &Shared, pre: &str, x: ValueId
         &[qkv],
         3,
     )?;
-    let q = split_heads(g, c, &format!("{pre}.attn.q"), parts[0], c.heads, false)?;
-    let k = split_heads(g, c, &format!("{pre}.attn.k"), parts[1], c.heads, true)?;
-    let v = split_heads(g, c, &format!("{pre}.attn.v"), parts[2], c.heads, false)?;
+    let q = split_heads(g, c, &format!("{pre}.attn.q"), parts[0], c.heads)?;
+    let k = split_heads(g, c, &format!("{pre}.attn.k"), parts[1], c.heads)?;
+    let v = split_heads(g, c, &format!("{pre}.attn.v"), parts[2], c.heads)?;
     let ctx = attention(g, c, sh, &format!("{pre}.attn"), q, k, v)?;
     let o = conv(g, &format!("{pre}.attn.c_proj"), ctx, h, h)?;
     let x = g.bin(&format!("{pre}.attn.residual"), BinaryOp::Add, x, o)?;
@@ -975,14 +1017,11 @@ fn llama_block(g: &mut Graph, c: &PresetConfig, sh: &Shared, pre: &str, x: Value
     let q = proj(g, "q_proj", a, h, h)?;
     let k = proj(g, "k_proj", a, kvd, h)?;
     let v = proj(g, "v_proj", a, kvd, h)?;
-    let q = split_heads(g, c, &format!("{at}.q"), q, c.heads, false)?;
+    let q = split_heads(g, c, &format!("{at}.q"), q, c.heads)?;
     let q = rope(g, c, sh, &format!("{at}.q"), q)?;
-    let k = split_heads(g, c, &format!("{at}.k"), k, c.kv_heads, false)?;
+    let k = split_heads(g, c, &format!("{at}.k"), k, c.kv_heads)?;
     let k = rope(g, c, sh, &format!("{at}.k"), k)?;
-    let k = repeat_kv(g, c, &format!("{at}.k"), k)?;
-    let k = g.transpose(&format!("{at}.k_t"), k, &[0, 1, 3, 2])?;
-    let v = split_heads(g, c, &format!("{at}.v"), v, c.kv_heads, false)?;
-    let v = repeat_kv(g, c, &format!("{at}.v"), v)?;
+    let v = split_heads(g, c, &format!("{at}.v"), v, c.kv_heads)?;
     let ctx = attention(g, c, sh, &at, q, k, v)?;
     let o = proj(g, "o_proj", ctx, h, h)?;
     let x = g.bin(&format!("{at}.residual"), BinaryOp::Add, x, o)?;

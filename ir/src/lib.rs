@@ -23,7 +23,7 @@ pub mod views;
 pub use dtype::{numel, DType, Shape, TensorType};
 pub use layout::ParamLayout;
 pub use mesh::{Group, Mesh, MeshAxis};
-pub use op::{broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
+pub use op::{attention_dims, broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
 pub use plan::{
     content_hash_of, format_bytes, Buffer, BufferKind, Plan, PlanError, ShardGroups, PLAN_VERSION,
 };

@@ -313,6 +313,27 @@ pub enum Op {
         epsilon: f32,
     },
 
+    // ---- attention ----
+    /// (q [B,Hq,T,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv], mask?) -> (o [B,Hq,T,Dv], lse f32
+    /// [B,Hq,T]): scaled dot-product attention `o = softmax(scale q kᵀ + mask) v` per batch
+    /// and query head, query head h reading key/value head `h / (Hq / Hkv)` (grouped-query
+    /// attention: Hkv divides Hq, the key/value repeat folded in). `mask` is additive, of q's
+    /// dtype, broadcastable to [B,Hq,T,S]; `causal` masks key j > query i (top-left aligned,
+    /// as PyTorch's `is_causal`). `lse` is each row's log-sum-exp of the masked, scaled
+    /// scores, what [`Op::AttentionGrad`] recomputes the probabilities from. A row whose
+    /// every score is -inf gives zeros and `lse = -inf` (PyTorch's safe softmax of SDPA).
+    Attention {
+        scale: f64,
+        causal: bool,
+    },
+    /// (q, k, v, o, lse, do, mask?) -> (dq, dk, dv): the gradient of [`Op::Attention`]
+    /// (same attributes), the probabilities recomputed block by block from `lse`; dk and dv
+    /// are summed over the query heads that share a key/value head.
+    AttentionGrad {
+        scale: f64,
+        causal: bool,
+    },
+
     // ---- reductions ----
     Reduce {
         op: ReduceOp,
@@ -618,6 +639,8 @@ impl Op {
             "RmsNorm",
             "LayerNormGrad",
             "RmsNormGrad",
+            "Attention",
+            "AttentionGrad",
             "Reduce",
             "ArgMax",
             "CumSum",
@@ -669,6 +692,8 @@ impl Op {
             Op::RmsNorm { .. } => "RmsNorm",
             Op::LayerNormGrad { .. } => "LayerNormGrad",
             Op::RmsNormGrad { .. } => "RmsNormGrad",
+            Op::Attention { .. } => "Attention",
+            Op::AttentionGrad { .. } => "AttentionGrad",
             Op::Reduce { .. } => "Reduce",
             Op::ArgMax { .. } => "ArgMax",
             Op::CumSum { .. } => "CumSum",
@@ -770,6 +795,9 @@ impl Op {
                 ("axis", Int(*axis as i64)),
                 ("epsilon", Float(*epsilon as f64)),
             ],
+            Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
+                vec![("scale", Float(*scale)), ("causal", Bool(*causal))]
+            }
             Op::Reduce {
                 op,
                 axes,
@@ -929,6 +957,14 @@ impl Op {
             "RmsNormGrad" => Op::RmsNormGrad {
                 axis: a.usize("axis")?,
                 epsilon: a.float("epsilon")? as f32,
+            },
+            "Attention" => Op::Attention {
+                scale: a.float("scale")?,
+                causal: a.bool("causal")?,
+            },
+            "AttentionGrad" => Op::AttentionGrad {
+                scale: a.float("scale")?,
+                causal: a.bool("causal")?,
             },
             "Reduce" => Op::Reduce {
                 op: a.reduce("op")?,
@@ -1364,6 +1400,51 @@ impl Op {
                     one(x.clone())
                 }
             }
+            Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => {
+                let grad = matches!(self, Op::AttentionGrad { .. });
+                let (n, what) = if grad {
+                    (6, "(q, k, v, o, lse, do, mask?)")
+                } else {
+                    (3, "(q, k, v, mask?)")
+                };
+                if ins.len() < n || ins.len() > n + 1 {
+                    return Err(format!(
+                        "{name} takes {what}: {n} or {} inputs, got {}",
+                        n + 1,
+                        ins.len()
+                    ));
+                }
+                let dims = attention_dims(name, ins[0], ins[1], ins[2], *scale)?;
+                let [b, hq, t, _, _, dv] = dims;
+                let o = TensorType::new(ins[0].dtype, vec![b, hq, t, dv]);
+                let lse = TensorType::new(DType::F32, vec![b, hq, t]);
+                let mask = ins.get(n);
+                if let Some(m) = mask {
+                    let full = [b, hq, t, dims[4]];
+                    if m.dtype != ins[0].dtype
+                        || m.rank() > 4
+                        || broadcast_shapes(&m.shape, &full).as_deref() != Some(&full[..])
+                    {
+                        return Err(format!(
+                            "{name}: the mask must be an additive {} mask broadcastable to {}, got {m}",
+                            ins[0].dtype,
+                            fmt_shape(&full)
+                        ));
+                    }
+                }
+                if !grad {
+                    return Ok(vec![o, lse]);
+                }
+                for (k, want, what) in [(3, &o, "o"), (4, &lse, "lse"), (5, &o, "do")] {
+                    if ins[k] != want {
+                        return Err(format!(
+                            "{name}: {what} must be {want} (from q, k and v), got {}",
+                            ins[k]
+                        ));
+                    }
+                }
+                Ok(vec![ins[0].clone(), ins[1].clone(), ins[2].clone()])
+            }
             Op::Reduce {
                 op,
                 axes,
@@ -1765,6 +1846,44 @@ impl Op {
     }
 }
 
+/// The dimensions `[B, Hq, T, D, S, Dv]` of an attention's q [B,Hq,T,D], k [B,Hkv,S,D] and
+/// v [B,Hkv,S,Dv], checked: one float dtype, Hkv dividing Hq, a finite scale.
+pub fn attention_dims(
+    name: &str,
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+    scale: f64,
+) -> Result<[usize; 6], String> {
+    if !q.dtype.is_float() || k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(format!(
+            "{name} needs float q, k and v of one dtype, got {q}, {k} and {v}"
+        ));
+    }
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        return Err(format!(
+            "{name} needs q [B,Hq,T,D], k [B,Hkv,S,D] and v [B,Hkv,S,Dv], got {q}, {k} and {v}"
+        ));
+    }
+    let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
+    let (b, hq, t, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let (hkv, s) = (ks[1], ks[2]);
+    if ks[0] != b || ks[3] != d || vs[0] != b || vs[1] != hkv || vs[2] != s {
+        return Err(format!(
+            "{name}: q {q}, k {k} and v {v} do not fit [B,Hq,T,D], [B,Hkv,S,D], [B,Hkv,S,Dv]"
+        ));
+    }
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(format!(
+            "{name}: the {hkv} key/value heads do not divide the {hq} query heads"
+        ));
+    }
+    if !scale.is_finite() {
+        return Err(format!("{name}: the scale must be finite, got {scale}"));
+    }
+    Ok([b, hq, t, d, s, vs[3]])
+}
+
 fn group_size(op: &Op, group: &Group, mesh: Option<&Mesh>) -> Result<usize, String> {
     let mesh =
         mesh.ok_or_else(|| format!("{} needs a mesh, and the program has none", op.name()))?;
@@ -1859,6 +1978,14 @@ mod tests {
             Op::Unary(UnaryOp::GeluTanh),
             Op::Binary(BinaryOp::GreaterOrEqual),
             Op::WaitEvent { event: 7 },
+            Op::Attention {
+                scale: 0.125,
+                causal: true,
+            },
+            Op::AttentionGrad {
+                scale: 0.3,
+                causal: false,
+            },
         ];
         for op in ops {
             let map: BTreeMap<String, Attr> = op

@@ -319,6 +319,45 @@ impl Program {
         }
     }
 
+    /// Renumbers the values: value `order[i]` becomes value `i` (`order` is a permutation
+    /// of all values). For passes that add values whose definitions belong earlier than the
+    /// end of the arena, so the text form stays in its interleaved layout.
+    pub fn reorder_values(&mut self, order: &[ValueId]) {
+        assert_eq!(
+            order.len(),
+            self.values.len(),
+            "reorder_values: not a permutation"
+        );
+        let mut map = vec![u32::MAX; self.values.len()];
+        for (i, v) in order.iter().enumerate() {
+            map[v.index()] = i as u32;
+        }
+        assert!(
+            map.iter().all(|&m| m != u32::MAX),
+            "reorder_values: not a permutation"
+        );
+        let remap = |v: &mut ValueId| *v = ValueId(map[v.index()]);
+        self.values = order
+            .iter()
+            .map(|v| self.values[v.index()].clone())
+            .collect();
+        for n in &mut self.nodes {
+            n.inputs
+                .iter_mut()
+                .chain(n.outputs.iter_mut())
+                .for_each(remap);
+        }
+        self.inputs.iter_mut().for_each(remap);
+        self.outputs.iter_mut().for_each(remap);
+        self.params.iter_mut().for_each(|x| remap(&mut x.value));
+        self.consts.iter_mut().for_each(|x| remap(&mut x.value));
+        self.states.iter_mut().for_each(|x| remap(&mut x.value));
+        for u in &mut self.updates {
+            remap(&mut u.target);
+            remap(&mut u.value);
+        }
+    }
+
     /// Total number of parameter elements.
     pub fn num_parameters(&self) -> u64 {
         self.params

@@ -7,7 +7,9 @@
 //! An op on such a path without a gradient rule fails with the op and the node's name.
 
 use crate::emit::Emitter;
-use hzp_ir::{BinaryOp, Node, Op, Program, ReduceOp, Role, RoleKind, UnaryOp, ValueDef, ValueId};
+use hzp_ir::{
+    BinaryOp, DType, Node, Op, Program, ReduceOp, Role, RoleKind, UnaryOp, ValueDef, ValueId,
+};
 use std::collections::HashMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -484,6 +486,7 @@ fn rule(
             )?;
             vec![Some(g), None]
         }
+        Op::Attention { scale, causal } => attention_rule(e, node, dys, want, *scale, *causal)?,
         Op::LayerNorm { axis, epsilon } => norm_rule(e, ins, dy0, *axis, *epsilon, true, want)?,
         Op::RmsNorm { axis, epsilon } => norm_rule(e, ins, dy0, *axis, *epsilon, false, want)?,
         Op::Reduce {
@@ -932,6 +935,119 @@ fn norm_rule(
         r[2] = Some(unbroadcast(e, dy, &bs)?);
     }
     Ok(r)
+}
+
+/// Attention: one [`Op::AttentionGrad`] gives dq, dk and dv from the saved output and
+/// log-sum-exp (nothing of size T x S is kept between the passes). A mask that needs a
+/// gradient (a learned position bias, as T5's) gets `dS = P (dO Vᵀ - rowsum(dO O))`,
+/// computed explicitly from the same saved statistics and summed to the mask's shape: that
+/// part is T x S, as the explicit graph's would be.
+fn attention_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dys: &[Option<ValueId>],
+    want: &[bool],
+    scale: f64,
+    causal: bool,
+) -> R<Vec<Option<ValueId>>> {
+    let (ins, outs) = (&node.inputs, &node.outputs);
+    let mut r = vec![None; ins.len()];
+    if dys.get(1).is_some_and(Option::is_some) {
+        return Err(
+            "the log-sum-exp output of Attention is not differentiable here (only its output o is)"
+                .into(),
+        );
+    }
+    let Some(dout) = dys[0] else {
+        return Ok(r);
+    };
+    let (q, k, v, o, lse) = (ins[0], ins[1], ins[2], outs[0], outs[1]);
+    if want[..3].iter().any(|&w| w) {
+        let mut args = vec![q, k, v, o, lse, dout];
+        args.extend(ins.get(3).copied());
+        let g = e.ops(Op::AttentionGrad { scale, causal }, &args)?;
+        for i in 0..3 {
+            if want[i] {
+                r[i] = Some(g[i]);
+            }
+        }
+    }
+    if ins.len() > 3 && want[3] {
+        r[3] = Some(attention_mask_grad(e, ins, o, lse, dout, scale, causal)?);
+    }
+    Ok(r)
+}
+
+/// The gradient of an attention's additive mask: the score gradient `P (dP - D)` with
+/// `P = exp(S - lse)` (zero on fully masked rows), summed to the mask's shape.
+fn attention_mask_grad(
+    e: &mut Emitter,
+    ins: &[ValueId],
+    o: ValueId,
+    lse: ValueId,
+    dout: ValueId,
+    scale: f64,
+    causal: bool,
+) -> R<ValueId> {
+    let (q, k, v, mask) = (ins[0], ins[1], ins[2], ins[3]);
+    let (qs, ks) = (e.shape(q), e.shape(k));
+    let dt = e.ty(q).dtype;
+    let (b, hq, t, hkv, s) = (qs[0], qs[1], qs[2], ks[1], ks[2]);
+    // key/value heads repeated to the query heads (h reads h / g)
+    let repeat = |e: &mut Emitter, x: ValueId| -> R<ValueId> {
+        if hkv == hq {
+            return Ok(x);
+        }
+        let xs = e.shape(x);
+        let g = hq / hkv;
+        let x = reshape(e, x, &[b, hkv, 1, xs[2], xs[3]])?;
+        let x = e.op(
+            Op::Expand {
+                shape: vec![b, hkv, g, xs[2], xs[3]],
+            },
+            &[x],
+        )?;
+        reshape(e, x, &[b, hq, xs[2], xs[3]])
+    };
+    let kr = repeat(e, k)?;
+    let vr = repeat(e, v)?;
+    let kt = swap_last2(e, kr)?;
+    let sc = e.op(Op::MatMul, &[q, kt])?;
+    let sc = mulc(e, sc, scale)?;
+    let mut sc = bin(e, BinaryOp::Add, sc, mask)?;
+    if causal {
+        let ninf = e.op(
+            Op::Fill {
+                value: f64::NEG_INFINITY,
+                dtype: dt,
+                shape: vec![t, s],
+            },
+            &[],
+        )?;
+        let above = e.op(Op::Trilu { upper: true, k: 1 }, &[ninf])?;
+        sc = bin(e, BinaryOp::Add, sc, above)?;
+    }
+    let l = reshape(e, lse, &[b, hq, t, 1])?;
+    let l = if dt == DType::F32 {
+        l
+    } else {
+        e.op(Op::Cast { to: dt }, &[l])?
+    };
+    let ninf = e.scalar(f64::NEG_INFINITY, dt);
+    let dead = bin(e, BinaryOp::Equal, l, ninf)?;
+    let zero = e.scalar(0.0, dt);
+    let l = where_(e, dead, zero, l)?;
+    let p = sub(e, sc, l)?;
+    let p = un(e, UnaryOp::Exp, p)?;
+    let p = where_(e, dead, zero, p)?;
+    let vt = swap_last2(e, vr)?;
+    let dp = e.op(Op::MatMul, &[dout, vt])?;
+    let od = mul(e, dout, o)?;
+    let dsum = reduce_keep(e, ReduceOp::Sum, od, vec![3])?;
+    let dp = sub(e, dp, dsum)?;
+    let ds = mul(e, p, dp)?;
+    let ms = e.shape(mask);
+    unbroadcast(e, ds, &ms)
 }
 
 /// Gather's gradient: scatter-add the output gradient into zeros shaped like the data.

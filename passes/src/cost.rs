@@ -9,7 +9,8 @@
 //! memory_efficiency))`. MatMuls run on the matrix units at the peak of their compute dtype
 //! (`peak_bf16`, `peak_fp16`, `peak_fp32`) times `matmul_efficiency`; every other op runs on the
 //! vector units at the fp32 (non-tensor) peak times `vector_efficiency`. Ops that do no work
-//! (views, events, frees) cost 0, without the launch overhead. Collectives cost 0 here: their
+//! (views, events, frees) cost 0, without the launch overhead. A fused `Attention` /
+//! `AttentionGrad` runs its products on the matrix units and its softmax on the vector units. Collectives cost 0 here: their
 //! time comes from [`collective_time`].
 //!
 //! FLOP counts ([`op_flops`]) per output element unless noted; a transcendental or
@@ -35,6 +36,8 @@
 //! | RmsNorm | 4 per element + T + 2 per normalized row |
 //! | LayerNormGrad | 17 per element (the statistics, then two sweeps: the row sums of g = dy * scale and g * xhat, then dx) + T + 5 per normalized row |
 //! | RmsNormGrad | 14 per element + T + 4 per normalized row |
+//! | Attention | per (query, key) pair a head computes: `2 D + 2 Dv` (q.k and p v) + T + 4 (online softmax); pairs = `B Hq T S`, about half with `causal` ([`attention_pairs`]) |
+//! | AttentionGrad | per pair, as FlashAttention-2's backward: q.k again, dO.v, p dO into dV, ds k into dQ, ds q into dK: `6 D + 4 Dv` (2.5x the forward's products for D = Dv) + T + 4 |
 //! | Reduce sum/max/min/prod, ArgMax, CumSum | numel(input) (+ numel(output) for mean) |
 //! | TopK | numel(input) * ceil(log2(max(k, 2))) comparisons |
 //! | ScatterElements/ScatterND with add | numel(updates) |
@@ -181,6 +184,10 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
                 outer * (inner * 14.0 + T + 4.0)
             }
         }
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            let (products, softmax) = attention_flops(op, ins);
+            products + softmax
+        }
         Op::Reduce { op: r, .. } => {
             if *r == ReduceOp::Mean {
                 in_numel + out_numel
@@ -221,6 +228,44 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         | Op::RecordEvent { .. }
         | Op::WaitEvent { .. } => 0.0,
     }
+}
+
+/// An attention's FLOPs as (products on the matrix units, softmax work on the vector
+/// units); see the module docs. (0, 0) for other ops.
+pub fn attention_flops(op: &Op, ins: &[&TensorType]) -> (f64, f64) {
+    let (Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. }) = op else {
+        return (0.0, 0.0);
+    };
+    let [Some(q), Some(k), Some(v)] = [0, 1, 2].map(|i| ins.get(i)) else {
+        return (0.0, 0.0);
+    };
+    let (Some(&d), Some(&dv)) = (q.shape.last(), v.shape.last()) else {
+        return (0.0, 0.0);
+    };
+    let (d, dv) = (d as f64, dv as f64);
+    let pairs = attention_pairs(q, k, *causal);
+    let products = if matches!(op, Op::Attention { .. }) {
+        2.0 * d + 2.0 * dv
+    } else {
+        6.0 * d + 4.0 * dv
+    };
+    (pairs * products, pairs * (T + 4.0))
+}
+
+/// The (query, key) pairs an attention with q [B,Hq,T,D] and k [B,Hkv,S,D] computes:
+/// `B Hq T S`, or with `causal` (key j <= query i) only the pairs on or below the diagonal.
+pub fn attention_pairs(q: &TensorType, k: &TensorType, causal: bool) -> f64 {
+    if q.rank() != 4 || k.rank() != 4 {
+        return 0.0;
+    }
+    let heads = (q.shape[0] * q.shape[1]) as f64;
+    let (t, s) = (q.shape[2] as f64, k.shape[2] as f64);
+    if !causal {
+        return heads * t * s;
+    }
+    // row i sees min(i + 1, S) keys
+    let full = t.min(s); // rows 0..full see i + 1 keys
+    heads * (full * (full + 1.0) / 2.0 + (t - full) * s)
 }
 
 /// Bytes an op reads plus bytes it writes in device memory. See the module docs for the
@@ -298,12 +343,18 @@ pub fn roofline(
     }
     let flops = op_flops(op, ins, outs);
     let bytes = op_bytes(op, ins, outs);
-    let peak = if matches!(op, Op::MatMul) {
-        matmul_peak(spec, dtype) * d.matmul_efficiency
-    } else {
-        d.peak_flops_fp32 * d.vector_efficiency
+    let matrix = matmul_peak(spec, dtype) * d.matmul_efficiency;
+    let vector = d.peak_flops_fp32 * d.vector_efficiency;
+    let compute_s = match op {
+        _ if flops <= 0.0 => 0.0,
+        Op::MatMul => flops / matrix,
+        // fused attention: its products on the matrix units, its softmax on the vector units
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            let (products, softmax) = attention_flops(op, ins);
+            products / matrix + softmax / vector
+        }
+        _ => flops / vector,
     };
-    let compute_s = if flops > 0.0 { flops / peak } else { 0.0 };
     let memory_s = if bytes > 0.0 {
         bytes / (d.memory_bandwidth * d.memory_efficiency)
     } else {

@@ -1007,7 +1007,10 @@ pub fn simulate(
         if node.role.kind != hzp_ir::RoleKind::Recompute {
             model_flops += c.flops;
         }
-        if matches!(node.op, Op::MatMul) {
+        if matches!(
+            node.op,
+            Op::MatMul | Op::Attention { .. } | Op::AttentionGrad { .. }
+        ) {
             let dt = node.inputs.first().map_or(DType::F32, |&v| p.ty(v).dtype);
             matmul_by_dtype.entry(dt.name()).or_insert((0.0, dt)).0 += c.flops;
         }

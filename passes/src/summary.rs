@@ -737,9 +737,16 @@ mod tests {
                 "transformer.h.0",
                 "transformer.h.1",
                 "transformer.ln_f",
-                "other"
             ]
         );
+        // (the written-out attention's shared causal mask was a layer "other" of its own)
+        let explicit = hzp_frontends::presets::parse_preset_with("preset:gpt-tiny", false).unwrap();
+        let names: Vec<String> = summarize(&explicit)
+            .layers
+            .into_iter()
+            .map(|l| l.name)
+            .collect();
+        assert_eq!(names.last().map(String::as_str), Some("other"));
         for l in &s.layers[2..4] {
             assert_eq!(l.parameters, 33_472, "{}", l.name);
             assert!(l.nodes > 20, "{}: {} nodes", l.name, l.nodes);

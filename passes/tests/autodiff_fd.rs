@@ -527,3 +527,31 @@ fn a_tied_embedding_scatters_into_the_head_gradient() {
         hzp_ir::text::print(&q)
     );
 }
+
+#[test]
+fn fused_attention() {
+    // grouped-query (4 query heads over 2 key/value heads), causal and not, with a learned
+    // additive mask (T5's position bias: its gradient is the score gradient summed to the
+    // mask's shape) and without
+    for causal in [false, true] {
+        check(
+            Op::Attention { scale: 0.6, causal },
+            vec![
+                F(vec![1, 4, 5, 3]),
+                F(vec![1, 2, 5, 3]),
+                F(vec![1, 2, 5, 2]),
+                F(vec![4, 5, 5]),
+            ],
+            0,
+        );
+        check(
+            Op::Attention { scale: 0.6, causal },
+            vec![
+                F(vec![2, 2, 4, 3]),
+                F(vec![2, 1, 6, 3]),
+                F(vec![2, 1, 6, 4]),
+            ],
+            0,
+        );
+    }
+}

@@ -88,19 +88,22 @@ fn llama3_70b_keeps_parameter_traffic_inside_a_node() {
 
 #[test]
 fn llama3_70b_at_its_own_length_is_compute_bound() {
-    // seq 8192: the explicit attention's saved activations do not fit without recompute.
+    // seq 8192: the saved activations do not fit without recompute (fused attention's
+    // 217 GiB per micro-batch; the explicit attention's were 864 GiB).
     let p = preset("preset:llama3-70b");
     let e = plan_sharding(&p, &mesh(), &h100(), &opts(Strategy::AsyncHzp, false)).unwrap_err();
     let ShardPlanError::DoesNotFit { candidate, .. } = &e else {
         panic!("{e}")
     };
     assert!(candidate.memory.activations > 80 * GIB, "{e}");
-    // With recompute: whatever is chosen hides nearly all of its communication.
+    // With recompute: whatever is chosen hides nearly all of its communication. (What
+    // stays exposed, about 0.44 s, is the step's first gather and last reductions; 1.1% of
+    // the 40 s step since attention is fused, 0.6% of the 76 s step before.)
     let r = plan(&p, &opts(Strategy::AsyncHzp, true));
     let c = &r.chosen;
     eprintln!("{}", explain(&r));
     assert!(
-        c.exposed_comm_s < 0.01 * c.step_s,
+        c.exposed_comm_s < 0.02 * c.step_s,
         "{} of {}",
         c.exposed_comm_s,
         c.step_s

@@ -102,6 +102,42 @@ fn digest() -> String {
         },
         vec![&clean_n, &x, &m1, &v2, &lr, &b2, &lr],
     ));
+    // fused attention, forward and backward: 37 queries over 2 key/value heads of 4 query
+    // heads, head size 19 (eight-wide dot products and a tail), a mask with -inf entries
+    let w = &v[6..]; // no special values
+    let take = |len: usize, off: usize, sc: f32| -> Vec<f32> {
+        (0..len).map(|i| w[(off + i * 3) % w.len()] * sc).collect()
+    };
+    let (aq, ak, av, amask, ado) = (
+        Tensor::f32(vec![1, 4, 37, 19], take(4 * 37 * 19, 0, 0.3)),
+        Tensor::f32(vec![1, 2, 37, 19], take(2 * 37 * 19, 101, 0.1)),
+        Tensor::f32(vec![1, 2, 37, 19], take(2 * 37 * 19, 907, 1.0)),
+        Tensor::f32(
+            vec![37, 37],
+            (0..37 * 37)
+                .map(|i| {
+                    if i % 11 == 3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        (i % 7) as f32 * 0.1
+                    }
+                })
+                .collect(),
+        ),
+        Tensor::f32(vec![1, 4, 37, 19], take(4 * 37 * 19, 2003, 0.5)),
+    );
+    for causal in [false, true] {
+        let att = Op::Attention { scale: 0.2, causal };
+        let fwd = eval_op(&att, &[&aq, &ak, &av, &amask]).unwrap();
+        cases.push((att, vec![&aq, &ak, &av, &amask]));
+        let grad = Op::AttentionGrad { scale: 0.2, causal };
+        // the forward's results as inputs of the gradient: leaked, as `cases` borrows them
+        let (o, lse) = (
+            Box::leak(Box::new(fwd[0].clone())),
+            Box::leak(Box::new(fwd[1].clone())),
+        );
+        cases.push((grad, vec![&aq, &ak, &av, &*o, &*lse, &ado, &amask]));
+    }
     let mut out = String::new();
     for (op, ins) in cases {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -155,7 +191,7 @@ fn every_simd_level_gives_the_same_bits() {
             .lines()
             .filter_map(|l| l.strip_prefix("DIGEST "))
             .collect();
-        assert_eq!(d.len(), 19, "no digests in the child's output: {text}");
+        assert_eq!(d.len(), 23, "no digests in the child's output: {text}");
         let ran = text
             .lines()
             .find_map(|l| l.strip_prefix("LEVEL "))

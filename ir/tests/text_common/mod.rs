@@ -227,6 +227,31 @@ pub fn all_ops() -> Program {
         vec!["rms.dx".into(), "rms.dyxhat".into()],
     )
     .unwrap();
+    // grouped-query attention: 4 query heads over 2 key/value heads, a [T,S] mask
+    let q4 = p.add_input("q4", t(f, &[1, 4, 3, 8]));
+    let kv4 = p.add_input("kv4", t(f, &[1, 2, 5, 8]));
+    let mask4 = p.add_input("mask4", t(f, &[3, 5]));
+    let att = p
+        .add_node(
+            "attn",
+            Op::Attention {
+                scale: 0.35355339059327373,
+                causal: true,
+            },
+            vec![q4, kv4, kv4, mask4],
+            vec!["attn.o".into(), "attn.lse".into()],
+        )
+        .unwrap();
+    p.add_node(
+        "attn.grad",
+        Op::AttentionGrad {
+            scale: 0.35355339059327373,
+            causal: true,
+        },
+        vec![q4, kv4, kv4, att[0], att[1], att[0], mask4],
+        vec!["attn.dq".into(), "attn.dk".into(), "attn.dv".into()],
+    )
+    .unwrap();
     one(
         &mut p,
         "reduce",

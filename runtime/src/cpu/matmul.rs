@@ -130,6 +130,60 @@ unsafe fn gemm_strided(
     IN_GEMM.with(|f| f.set(false));
 }
 
+/// `c[m,n] = beta * a[m,k] @ b[k,n]`, or `c += beta * a @ b` with `accumulate`, on one
+/// thread: `a` and `b` read at the given (row, column) strides, `c` at row stride `ldc`.
+/// For kernels that multiply blocks inside their own parallel tasks (fused attention).
+///
+/// # Safety
+/// As [`gemm_strided`], with `c + i*ldc + j` (`i < m`, `j < n`) writable and not aliased.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_block(
+    (m, n, k): (usize, usize, usize),
+    a: *const f32,
+    (ars, acs): (isize, isize),
+    b: *const f32,
+    (brs, bcs): (isize, isize),
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(c.add(i * ldc), 0, n);
+            }
+        }
+        return;
+    }
+    let was = IN_GEMM.with(|f| f.replace(true));
+    gemm::gemm(
+        m,
+        n,
+        k,
+        c,
+        1,
+        ldc as isize,
+        accumulate,
+        a,
+        acs,
+        ars,
+        b,
+        bcs,
+        brs,
+        1.0,
+        beta,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+    IN_GEMM.with(|f| f.set(was));
+}
+
 /// `c[m,n] = a[m,k] @ b[k,n]`, all row-major and contiguous.
 pub fn gemm_f32(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);

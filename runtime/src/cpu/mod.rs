@@ -7,6 +7,7 @@
 //! `movement`, `index`. Semantics follow the doc comments on [`Op`] and, where those are
 //! silent, ONNX / numpy / PyTorch.
 
+pub mod attention;
 pub mod elem;
 pub mod elementwise;
 pub mod index;
@@ -171,6 +172,12 @@ fn run(
     {
         return optim::adamw((*beta1, *beta2, *eps, *weight_decay), ins, outs);
     }
+    if let Op::Attention { scale, causal } = op {
+        return attention::attention(ins, *scale, *causal, outs, ws);
+    }
+    if let Op::AttentionGrad { scale, causal } = op {
+        return attention::attention_grad(ins, *scale, *causal, outs, ws);
+    }
     if let Op::LayerNormGrad { axis, epsilon } | Op::RmsNormGrad { axis, epsilon } = op {
         let rms = matches!(op, Op::RmsNormGrad { .. });
         return norm::norm_grad(&ins[0], &ins[1], &ins[2], *axis, *epsilon, rms, outs, ws);
@@ -271,6 +278,8 @@ fn run(
         | Op::AdamW { .. }
         | Op::LayerNormGrad { .. }
         | Op::RmsNormGrad { .. }
+        | Op::Attention { .. }
+        | Op::AttentionGrad { .. }
         | Op::AllGather { .. }
         | Op::ReduceScatter { .. }
         | Op::AllReduce { .. }

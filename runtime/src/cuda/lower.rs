@@ -1106,6 +1106,14 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 ],
             ));
         }
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            return Err(format!(
+                "{} (fused attention) is not built for the CUDA backend yet: compile the \
+                 model with --no-fuse-attention to keep attention as explicit products and \
+                 softmax, which the CUDA backend runs",
+                op.name()
+            ))
+        }
         other => {
             return Err(format!(
                 "the CUDA backend has no kernel for {}",
