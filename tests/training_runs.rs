@@ -525,7 +525,21 @@ fn evaluation_metrics_export_and_keep() {
         "--save-params",
         s(&saved),
     ]);
-    assert_eq!(params(&saved), params(&exported));
+    // `--save-params` also writes the copies of retied weights under their ONNX names (as
+    // `hzp train` does); the export holds the trained parameters
+    let (saved, exported) = (params(&saved), params(&exported));
+    let trained: Vec<_> = saved
+        .iter()
+        .filter(|(k, _)| exported.iter().any(|(e, _)| e == k))
+        .cloned()
+        .collect();
+    assert_eq!(trained, exported);
+    assert!(
+        saved.len() - exported.len() <= 1,
+        "{} vs {}",
+        saved.len(),
+        exported.len()
+    );
     let st = dir.join("export.safetensors");
     ok(&["checkpoint", "export", s(&ck), "-o", s(&st)]);
     assert!(std::fs::metadata(&st).unwrap().len() > 1000);

@@ -39,7 +39,7 @@ PY
 check() {
   local name=$1 onnx=$2 io=$3 loss=$4 steps=$5; shift 5
   local ref=$W/$name.g1
-  if ! $H compile $onnx --inputs $io --loss $loss "$@" --mesh gpu=1 -o $ref.json >/dev/null 2>$ref.cerr; then
+  if ! $H compile --no-fuse-attention $onnx --inputs $io --loss $loss "$@" --mesh gpu=1 -o $ref.json >/dev/null 2>$ref.cerr; then
     el "RESULT $name gpu=1: FAIL compile"; tail -5 $ref.cerr; return
   fi
   timeout $T $H run $ref.json --inputs $io --steps $steps --backend cuda --format json \
@@ -47,7 +47,7 @@ check() {
   for mesh in $MESHES; do
     for strat in $STRATS; do
       local tag=$name.$(echo $mesh | tr ',=' '_-').$strat
-      if ! $H compile $onnx --inputs $io --loss $loss "$@" --mesh $mesh --strategy $strat -o $W/$tag.json >/dev/null 2>$W/$tag.cerr; then
+      if ! $H compile --no-fuse-attention $onnx --inputs $io --loss $loss "$@" --mesh $mesh --strategy $strat -o $W/$tag.json >/dev/null 2>$W/$tag.cerr; then
         el "RESULT $tag: compile refused: $(grep -v '^note' $W/$tag.cerr | tr -s ' \n' ' ' | cut -c1-200)"; continue
       fi
       local s=$(date +%s)
@@ -88,7 +88,7 @@ if [ $PART = all ] || [ $PART = perf ]; then
     [ -f $onnx ] && [ -f $io ] || { el "perf $name: no model (run PART=gpt2s/tiny first)"; continue; }
     p=$W/perf.$name.$strat.json
     x=""; [[ $name == gpt2s ]] && x=--retie
-    $H compile $onnx --inputs $io --loss lm $x --mesh $mesh --strategy $strat -o $p >/dev/null 2>&1 || { el "perf $name $strat: compile failed"; continue; }
+    $H compile --no-fuse-attention $onnx --inputs $io --loss lm $x --mesh $mesh --strategy $strat -o $p >/dev/null 2>&1 || { el "perf $name $strat: compile failed"; continue; }
     for c in async sync; do
       timeout $T $H run $p --inputs $io --steps 6 --backend cuda --ranks-on-one-gpu --comm $c --format json >$p.$c.out 2>$p.$c.err || { el "perf $name $c: FAIL"; tail -10 $p.$c.err; }
     done
@@ -111,7 +111,7 @@ fi
 if [ $PART = all ] || [ $PART = nccl1 ]; then
   el "== NCCL at world size 1 (HZP_NCCL_GROUPS_OF_ONE=1: NCCL communicators for groups of one, through hzp launch)"
   g1=$W/gpt2_tiny.legacy.op17.g1
-  [ -f $g1.json ] || $H compile $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie --mesh gpu=1 -o $g1.json >/dev/null 2>&1
+  [ -f $g1.json ] || $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie --mesh gpu=1 -o $g1.json >/dev/null 2>&1
   [ -f $W/gpt2_tiny.io4.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io4.npz 2
   timeout 60 $H run $g1.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --backend cuda --format json --save-params $W/n1.copy.npz >$W/n1.copy.out 2>$W/n1.copy.err
   HZP_NCCL_GROUPS_OF_ONE=1 timeout 90 $H launch --nproc-per-node 1 -- run $g1.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS \
@@ -121,7 +121,7 @@ if [ $PART = all ] || [ $PART = nccl1 ]; then
   sed -E 's/^\[rank [0-9]+\] ?//' $W/n1.nccl.out > $W/n1.nccl.json
   python3 $D/compare_ranks.py nccl-world-1 $W/n1.copy.out $W/n1.nccl.json $W/n1.copy.npz $W/n1.nccl.npz
   el "== two processes on one GPU through hzp launch (NCCL refuses two ranks on one device: expect a clear error naming --ranks-on-one-gpu)"
-  $H compile $M/llama_tiny.legacy.op17.onnx --inputs $W/llama_tiny.io4.npz --loss lm --mesh gpu=2 --strategy zero3 -o $W/l2.json >/dev/null 2>&1
+  $H compile --no-fuse-attention $M/llama_tiny.legacy.op17.onnx --inputs $W/llama_tiny.io4.npz --loss lm --mesh gpu=2 --strategy zero3 -o $W/l2.json >/dev/null 2>&1
   timeout 60 $H launch --nproc-per-node 2 -- run $W/l2.json --inputs $W/llama_tiny.io4.npz --steps 2 --backend cuda --collective-timeout 20 2>&1 | tail -15
 fi
 (cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)
