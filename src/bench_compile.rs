@@ -185,7 +185,6 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
         for _ in 0..repeat {
             let (start, cpu0) = (Instant::now(), cpu_seconds());
             let built = build_plan(&model, None, &a.train, &c, false, true)
-                .map_err(miette::Report::from)
                 .map_err(|e| e.wrap_err(format!("compiling {} for {mesh}", model.model)))?;
             wall.push(start.elapsed().as_secs_f64());
             if let (Some(x), Some(y)) = (cpu0, cpu_seconds()) {
