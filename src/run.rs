@@ -209,8 +209,15 @@ fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
             (val.name.clone(), s)
         })
         .collect();
+    // the model's attention in the form the plan has it (fused unless compiled with
+    // --no-fuse-attention)
+    let fused = p
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, hzp_ir::Op::Attention { .. }));
     let opts = LoadOptions {
         shapes,
+        no_fuse_attention: !fused,
         ..Default::default()
     };
     load_model(model, &opts).map_err(miette::Report::new)
