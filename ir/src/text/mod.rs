@@ -40,8 +40,8 @@
 //! state %NAME : TYPE = [V, ...] | @data  persistent state with an initial value
 //! precision compute=DT, master=DT, reduce=DT   mixed-precision policy (training programs)
 //! update %TARGET = %VALUE              after a step, a parameter or state takes VALUE
-//! %OUT, ... = OP{KEY=ATTR, ...}(%IN, ...) : TYPE, ... "NODE NAME" @STREAM
-//! OP{KEY=ATTR, ...}(%IN, ...) "NODE NAME" @STREAM      a node without outputs
+//! %OUT, ... = OP{KEY=ATTR, ...}(%IN, ...) : TYPE, ... "NODE NAME" @STREAM role=ROLE
+//! OP{KEY=ATTR, ...}(%IN, ...) "NODE NAME" @STREAM role=ROLE      a node without outputs
 //! output %NAME, ...                    may repeat; appends
 //! order %NAME, ...                     only for programs whose value numbering is not the
 //!                                      order of definition: every value, in id order
@@ -63,6 +63,9 @@
 //!   inferred. When given they must equal what the op's type rule makes. The node name may be
 //!   left out too: it then defaults to the first output's name (or the op name).
 //! - `@STREAM` is `@compute` (the default, never printed), `@allgather` or `@reducescatter`.
+//! - `role=ROLE` is the node's [`Role`](crate::Role): `KIND` or `KIND("unit")` with `KIND`
+//!   one of `compute` (the default with no unit, never printed), `recompute`, `loss`,
+//!   `gather`, `reduce`, `accumulate`, `optimizer`, `regather`.
 //!
 //! The printer lays out declarations where they sit in the value arena (so a program built
 //! layer by layer reads layer by layer), or, if that would use a value before its declaration,
