@@ -314,11 +314,11 @@ pub enum Op {
     },
 
     // ---- attention ----
-    /// (q [B,Hq,T,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv], mask?) -> (o [B,Hq,T,Dv], lse f32
-    /// [B,Hq,T]): scaled dot-product attention `o = softmax(scale q kᵀ + mask) v` per batch
+    /// (q `[B,Hq,T,D]`, k `[B,Hkv,S,D]`, v `[B,Hkv,S,Dv]`, mask?) -> (o `[B,Hq,T,Dv]`, lse f32
+    /// `[B,Hq,T]`): scaled dot-product attention `o = softmax(scale q kᵀ + mask) v` per batch
     /// and query head, query head h reading key/value head `h / (Hq / Hkv)` (grouped-query
     /// attention: Hkv divides Hq, the key/value repeat folded in). `mask` is additive, of q's
-    /// dtype, broadcastable to [B,Hq,T,S]; `causal` masks key j > query i (top-left aligned,
+    /// dtype, broadcastable to `[B,Hq,T,S]`; `causal` masks key j > query i (top-left aligned,
     /// as PyTorch's `is_causal`). `lse` is each row's log-sum-exp of the masked, scaled
     /// scores, what [`Op::AttentionGrad`] recomputes the probabilities from. A row whose
     /// every score is -inf gives zeros and `lse = -inf` (PyTorch's safe softmax of SDPA).
@@ -1846,8 +1846,8 @@ impl Op {
     }
 }
 
-/// The dimensions `[B, Hq, T, D, S, Dv]` of an attention's q [B,Hq,T,D], k [B,Hkv,S,D] and
-/// v [B,Hkv,S,Dv], checked: one float dtype, Hkv dividing Hq, a finite scale.
+/// The dimensions `[B, Hq, T, D, S, Dv]` of an attention's q `[B,Hq,T,D]`, k `[B,Hkv,S,D]` and
+/// v `[B,Hkv,S,Dv]`, checked: one float dtype, Hkv dividing Hq, a finite scale.
 pub fn attention_dims(
     name: &str,
     q: &TensorType,
