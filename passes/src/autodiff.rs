@@ -749,7 +749,30 @@ fn rule(
             },
             &[dy0],
         )?)],
-        op => return Err(format!("no gradient rule for {}", op.name())),
+        // reductions other than a sum (the arms above take the sums)
+        Op::AllReduce { reduce, .. } | Op::ReduceScatter { reduce, .. } => {
+            return Err(format!(
+                "no gradient rule for {} with reduce={}",
+                node.op.name(),
+                reduce.name()
+            ))
+        }
+        // No gradient rule, listed by name so that a new op does not compile until it is
+        // given a rule here or added to this list.
+        Op::GeluTanhGrad
+        | Op::SoftmaxCrossEntropyGrad { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::RmsNormGrad { .. }
+        | Op::AttentionGrad { .. }
+        | Op::ArgMax { .. }
+        | Op::OneHot { .. }
+        | Op::Fill { .. }
+        | Op::AdamW { .. }
+        | Op::AllToAll { .. }
+        | Op::Broadcast { .. }
+        | Op::Free
+        | Op::RecordEvent { .. }
+        | Op::WaitEvent { .. } => return Err(format!("no gradient rule for {}", node.op.name())),
     };
     Ok(r)
 }
