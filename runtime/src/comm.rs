@@ -470,9 +470,28 @@ unsafe fn copy_block(
     block: &[usize],
     es: usize,
 ) {
+    block_runs(ss, sa, ds, da, block, es, |so, d_o, n| {
+        std::ptr::copy_nonoverlapping(src.add(so), dst.add(d_o), n)
+    });
+}
+
+/// The contiguous runs of a `block`-shaped box taken from a row-major tensor of shape `ss`
+/// (box corner `sa`) to one of shape `ds` (corner `da`), elements of `es` bytes: `run(source
+/// byte offset, destination byte offset, bytes)` once per row of the box's last axis, in
+/// row-major order. The one walk both the CPU communicator and the CUDA transport plan
+/// (`cuda::transport`) copy by.
+pub(crate) fn block_runs(
+    ss: &[usize],
+    sa: &[usize],
+    ds: &[usize],
+    da: &[usize],
+    block: &[usize],
+    es: usize,
+    mut run: impl FnMut(usize, usize, usize),
+) {
     let r = block.len();
     if r == 0 {
-        std::ptr::copy_nonoverlapping(src, dst, es);
+        run(0, 0, es);
         return;
     }
     if block.contains(&0) {
@@ -486,7 +505,7 @@ unsafe fn copy_block(
         st
     };
     let (sst, dst_st) = (strides(ss), strides(ds));
-    let run = block[r - 1] * es;
+    let bytes = block[r - 1] * es;
     let mut idx = vec![0usize; r - 1];
     loop {
         let mut so = sa[r - 1];
@@ -495,7 +514,7 @@ unsafe fn copy_block(
             so += (sa[k] + idx[k]) * sst[k];
             d_o += (da[k] + idx[k]) * dst_st[k];
         }
-        std::ptr::copy_nonoverlapping(src.add(so * es), dst.add(d_o * es), run);
+        run(so * es, d_o * es, bytes);
         // next index over the outer dims
         let mut k = r - 1;
         loop {

@@ -268,45 +268,9 @@ fn block_copies(
     block: &[usize],
     es: usize,
 ) {
-    let r = block.len();
-    if r == 0 {
-        push_copy(steps, src, 0, dst, 0, es);
-        return;
-    }
-    if block.contains(&0) {
-        return;
-    }
-    let strides = |shape: &[usize]| -> Vec<usize> {
-        let mut st = vec![1usize; shape.len()];
-        for i in (0..shape.len().saturating_sub(1)).rev() {
-            st[i] = st[i + 1] * shape[i + 1];
-        }
-        st
-    };
-    let (sst, dst_st) = (strides(ss), strides(ds));
-    let run = block[r - 1] * es;
-    let mut idx = vec![0usize; r - 1];
-    loop {
-        let mut so = sa[r - 1];
-        let mut d_o = da[r - 1];
-        for k in 0..r - 1 {
-            so += (sa[k] + idx[k]) * sst[k];
-            d_o += (da[k] + idx[k]) * dst_st[k];
-        }
-        push_copy(steps, src, so * es, dst, d_o * es, run);
-        let mut k = r - 1;
-        loop {
-            if k == 0 {
-                return;
-            }
-            k -= 1;
-            idx[k] += 1;
-            if idx[k] < block[k] {
-                break;
-            }
-            idx[k] = 0;
-        }
-    }
+    crate::comm::block_runs(ss, sa, ds, da, block, es, |so, d_o, n| {
+        push_copy(steps, src, so, dst, d_o, n)
+    });
 }
 
 /// The reduction kernels' names: `coll_acc_<dtype>` and `coll_scale_<dtype>` for every
