@@ -273,10 +273,10 @@ fn every_model_in_tests_models_is_covered() {
     );
 }
 
-/// Bitwise: the executor (async and sync) and the lockstep reference runner give the same
-/// parameters and losses on a real plan.
-#[test]
-fn async_sync_and_reference_runner_agree_bitwise() {
+/// The tiny Llama (dynamo export) on node=2,gpu=2 with zero3: its global batch, its
+/// per-rank forward, its full parameters and the compiled plan.
+#[allow(clippy::type_complexity)]
+fn llama_zero3_plan() -> (Vec<(String, Tensor)>, Program, Vec<(String, Tensor)>, Plan) {
     let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
     let io = read_npz(&own_models_dir().join("llama_tiny.io.npz"));
     let batch = global_batch(&io);
@@ -289,6 +289,14 @@ fn async_sync_and_reference_runner_agree_bitwise() {
         .map(|p| (fwd.value(p.value).name.clone(), p.data.clone().unwrap()))
         .collect();
     let plan = build_plan(&fwd, &mesh, "zero3", &cfg);
+    (batch, fwd, full, plan)
+}
+
+/// Bitwise: the executor (async and sync) and the lockstep reference runner give the same
+/// parameters and losses on a real plan.
+#[test]
+fn async_sync_and_reference_runner_agree_bitwise() {
+    let (batch, _, full, plan) = llama_zero3_plan();
     let mut spmd = hzp_runtime::spmd::SpmdRunner::new(&plan.program, &plan.layouts, &full).unwrap();
     let inputs = program_inputs(&plan.program, &batch);
     let ref_losses: Vec<f64> = (0..3)
@@ -338,18 +346,7 @@ fn async_sync_and_reference_runner_agree_bitwise() {
 /// in no rank's shard and its row would be dropped silently.
 #[test]
 fn executors_reject_out_of_range_token_ids_on_a_row_exchanged_plan() {
-    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
-    let io = read_npz(&own_models_dir().join("llama_tiny.io.npz"));
-    let batch = global_batch(&io);
-    let cfg = config("lm");
-    let mesh = Mesh::parse("node=2,gpu=2").unwrap();
-    let fwd = import_at(&model, &batch, ROWS / 4);
-    let full: Vec<(String, Tensor)> = fwd
-        .params
-        .iter()
-        .map(|p| (fwd.value(p.value).name.clone(), p.data.clone().unwrap()))
-        .collect();
-    let plan = build_plan(&fwd, &mesh, "zero3", &cfg);
+    let (batch, fwd, full, plan) = llama_zero3_plan();
     assert!(
         plan.program
             .nodes
