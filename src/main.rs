@@ -346,6 +346,14 @@ fn main() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
     install_panic_hook();
+    // Errors read in a log or by a script must keep each message on one line: wrap them
+    // to the terminal's width only when stderr is a terminal (a long path would otherwise
+    // break a word such as `read-only` across lines).
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        let _ = miette::set_hook(Box::new(|_| {
+            Box::new(miette::MietteHandlerOpts::new().wrap_lines(false).build())
+        }));
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
