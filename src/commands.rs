@@ -176,9 +176,9 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
             None => load(args, Some(&read_npz(path)?))?,
         },
     };
-    let s = hzp_passes::summary::summarize(&p);
-    let equal = hzp_passes::ties::find_ties(&p);
-    let shared = hzp_passes::ties::shared_parameters(&p);
+    let s = hzp_passes::report::summarize(&p);
+    let equal = hzp_passes::train::ties::find_ties(&p);
+    let shared = hzp_passes::train::ties::shared_parameters(&p);
     match format {
         Format::Text => {
             out!("{}", s.to_text());
@@ -420,7 +420,7 @@ pub fn bench_import(args: &ModelArgs, repeat: usize) -> Result<()> {
 // ---------------------------------------------------------------- training
 
 use crate::TrainArgs;
-use hzp_passes::ties::{self, Tie};
+use hzp_passes::train::ties::{self, Tie};
 use hzp_passes::train::{self as tr, LossKind, Optimizer, TrainConfig};
 
 /// What `grad` and `train` share: the step program, the batch, and the ties made.
@@ -478,7 +478,7 @@ pub(crate) fn loss_from_spec(spec: &str) -> Result<LossKind> {
 
 /// The most micro-batches a step may be split into (each is unrolled into the step; the
 /// plan verifier has the same limit).
-pub(crate) const MAX_MICRO_BATCHES: usize = hzp_passes::verify_plan::MAX_MICRO_BATCHES;
+pub(crate) const MAX_MICRO_BATCHES: usize = hzp_passes::plan::verify::MAX_MICRO_BATCHES;
 
 /// A flag's value must be a finite number in a range; the message names the flag, the value
 /// and the range.

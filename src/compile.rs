@@ -4,12 +4,13 @@ use crate::commands::{load_for_compile, train_config};
 use crate::{Format, ModelArgs, TrainArgs};
 use hzp_ir::plan::{BufferKind, Plan};
 use hzp_ir::{Mesh, Op, Program, StreamKind};
-use hzp_passes::cluster::{parse_bytes, ClusterSpec};
 use hzp_passes::compile::{
     compile_plan, Buckets, CompileError, CompileEvent, CompileOptions, Recompute,
     MAX_PREFETCH_DEPTH,
 };
-use hzp_passes::shard_plan::{self, ReduceGrads, ShardOverride, Strategy};
+use hzp_passes::cost::cluster::{parse_bytes, ClusterSpec};
+use hzp_passes::dist::spmd::ReduceGrads;
+use hzp_passes::plan::planner::{self, ShardOverride, Strategy};
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -104,11 +105,11 @@ pub fn fingerprint_of(fwd: &Program) -> String {
 
 /// The stages `hzp compile --print-after` prints, in pipeline order: the forward program as
 /// loaded, the single-rank training step, the stages of the per-rank step builder (see
-/// [`hzp_passes::spmd::STAGES`]: after collective insertion, rewriting and scheduling), and
+/// [`hzp_passes::dist::spmd::STAGES`]: after collective insertion, rewriting and scheduling), and
 /// the memory plan.
 pub fn print_stage_names() -> Vec<&'static str> {
     let mut v = vec!["import", "training"];
-    v.extend(hzp_passes::spmd::STAGES);
+    v.extend(hzp_passes::dist::spmd::STAGES);
     v.push("memory");
     v
 }
@@ -164,7 +165,7 @@ pub struct Built {
     pub plan: Plan,
     /// The plan's JSON ([`Plan::to_json`]), when `build_plan` was asked for it.
     pub json: Option<String>,
-    pub report: shard_plan::PlanReport,
+    pub report: planner::PlanReport,
     pub peak_by_kind: BTreeMap<BufferKind, u64>,
     pub cluster: ClusterSpec,
     /// The memory budget per rank, if one was given.
@@ -332,7 +333,7 @@ pub fn run_request(r: &Request) -> std::result::Result<Built, CompileError> {
             }
             CompileEvent::Planned(report) => {
                 if r.explain {
-                    crate::stdio::out(format_args!("{}\n", shard_plan::explain(report)))
+                    crate::stdio::out(format_args!("{}\n", planner::explain(report)))
                 } else {
                     Ok(())
                 }
@@ -497,7 +498,7 @@ fn nodes_per_stream(p: &Program) -> BTreeMap<&'static str, usize> {
 
 fn summary(
     plan: &Plan,
-    report: &shard_plan::PlanReport,
+    report: &planner::PlanReport,
     peak: &BTreeMap<BufferKind, u64>,
     secs: f64,
 ) -> Summary {
@@ -541,8 +542,8 @@ fn print_summary(s: &Summary) -> Result<()> {
     );
     outln!(
         "  predicted step {} (exposed communication {})",
-        shard_plan::human_seconds(s.predicted_step_s),
-        shard_plan::human_seconds(s.predicted_exposed_comm_s)
+        planner::human_seconds(s.predicted_step_s),
+        planner::human_seconds(s.predicted_exposed_comm_s)
     );
     outln!(
         "  arena per rank {}",
@@ -603,15 +604,15 @@ pub fn bytes_per_link(
 pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()> {
     let plan = crate::run::read_plan(path)?;
     let p = &plan.program;
-    let persistent = hzp_passes::memory::default_persistent(p);
+    let persistent = hzp_passes::plan::memory::default_persistent(p);
     let kinds = |v: hzp_ir::ValueId| hzp_passes::compile::buffer_kind(p, v);
-    let mem = hzp_passes::memory::plan_memory(p, &kinds, &persistent);
+    let mem = hzp_passes::plan::memory::plan_memory(p, &kinds, &persistent);
     let cluster = load_cluster(cluster)?;
     cluster
         .validate_mesh(&plan.mesh)
         .map_err(|e| miette!("{e}"))?;
     let per_link = bytes_per_link(p, &plan.mesh, &cluster)?;
-    let intra: Vec<String> = shard_plan::node_local_group(&plan.mesh, &cluster)
+    let intra: Vec<String> = hzp_passes::cost::cluster::node_local_group(&plan.mesh, &cluster)
         .axes
         .iter()
         .filter_map(|a| cluster.link_for_axis(a).ok().map(|l| l.name.clone()))

@@ -380,7 +380,7 @@ fn main() {
         note!("{n}");
     }
     if let Some(m) = &cli.max_memory {
-        match hzp_passes::cluster::parse_bytes(m) {
+        match hzp_passes::cost::cluster::parse_bytes(m) {
             Ok(b) if b > 0 => hzp_frontends::limits::set_max_memory(b),
             Ok(_) => {
                 note!("--max-memory {m}: the budget must be more than 0 bytes");

@@ -4,7 +4,7 @@ use crate::Format;
 use hzp_frontends::{load_model, npz, LoadOptions};
 use hzp_ir::plan::Plan;
 use hzp_ir::{Group, Op, Program, Tensor};
-use hzp_passes::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
+use hzp_passes::cost::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent};
@@ -178,11 +178,11 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
     let text = hzp_frontends::limits::read_regular_string(path)
         .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
     let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
-    let vopts = hzp_passes::verify_plan::VerifyOptions {
+    let vopts = hzp_passes::plan::verify::VerifyOptions {
         budget: None,
         communicator_per_stream: true,
     };
-    if let Err(v) = hzp_passes::verify_plan::verify_plan_with(&plan, &vopts) {
+    if let Err(v) = hzp_passes::plan::verify::verify_plan_with(&plan, &vopts) {
         let list: Vec<String> = v.iter().map(|x| format!("  - {x}")).collect();
         return Err(miette!(
             "{} does not verify, so hzp will not use it (was it edited by hand?):\n{}",
@@ -235,7 +235,7 @@ pub(crate) fn eval_program(args: &RunArgs, plan: &Plan) -> Result<Program> {
     }
     let mut fwd = load_forward(&model, plan)?;
     let ties = plan_ties(&fwd, plan);
-    hzp_passes::ties::retie(&mut fwd, &ties).map_err(|e| miette!("{e}"))?;
+    hzp_passes::train::ties::retie(&mut fwd, &ties).map_err(|e| miette!("{e}"))?;
     let compute = plan
         .program
         .precision
@@ -251,9 +251,9 @@ pub(crate) fn eval_program(args: &RunArgs, plan: &Plan) -> Result<Program> {
 
 /// The weights of `fwd` an exporter stored twice that the plan trains as one (it was
 /// compiled with `--retie`): the canonical one is a parameter of the plan, the copy is not.
-fn plan_ties(fwd: &Program, plan: &Plan) -> Vec<hzp_passes::ties::Tie> {
+fn plan_ties(fwd: &Program, plan: &Plan) -> Vec<hzp_passes::train::ties::Tie> {
     let trained = |n: &str| plan.layouts.iter().any(|l| l.name == n);
-    hzp_passes::ties::find_ties(fwd)
+    hzp_passes::train::ties::find_ties(fwd)
         .into_iter()
         .filter(|t| trained(&t.canonical) && !trained(&t.copy))
         .collect()

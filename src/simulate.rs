@@ -7,11 +7,11 @@ use clap::ValueEnum;
 use hzp_ir::plan::format_bytes;
 use hzp_ir::trace::Trace;
 use hzp_ir::Mesh;
-use hzp_passes::cluster::{parse_bytes, ClusterSpec};
 use hzp_passes::compile::CompileError;
+use hzp_passes::cost::cluster::{parse_bytes, ClusterSpec};
 use hzp_passes::cost::Algorithm;
-use hzp_passes::shard_plan::ShardOverride;
-use hzp_passes::shard_plan::Strategy;
+use hzp_passes::plan::planner::ShardOverride;
+use hzp_passes::plan::planner::Strategy;
 use hzp_passes::simulate::{self, SimOptions, Simulation};
 use indicatif::{ProgressBar, ProgressStyle};
 use miette::{miette, IntoDiagnostic, Result};
@@ -121,7 +121,7 @@ fn pct(x: f64) -> String {
 }
 
 fn secs(s: f64) -> String {
-    hzp_passes::svg::fmt_time(s)
+    hzp_passes::simulate::svg::fmt_time(s)
 }
 
 fn bytes_f(b: f64) -> String {
@@ -375,10 +375,18 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
         write_file(path, &trace.to_json(), &inputs)?;
     }
     if let Some(path) = &a.timeline {
-        write_file(path, &hzp_passes::svg::gantt(&plan, shown), &inputs)?;
+        write_file(
+            path,
+            &hzp_passes::simulate::svg::gantt(&plan, shown),
+            &inputs,
+        )?;
     }
     if let Some(path) = &a.memory_plot {
-        write_file(path, &hzp_passes::svg::memory_plot(shown), &inputs)?;
+        write_file(
+            path,
+            &hzp_passes::simulate::svg::memory_plot(shown),
+            &inputs,
+        )?;
     }
     match a.format {
         Format::Json => {

@@ -45,7 +45,7 @@ fn npz_target(b: &[u8]) {
 fn plan_target(b: &[u8]) {
     let s = String::from_utf8_lossy(b);
     if let Ok(plan) = hzp_ir::Plan::from_json(&s, "fuzz.json") {
-        let _ = hzp_passes::verify_plan::verify_plan(&plan, None);
+        let _ = hzp_passes::plan::verify::verify_plan(&plan, None);
     }
 }
 

@@ -1,9 +1,9 @@
 //! The compile driver: a forward program in, a verified plan out.
 //!
 //! [`compile_plan`] is what `hzp compile` does after parsing its flags, available to library
-//! users: choose the shard groups ([`crate::shard_plan`]), build the per-rank step with its
-//! collectives, schedule and rewriting ([`crate::spmd`], [`crate::rewrite`]), plan memory
-//! ([`crate::memory`]), assemble the [`Plan`], verify it ([`crate::verify_plan`]) and hash it.
+//! users: choose the shard groups ([`crate::plan::planner`]), build the per-rank step with its
+//! collectives, schedule and rewriting ([`crate::dist::spmd`], [`crate::dist::rewrite`]), plan memory
+//! ([`crate::plan::memory`]), assemble the [`Plan`], verify it ([`crate::plan::verify`]) and hash it.
 //! It owns the compile policy:
 //! - [`Recompute::Auto`]: when no sharding fits the budget without activation recompute, plan
 //!   again with it (and say so);
@@ -15,13 +15,14 @@
 //! What a CLI prints along the way (notes, the planner's report, programs after stages,
 //! phase timings) comes out through [`CompileEvent`]s; the driver prints nothing.
 
-use crate::cluster::ClusterSpec;
-use crate::memory;
-use crate::rewrite::RewriteOptions;
-use crate::shard_plan::{self, PlanReport, ReduceGrads, ShardOptions, ShardOverride, Strategy};
-use crate::spmd::{self, NarrowGrads, Rewrite, ScheduleOptions};
+use crate::cost::cluster::ClusterSpec;
+use crate::dist::rewrite::RewriteOptions;
+use crate::dist::spmd::ReduceGrads;
+use crate::dist::spmd::{self, NarrowGrads, Rewrite, ScheduleOptions};
+use crate::plan::memory;
+use crate::plan::planner::{self, PlanReport, ShardOptions, ShardOverride, Strategy};
+use crate::plan::verify::{self, VerifyOptions};
 use crate::train::{Optimizer, TrainConfig};
-use crate::verify_plan::{self, VerifyOptions};
 use hzp_ir::plan::{format_bytes, BufferKind, Plan, ShardGroups};
 use hzp_ir::{DType, Mesh, Program, RoleKind, ValueDef, ValueId};
 use std::collections::BTreeMap;
@@ -246,20 +247,20 @@ pub fn compile_plan(
             sparse_grads: opts.sparse_grads,
         },
     };
-    let mut planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
+    let mut planned = planner::plan_sharding(fwd, mesh, cluster, &shard_opts);
     if opts.recompute == Recompute::Auto {
-        if let Err(shard_plan::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
+        if let Err(planner::ShardPlanError::DoesNotFit { candidate, .. }) = &planned {
             on(CompileEvent::Note(format!(
                 "note: no plan fits without activation recompute (the smallest needs {}); \
                  compiling with --recompute (--recompute off to refuse instead)",
                 format_bytes(candidate.memory.total)
             )))?;
             shard_opts.schedule.recompute = true;
-            planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
+            planned = planner::plan_sharding(fwd, mesh, cluster, &shard_opts);
         }
     }
     let report = planned.map_err(|e| match e {
-        shard_plan::ShardPlanError::DoesNotFit {
+        planner::ShardPlanError::DoesNotFit {
             ref candidate,
             budget,
             ..
@@ -414,7 +415,7 @@ pub fn compile_plan(
                 (None, plan.compute_hash())
             }
         });
-        let verified = verify_plan::verify_plan_with(&plan, &vopts);
+        let verified = verify::verify_plan_with(&plan, &vopts);
         (
             verified,
             hashing.join().expect("the hashing thread does not panic"),

@@ -3,7 +3,7 @@
 //! every float input compared with (loss(x + h) - loss(x - h)) / 2h.
 
 use hzp_ir::{BinaryOp, DType, Op, Program, ReduceOp, Tensor, TensorType, UnaryOp, ValueId};
-use hzp_passes::autodiff::differentiate;
+use hzp_passes::train::autodiff::differentiate;
 use hzp_runtime::eval::evaluate;
 
 /// Deterministic pseudo-random numbers in [-1, 1).

@@ -2,11 +2,11 @@
 
 use hzp_ir::plan::BufferKind;
 use hzp_ir::{Mesh, RoleKind};
-use hzp_passes::cluster::ClusterSpec;
 use hzp_passes::compile::{compile_plan, CompileError, CompileEvent, CompileOptions};
-use hzp_passes::shard_plan::Strategy;
+use hzp_passes::cost::cluster::ClusterSpec;
+use hzp_passes::plan::planner::Strategy;
+use hzp_passes::plan::verify::{verify_plan_with, VerifyOptions};
 use hzp_passes::train::{LossKind, TrainConfig};
-use hzp_passes::verify_plan::{verify_plan_with, VerifyOptions};
 use std::path::PathBuf;
 
 fn root() -> PathBuf {

@@ -14,14 +14,16 @@
 
 use hzp_ir::plan::Plan;
 use hzp_ir::{DType, Group, Mesh, Op, Program};
-use hzp_passes::cluster::ClusterSpec;
-use hzp_passes::memory::{default_kind, default_persistent, plan_memory};
-use hzp_passes::rewrite::RewriteOptions;
-use hzp_passes::shard_plan::ReduceGrads;
-use hzp_passes::spmd::{shard_training_step_rewritten, Rewrite, ScheduleOptions, ShardGroups};
-use hzp_passes::summary::layer_of_params;
+use hzp_passes::cost::cluster::ClusterSpec;
+use hzp_passes::dist::rewrite::RewriteOptions;
+use hzp_passes::dist::spmd::ReduceGrads;
+use hzp_passes::dist::spmd::{
+    shard_training_step_rewritten, Rewrite, ScheduleOptions, ShardGroups,
+};
+use hzp_passes::plan::memory::{default_kind, default_persistent, plan_memory};
+use hzp_passes::plan::verify::{verify_plan_with, VerifyOptions};
+use hzp_passes::report::layer_of_params;
 use hzp_passes::train::{self, LossKind, Optimizer, TrainConfig};
-use hzp_passes::verify_plan::{verify_plan_with, VerifyOptions};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -360,7 +362,7 @@ fn expected(
     fwd: &Program,
     cfg: &TrainConfig,
     mesh: &Mesh,
-    step: &hzp_passes::spmd::ShardedStep,
+    step: &hzp_passes::dist::spmd::ShardedStep,
 ) -> BTreeMap<(String, BTreeSet<String>), (usize, u128)> {
     let w = mesh.world_size() as u128;
     let size = |g: &Group| mesh.group_size(g).unwrap() as u128;

@@ -1,7 +1,9 @@
 //! Cluster specs: unit parsing, the shipped specs, link lookup and error locations.
 
 use hzp_ir::Mesh;
-use hzp_passes::cluster::{parse_bytes, parse_duration, parse_flops, parse_rate, ClusterSpec};
+use hzp_passes::cost::cluster::{
+    parse_bytes, parse_duration, parse_flops, parse_rate, ClusterSpec,
+};
 use std::path::PathBuf;
 
 fn close(a: f64, b: f64) -> bool {

@@ -1,7 +1,7 @@
 //! The analytical cost model against hand-computed formulas.
 
 use hzp_ir::{BinaryOp, DType, Group, Mesh, Op, ReduceOp, TensorType, UnaryOp};
-use hzp_passes::cluster::ClusterSpec;
+use hzp_passes::cost::cluster::ClusterSpec;
 use hzp_passes::cost::{
     collective_time, compute_time, op_bytes, op_flops, roofline, shared_bandwidth_time, Algorithm,
     Bound, CollectiveKind, CostError, CostModel, TRANSCENDENTAL_FLOPS as T,

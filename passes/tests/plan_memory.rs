@@ -3,8 +3,8 @@
 mod plan_common;
 
 use hzp_ir::*;
-use hzp_passes::memory::{plan_memory, HappensBefore, MemoryPlan};
-use hzp_passes::verify_plan::verify_plan;
+use hzp_passes::plan::memory::{plan_memory, HappensBefore, MemoryPlan};
+use hzp_passes::plan::verify::verify_plan;
 use plan_common::*;
 
 fn check_report(m: &MemoryPlan) {
@@ -382,9 +382,13 @@ fn an_in_place_result_counts_as_its_own_kind_at_the_peak() {
          %y = Concat{axis=0}(%s, %s) \"y\"\noutput %y\n",
     );
     let s = p.find_value("s").unwrap();
-    let base = hzp_passes::memory::default_kind(&p);
+    let base = hzp_passes::plan::memory::default_kind(&p);
     let kinds = |v: ValueId| if v == s { BufferKind::Grad } else { base(v) };
-    let m = plan_memory(&p, &kinds, &hzp_passes::memory::default_persistent(&p));
+    let m = plan_memory(
+        &p,
+        &kinds,
+        &hzp_passes::plan::memory::default_persistent(&p),
+    );
     check_report(&m);
     assert_eq!(offset(&m, &p, "s"), offset(&m, &p, "d"));
     assert_eq!(m.peak_by_kind.get(&BufferKind::Grad), Some(&128));

@@ -4,7 +4,9 @@
 mod plan_common;
 
 use hzp_ir::*;
-use hzp_passes::verify_plan::{verify_plan, verify_plan_with, Check, PlanViolation, VerifyOptions};
+use hzp_passes::plan::verify::{
+    verify_plan, verify_plan_with, Check, PlanViolation, VerifyOptions,
+};
 use plan_common::*;
 
 fn violations(plan: &Plan, budget: Option<u64>) -> Vec<PlanViolation> {

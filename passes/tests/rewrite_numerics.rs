@@ -4,9 +4,9 @@
 
 mod sharded_common;
 use hzp_ir::{DType, Mesh, Program, Tensor};
-use hzp_passes::cluster::ClusterSpec;
-use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
-use hzp_passes::spmd::{shard_training_step, ShardGroups, ShardedStep};
+use hzp_passes::cost::cluster::ClusterSpec;
+use hzp_passes::dist::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
+use hzp_passes::dist::spmd::{shard_training_step, ShardGroups, ShardedStep};
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
 use hzp_runtime::spmd::SpmdRunner;
 use hzp_runtime::train::Trainer;

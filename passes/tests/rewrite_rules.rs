@@ -4,7 +4,7 @@
 
 mod sharded_common;
 use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Tensor, TensorType};
-use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
+use hzp_passes::dist::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
 use hzp_runtime::spmd::SpmdRunner;
 use sharded_common::{g, slow_cluster};
 
@@ -456,8 +456,8 @@ fn bucketing_never_fuses_across_a_data_dependency() {
 fn programs_with_events_get_them_back() {
     let p = gathers("gather", 3, 1);
     let mut with_events = p.clone();
-    hzp_passes::spmd::assign_streams(&mut with_events);
-    let with_events = hzp_passes::spmd::insert_events(&with_events);
+    hzp_passes::dist::streams::assign_streams(&mut with_events);
+    let with_events = hzp_passes::dist::streams::insert_events(&with_events);
     assert!(with_events
         .nodes
         .iter()

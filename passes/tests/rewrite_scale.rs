@@ -3,8 +3,8 @@
 //! time per node for two sizes (a benchmark-style ratio, not a timed assertion).
 
 use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Role, RoleKind, TensorType, ValueId};
-use hzp_passes::cluster::ClusterSpec;
-use hzp_passes::rewrite::{rewrite_collectives, RewriteOptions};
+use hzp_passes::cost::cluster::ClusterSpec;
+use hzp_passes::dist::rewrite::{rewrite_collectives, RewriteOptions};
 use std::path::PathBuf;
 use std::time::Instant;
 

@@ -6,13 +6,13 @@ mod plan_common;
 
 use hzp_ir::trace::{validate, Trace};
 use hzp_ir::*;
-use hzp_passes::cluster::ClusterSpec;
+use hzp_passes::cost::cluster::ClusterSpec;
 use hzp_passes::cost::{collective_time, Algorithm, CollectiveKind};
-use hzp_passes::memory::{default_kind, default_persistent, plan_memory};
+use hzp_passes::dist::spmd::{shard_training_step, ShardGroups};
+use hzp_passes::plan::memory::{default_kind, default_persistent, plan_memory};
 use hzp_passes::simulate::{
     calibrate, measurements_from_trace, simulate, OpClass, SimOptions, Simulation,
 };
-use hzp_passes::spmd::{shard_training_step, ShardGroups};
 use hzp_passes::train::TrainConfig;
 use plan_common::{parse, plan_of, TWO_STREAMS};
 
@@ -502,18 +502,18 @@ fn check_attrs(a: &str) {
 fn svg_pictures_are_well_formed_and_deterministic() {
     let plan = gpt_plan("node=2,gpu=2", [&["gpu"], &["gpu"], &["node", "gpu"]]);
     let s = simulate(&plan, &spec(), &SimOptions::default()).unwrap();
-    let g = hzp_passes::svg::gantt(&plan, &s);
+    let g = hzp_passes::simulate::svg::gantt(&plan, &s);
     check_xml(&g);
     assert!(g.contains(">compute</text>") && g.contains(">all-gather</text>"));
     assert!(g.contains("url(#waits)"), "waits are drawn");
-    assert_eq!(g, hzp_passes::svg::gantt(&plan, &s));
-    let m = hzp_passes::svg::memory_plot(&s);
+    assert_eq!(g, hzp_passes::simulate::svg::gantt(&plan, &s));
+    let m = hzp_passes::simulate::svg::memory_plot(&s);
     check_xml(&m);
     assert!(m.contains("arena") && m.contains("activation"));
-    assert_eq!(m, hzp_passes::svg::memory_plot(&s));
+    assert_eq!(m, hzp_passes::simulate::svg::memory_plot(&s));
     // names are escaped
     assert_eq!(
-        hzp_passes::svg::escape("a<b & \"c\""),
+        hzp_passes::simulate::svg::escape("a<b & \"c\""),
         "a&lt;b &amp; &quot;c&quot;"
     );
     // the checker itself rejects broken XML

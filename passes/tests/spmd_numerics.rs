@@ -4,8 +4,8 @@
 
 mod sharded_common;
 use hzp_ir::Mesh;
-use hzp_passes::shard_plan::ReduceGrads;
-use hzp_passes::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardGroups};
+use hzp_passes::dist::spmd::ReduceGrads;
+use hzp_passes::dist::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardGroups};
 use sharded_common::{
     batch, g, h100_rewrite, import, meaningful, rel, rel_masked, with_optimizer_lr,
 };
@@ -270,7 +270,7 @@ fn narrow_gradient_groups_match_one_rank() {
         .collect();
     assert!(params.len() >= 2);
     let s = ScheduleOptions {
-        narrow_grads: Some(hzp_passes::spmd::NarrowGrads {
+        narrow_grads: Some(hzp_passes::dist::spmd::NarrowGrads {
             group: g(&["gpu"]),
             params,
         }),
@@ -308,7 +308,7 @@ fn narrow_gradient_groups_are_checked() {
         grads: g(&["node", "gpu"]),
         optim: g(&["node", "gpu"]),
     };
-    let narrow = |grp: &[&str], name: &str| hzp_passes::spmd::NarrowGrads {
+    let narrow = |grp: &[&str], name: &str| hzp_passes::dist::spmd::NarrowGrads {
         group: g(grp),
         params: [name.to_string()].into_iter().collect(),
     };
@@ -461,7 +461,7 @@ fn llama_step_with(
     cfg: &TrainConfig,
     sched: &ScheduleOptions,
     rewrite: bool,
-) -> hzp_passes::spmd::ShardedStep {
+) -> hzp_passes::dist::spmd::ShardedStep {
     let rw = h100_rewrite();
     shard_training_step_rewritten(
         &import("llama_tiny.legacy.op17.onnx", 4, 16),

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use hzp_ir::*;
-use hzp_passes::memory::{default_kind, default_persistent, plan_memory, MemoryPlan};
+use hzp_passes::plan::memory::{default_kind, default_persistent, plan_memory, MemoryPlan};
 
 pub fn parse(src: &str) -> Program {
     text::parse(src, "t.hzp", &|_| None).unwrap_or_else(|e| panic!("{e}\n{src}"))

@@ -4,7 +4,7 @@
 
 use hzp_frontends::{load_model, npz, LoadOptions};
 use hzp_ir::{Program, Tensor};
-use hzp_passes::cluster::ClusterSpec;
+use hzp_passes::cost::cluster::ClusterSpec;
 use std::path::PathBuf;
 
 /// The repository root.
@@ -59,8 +59,8 @@ pub fn import(file: &str, rows: usize, seq: usize) -> Program {
 }
 
 /// Collective rewriting on the 8xH100 DGX spec of `examples/clusters`, default options.
-pub fn h100_rewrite() -> hzp_passes::spmd::Rewrite {
-    hzp_passes::spmd::Rewrite {
+pub fn h100_rewrite() -> hzp_passes::dist::spmd::Rewrite {
+    hzp_passes::dist::spmd::Rewrite {
         cluster: ClusterSpec::from_toml_str(
             include_str!("../../../examples/clusters/h100-dgx.toml"),
             "h100-dgx.toml",

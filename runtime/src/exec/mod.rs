@@ -16,7 +16,7 @@
 //! time. [`Executor::new`] checks what it can cheaply (every buffer inside the arena and as
 //! large as its value, events recorded once and before their waits, groups in the mesh, no
 //! node writing over its own inputs); callers must also have run the plan verifier
-//! (`hzp_passes::verify_plan`), which checks the happens-before order of overlapping
+//! (`hzp_passes::plan::verify`), which checks the happens-before order of overlapping
 //! buffers. `hzp run` and the tests do.
 
 pub mod arena;

@@ -20,14 +20,15 @@
 //! Collectives go on the all-gather and reduce-scatter streams; every use across streams is
 //! ordered by a RecordEvent / WaitEvent pair (see [`insert_events`]).
 
+use crate::dist::streams::{assign_streams, insert_events_with};
 use crate::emit::Emitter;
-use crate::shard_plan::ReduceGrads;
 use crate::train::{self, TrainConfig, TrainError};
 pub use hzp_ir::ParamLayout;
 use hzp_ir::{
     BinaryOp, DType, Group, Mesh, NodeId, Op, Precision, Program, ReduceOp, Role, RoleKind,
     StreamKind, TensorType, Update, ValueDef, ValueId,
 };
+use serde::{Serialize, Serializer};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// The three shard groups (P, G, O) a step is built for: [`hzp_ir::plan::ShardGroups`].
@@ -101,6 +102,45 @@ fn minus(a: &Group, b: &Group) -> Group {
 
 fn size(mesh: &Mesh, g: &Group) -> usize {
     mesh.group_size(g).unwrap_or(1)
+}
+
+/// When gradients are reduce-scattered over G.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceGrads {
+    /// Once per step, after accumulating all micro-batches unsharded (less traffic, a full
+    /// gradient buffer).
+    PerStep,
+    /// After every micro-batch's backward, layer by layer, into a 1/g accumulator.
+    PerMicrobatch,
+}
+
+impl ReduceGrads {
+    /// `step` or `microbatch`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceGrads::PerStep => "step",
+            ReduceGrads::PerMicrobatch => "microbatch",
+        }
+    }
+
+    /// `step` / `per-step`, `microbatch` / `per-microbatch` (also `micro-batch`).
+    pub fn parse(s: &str) -> Result<ReduceGrads, String> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "step" | "per-step" => Ok(ReduceGrads::PerStep),
+            "microbatch" | "micro-batch" | "per-microbatch" | "per-micro-batch" => {
+                Ok(ReduceGrads::PerMicrobatch)
+            }
+            _ => Err(format!(
+                "unknown gradient reduction `{s}` (expected step or microbatch)"
+            )),
+        }
+    }
+}
+
+impl Serialize for ReduceGrads {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
 }
 
 /// How the per-rank step is scheduled (DESIGN.md, steps 7 and 8).
@@ -285,7 +325,7 @@ impl Analysis {
         with_loss: &Program,
         sched: &ScheduleOptions,
     ) -> Result<Analysis, TrainError> {
-        let grouping = crate::summary::layer_of_params(with_loss);
+        let grouping = crate::report::layer_of_params(with_loss);
         let fwd_layer: HashMap<&str, Option<usize>> = with_loss
             .nodes
             .iter()
@@ -519,11 +559,11 @@ pub fn shard_training_step_with(
 /// prefetch, rate-limiting and data events inserted).
 pub const STAGES: [&str; 3] = ["collectives", "rewrite", "schedule"];
 
-/// Collective rewriting ([`crate::rewrite`]) between insertion and scheduling.
+/// Collective rewriting ([`crate::dist::rewrite`]) between insertion and scheduling.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rewrite {
-    pub cluster: crate::cluster::ClusterSpec,
-    pub options: crate::rewrite::RewriteOptions,
+    pub cluster: crate::cost::cluster::ClusterSpec,
+    pub options: crate::dist::rewrite::RewriteOptions,
 }
 
 /// [`shard_training_step_with`], handing the program after each stage (see [`STAGES`]) to
@@ -1332,8 +1372,9 @@ pub fn shard_training_step_rewritten(
     trace(STAGES[0], &q);
     let mut rewrite_report = None;
     if let Some(rw) = rewrite {
-        let (r, rep) = crate::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
-            .map_err(|e| err(format!("collective rewriting: {e}")))?;
+        let (r, rep) =
+            crate::dist::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
+                .map_err(|e| err(format!("collective rewriting: {e}")))?;
         q = r;
         drop_redundant_copies(&mut q);
         trace(STAGES[1], &q);
@@ -1783,145 +1824,5 @@ fn defer_reduce_consumers(
         }
     }
     debug_assert_eq!(out.len(), n, "the order given is topological");
-    out
-}
-
-/// Puts all-gathers on the all-gather stream and the other collectives on the
-/// reduce-scatter stream; everything else computes.
-pub fn assign_streams(p: &mut Program) {
-    for n in p.nodes.iter_mut() {
-        n.stream = match n.op {
-            Op::AllGather { .. } => StreamKind::AllGather,
-            Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::AllToAll { .. } => {
-                StreamKind::ReduceScatter
-            }
-            _ => StreamKind::Compute,
-        };
-    }
-}
-
-/// Orders every use across streams: after the producer, a RecordEvent on its stream; before
-/// the first reader on each other stream, a WaitEvent. Values that exist before the step
-/// (inputs, parameters, states, constants) need none.
-pub fn insert_events(p: &Program) -> Program {
-    let order: Vec<NodeId> = (0..p.nodes.len()).map(|i| NodeId(i as u32)).collect();
-    insert_events_with(p, &order, &[])
-}
-
-/// [`insert_events`] with the nodes issued in `order` (a permutation of the nodes that is a
-/// topological order) and extra orderings `(waiter, waited)`: `waiter` starts only after
-/// `waited` has run (when they are on different streams; `waited` must come first in
-/// `order`).
-pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeId)]) -> Program {
-    let mut out = Program::new(p.name.clone());
-    out.mesh = p.mesh.clone();
-    out.precision = p.precision;
-    // Values are copied in order; nodes are re-added with events interleaved.
-    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
-    // each parameter's data, constant's data and state's initial value (the first entry of
-    // one listed twice, as `Program::param` finds it)
-    let mut param_data: HashMap<ValueId, &Option<hzp_ir::Tensor>> = HashMap::new();
-    for x in &p.params {
-        param_data.entry(x.value).or_insert(&x.data);
-    }
-    let mut const_data: HashMap<ValueId, &hzp_ir::Tensor> = HashMap::new();
-    for c in &p.consts {
-        const_data.entry(c.value).or_insert(&c.data);
-    }
-    let mut state_init: HashMap<ValueId, &Option<hzp_ir::Tensor>> = HashMap::new();
-    for s in &p.states {
-        state_init.entry(s.value).or_insert(&s.init);
-    }
-    for (i, v) in p.values.iter().enumerate() {
-        let id = ValueId(i as u32);
-        match v.def {
-            ValueDef::Input => {
-                map.insert(id, out.add_input(v.name.clone(), v.ty.clone()));
-            }
-            ValueDef::Param => {
-                let data = param_data.get(&id).and_then(|&d| d.clone());
-                map.insert(id, out.add_param(v.name.clone(), v.ty.clone(), data));
-            }
-            ValueDef::Const => {
-                let data = (*const_data.get(&id).expect("const has data")).clone();
-                map.insert(id, out.add_const(v.name.clone(), data));
-            }
-            ValueDef::State => {
-                let init = state_init.get(&id).and_then(|&s| s.clone());
-                map.insert(id, out.add_state(v.name.clone(), v.ty.clone(), init));
-            }
-            ValueDef::Node { .. } => {}
-        }
-    }
-    // For each node, the nodes on other streams it must wait for.
-    let mut needs: Vec<Vec<usize>> = vec![Vec::new(); p.nodes.len()];
-    for (i, n) in p.nodes.iter().enumerate() {
-        for &v in &n.inputs {
-            if let Some(src) = p.producer(v) {
-                if p.nodes[src.index()].stream != n.stream {
-                    needs[i].push(src.index());
-                }
-            }
-        }
-    }
-    for &(waiter, waited) in extra {
-        if p.nodes[waiter.index()].stream != p.nodes[waited.index()].stream {
-            needs[waiter.index()].push(waited.index());
-        }
-    }
-    let mut recorded_for_other = vec![false; p.nodes.len()];
-    for ns in &needs {
-        for &src in ns {
-            recorded_for_other[src] = true;
-        }
-    }
-    let mut event_of: HashMap<usize, u32> = HashMap::new(); // producer node -> event
-    let mut waited: HashMap<StreamKind, HashSet<u32>> = HashMap::new();
-    let mut next_event = 0u32;
-    let mut names = hzp_ir::NameSet::from_program(p);
-    for &nid in order {
-        let ni = nid.index();
-        let n = &p.nodes[ni];
-        for &src in &needs[ni] {
-            let ev = *event_of
-                .get(&src)
-                .expect("a node is issued after the nodes it waits for");
-            if waited.entry(n.stream).or_default().insert(ev) {
-                let name = names.fresh(&format!("wait{ev}"));
-                out.add_node(name, Op::WaitEvent { event: ev }, vec![], vec![])
-                    .expect("events have no inputs");
-                out.nodes.last_mut().expect("just added").stream = n.stream;
-            }
-        }
-        let ins = n.inputs.iter().map(|v| map[v]).collect();
-        let outs = n.outputs.iter().map(|&o| p.value(o).name.clone()).collect();
-        let new = out
-            .add_node(n.name.clone(), n.op.clone(), ins, outs)
-            .expect("the program verified before");
-        let added = out.nodes.last_mut().expect("just added");
-        added.stream = n.stream;
-        added.role = n.role.clone();
-        for (&o, nv) in n.outputs.iter().zip(new) {
-            map.insert(o, nv);
-        }
-        if recorded_for_other[ni] {
-            let ev = next_event;
-            next_event += 1;
-            event_of.insert(ni, ev);
-            let name = names.fresh(&format!("record{ev}"));
-            out.add_node(name, Op::RecordEvent { event: ev }, vec![], vec![])
-                .expect("events have no inputs");
-            out.nodes.last_mut().expect("just added").stream = n.stream;
-        }
-    }
-    out.outputs = p.outputs.iter().map(|v| map[v]).collect();
-    out.updates = p
-        .updates
-        .iter()
-        .map(|u| Update {
-            target: map[&u.target],
-            value: map[&u.value],
-        })
-        .collect();
     out
 }

@@ -50,13 +50,14 @@
 //!
 //! The result keeps the original streams of untouched nodes; new collectives go on the
 //! all-gather stream (AllGather) or the reduce-scatter stream (the others), like
-//! [`crate::spmd::assign_streams`]; everything else computes. RecordEvent/WaitEvent nodes
+//! [`crate::dist::streams::assign_streams`]; everything else computes. RecordEvent/WaitEvent nodes
 //! of the input are dropped and, if there were any, events are inserted again with
-//! [`crate::spmd::insert_events`]. Nodes keep a topological order close to the original
+//! [`crate::dist::streams::insert_events`]. Nodes keep a topological order close to the original
 //! (new nodes go where their region was, or as early as their inputs allow).
 
-use crate::cluster::ClusterSpec;
+use crate::cost::cluster::ClusterSpec;
 use crate::cost::{Algorithm, CollectiveKind, CostModel};
+use crate::dist::streams::stream_for;
 use egg::{Analysis, CostFunction, DidMerge, EGraph, Extractor, Id, Language};
 use hzp_ir::{
     DType, Group, Mesh, NameSet, Node, Op, Param, Program, ReduceOp, Role, StreamKind, TensorType,
@@ -218,7 +219,7 @@ pub fn rewrite_collectives(
     };
     q = saturate_regions(&q, &coster, opts, &mut report)?;
     if had_events {
-        q = crate::spmd::insert_events(&q);
+        q = crate::dist::streams::insert_events(&q);
     }
     hzp_ir::verify(&q)
         .map_err(|e| format!("collective rewriting produced an invalid program: {e}"))?;
@@ -339,17 +340,6 @@ struct Edit<'a> {
     names: NameSet,
     /// Next suffix to try per base name (so n fresh names of one base cost O(n)).
     next_suffix: HashMap<String, usize>,
-}
-
-/// The stream of a new node, by the rule of [`crate::spmd::assign_streams`].
-fn stream_for(op: &Op) -> StreamKind {
-    match op {
-        Op::AllGather { .. } => StreamKind::AllGather,
-        Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::AllToAll { .. } => {
-            StreamKind::ReduceScatter
-        }
-        _ => StreamKind::Compute,
-    }
 }
 
 impl<'a> Edit<'a> {

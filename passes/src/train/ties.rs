@@ -234,10 +234,10 @@ pub struct SharedParameter {
 }
 
 /// Parameters read by nodes of more than one layer (layers from
-/// [`crate::summary::layer_of_params`]): how an exporter's merge of identical initializers,
+/// [`crate::report::layer_of_params`]): how an exporter's merge of identical initializers,
 /// or a deliberately tied weight, shows.
 pub fn shared_parameters(p: &Program) -> Vec<SharedParameter> {
-    let grouping = crate::summary::layer_of_params(p);
+    let grouping = crate::report::layer_of_params(p);
     let users = p.users();
     let mut out = Vec::new();
     for prm in &p.params {

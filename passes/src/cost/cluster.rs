@@ -32,7 +32,7 @@
 //!
 //! Errors name the file, the line and the key (`links[1].bandwidth`) where they can.
 
-use hzp_ir::Mesh;
+use hzp_ir::{Group, Mesh};
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::BTreeMap;
@@ -776,6 +776,48 @@ fn clean_key(k: &str) -> String {
         .map(|p| p.trim().trim_matches('"').trim_matches('\''))
         .collect::<Vec<_>>()
         .join(".")
+}
+
+/// The innermost axes that stay inside one node: the longest suffix of the mesh whose size
+/// is at most the cluster's devices per node and whose axes all use intra-node link classes
+/// (those of the node-local axes of the cluster's own mesh, e.g. `nvlink` for
+/// `node=128,gpu=8`). So `node=2,gpu=4` on 8-GPU nodes is two nodes (its `node` axis is on the
+/// inter-node link), and a split `gpu=2x4` stays inside a node.
+pub fn node_local_group(mesh: &Mesh, cluster: &ClusterSpec) -> Group {
+    let intra = intra_node_links(cluster);
+    let mut size = 1usize;
+    let mut start = mesh.axes.len();
+    for (i, a) in mesh.axes.iter().enumerate().rev() {
+        let local_link = cluster
+            .link_for_axis(&a.name)
+            .is_ok_and(|l| intra.contains(&l.name));
+        match size.checked_mul(a.size) {
+            Some(s) if s <= cluster.devices_per_node.max(1) && local_link => {
+                size = s;
+                start = i;
+            }
+            _ => break,
+        }
+    }
+    Group::new(mesh.axes[start..].iter().map(|a| a.name.clone()))
+}
+
+/// Link classes of the innermost axes of the cluster's own mesh that fit in one node.
+fn intra_node_links(cluster: &ClusterSpec) -> Vec<String> {
+    let mut size = 1usize;
+    let mut out: Vec<String> = Vec::new();
+    for a in cluster.mesh.axes.iter().rev() {
+        match size.checked_mul(a.size) {
+            Some(s) if s <= cluster.devices_per_node.max(1) => size = s,
+            _ => break,
+        }
+        if let Ok(l) = cluster.link_for_axis(&a.name) {
+            if !out.contains(&l.name) {
+                out.push(l.name.clone());
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -2,12 +2,12 @@
 //! and traffic formulas on a hand-built program.
 
 use hzp_ir::{DType, Group, Mesh, Op, Program, TensorType, UnaryOp, ValueId};
-use hzp_passes::cluster::ClusterSpec;
-use hzp_passes::shard_plan::{
-    explain, layer_params, nested_groups, node_local_group, plan_sharding, Candidate, ReduceGrads,
-    ShardOptions, ShardOverride, ShardPlanError, Strategy,
+use hzp_passes::cost::cluster::{node_local_group, ClusterSpec};
+use hzp_passes::dist::spmd::{ReduceGrads, ScheduleOptions};
+use hzp_passes::plan::planner::{
+    explain, layer_params, nested_groups, plan_sharding, Candidate, ShardOptions, ShardOverride,
+    ShardPlanError, Strategy,
 };
-use hzp_passes::spmd::ScheduleOptions;
 use std::path::PathBuf;
 
 fn h100() -> ClusterSpec {
@@ -454,7 +454,7 @@ fn plans_every_preset_family() {
 /// the option. With rows exchanged, the modeled traffic is smaller.
 #[test]
 fn the_planner_models_the_row_exchange_the_step_makes() {
-    use hzp_passes::spmd::{shard_training_step_with, ScheduleOptions, ShardGroups};
+    use hzp_passes::dist::spmd::{shard_training_step_with, ScheduleOptions, ShardGroups};
     use hzp_passes::train::{LossKind, Optimizer, TrainConfig};
     let p = hzp_frontends::presets::parse_preset("preset:llama-tiny").unwrap();
     let cfg = TrainConfig {

@@ -13,9 +13,9 @@
 //! # Memory per rank
 //!
 //! With Ψ the parameter elements (each parameter padded to a multiple of o, as
-//! [`crate::spmd`] lays shards out), `c` the compute dtype's bytes and `r` the gradient
+//! [`crate::dist::spmd`] lays shards out), `c` the compute dtype's bytes and `r` the gradient
 //! dtype's ([`ShardOptions::grad_dtype`], fp32 by default: gradients are accumulated and
-//! reduced in fp32, as [`crate::spmd`] does):
+//! reduced in fp32, as [`crate::dist::spmd`] does):
 //!
 //! | kind | bytes |
 //! |---|---|
@@ -28,7 +28,7 @@
 //!
 //! Activations come from the program itself: the forward program is lowered to the compute
 //! dtype ([`crate::train::lower_precision`]), the loss attached, the backward appended
-//! ([`crate::autodiff::differentiate`]); every forward value a backward node reads is saved,
+//! ([`crate::train::autodiff::differentiate`]); every forward value a backward node reads is saved,
 //! except parameters, constants and values computed from parameters alone (casts and
 //! transposes of weights: those are the gathered buffers). Graph inputs the backward reads
 //! count. With `recompute`, only the inputs of every layer (values a layer reads that another
@@ -85,10 +85,11 @@
 //! least memory. If none fits, the error
 //! names the candidate needing the least memory and breaks its need down.
 
-use crate::autodiff::differentiate;
-use crate::cluster::{ClusterError, ClusterSpec};
+use crate::cost::cluster::{node_local_group, ClusterError, ClusterSpec};
 use crate::cost::{roofline, CollectiveCost, CollectiveKind, CostError, CostModel};
-use crate::summary::{human_bytes, human_count, layer_of_params};
+use crate::dist::spmd::ReduceGrads;
+use crate::report::{human_bytes, human_count, layer_of_params};
+use crate::train::autodiff::differentiate;
 use crate::train::{attach_loss, lower_precision, LossKind};
 use hzp_ir::{BinaryOp, DType, Group, Mesh, Op, Program, ShardGroups, ValueDef, ValueId};
 use serde::{Serialize, Serializer};
@@ -191,45 +192,6 @@ impl Serialize for Strategy {
     }
 }
 
-/// When gradients are reduce-scattered over G.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceGrads {
-    /// Once per step, after accumulating all micro-batches unsharded (less traffic, a full
-    /// gradient buffer).
-    PerStep,
-    /// After every micro-batch's backward, layer by layer, into a 1/g accumulator.
-    PerMicrobatch,
-}
-
-impl ReduceGrads {
-    /// `step` or `microbatch`.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceGrads::PerStep => "step",
-            ReduceGrads::PerMicrobatch => "microbatch",
-        }
-    }
-
-    /// `step` / `per-step`, `microbatch` / `per-microbatch` (also `micro-batch`).
-    pub fn parse(s: &str) -> Result<ReduceGrads, String> {
-        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
-            "step" | "per-step" => Ok(ReduceGrads::PerStep),
-            "microbatch" | "micro-batch" | "per-microbatch" | "per-micro-batch" => {
-                Ok(ReduceGrads::PerMicrobatch)
-            }
-            _ => Err(format!(
-                "unknown gradient reduction `{s}` (expected step or microbatch)"
-            )),
-        }
-    }
-}
-
-impl Serialize for ReduceGrads {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.name())
-    }
-}
-
 /// What the planner plans for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShardOptions {
@@ -247,7 +209,7 @@ pub struct ShardOptions {
     /// The schedule the candidates are built and costed with (gradient reduction and dtype,
     /// prefetch, resharding, recompute, row-exchanged embedding gradients). Its
     /// `narrow_grads` is the planner's to choose and is ignored here.
-    pub schedule: crate::spmd::ScheduleOptions,
+    pub schedule: crate::dist::spmd::ScheduleOptions,
 }
 
 impl Default for ShardOptions {
@@ -259,7 +221,7 @@ impl Default for ShardOptions {
             compute: DType::BF16,
             overrides: ShardOverride::default(),
             loss: None,
-            schedule: crate::spmd::ScheduleOptions {
+            schedule: crate::dist::spmd::ScheduleOptions {
                 reduce_grads: ReduceGrads::PerMicrobatch,
                 reshard_after_forward: true,
                 prefetch_depth: 1,
@@ -296,48 +258,6 @@ pub fn nested_groups(mesh: &Mesh) -> Vec<Group> {
         .rev()
         .map(|k| Group::new(mesh.axes[k..].iter().map(|a| a.name.clone())))
         .collect()
-}
-
-/// The innermost axes that stay inside one node: the longest suffix of the mesh whose size
-/// is at most the cluster's devices per node and whose axes all use intra-node link classes
-/// (those of the node-local axes of the cluster's own mesh, e.g. `nvlink` for
-/// `node=128,gpu=8`). So `node=2,gpu=4` on 8-GPU nodes is two nodes (its `node` axis is on the
-/// inter-node link), and a split `gpu=2x4` stays inside a node.
-pub fn node_local_group(mesh: &Mesh, cluster: &ClusterSpec) -> Group {
-    let intra = intra_node_links(cluster);
-    let mut size = 1usize;
-    let mut start = mesh.axes.len();
-    for (i, a) in mesh.axes.iter().enumerate().rev() {
-        let local_link = cluster
-            .link_for_axis(&a.name)
-            .is_ok_and(|l| intra.contains(&l.name));
-        match size.checked_mul(a.size) {
-            Some(s) if s <= cluster.devices_per_node.max(1) && local_link => {
-                size = s;
-                start = i;
-            }
-            _ => break,
-        }
-    }
-    Group::new(mesh.axes[start..].iter().map(|a| a.name.clone()))
-}
-
-/// Link classes of the innermost axes of the cluster's own mesh that fit in one node.
-fn intra_node_links(cluster: &ClusterSpec) -> Vec<String> {
-    let mut size = 1usize;
-    let mut out: Vec<String> = Vec::new();
-    for a in cluster.mesh.axes.iter().rev() {
-        match size.checked_mul(a.size) {
-            Some(s) if s <= cluster.devices_per_node.max(1) => size = s,
-            _ => break,
-        }
-        if let Ok(l) = cluster.link_for_axis(&a.name) {
-            if !out.contains(&l.name) {
-                out.push(l.name.clone());
-            }
-        }
-    }
-    out
 }
 
 /// `axes` in mesh order (outermost first), deduplicated; axes not in the mesh are dropped.
@@ -581,7 +501,7 @@ pub struct Candidate {
     /// Bytes one rank sends per step over link classes that leave the node.
     pub cross_node_bytes: f64,
     /// Layers whose gradients accumulate in a narrower, node-local group (see
-    /// [`crate::spmd::ScheduleOptions::narrow_grads`]).
+    /// [`crate::dist::spmd::ScheduleOptions::narrow_grads`]).
     pub narrow: Option<NarrowChoice>,
     /// Parameters whose gradients are modeled as exchanged rows rather than a reduced table
     /// (untied embeddings, see [`ShardOptions::sparse_grads`]).
@@ -784,7 +704,7 @@ struct Profile {
 }
 
 /// A parameter whose gradient is a scatter-add of looked-up rows into zeros
-/// (`ScatterND(zeros, idx [..., 1], rows)`, read by nothing else): [`crate::spmd`] all-gathers
+/// (`ScatterND(zeros, idx [..., 1], rows)`, read by nothing else): [`crate::dist::spmd`] all-gathers
 /// the rows and their indices over G instead of reduce-scattering the table when, for the
 /// candidate's G and O, the table's rows split evenly over G, its shards need no padding and
 /// the rows of all ranks are fewer bytes than the table.
@@ -1113,7 +1033,7 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
         micro_batches: 1,
         compute: opts.compute,
     };
-    let sched = crate::spmd::ScheduleOptions {
+    let sched = crate::dist::spmd::ScheduleOptions {
         reduce_grads: ReduceGrads::PerMicrobatch,
         reshard_after_forward: opts.schedule.reshard_after_forward,
         prefetch_depth: opts.schedule.prefetch_depth,
@@ -1124,12 +1044,12 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
         sparse_grads: true,
     };
     let none = Group::new(Vec::<String>::new());
-    let spec = crate::spmd::ShardGroups {
+    let spec = crate::dist::spmd::ShardGroups {
         params: none.clone(),
         grads: none.clone(),
         optim: none,
     };
-    let step = crate::spmd::shard_training_step_with(fwd, &cfg, &mesh, &spec, &sched).ok()?;
+    let step = crate::dist::spmd::shard_training_step_with(fwd, &cfg, &mesh, &spec, &sched).ok()?;
     let q = &step.program;
     let activation = |n: &hzp_ir::Node| {
         use hzp_ir::RoleKind as K;

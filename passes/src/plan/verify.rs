@@ -20,7 +20,7 @@
 //!
 //! Every violation is collected (not only the first) and names the nodes involved.
 
-use crate::memory::{lives, value_bytes, EventProblem, HappensBefore, Life, NUM_STREAMS};
+use crate::plan::memory::{lives, value_bytes, EventProblem, HappensBefore, Life, NUM_STREAMS};
 use hzp_ir::{format_bytes, Buffer, Group, Mesh, NodeId, Op, Plan, Program, ValueDef, ValueId};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -445,11 +445,11 @@ impl Verifier<'_> {
             .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
         // A reshape or identity may lie in its input's very bytes: the two are one view of the
         // same data (see `memory::view_sources`); each is still checked against all others.
-        let views = crate::memory::view_sources(p);
+        let views = crate::plan::memory::view_sources(p);
         // An update value may lie in its target's bytes when the target is no longer read
         // (see `memory::in_place_updates`).
         let in_place: std::collections::HashSet<(ValueId, ValueId)> =
-            crate::memory::in_place_updates(p, &self.hb, &lives, &views)
+            crate::plan::memory::in_place_updates(p, &self.hb, &lives, &views)
                 .into_iter()
                 .collect();
         let same_view = |a: &Buffer, b: &Buffer| {
@@ -513,16 +513,16 @@ impl Verifier<'_> {
         // The others: a producer can only overwrite values whose windows cover it (see
         // `memory::windows`); index them by window and address, and check each pair that
         // shares bytes once, from its later-produced side.
-        let wins = crate::memory::windows(&self.hb, &lives);
-        let index = crate::memory::WindowIndex::new(
-            crate::memory::stream_lens(&self.hb),
+        let wins = crate::plan::memory::windows(&self.hb, &lives);
+        let index = crate::plan::memory::WindowIndex::new(
+            crate::plan::memory::stream_lens(&self.hb),
             ok.iter().enumerate().map(|(x, &k)| {
                 let b = plan.buffers[k];
                 let v = b.value.index();
                 (
                     x as u32,
                     wins[v],
-                    crate::memory::def_slot(&self.hb, &lives[v]),
+                    crate::plan::memory::def_slot(&self.hb, &lives[v]),
                     b.offset,
                     b.end(),
                 )
@@ -532,7 +532,7 @@ impl Verifier<'_> {
         for (x, &i) in ok.iter().enumerate() {
             let a = plan.buffers[i];
             let v = a.value.index();
-            let def = crate::memory::def_slot(&self.hb, &lives[v]);
+            let def = crate::plan::memory::def_slot(&self.hb, &lives[v]);
             index.overlapping(def, a.offset, a.end(), |y| {
                 let y = y as usize;
                 if y == x || stamp[y] == x as u32 {

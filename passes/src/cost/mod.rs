@@ -74,7 +74,9 @@
 //! [`CollectiveCost::time_with_sharing`] and [`shared_bandwidth_time`] scale the bandwidth term
 //! by the number of streams, the latency term stays.
 
-use crate::cluster::{ClusterError, ClusterSpec, Link};
+pub mod cluster;
+
+use crate::cost::cluster::{ClusterError, ClusterSpec, Link};
 use hzp_ir::{numel, BinaryOp, DType, Group, Mesh, Op, ReduceOp, TensorType, UnaryOp};
 use serde::{Deserialize, Serialize};
 use std::fmt;

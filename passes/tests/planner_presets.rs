@@ -8,8 +8,8 @@
 //! compute dwarfs communication; that regime is tested too.
 
 use hzp_ir::{DType, Group, Mesh, Program};
-use hzp_passes::cluster::ClusterSpec;
-use hzp_passes::shard_plan::{
+use hzp_passes::cost::cluster::ClusterSpec;
+use hzp_passes::plan::planner::{
     explain, layer_params, plan_sharding, PlanReport, ShardOptions, ShardPlanError, Strategy,
 };
 use std::path::PathBuf;
@@ -246,7 +246,7 @@ fn layers_of_a_preset() {
 /// the same step and the same cross-node bytes, and P=[gpu] holds 51 MiB less.
 #[test]
 fn same_speed_and_traffic_choose_the_smaller_plan() {
-    use hzp_passes::shard_plan::SAME_SPEED;
+    use hzp_passes::plan::planner::SAME_SPEED;
     let p = preset("gpt,layers=4,hidden=1024,heads=16,vocab=8192,seq=512,batch=4");
     let o = ShardOptions {
         strategy: Strategy::AsyncHzp,

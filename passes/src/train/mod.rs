@@ -1,4 +1,4 @@
-//! The training step as IR: loss attachment, backward (via [`crate::autodiff`]), gradient
+//! The training step as IR: loss attachment, backward (via [`crate::train::autodiff`]), gradient
 //! accumulation over micro-batches, global-norm clipping, and the optimizer update (AdamW or
 //! SGD with momentum, exactly as `torch.optim` computes them), all as ordinary ops so that
 //! later passes can shard and schedule them.
@@ -7,8 +7,12 @@
 //! parameters, optimizer moments and the step counter as states, the loss as its first
 //! output, and one [`Update`] per parameter and state.
 
-use crate::autodiff::differentiate_scaled;
+pub mod autodiff;
+pub mod simplify;
+pub mod ties;
+
 use crate::emit::Emitter;
+use crate::train::autodiff::differentiate_scaled;
 use hzp_ir::{
     BinaryOp, DType, Op, Precision, Program, ReduceOp, Role, RoleKind, Tensor, TensorType, UnaryOp,
     Update, ValueDef, ValueId,
@@ -360,7 +364,7 @@ pub fn gradient_program_scaled(
 ) -> Result<Program, TrainError> {
     let mut p = attach_loss(fwd, kind)?;
     // one GeluTanh node per written-out GELU: one pass forward and one (GeluTanhGrad) back
-    if crate::simplify::fuse_gelu_tanh(&mut p) > 0 {
+    if crate::train::simplify::fuse_gelu_tanh(&mut p) > 0 {
         p.eliminate_dead_code();
     }
     let loss = p.outputs[0];
@@ -378,7 +382,7 @@ pub fn gradient_program_scaled(
     }
     p.outputs = std::iter::once(loss).chain(grads).collect();
     // a transposed weight's gradient as one product, without transposing the result
-    crate::simplify::transpose_products(&mut p);
+    crate::train::simplify::transpose_products(&mut p);
     p.eliminate_dead_code();
     Ok(p)
 }

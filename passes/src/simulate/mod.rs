@@ -49,16 +49,18 @@
 //! states and inputs live for the whole step; program outputs and update values from their
 //! producer to the end, except update values the plan stores over their target (same offset)
 //! and reshapes stored in their input's bytes, which take no bytes of their own (a reshape's
-//! readers keep its input's buffer alive instead). The memory planner ([`crate::memory::plan_memory`])
+//! readers keep its input's buffer alive instead). The memory planner ([`crate::plan::memory::plan_memory`])
 //! measures the same lifetimes in issue order (one node at a time): [`SimOptions::serialize`]
 //! runs the plan that way, and its peak equals the planner's `peak_bytes` exactly (tested). Run concurrently, the
 //! streams overlap lifetimes that issue order keeps apart, so the concurrent peak may exceed
 //! the issue-order peak; it never exceeds the arena, whose placement keeps apart every two
 //! buffers that may be live together under any timing (tested).
 
-use crate::cluster::ClusterSpec;
+pub mod svg;
+
+use crate::cost::cluster::ClusterSpec;
 use crate::cost::{self, Algorithm, CollectiveKind, CostError, CostModel};
-use crate::memory::{self, HappensBefore};
+use crate::plan::memory::{self, HappensBefore};
 use hzp_ir::trace::{tid_of_stream, Trace, TraceEvent};
 use hzp_ir::{BufferKind, DType, Op, Plan, Program, StreamKind, TensorType, ValueDef, ValueId};
 use serde::Serialize;
@@ -967,7 +969,7 @@ pub fn simulate(
         });
     }
     // Link classes that leave a node: those of mesh axes outside the node-local group.
-    let local = crate::shard_plan::node_local_group(&plan.mesh, spec);
+    let local = crate::cost::cluster::node_local_group(&plan.mesh, spec);
     let mut cross = vec![false; spec.links.len()];
     for ax in &plan.mesh.axes {
         if ax.size > 1 && !local.axes.contains(&ax.name) {
