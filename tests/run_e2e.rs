@@ -1,10 +1,14 @@
-//! The plan executor against single-rank training: for every model in tests/models (both
-//! exporters), on meshes gpu=2, gpu=4, node=2,gpu=2 and node=2,gpu=4 and for the strategies
-//! asynchzp, zero3, hsdp and ddp, five AdamW steps of the multi-threaded executor (async
-//! comm streams) give the parameters of `Trainer` on the unsharded step with the same global
-//! batch, within 1e-5 relative per parameter. Plans are compiled as `hzp compile` does
+//! The conformance suite of the plan executors (`hzp_runtime::backend`) against single-rank
+//! training: for every model in tests/models (both exporters), on meshes gpu=2, gpu=4,
+//! node=2,gpu=2 and node=2,gpu=4 and for the strategies asynchzp, zero3, hsdp and ddp, five
+//! AdamW steps of each backend this machine can run (the CPU executor always; the CUDA
+//! executor with every rank on the one GPU when a GPU and its libraries are found, else
+//! skipped with a printed reason) give the parameters and losses of `Trainer` on the
+//! unsharded step with the same global batch, within the backend's tolerance (1e-5 relative
+//! per parameter on the CPU). Plans are compiled as `hzp compile` does
 //! (`hzp_passes::compile::compile_plan` with its defaults: collective rewriting, one bucket
-//! per unit) with two micro-batches wherever a rank has two rows (one on `node=2,gpu=4`).
+//! per unit) with two micro-batches wherever a rank has two rows (one on `node=2,gpu=4`);
+//! for a backend without fused attention the model is imported with attention written out.
 
 mod common;
 use common::*;
@@ -14,6 +18,7 @@ use hzp_passes::compile::{compile_plan, CompileOptions};
 use hzp_passes::cost::cluster::ClusterSpec;
 use hzp_passes::plan::planner::Strategy;
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
+use hzp_runtime::backend::Backend;
 use hzp_runtime::exec::{ExecOptions, Executor};
 use hzp_runtime::train::Trainer;
 use std::path::Path;
@@ -66,6 +71,11 @@ fn global_batch(io: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
 }
 
 fn import_at(model: &Path, batch: &[(String, Tensor)], rows: usize) -> Program {
+    import_at_with(model, batch, rows, true)
+}
+
+/// [`import_at`], with attention fused into one op or (`fused: false`) written out.
+fn import_at_with(model: &Path, batch: &[(String, Tensor)], rows: usize, fused: bool) -> Program {
     let shaped: Vec<(String, Tensor)> = batch
         .iter()
         .map(|(k, t)| {
@@ -77,7 +87,7 @@ fn import_at(model: &Path, batch: &[(String, Tensor)], rows: usize) -> Program {
             )
         })
         .collect();
-    import(model, &shaped)
+    import_with(model, &shaped, !fused)
 }
 
 /// What `hzp compile` does, in-process, through the library driver with its defaults
@@ -151,15 +161,50 @@ fn check_model(stem: &str, loss: &str) {
     }
     let want = trainer.parameters();
     let keep = meaningful(&fwd1, &cfg, &batch);
-    let all: Vec<Vec<bool>> = want.iter().map(|(_, t)| vec![true; t.numel()]).collect();
 
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for backend in hzp_runtime::backend::all() {
+        if let Err(why) = backend.available() {
+            eprintln!("*** {stem}: backend {} SKIPPED: {why} ***", backend.name());
+            continue;
+        }
+        ran += 1;
+        failures.extend(conformance(
+            backend.as_ref(),
+            stem,
+            &model,
+            &batch,
+            &cfg,
+            &full,
+            (&ref_losses, &want),
+            &keep,
+        ));
+    }
+    assert!(ran >= 1, "no backend ran (the CPU backend always can)");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One backend on every mesh and strategy; the failures, described.
+#[allow(clippy::too_many_arguments)]
+fn conformance(
+    backend: &dyn Backend,
+    stem: &str,
+    model: &Path,
+    batch: &[(String, Tensor)],
+    cfg: &TrainConfig,
+    full: &[(String, Tensor)],
+    (ref_losses, want): (&[f64], &[(String, Tensor)]),
+    keep: &[Vec<bool>],
+) -> Vec<String> {
+    let all: Vec<Vec<bool>> = want.iter().map(|(_, t)| vec![true; t.numel()]).collect();
     let mut failures = Vec::new();
     for mesh_s in MESHES {
         let mesh = Mesh::parse(mesh_s).unwrap();
         let w = mesh.world_size();
         // two micro-batches where a rank has at least two rows
         let m = if ROWS / w >= 2 { 2 } else { 1 };
-        let fwd = import_at(&model, &batch, ROWS / w / m);
+        let fwd = import_at_with(model, batch, ROWS / w / m, backend.fused_attention());
         let mcfg = TrainConfig {
             micro_batches: m,
             ..cfg.clone()
@@ -167,14 +212,18 @@ fn check_model(stem: &str, loss: &str) {
         for strategy in STRATEGIES {
             let plan = build_plan(&fwd, &mesh, strategy, &mcfg);
             assert_eq!(plan.micro_batches, m);
-            let mut ex = Executor::new(&plan, &full, ExecOptions::default()).unwrap();
-            ex.set_inputs(&program_inputs(&plan.program, &batch))
-                .unwrap();
-            let stats = ex.run(STEPS).unwrap();
-            let got = ex.parameters();
+            let inputs = program_inputs(&plan.program, batch);
+            let run = match backend.run(&plan, full, &mut |_| Ok(inputs.clone()), STEPS) {
+                Ok(run) => run,
+                Err(e) => {
+                    failures.push(format!("{stem} on {mesh_s} ({strategy}): {e}"));
+                    continue;
+                }
+            };
+            let (stats, got) = (run.steps, run.params);
             assert_eq!(got.len(), want.len(), "{stem} {mesh_s} {strategy}");
             let mut worst = (0.0f64, String::new());
-            for (((gn, g), (wn, wt)), k) in got.iter().zip(&want).zip(&keep) {
+            for (((gn, g), (wn, wt)), k) in got.iter().zip(want).zip(keep) {
                 assert_eq!(gn, wn);
                 let r = rel(g, wt, k);
                 if r > worst.0 || r.is_nan() {
@@ -188,24 +237,29 @@ fn check_model(stem: &str, loss: &str) {
                     v.iter().flat_map(|(_, t)| t.to_f32_vec()).collect(),
                 )
             };
-            let whole = rel(&cat(&got), &cat(&want), &all.concat());
+            let whole = rel(&cat(&got), &cat(want), &all.concat());
             let dl = stats
                 .iter()
-                .zip(&ref_losses)
+                .zip(ref_losses)
                 .map(|(s, l)| (s.loss.unwrap() - l).abs() / l.abs())
                 .fold(0.0, f64::max);
             // written so that NaN fails too
-            let within = |x: f64| x <= 1e-5;
+            let within = |x: f64| x <= backend.tolerance();
             if !within(worst.0) || !within(dl) || !within(whole) {
                 failures.push(format!(
-                    "{stem} on {mesh_s} ({strategy}, groups P={} G={} O={}): worst parameter `{}` \
+                    "{stem} on {} {mesh_s} ({strategy}, groups P={} G={} O={}): worst parameter `{}` \
                      off by {:.3e} relative; whole model {whole:.3e}; losses off by {dl:.3e}",
-                    plan.groups.params, plan.groups.grads, plan.groups.optim, worst.1, worst.0
+                    backend.name(),
+                    plan.groups.params,
+                    plan.groups.grads,
+                    plan.groups.optim,
+                    worst.1,
+                    worst.0
                 ));
             }
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    failures
 }
 
 #[test]
@@ -297,7 +351,8 @@ fn llama_zero3_plan() -> (Vec<(String, Tensor)>, Program, Vec<(String, Tensor)>,
 #[test]
 fn async_sync_and_reference_runner_agree_bitwise() {
     let (batch, _, full, plan) = llama_zero3_plan();
-    let mut spmd = hzp_runtime::spmd::SpmdRunner::new(&plan.program, &plan.layouts, &full).unwrap();
+    let mut spmd =
+        hzp_runtime::reference::ReferenceRunner::new(&plan.program, &plan.layouts, &full).unwrap();
     let inputs = program_inputs(&plan.program, &batch);
     let ref_losses: Vec<f64> = (0..3)
         .map(|_| spmd.step(&inputs).unwrap()[0].1.to_f64_vec()[0])
@@ -374,7 +429,8 @@ fn executors_reject_out_of_range_token_ids_on_a_row_exchanged_plan() {
         ex.set_inputs(&good).unwrap();
         ex.run(1).unwrap();
         let mut spmd =
-            hzp_runtime::spmd::SpmdRunner::new(&plan.program, &plan.layouts, &full).unwrap();
+            hzp_runtime::reference::ReferenceRunner::new(&plan.program, &plan.layouts, &full)
+                .unwrap();
         let e = spmd.step(&bad).unwrap_err().to_string();
         assert!(
             e.contains(&format!("`input_ids` holds {bad_id}")),

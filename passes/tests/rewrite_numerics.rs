@@ -8,7 +8,7 @@ use hzp_passes::cost::cluster::ClusterSpec;
 use hzp_passes::dist::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
 use hzp_passes::dist::spmd::{shard_training_step, ShardGroups, ShardedStep};
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
-use hzp_runtime::spmd::SpmdRunner;
+use hzp_runtime::reference::ReferenceRunner;
 use hzp_runtime::train::Trainer;
 use sharded_common::{batch, g, import, rel, root, slow_cluster, with_optimizer_lr};
 use std::collections::BTreeMap;
@@ -36,7 +36,7 @@ fn train(
     init: &[(String, Tensor)],
 ) -> Vec<(String, Tensor)> {
     let global = with_optimizer_lr(batch("llama_tiny", ROWS), &cfg(DType::F32));
-    let mut r = SpmdRunner::new(program, &step.layouts, init).unwrap();
+    let mut r = ReferenceRunner::new(program, &step.layouts, init).unwrap();
     for _ in 0..3 {
         r.step(&global).unwrap();
     }

@@ -5,7 +5,7 @@
 mod sharded_common;
 use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Tensor, TensorType};
 use hzp_passes::dist::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
-use hzp_runtime::spmd::SpmdRunner;
+use hzp_runtime::reference::ReferenceRunner;
 use sharded_common::{g, slow_cluster};
 
 fn mesh() -> Mesh {
@@ -61,7 +61,7 @@ fn input(p: &Program) -> Vec<(String, Tensor)> {
 }
 
 fn run(p: &Program) -> Vec<f64> {
-    let mut r = SpmdRunner::new(p, &[], &[]).unwrap();
+    let mut r = ReferenceRunner::new(p, &[], &[]).unwrap();
     let out = r.step(&input(p)).unwrap();
     out[0].1.to_f64_vec()
 }

@@ -15,7 +15,7 @@ thread_local! {
     static REWRITE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
-use hzp_runtime::spmd::SpmdRunner;
+use hzp_runtime::reference::ReferenceRunner;
 use hzp_runtime::train::Trainer;
 
 fn cfg(clip: Option<f64>, sgd: bool) -> TrainConfig {
@@ -81,7 +81,7 @@ fn check_with(
     )
     .unwrap();
     hzp_ir::verify(&sharded.program).unwrap();
-    let mut r = SpmdRunner::new(&sharded.program, &sharded.layouts, &init).unwrap();
+    let mut r = ReferenceRunner::new(&sharded.program, &sharded.layouts, &init).unwrap();
     for step in 0..5 {
         let a = t.step(&global).unwrap();
         let b = r.step(&global).unwrap();

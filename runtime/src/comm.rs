@@ -8,7 +8,7 @@
 //! computes its own part of the result by reading the others' inputs in place (no staging
 //! copies), and no member leaves before every member has finished reading.
 //!
-//! Results are exactly those of the lockstep reference runner ([`crate::dist::spmd::SpmdRunner`]):
+//! Results are exactly those of the lockstep reference runner ([`crate::dist::spmd::ReferenceRunner`]):
 //! reductions run in member order (`((x0 + x1) + x2) + ...`, each partial result rounded to
 //! the dtype as the `Add` kernel rounds it), so a run is reproducible bit for bit. An
 //! all-reduce is split by elements: member `i` reduces the `i`-th chunk and writes it into

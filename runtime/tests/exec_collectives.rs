@@ -1,4 +1,4 @@
-//! The in-process communicator against the lockstep reference runner (`SpmdRunner`): every
+//! The in-process communicator against the lockstep reference runner (`ReferenceRunner`): every
 //! collective kind, on random data, over groups of one and two axes in both axis orders,
 //! gives rank 0 the same bits; every rank gets the collective's definition (checked in f64
 //! against a direct computation from the global data); sync and async modes agree bitwise.
@@ -6,7 +6,7 @@
 mod common;
 use hzp_ir::{DType, Group, Mesh, Program, ReduceOp, Tensor};
 use hzp_runtime::exec::{CommMode, Executor};
-use hzp_runtime::spmd::SpmdRunner;
+use hzp_runtime::reference::ReferenceRunner;
 
 /// Deterministic pseudo-random numbers in [-1, 1).
 fn random(n: usize, seed: u64) -> Vec<f64> {
@@ -200,12 +200,12 @@ fn run(stream: &str, comm: CommMode) -> (Executor, Program) {
 fn every_collective_matches_the_reference_runner_and_its_definition() {
     let (ex, p) = run("@reducescatter", CommMode::Async);
     let mesh = Mesh::parse("node=2,gpu=2").unwrap();
-    let mut spmd = SpmdRunner::new(&p, &[], &[]).unwrap();
+    let mut spmd = ReferenceRunner::new(&p, &[], &[]).unwrap();
     let want0 = spmd.step(&global()).unwrap();
     let got0 = ex.outputs(0);
     for ((gn, g), (wn, w)) in got0.iter().zip(&want0) {
         assert_eq!(gn, wn);
-        assert_eq!(g, w, "{gn}: rank 0 differs from SpmdRunner");
+        assert_eq!(g, w, "{gn}: rank 0 differs from ReferenceRunner");
     }
     for r in 0..4 {
         for (name, t) in ex.outputs(r) {

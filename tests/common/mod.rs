@@ -76,7 +76,13 @@ pub fn program_inputs(p: &Program, io: &[(String, Tensor)]) -> Vec<(String, Tens
 
 /// Imports `model` with input shapes bound from `io`.
 pub fn import(model: &Path, io: &[(String, Tensor)]) -> Program {
+    import_with(model, io, false)
+}
+
+/// [`import`], keeping attention as the exporter wrote it when `no_fuse_attention`.
+pub fn import_with(model: &Path, io: &[(String, Tensor)], no_fuse_attention: bool) -> Program {
     let opts = LoadOptions {
+        no_fuse_attention,
         shapes: io
             .iter()
             .filter(|(k, _)| k != "torch_out")

@@ -87,7 +87,7 @@ pub struct ImportOptions {
 
 /// The op types of the default ONNX domain the importer translates, sorted.
 pub fn supported_op_types() -> Vec<&'static str> {
-    ops::DEFAULT_DOMAIN_OPS.to_vec()
+    ops::default_domain_ops()
 }
 
 /// The opsets of the default ONNX domain the importer reads.

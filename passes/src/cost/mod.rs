@@ -275,14 +275,57 @@ pub fn attention_pairs(q: &TensorType, k: &TensorType, causal: bool) -> f64 {
 pub fn op_bytes(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
     let out = sum_bytes(outs);
     match op {
-        op if op.is_view() => 0.0,
-        Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. } => 0.0,
+        // views take their input's bytes; frees and events move none
+        Op::Reshape { .. }
+        | Op::Identity
+        | Op::Free
+        | Op::RecordEvent { .. }
+        | Op::WaitEvent { .. } => 0.0,
+        // reads only the part it keeps
         Op::Slice { .. } => 2.0 * out,
+        // reads the indices and the rows it gathers
         Op::Gather { .. } | Op::GatherElements { .. } | Op::GatherND { .. } => {
             2.0 * out + ins.get(1).map_or(0.0, |t| bytes_f(t))
         }
+        // writes only
         Op::Fill { .. } => out,
-        _ => sum_bytes(ins) + out,
+        // reads every input once and writes every output once
+        Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Where
+        | Op::GeluTanhGrad
+        | Op::Cast { .. }
+        | Op::MatMul
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::SoftmaxCrossEntropy { .. }
+        | Op::SoftmaxCrossEntropyGrad { .. }
+        | Op::LayerNorm { .. }
+        | Op::RmsNorm { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::RmsNormGrad { .. }
+        | Op::Attention { .. }
+        | Op::AttentionGrad { .. }
+        | Op::Reduce { .. }
+        | Op::ArgMax { .. }
+        | Op::CumSum { .. }
+        | Op::Transpose { .. }
+        | Op::Concat { .. }
+        | Op::Split { .. }
+        | Op::Expand { .. }
+        | Op::Tile { .. }
+        | Op::Trilu { .. }
+        | Op::ScatterElements { .. }
+        | Op::ScatterND { .. }
+        | Op::OneHot { .. }
+        | Op::TopK { .. }
+        | Op::AdamW { .. }
+        | Op::AllGather { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllReduce { .. }
+        | Op::AllToAll { .. }
+        | Op::Broadcast { .. }
+        | Op::Copy => sum_bytes(ins) + out,
     }
 }
 

@@ -45,6 +45,27 @@ use std::time::Duration;
 /// Whether this build has the CUDA executor.
 pub const BUILT: bool = cfg!(feature = "cuda");
 
+/// The number of CUDA devices the driver sees (after probing that the driver library
+/// loads). An error says why none can be counted: a build without `cuda`, a missing driver,
+/// or a driver that fails to initialize.
+pub fn gpu_count() -> Result<usize, String> {
+    probe::probe().require(&[probe::Lib::Driver], "counting GPUs")?;
+    gpu_count_built()
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_count_built() -> Result<usize, String> {
+    use cudarc::driver::result as drv;
+    drv::init().map_err(|e| format!("cuInit failed (no usable GPU?): {e:?}"))?;
+    let n = drv::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e:?}"))?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_count_built() -> Result<usize, String> {
+    Err("this build has no CUDA backend (build with --features cuda)".into())
+}
+
 /// What [`run_plan`] gives back.
 #[derive(Clone, Debug)]
 pub struct CudaRunResult {

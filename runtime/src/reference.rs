@@ -14,7 +14,7 @@ fn malformed(s: impl Into<String>) -> EvalError {
 }
 
 /// The ranks' persistent tensors and how to run a step.
-pub struct SpmdRunner {
+pub struct ReferenceRunner {
     program: Program,
     mesh: Mesh,
     layouts: Vec<ParamLayout>,
@@ -36,14 +36,14 @@ fn chunk(v: &[f32], n: usize, i: usize) -> Vec<f32> {
     v[i * len..(i + 1) * len].to_vec()
 }
 
-impl SpmdRunner {
+impl ReferenceRunner {
     /// Cuts `full_params` (by name) into each rank's shards as `layouts` say; other states
     /// start at their initial value (zeros when none).
     pub fn new(
         program: &Program,
         layouts: &[ParamLayout],
         full_params: &[(String, Tensor)],
-    ) -> Result<SpmdRunner, EvalError> {
+    ) -> Result<ReferenceRunner, EvalError> {
         let mesh = program
             .mesh
             .clone()
@@ -103,7 +103,7 @@ impl SpmdRunner {
             }
             slots.push(st.value);
         }
-        Ok(SpmdRunner {
+        Ok(ReferenceRunner {
             index_check: crate::index_check::IndexChecker::new(program),
             program: program.clone(),
             mesh,

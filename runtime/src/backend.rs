@@ -1,0 +1,183 @@
+//! One interface over the plan executors, so that one conformance suite
+//! (`tests/backend_conformance.rs`) runs the same plans on every backend this build has and
+//! checks each against the unsharded single-rank run.
+//!
+//! - [`Cpu`]: the CPU executor ([`crate::exec::Executor`]): every rank in this process, one
+//!   compute thread and one thread per comm stream each.
+//! - [`CudaOneGpu`]: the CUDA executor with every rank of the plan on this machine's one GPU
+//!   (`hzp run --backend cuda --ranks-on-one-gpu`): the NCCL path's lowering, streams,
+//!   events and memory plan, collectives through the local device communicator.
+//!
+//! The CLI's `hzp run` drives the executors directly, since the CPU backend has options the
+//! CUDA one has not (emulated links, traces, token data, checkpoints); what both backends
+//! share is what this trait exposes.
+
+use crate::exec::{ExecError, ExecOptions, Executor, StepStats};
+use hzp_ir::{Plan, Tensor};
+
+/// The batch of step `s` (0-based): the plan's global inputs, the learning rate among them.
+pub type Inputs<'a> = dyn FnMut(usize) -> Result<Vec<(String, Tensor)>, ExecError> + 'a;
+
+/// What a run gives back.
+#[derive(Clone, Debug)]
+pub struct BackendRun {
+    /// Per step, rank 0's statistics (its loss among them).
+    pub steps: Vec<StepStats>,
+    /// The full parameters after the last step, by name, in the plan's order.
+    pub params: Vec<(String, Tensor)>,
+}
+
+/// A plan executor.
+pub trait Backend {
+    /// A short name for messages (`cpu`, `cuda-one-gpu`).
+    fn name(&self) -> &'static str;
+
+    /// `Ok` when this backend can run here; otherwise why not (the build lacks it, a library
+    /// or the device is missing), in words a user can act on.
+    fn available(&self) -> Result<(), String>;
+
+    /// The largest relative difference from the unsharded single-rank CPU run that this
+    /// backend's results are expected to stay within on f32 plans (its products may sum in
+    /// another order).
+    fn tolerance(&self) -> f64;
+
+    /// Whether it runs the fused `Attention` op (a plan with one is refused otherwise; the
+    /// model must be imported with attention written out, `--no-fuse-attention`).
+    fn fused_attention(&self) -> bool;
+
+    /// Runs `steps` steps of `plan` from the full parameters `full_params`, step `s` on
+    /// `inputs(s)`.
+    fn run(
+        &self,
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        inputs: &mut Inputs<'_>,
+        steps: usize,
+    ) -> Result<BackendRun, ExecError>;
+}
+
+/// The CPU executor.
+#[derive(Clone, Default)]
+pub struct Cpu {
+    pub options: ExecOptions,
+}
+
+impl Backend for Cpu {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn available(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn tolerance(&self) -> f64 {
+        1e-5
+    }
+
+    fn fused_attention(&self) -> bool {
+        true
+    }
+
+    fn run(
+        &self,
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        inputs: &mut Inputs<'_>,
+        steps: usize,
+    ) -> Result<BackendRun, ExecError> {
+        let mut ex = Executor::new(plan, full_params, self.options.clone())?;
+        let mut stats = Vec::with_capacity(steps);
+        for s in 0..steps {
+            ex.set_inputs(&inputs(s)?)?;
+            stats.push(ex.step()?);
+        }
+        Ok(BackendRun {
+            steps: stats,
+            params: ex.parameters(),
+        })
+    }
+}
+
+/// The CUDA executor, every rank of the plan on this machine's one GPU.
+#[derive(Clone)]
+pub struct CudaOneGpu {
+    pub options: crate::cuda::RunOptions,
+}
+
+impl Default for CudaOneGpu {
+    fn default() -> CudaOneGpu {
+        CudaOneGpu {
+            options: crate::cuda::RunOptions {
+                comm: Default::default(),
+                timeout: crate::watchdog::DEFAULT_TIMEOUT,
+                on_failure: None,
+            },
+        }
+    }
+}
+
+impl Backend for CudaOneGpu {
+    fn name(&self) -> &'static str {
+        "cuda-one-gpu"
+    }
+
+    fn available(&self) -> Result<(), String> {
+        if !crate::cuda::BUILT {
+            return Err("this build has no CUDA backend (build with --features cuda)".into());
+        }
+        crate::cuda::probe::probe().require(
+            &[
+                crate::cuda::probe::Lib::Driver,
+                crate::cuda::probe::Lib::Nvrtc,
+                crate::cuda::probe::Lib::Cublas,
+                crate::cuda::probe::Lib::CublasLt,
+            ],
+            "the CUDA backend",
+        )?;
+        crate::cuda::gpu_count().and_then(|n| match n {
+            0 => Err("the CUDA driver is installed but sees no GPU".to_string()),
+            _ => Ok(()),
+        })
+    }
+
+    fn tolerance(&self) -> f64 {
+        // measured on an H100 (../shared/device/README.md): losses within 7.6e-6 and
+        // parameters within 4.1e-5 of the CPU backend after AdamW steps
+        1e-4
+    }
+
+    fn fused_attention(&self) -> bool {
+        false
+    }
+
+    fn run(
+        &self,
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        inputs: &mut Inputs<'_>,
+        steps: usize,
+    ) -> Result<BackendRun, ExecError> {
+        let r = crate::cuda::run_plan_one_gpu(
+            plan,
+            full_params,
+            inputs,
+            steps,
+            &self.options,
+            true,
+            &mut |_, _| {},
+        )?;
+        let params = r
+            .params
+            .ok_or_else(|| ExecError::Run("the CUDA run returned no parameters".into()))?;
+        Ok(BackendRun {
+            steps: r.steps.into_iter().next().unwrap_or_default(),
+            params,
+        })
+    }
+}
+
+/// Every backend of this build, available here or not.
+pub fn all() -> Vec<Box<dyn Backend>> {
+    vec![Box::new(Cpu::default()), Box::new(CudaOneGpu::default())]
+}
