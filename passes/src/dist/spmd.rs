@@ -590,176 +590,448 @@ pub fn shard_training_step_rewritten(
     rewrite: Option<&Rewrite>,
     trace: &mut dyn FnMut(&str, &Program),
 ) -> Result<ShardedStep, TrainError> {
+    // Stage 1, validate: an optimizer, a float gradient dtype.
     let opt = cfg
         .optimizer
         .clone()
         .ok_or_else(|| err("a sharded training step needs an optimizer"))?;
-    let gdt = sched.grad_dtype;
-    if !gdt.is_float() {
+    if !sched.grad_dtype.is_float() {
         return Err(err(format!(
-            "gradients must be reduced in a float dtype, not {gdt}"
+            "gradients must be reduced in a float dtype, not {}",
+            sched.grad_dtype
         )));
     }
-    let spec = canonical_groups(mesh, spec)?;
-    // The narrow gradient group, in mesh order, nested P ⊆ N ⊆ G.
-    let narrow_grads: Option<NarrowGrads> = match &sched.narrow_grads {
-        Some(nw) if !nw.params.is_empty() => {
-            if sched.reduce_grads != ReduceGrads::PerMicrobatch {
-                return Err(err(
-                    "accumulating gradients in a narrower group needs per-micro-batch reduction \
-                     (--reduce-grads per-microbatch)",
-                ));
-            }
-            let ng = canonical_groups(
-                mesh,
-                &ShardGroups {
-                    params: spec.params.clone(),
-                    grads: nw.group.clone(),
-                    optim: spec.grads.clone(),
-                },
-            )
-            .map_err(|e| {
-                err(format!(
-                    "the in-node gradient group {} must hold the parameter group {} and lie in \
-                     the gradient group {}: {e}",
-                    nw.group, spec.params, spec.grads
-                ))
-            })?;
-            if let Some(bad) = nw
-                .params
-                .iter()
-                .find(|n| !fwd.params.iter().any(|p| &fwd.value(p.value).name == *n))
-            {
-                return Err(err(format!(
-                    "the in-node gradient group lists `{bad}`, which is not a parameter of `{}`",
-                    fwd.name
-                )));
-            }
-            Some(NarrowGrads {
-                group: ng.grads,
-                params: nw.params.clone(),
-            })
-        }
-        _ => None,
-    };
-    let world = Group {
-        axes: mesh.axes.iter().map(|a| a.name.clone()).collect(),
-    };
-    let (p, g, o, w) = (
-        size(mesh, &spec.params),
-        size(mesh, &spec.grads),
-        size(mesh, &spec.optim),
-        mesh.world_size(),
-    );
-    let o_minus_g = minus(&spec.optim, &spec.grads);
-    let o_minus_p = minus(&spec.optim, &spec.params);
-    let replicas = minus(&world, &spec.optim);
+    // Stage 2, group sizes: the nested groups and what each reduction covers.
+    let groups = StepGroups::new(fwd, mesh, spec, sched)?;
     let m = cfg.micro_batches.max(1);
-    let compute = cfg.compute;
-
-    let fwd_lp = train::lower_precision(fwd, compute)?;
+    let fwd_lp = train::lower_precision(fwd, cfg.compute)?;
     let with_loss = train::attach_loss(&fwd_lp, &cfg.loss)?;
     // gradients of loss / (W * M): their sum over ranks and micro-batches is the mean
-    let micro = train::gradient_program_scaled(&fwd_lp, &cfg.loss, 1.0 / (w * m) as f64)?;
+    let micro = train::gradient_program_scaled(&fwd_lp, &cfg.loss, 1.0 / (groups.w * m) as f64)?;
     let an = Analysis::new(&micro, &with_loss, sched)?;
 
+    // Stage 3, per-rank declarations: inputs, master and compute shards, constants.
     let mut q = Program::new(format!("{}.rank", fwd.name));
-    q.mesh = Some(mesh.clone());
-    if compute != DType::F32 || gdt != DType::F32 {
-        q.precision = Some(Precision {
-            compute,
-            master: DType::F32,
-            reduce: gdt,
-        });
-    }
-    // Inputs: the rank's micro-batches, concatenated on axis 0.
-    let mut globals = Vec::new();
-    for &i in &micro.inputs {
-        let mut ty = micro.ty(i).clone();
-        if m > 1 {
-            if ty.rank() == 0 {
-                return Err(err(format!(
-                    "input `{}` is a scalar; it cannot be split into {m} micro-batches",
-                    micro.value(i).name
-                )));
-            }
-            ty.shape[0] *= m;
-        }
-        globals.push((i, q.add_input(micro.value(i).name.clone(), ty)));
-    }
-    let mut layouts = Vec::new();
-    let mut masters = Vec::new();
-    let mut shards = Vec::new();
-    for prm in &micro.params {
-        let name = micro.value(prm.value).name.clone();
-        let ty = micro.ty(prm.value).clone();
-        let n = ty.numel();
-        let padded = n.div_ceil(o).max(1) * o;
-        let master = q.add_param(
-            name.clone(),
-            TensorType::new(DType::F32, vec![padded / o]),
-            None,
-        );
-        let shard_name = format!("shard/{name}");
-        let shard = q.add_state(
-            shard_name.clone(),
-            TensorType::new(compute, vec![padded / p]),
-            None,
-        );
-        masters.push(master);
-        shards.push(shard);
-        let accumulate_group = narrow_grads
-            .as_ref()
-            .filter(|nw| nw.params.contains(&name))
-            .map(|nw| nw.group.clone());
-        layouts.push(ParamLayout {
-            name,
-            shape: ty.shape.clone(),
-            numel: n,
-            padded,
-            optim_group: spec.optim.clone(),
-            params_group: spec.params.clone(),
-            compute_shard: shard_name,
-            compute_dtype: compute,
-            accumulate_group,
-            states: Vec::new(),
-        });
-    }
-    let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
-    for c in &micro.consts {
-        let mut names = hzp_ir::NameSet::from_program(&q);
-        let name = names.fresh(&micro.value(c.value).name);
-        consts.insert(c.value, q.add_const(name, c.data.clone()));
-    }
-    // Which gradient outputs each micro value is.
-    let mut grad_of: HashMap<ValueId, Vec<usize>> = HashMap::new();
-    for (j, &gv) in micro.outputs[1..].iter().enumerate() {
-        grad_of.entry(gv).or_default().push(j);
-    }
+    let decls = Declarations::new(&mut q, &micro, &groups, cfg, sched, m)?;
     let n_params = micro.params.len();
-
     let mut e = Emitter::new(&mut q);
-    let mut units: Vec<UnitRec> = Vec::new();
-    let mut losses = Vec::new();
-    // Per-micro-batch accumulators (shards over G) or per-step full accumulators.
-    let mut acc: Vec<Option<ValueId>> = vec![None; n_params];
+    let mut b = StepBuilder {
+        micro: &micro,
+        an: &an,
+        gr: &groups,
+        d: &decls,
+        m,
+        gdt: sched.grad_dtype,
+        per_mb: sched.reduce_grads == ReduceGrads::PerMicrobatch,
+        sparse: SparseGrads::default(),
+        units: Vec::new(),
+        losses: Vec::new(),
+        acc: vec![None; n_params],
+        final_g: vec![None; n_params],
+    };
+    // Stage 4, sparse gradients: which embedding gradients are exchanged as rows.
+    b.sparse = SparseGrads::new(&mut e, &micro, &groups, &decls.layouts, sched, b.per_mb)?;
+    // Stage 5, micro-batches: forward, recompute, backward, gather / reduce / accumulate.
+    for mb in 0..m {
+        b.micro_batch(&mut e, mb)?;
+    }
+    // Stage 6, the global loss; stage 7, clipping, optimizer and re-gather.
+    let loss = b.global_loss(&mut e)?;
+    let (outputs, updates, state_names) = b.optimizer_and_regather(&mut e, cfg, &opt, loss)?;
+    let StepBuilder {
+        units,
+        sparse: SparseGrads { row_exchanged, .. },
+        ..
+    } = b;
+    drop(e);
+    q.outputs = outputs;
+    q.updates = updates;
+    if let Some(v) = q.outputs.first().copied() {
+        if q.find_value("loss").is_none() {
+            q.values[v.index()].name = "loss".into();
+        }
+    }
+    q.eliminate_dead_code();
+    // Then the pipeline's stages: streams, rewriting, schedule and events.
+    assign_streams(&mut q);
+    trace(STAGES[0], &q);
+    let mut rewrite_report = None;
+    if let Some(rw) = rewrite {
+        let (r, rep) =
+            crate::dist::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
+                .map_err(|e| err(format!("collective rewriting: {e}")))?;
+        q = r;
+        drop_redundant_copies(&mut q);
+        trace(STAGES[1], &q);
+        rewrite_report = Some(rep.to_string());
+    }
+    let (order, waits) = prefetch_schedule(&q, &units, sched);
+    let order = defer_reduce_consumers(&q, &order, &waits);
+    let q = insert_events_with(&q, &order, &waits);
+    hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
+    trace(STAGES[2], &q);
+    let mut layouts = decls.layouts;
+    for (l, names) in layouts.iter_mut().zip(state_names) {
+        l.states = names;
+    }
+    Ok(ShardedStep {
+        program: q,
+        layouts,
+        groups: groups.spec,
+        rewrite_report,
+        row_exchanged,
+    })
+}
 
-    // The gather chain of parameter k: AllGather over P, drop the padding, reshape.
-    let gather = |e: &mut Emitter,
-                  k: usize,
-                  l: &ParamLayout|
-     -> Result<(ValueId, Option<ValueId>), String> {
-        let mut v = shards[k];
-        let mut ag = None;
-        if p > 1 {
+/// The groups of a step and their sizes: P ⊆ G ⊆ O nested in mesh order, the narrow
+/// gradient group N (P ⊆ N ⊆ G) where asked for, and the groups each reduction covers.
+struct StepGroups<'m> {
+    mesh: &'m Mesh,
+    spec: ShardGroups,
+    narrow_grads: Option<NarrowGrads>,
+    /// Every axis of the mesh.
+    world: Group,
+    /// Sizes of P, G, O and the world.
+    p: usize,
+    g: usize,
+    o: usize,
+    w: usize,
+    o_minus_g: Group,
+    o_minus_p: Group,
+    /// W \ O: the replicas of an O-shard.
+    replicas: Group,
+}
+
+impl<'m> StepGroups<'m> {
+    fn new(
+        fwd: &Program,
+        mesh: &'m Mesh,
+        spec: &ShardGroups,
+        sched: &ScheduleOptions,
+    ) -> Result<StepGroups<'m>, TrainError> {
+        let spec = canonical_groups(mesh, spec)?;
+        let narrow_grads = match &sched.narrow_grads {
+            Some(nw) if !nw.params.is_empty() => Some(narrow_group(fwd, mesh, &spec, sched, nw)?),
+            _ => None,
+        };
+        let world = Group {
+            axes: mesh.axes.iter().map(|a| a.name.clone()).collect(),
+        };
+        Ok(StepGroups {
+            mesh,
+            p: size(mesh, &spec.params),
+            g: size(mesh, &spec.grads),
+            o: size(mesh, &spec.optim),
+            w: mesh.world_size(),
+            o_minus_g: minus(&spec.optim, &spec.grads),
+            o_minus_p: minus(&spec.optim, &spec.params),
+            replicas: minus(&world, &spec.optim),
+            world,
+            narrow_grads,
+            spec,
+        })
+    }
+
+    /// The narrow group parameter `name`'s gradient is reduce-scattered over per
+    /// micro-batch, if it has one.
+    fn narrow(&self, name: &str) -> Option<&Group> {
+        let nw = self.narrow_grads.as_ref()?;
+        nw.params.iter().any(|p| p == name).then_some(&nw.group)
+    }
+}
+
+/// The narrow gradient group, in mesh order, nested P ⊆ N ⊆ G.
+fn narrow_group(
+    fwd: &Program,
+    mesh: &Mesh,
+    spec: &ShardGroups,
+    sched: &ScheduleOptions,
+    nw: &NarrowGrads,
+) -> Result<NarrowGrads, TrainError> {
+    if sched.reduce_grads != ReduceGrads::PerMicrobatch {
+        return Err(err(
+            "accumulating gradients in a narrower group needs per-micro-batch reduction \
+             (--reduce-grads per-microbatch)",
+        ));
+    }
+    let ng = canonical_groups(
+        mesh,
+        &ShardGroups {
+            params: spec.params.clone(),
+            grads: nw.group.clone(),
+            optim: spec.grads.clone(),
+        },
+    )
+    .map_err(|e| {
+        err(format!(
+            "the in-node gradient group {} must hold the parameter group {} and lie in the \
+             gradient group {}: {e}",
+            nw.group, spec.params, spec.grads
+        ))
+    })?;
+    if let Some(bad) = nw
+        .params
+        .iter()
+        .find(|n| !fwd.params.iter().any(|p| &fwd.value(p.value).name == *n))
+    {
+        return Err(err(format!(
+            "the in-node gradient group lists `{bad}`, which is not a parameter of `{}`",
+            fwd.name
+        )));
+    }
+    Ok(NarrowGrads {
+        group: ng.grads,
+        params: nw.params.clone(),
+    })
+}
+
+/// What the per-rank step declares before any node: the rank's micro-batches (concatenated
+/// on axis 0), each parameter's fp32 master shard (the trainable parameter) and compute
+/// shard (a state), their layouts, and the constants.
+struct Declarations {
+    /// (input of the micro program, the step's input).
+    globals: Vec<(ValueId, ValueId)>,
+    layouts: Vec<ParamLayout>,
+    masters: Vec<ValueId>,
+    shards: Vec<ValueId>,
+    consts: HashMap<ValueId, ValueId>,
+    /// Which gradient outputs (index into the parameters) each micro value is.
+    grad_of: HashMap<ValueId, Vec<usize>>,
+}
+
+impl Declarations {
+    fn new(
+        q: &mut Program,
+        micro: &Program,
+        gr: &StepGroups,
+        cfg: &TrainConfig,
+        sched: &ScheduleOptions,
+        m: usize,
+    ) -> Result<Declarations, TrainError> {
+        let (compute, gdt) = (cfg.compute, sched.grad_dtype);
+        q.mesh = Some(gr.mesh.clone());
+        if compute != DType::F32 || gdt != DType::F32 {
+            q.precision = Some(Precision {
+                compute,
+                master: DType::F32,
+                reduce: gdt,
+            });
+        }
+        let mut globals = Vec::new();
+        for &i in &micro.inputs {
+            let mut ty = micro.ty(i).clone();
+            if m > 1 {
+                if ty.rank() == 0 {
+                    return Err(err(format!(
+                        "input `{}` is a scalar; it cannot be split into {m} micro-batches",
+                        micro.value(i).name
+                    )));
+                }
+                ty.shape[0] *= m;
+            }
+            globals.push((i, q.add_input(micro.value(i).name.clone(), ty)));
+        }
+        let (mut layouts, mut masters, mut shards) = (Vec::new(), Vec::new(), Vec::new());
+        let (p, o) = (gr.p, gr.o);
+        for prm in &micro.params {
+            let name = micro.value(prm.value).name.clone();
+            let ty = micro.ty(prm.value).clone();
+            let n = ty.numel();
+            let padded = n.div_ceil(o).max(1) * o;
+            let master = q.add_param(
+                name.clone(),
+                TensorType::new(DType::F32, vec![padded / o]),
+                None,
+            );
+            let shard_name = format!("shard/{name}");
+            let shard = q.add_state(
+                shard_name.clone(),
+                TensorType::new(compute, vec![padded / p]),
+                None,
+            );
+            masters.push(master);
+            shards.push(shard);
+            let accumulate_group = gr.narrow(&name).cloned();
+            layouts.push(ParamLayout {
+                name,
+                shape: ty.shape.clone(),
+                numel: n,
+                padded,
+                optim_group: gr.spec.optim.clone(),
+                params_group: gr.spec.params.clone(),
+                compute_shard: shard_name,
+                compute_dtype: compute,
+                accumulate_group,
+                states: Vec::new(),
+            });
+        }
+        let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
+        for c in &micro.consts {
+            let mut names = hzp_ir::NameSet::from_program(q);
+            let name = names.fresh(&micro.value(c.value).name);
+            consts.insert(c.value, q.add_const(name, c.data.clone()));
+        }
+        let mut grad_of: HashMap<ValueId, Vec<usize>> = HashMap::new();
+        for (j, &gv) in micro.outputs[1..].iter().enumerate() {
+            grad_of.entry(gv).or_default().push(j);
+        }
+        Ok(Declarations {
+            globals,
+            layouts,
+            masters,
+            shards,
+            consts,
+            grad_of,
+        })
+    }
+}
+
+/// The row-exchanged gradients (see [`SparseGrad`]) and this rank's index in G.
+#[derive(Default)]
+struct SparseGrads {
+    /// The gradient of parameter j, by the micro program's scatter node.
+    at: HashMap<usize, usize>,
+    /// This rank's index in the gradient group, as a scalar (when any gradient is
+    /// row-exchanged).
+    member: Option<ValueId>,
+    /// For the step's report: name, bytes sent per micro-batch, the table's bytes.
+    row_exchanged: Vec<(String, u64, u64)>,
+}
+
+impl SparseGrads {
+    fn new(
+        e: &mut Emitter,
+        micro: &Program,
+        gr: &StepGroups,
+        layouts: &[ParamLayout],
+        sched: &ScheduleOptions,
+        per_mb: bool,
+    ) -> Result<SparseGrads, TrainError> {
+        let (g, gdt) = (gr.g, sched.grad_dtype);
+        let users = micro.users();
+        let sparse: Vec<Option<SparseGrad>> = layouts
+            .iter()
+            .enumerate()
+            .map(|(j, l)| {
+                if !(sched.sparse_grads && per_mb && g > 1 && gr.narrow(&l.name).is_none()) {
+                    return None;
+                }
+                sparse_grad(micro, &users, micro.outputs[1 + j], l, g, gdt)
+            })
+            .collect();
+        let row_exchanged = sparse
+            .iter()
+            .zip(layouts)
+            .filter_map(|(s, l)| {
+                let s = s.as_ref()?;
+                Some((l.name.clone(), s.sent, (l.numel * gdt.size_bytes()) as u64))
+            })
+            .collect();
+        let at: HashMap<usize, usize> = sparse
+            .iter()
+            .enumerate()
+            .filter_map(|(j, s)| Some((s.as_ref()?.node, j)))
+            .collect();
+        // member j sends piece r of 0..g to member r, so member r receives r from every
+        // member
+        let member = if at.is_empty() {
+            None
+        } else {
+            e.enter("member", Role::new(RoleKind::Reduce, "member"));
+            Some(member_index(e, &gr.spec.grads, g).map_err(err)?)
+        };
+        Ok(SparseGrads {
+            at,
+            member,
+            row_exchanged,
+        })
+    }
+}
+
+/// This rank's index in `group` (of `size` members) as an i64 scalar, from an all-to-all of
+/// `0..size` (no rank-dependent op).
+fn member_index(e: &mut Emitter, group: &Group, size: usize) -> Result<ValueId, String> {
+    let name = e.fresh("member/ranks");
+    let ranks = e.p.add_const(
+        name,
+        hzp_ir::Tensor::i64(vec![size], (0..size as i64).collect()),
+    );
+    let got = e.op(
+        Op::AllToAll {
+            group: group.clone(),
+            split_axis: 0,
+            concat_axis: 0,
+        },
+        &[ranks],
+    )?;
+    let one = e.op(
+        Op::Slice {
+            axes: vec![0],
+            starts: vec![0],
+            ends: vec![1],
+            steps: vec![1],
+        },
+        &[got],
+    )?;
+    e.op(Op::Reshape { shape: vec![] }, &[one])
+}
+
+/// Emits the per-rank step, stage by stage, from the single-micro-batch gradient program.
+struct StepBuilder<'a> {
+    micro: &'a Program,
+    an: &'a Analysis,
+    gr: &'a StepGroups<'a>,
+    d: &'a Declarations,
+    m: usize,
+    gdt: DType,
+    per_mb: bool,
+    sparse: SparseGrads,
+    /// Gather units in the order emitted.
+    units: Vec<UnitRec>,
+    /// Each micro-batch's loss.
+    losses: Vec<ValueId>,
+    /// Per parameter: the per-micro-batch accumulator (a shard over G) or the per-step
+    /// full accumulator.
+    acc: Vec<Option<ValueId>>,
+    /// Per parameter: the reduced gradient on the rank's O-shard (after the last
+    /// micro-batch).
+    final_g: Vec<Option<ValueId>>,
+}
+
+/// What one micro-batch's emission keeps track of.
+struct MicroBatch {
+    mb: usize,
+    /// The suffix of copied names (`/micro<mb>`, none with one micro-batch).
+    suffix: String,
+    /// Micro-program value -> step value.
+    vmap: HashMap<ValueId, ValueId>,
+    /// Gathered parameters of the units started in this micro-batch.
+    gathered: HashMap<(UnitKey, usize), ValueId>,
+    started: HashSet<UnitKey>,
+    /// Recomputed values, and the layers already recomputed.
+    clones: HashMap<ValueId, ValueId>,
+    cloned: HashSet<usize>,
+    /// Reduced gradients not yet added to their accumulator, with the backward layer count
+    /// at which they were reduced.
+    pending: Vec<(usize, ValueId, usize)>,
+    bwd_layers_seen: usize,
+    last_bwd_layer: Option<Option<usize>>,
+    done_grads: Vec<bool>,
+}
+
+impl StepBuilder<'_> {
+    /// The gather chain of parameter k: AllGather over P, drop the padding, reshape.
+    fn gather(&self, e: &mut Emitter, k: usize) -> Result<ValueId, String> {
+        let l = &self.d.layouts[k];
+        let mut v = self.d.shards[k];
+        if self.gr.p > 1 {
             v = e.op(
                 Op::AllGather {
-                    group: spec.params.clone(),
+                    group: self.gr.spec.params.clone(),
                     axis: 0,
                 },
                 &[v],
             )?;
-            ag = Some(v);
         }
         if l.padded > l.numel {
             v = e.op(
@@ -772,16 +1044,17 @@ pub fn shard_training_step_rewritten(
                 &[v],
             )?;
         }
-        let v = e.op(
+        e.op(
             Op::Reshape {
                 shape: l.shape.clone(),
             },
             &[v],
-        )?;
-        Ok((v, ag))
-    };
-    // A gradient as a flat, padded vector in the gradient dtype.
-    let flat_grad = |e: &mut Emitter, v: ValueId, l: &ParamLayout| -> Result<ValueId, String> {
+        )
+    }
+
+    /// Parameter j's gradient as a flat, padded vector in the gradient dtype.
+    fn flat_grad(&self, e: &mut Emitter, v: ValueId, j: usize) -> Result<ValueId, String> {
+        let (l, gdt) = (&self.d.layouts[j], self.gdt);
         let mut v = v;
         if e.ty(v).dtype != gdt {
             v = e.op(Op::Cast { to: gdt }, &[v])?;
@@ -797,17 +1070,13 @@ pub fn shard_training_step_rewritten(
             v = e.op(Op::Concat { axis: 0 }, &[v, z])?;
         }
         Ok(v)
-    };
-    // The group parameter `j`'s gradient is reduce-scattered over per micro-batch (or
-    // once, per step) and what of O it leaves to the step's end.
-    let narrow = |j: usize| -> Option<&Group> {
-        let nw = narrow_grads.as_ref()?;
-        nw.params.contains(&layouts[j].name).then_some(&nw.group)
-    };
-    let rs_g = |e: &mut Emitter, v: ValueId, j: usize| -> Result<ValueId, String> {
-        let (group, size_) = match narrow(j) {
-            Some(n) => (n.clone(), size(mesh, n)),
-            None => (spec.grads.clone(), g),
+    }
+
+    /// Reduce-scatters parameter j's flat gradient over G (or its narrow group).
+    fn reduce_scatter_g(&self, e: &mut Emitter, v: ValueId, j: usize) -> Result<ValueId, String> {
+        let (group, size_) = match self.gr.narrow(&self.d.layouts[j].name) {
+            Some(n) => (n.clone(), size(self.gr.mesh, n)),
+            None => (self.gr.spec.grads.clone(), self.gr.g),
         };
         if size_ > 1 {
             e.op(
@@ -821,13 +1090,21 @@ pub fn shard_training_step_rewritten(
         } else {
             Ok(v)
         }
-    };
-    // Adds `v` to an accumulator. The first value is copied when it comes from a collective:
-    // reading it on the compute stream is what lets the compute stream reuse the memory the
-    // reduce-scatter read (a value the comm stream reads is only dead once the compute stream
-    // has waited for that read).
-    let add_to = |e: &mut Emitter, acc: &mut Option<ValueId>, v: ValueId| -> Result<(), String> {
-        *acc = Some(match *acc {
+    }
+
+    /// Adds `v` to parameter j's accumulator and, in the last micro-batch, reduces the sum
+    /// to the rank's O-shard ([`Self::finish`]). The first value is copied when it comes
+    /// from a collective: reading it on the compute stream is what lets the compute stream
+    /// reuse the memory the reduce-scatter read (a value the comm stream reads is only dead
+    /// once the compute stream has waited for that read).
+    fn accumulate(
+        &mut self,
+        e: &mut Emitter,
+        mb: usize,
+        j: usize,
+        v: ValueId,
+    ) -> Result<(), String> {
+        self.acc[j] = Some(match self.acc[j] {
             None if e
                 .p
                 .producer(v)
@@ -838,27 +1115,31 @@ pub fn shard_training_step_rewritten(
             None => v,
             Some(a) => e.op(Op::Binary(BinaryOp::Add), &[a, v])?,
         });
+        if mb + 1 == self.m {
+            let a = self.acc[j].ok_or("internal: nothing accumulated")?;
+            self.final_g[j] = Some(self.finish(e, j, a)?);
+        }
         Ok(())
-    };
-    let per_mb = sched.reduce_grads == ReduceGrads::PerMicrobatch;
+    }
 
-    // Reduces an accumulated gradient to the rank's O-shard, in fp32: right after its last
-    // accumulation, so the cross-replica reduction overlaps the last micro-batch's backward.
-    let finish = |e: &mut Emitter, j: usize, v: ValueId| -> Result<ValueId, String> {
-        let l = &layouts[j];
+    /// Reduces an accumulated gradient to the rank's O-shard, in fp32: right after its last
+    /// accumulation, so the cross-replica reduction overlaps the last micro-batch's
+    /// backward.
+    fn finish(&self, e: &mut Emitter, j: usize, v: ValueId) -> Result<ValueId, String> {
+        let (gr, l) = (self.gr, &self.d.layouts[j]);
         e.enter(
             format!("reduce.step/{}", l.name),
             Role::new(RoleKind::Reduce, "step"),
         );
         let mut v = v;
-        if !per_mb {
-            v = rs_g(e, v, j)?;
+        if !self.per_mb {
+            v = self.reduce_scatter_g(e, v, j)?;
         }
-        let (rest, reduced) = match narrow(j) {
-            Some(n) => (minus(&spec.optim, n), size(mesh, n)),
-            None => (o_minus_g.clone(), g),
+        let (rest, reduced) = match gr.narrow(&l.name) {
+            Some(n) => (minus(&gr.spec.optim, n), size(gr.mesh, n)),
+            None => (gr.o_minus_g.clone(), gr.g),
         };
-        if o > reduced {
+        if gr.o > reduced {
             v = e.op(
                 Op::ReduceScatter {
                     group: rest,
@@ -868,10 +1149,10 @@ pub fn shard_training_step_rewritten(
                 &[v],
             )?;
         }
-        if w > o {
+        if gr.w > gr.o {
             v = e.op(
                 Op::AllReduce {
-                    group: replicas.clone(),
+                    group: gr.replicas.clone(),
                     reduce: ReduceOp::Sum,
                 },
                 &[v],
@@ -882,135 +1163,80 @@ pub fn shard_training_step_rewritten(
         }
         // (already the mean: the backward was seeded with 1 / (W * M))
         Ok(v)
-    };
-    let mut final_g: Vec<Option<ValueId>> = vec![None; n_params];
+    }
 
-    // Row-exchanged gradients (see `SparseGrad`), by the scatter's node.
-    let sparse: Vec<Option<SparseGrad>> = {
-        let users = micro.users();
-        (0..n_params)
-            .map(|j| {
-                if !(sched.sparse_grads && per_mb && g > 1 && narrow(j).is_none()) {
-                    return None;
-                }
-                sparse_grad(&micro, &users, micro.outputs[1 + j], &layouts[j], g, gdt)
-            })
-            .collect()
-    };
-    let row_exchanged: Vec<(String, u64, u64)> = sparse
-        .iter()
-        .zip(&layouts)
-        .filter_map(|(s, l)| {
-            let s = s.as_ref()?;
-            Some((l.name.clone(), s.sent, (l.numel * gdt.size_bytes()) as u64))
-        })
-        .collect();
-    let sparse_at: HashMap<usize, usize> = sparse
-        .iter()
-        .enumerate()
-        .filter_map(|(j, s)| Some((s.as_ref()?.node, j)))
-        .collect();
-    // This rank's index in the gradient group, as a scalar: member j sends piece r of
-    // 0..g to member r, so member r receives r from every member.
-    let member = if sparse_at.is_empty() {
-        None
-    } else {
-        e.enter("member", Role::new(RoleKind::Reduce, "member"));
-        (|| -> Result<ValueId, String> {
-            let name = e.fresh("member/ranks");
-            let ranks =
-                e.p.add_const(name, hzp_ir::Tensor::i64(vec![g], (0..g as i64).collect()));
-            let got = e.op(
-                Op::AllToAll {
-                    group: spec.grads.clone(),
-                    split_axis: 0,
-                    concat_axis: 0,
-                },
-                &[ranks],
-            )?;
-            let one = e.op(
-                Op::Slice {
-                    axes: vec![0],
-                    starts: vec![0],
-                    ends: vec![1],
-                    steps: vec![1],
-                },
-                &[got],
-            )?;
-            e.op(Op::Reshape { shape: vec![] }, &[one])
-        })()
-        .map(Some)
-        .map_err(err)?
-    };
-    // The rank's shard of a row-exchanged gradient: the rows of every rank that fall in it.
-    let sparse_rows =
-        |e: &mut Emitter, j: usize, idx: ValueId, upd: ValueId| -> Result<ValueId, String> {
-            let l = &layouts[j];
-            // the lookups as one list: idx [T, 1], rows [T, table row shape]
-            let lookups: usize = e.ty(idx).shape.iter().product();
-            let idx = e.op(
-                Op::Reshape {
-                    shape: vec![lookups, 1],
-                },
-                &[idx],
-            )?;
-            let mut rows_shape = vec![lookups];
-            rows_shape.extend_from_slice(&l.shape[1..]);
-            let mut upd = e.op(Op::Reshape { shape: rows_shape }, &[upd])?;
-            if e.ty(upd).dtype != gdt {
-                upd = e.op(Op::Cast { to: gdt }, &[upd])?;
-            }
-            let gather = |e: &mut Emitter, v: ValueId| {
-                e.op(
-                    Op::AllGather {
-                        group: spec.grads.clone(),
-                        axis: 0,
-                    },
-                    &[v],
-                )
-            };
-            let idx_all = gather(e, idx)?;
-            let upd_all = gather(e, upd)?;
-            let idt = e.ty(idx).dtype;
-            let mut me = member.ok_or("internal: no member index")?;
-            if idt != DType::I64 {
-                me = e.op(Op::Cast { to: idt }, &[me])?;
-            }
-            let per = l.shape[0] / g;
-            let per_c = e.scalar(per as f64, idt);
-            let first = e.op(Op::Binary(BinaryOp::Mul), &[me, per_c])?;
-            let loc = e.op(Op::Binary(BinaryOp::Sub), &[idx_all, first])?;
-            let zero_i = e.scalar(0.0, idt);
-            let lo = e.op(Op::Binary(BinaryOp::GreaterOrEqual), &[loc, zero_i])?;
-            let hi = e.op(Op::Binary(BinaryOp::Less), &[loc, per_c])?;
-            let inside = e.op(Op::Binary(BinaryOp::And), &[lo, hi])?;
-            let loc = e.op(Op::Where, &[inside, loc, zero_i])?;
-            // one mask entry per row, broadcast over the row's elements
-            let mut mask_shape = vec![e.ty(upd_all).shape[0]];
-            mask_shape.resize(e.ty(upd_all).rank(), 1);
-            let mask = e.op(Op::Reshape { shape: mask_shape }, &[inside])?;
-            let zero_g = e.scalar(0.0, gdt);
-            let rows = e.op(Op::Where, &[mask, upd_all, zero_g])?;
-            let mut shard_shape = l.shape.clone();
-            shard_shape[0] = per;
-            let base = e.zeros(&TensorType::new(gdt, shard_shape))?;
-            let sum = e.op(Op::ScatterND { add: true }, &[base, loc, rows])?;
+    /// The rank's shard of a row-exchanged gradient of parameter j (lookups `idx`, rows
+    /// `upd`): the rows of every rank of G that fall in it.
+    fn sparse_rows(
+        &self,
+        e: &mut Emitter,
+        j: usize,
+        idx: ValueId,
+        upd: ValueId,
+    ) -> Result<ValueId, String> {
+        let (l, gdt, g) = (&self.d.layouts[j], self.gdt, self.gr.g);
+        // the lookups as one list: idx [T, 1], rows [T, table row shape]
+        let lookups: usize = e.ty(idx).shape.iter().product();
+        let idx = e.op(
+            Op::Reshape {
+                shape: vec![lookups, 1],
+            },
+            &[idx],
+        )?;
+        let mut rows_shape = vec![lookups];
+        rows_shape.extend_from_slice(&l.shape[1..]);
+        let mut upd = e.op(Op::Reshape { shape: rows_shape }, &[upd])?;
+        if e.ty(upd).dtype != gdt {
+            upd = e.op(Op::Cast { to: gdt }, &[upd])?;
+        }
+        let gather = |e: &mut Emitter, v: ValueId| {
             e.op(
-                Op::Reshape {
-                    shape: vec![l.numel / g],
+                Op::AllGather {
+                    group: self.gr.spec.grads.clone(),
+                    axis: 0,
                 },
-                &[sum],
+                &[v],
             )
         };
+        let idx_all = gather(e, idx)?;
+        let upd_all = gather(e, upd)?;
+        let idt = e.ty(idx).dtype;
+        let mut me = self.sparse.member.ok_or("internal: no member index")?;
+        if idt != DType::I64 {
+            me = e.op(Op::Cast { to: idt }, &[me])?;
+        }
+        let per = l.shape[0] / g;
+        let per_c = e.scalar(per as f64, idt);
+        let first = e.op(Op::Binary(BinaryOp::Mul), &[me, per_c])?;
+        let loc = e.op(Op::Binary(BinaryOp::Sub), &[idx_all, first])?;
+        let zero_i = e.scalar(0.0, idt);
+        let lo = e.op(Op::Binary(BinaryOp::GreaterOrEqual), &[loc, zero_i])?;
+        let hi = e.op(Op::Binary(BinaryOp::Less), &[loc, per_c])?;
+        let inside = e.op(Op::Binary(BinaryOp::And), &[lo, hi])?;
+        let loc = e.op(Op::Where, &[inside, loc, zero_i])?;
+        // one mask entry per row, broadcast over the row's elements
+        let mut mask_shape = vec![e.ty(upd_all).shape[0]];
+        mask_shape.resize(e.ty(upd_all).rank(), 1);
+        let mask = e.op(Op::Reshape { shape: mask_shape }, &[inside])?;
+        let zero_g = e.scalar(0.0, gdt);
+        let rows = e.op(Op::Where, &[mask, upd_all, zero_g])?;
+        let mut shard_shape = l.shape.clone();
+        shard_shape[0] = per;
+        let base = e.zeros(&TensorType::new(gdt, shard_shape))?;
+        let sum = e.op(Op::ScatterND { add: true }, &[base, loc, rows])?;
+        e.op(
+            Op::Reshape {
+                shape: vec![l.numel / g],
+            },
+            &[sum],
+        )
+    }
 
-    for mb in 0..m {
-        let suffix = if m == 1 {
-            String::new()
-        } else {
-            format!("/micro{mb}")
-        };
-        let mut vmap: HashMap<ValueId, ValueId> = consts.clone();
-        for &(mi, gi) in &globals {
+    /// The micro-batch's slices of the step's inputs.
+    fn micro_batch_inputs(&self, e: &mut Emitter, mb: usize) -> Result<MicroBatch, TrainError> {
+        let (micro, m) = (self.micro, self.m);
+        let mut vmap: HashMap<ValueId, ValueId> = self.d.consts.clone();
+        for &(mi, gi) in &self.d.globals {
             let v = if m == 1 {
                 gi
             } else {
@@ -1031,139 +1257,215 @@ pub fn shard_training_step_rewritten(
             };
             vmap.insert(mi, v);
         }
-        // Gathered parameters of the units started in this micro-batch.
-        let mut gathered: HashMap<(UnitKey, usize), ValueId> = HashMap::new();
-        let mut started: HashSet<UnitKey> = HashSet::new();
-        let mut clones: HashMap<ValueId, ValueId> = HashMap::new();
-        let mut cloned: HashSet<usize> = HashSet::new();
-        // Reduced gradients not yet added to their accumulator, with the backward layer
-        // count at which they were reduced.
-        let mut pending: Vec<(usize, ValueId, usize)> = Vec::new();
-        let mut bwd_layers_seen = 0usize;
-        let mut last_bwd_layer: Option<Option<usize>> = None;
-        let mut done_grads = vec![false; n_params];
+        Ok(MicroBatch {
+            mb,
+            suffix: if m == 1 {
+                String::new()
+            } else {
+                format!("/micro{mb}")
+            },
+            vmap,
+            gathered: HashMap::new(),
+            started: HashSet::new(),
+            clones: HashMap::new(),
+            cloned: HashSet::new(),
+            pending: Vec::new(),
+            bwd_layers_seen: 0,
+            last_bwd_layer: None,
+            done_grads: vec![false; self.micro.params.len()],
+        })
+    }
 
-        // Reads parameter k for node i (starting its unit if needed).
-        let param_for = |e: &mut Emitter,
-                         units: &mut Vec<UnitRec>,
-                         gathered: &mut HashMap<(UnitKey, usize), ValueId>,
-                         started: &mut HashSet<UnitKey>,
-                         key: UnitKey,
-                         k: usize|
-         -> Result<ValueId, String> {
-            if started.insert(key) {
-                let uname = an.unit_name(mb, key);
-                let rec = UnitRec { key: uname.clone() };
-                for &kk in &an.units[&key] {
-                    e.enter(
-                        format!("gather.{uname}/{}", layouts[kk].name),
-                        Role::new(RoleKind::Gather, uname.clone()),
-                    );
-                    let (v, _) = gather(e, kk, &layouts[kk])?;
-                    gathered.insert((key, kk), v);
+    /// Parameter k as gathered by unit `key` (which starts, gathering all its parameters,
+    /// at its first read).
+    fn param_for(
+        &mut self,
+        e: &mut Emitter,
+        st: &mut MicroBatch,
+        key: UnitKey,
+        k: usize,
+    ) -> Result<ValueId, String> {
+        if st.started.insert(key) {
+            let uname = self.an.unit_name(st.mb, key);
+            let rec = UnitRec { key: uname.clone() };
+            for &kk in &self.an.units[&key] {
+                e.enter(
+                    format!("gather.{uname}/{}", self.d.layouts[kk].name),
+                    Role::new(RoleKind::Gather, uname.clone()),
+                );
+                let v = self.gather(e, kk)?;
+                st.gathered.insert((key, kk), v);
+            }
+            self.units.push(rec);
+        }
+        st.gathered
+            .get(&(key, k))
+            .copied()
+            .ok_or_else(|| format!("internal: unit {key:?} does not gather parameter {k}"))
+    }
+
+    /// Copies node i of the micro program with inputs `ins`, its names suffixed by `tag`.
+    fn copy_node(
+        &self,
+        e: &mut Emitter,
+        i: usize,
+        ins: Vec<ValueId>,
+        tag: &str,
+        recompute: bool,
+    ) -> Result<Vec<ValueId>, String> {
+        let micro = self.micro;
+        let node = &micro.nodes[i];
+        let outs: Vec<String> = node
+            .outputs
+            .iter()
+            .map(|&o| e.fresh(&format!("{}{tag}", micro.value(o).name)))
+            .collect();
+        let name = e.fresh(&format!("{}{tag}", node.name));
+        let outs = e.p.add_node(name, node.op.clone(), ins, outs)?;
+        if let Some(added) = e.p.nodes.last_mut() {
+            added.role = if recompute {
+                Role::of(RoleKind::Recompute)
+            } else {
+                node.role.clone()
+            };
+        }
+        Ok(outs)
+    }
+
+    /// Adds the reduced gradients of two backward layers back to their accumulators (by
+    /// then their reduce-scatters have had a layer's backward to finish in); `all` adds
+    /// every pending one.
+    fn accumulate_due(
+        &mut self,
+        e: &mut Emitter,
+        st: &mut MicroBatch,
+        all: bool,
+    ) -> Result<(), TrainError> {
+        let seen = st.bwd_layers_seen;
+        let (due, keep): (Vec<_>, Vec<_>) = st
+            .pending
+            .drain(..)
+            .partition(|&(_, _, at)| all || at + 2 <= seen);
+        st.pending = keep;
+        for (j, v, _) in due {
+            e.enter(
+                format!("accumulate.mb{}/{}", st.mb, self.d.layouts[j].name),
+                Role::new(RoleKind::Accumulate, format!("mb{}", st.mb)),
+            );
+            self.accumulate(e, st.mb, j, v).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// Clones the forward of every layer whose activations node i (of the backward) reads
+    /// and that is not recomputed yet in this micro-batch.
+    fn recompute_for(
+        &mut self,
+        e: &mut Emitter,
+        st: &mut MicroBatch,
+        i: usize,
+    ) -> Result<(), TrainError> {
+        let (micro, an) = (self.micro, self.an);
+        for &v in &micro.nodes[i].inputs {
+            let Some(&l) = an.need_layer.get(&v) else {
+                continue;
+            };
+            if !st.cloned.insert(l) {
+                continue;
+            }
+            for &ci in &an.closure[l] {
+                let cnode = &micro.nodes[ci];
+                let mut ins = Vec::new();
+                for &x in &cnode.inputs {
+                    let y = if let Some(&k) = an.param_index.get(&x) {
+                        let key = an.unit_of_use(ci, k, true);
+                        self.param_for(e, st, key, k).map_err(err)?
+                    } else if an.recomputed.contains(&x) {
+                        *st.clones.get(&x).ok_or_else(|| {
+                            err("internal: a recompute clone reads a value not yet recomputed")
+                        })?
+                    } else {
+                        *st.vmap
+                            .get(&x)
+                            .ok_or_else(|| err("internal: unmapped value"))?
+                    };
+                    ins.push(y);
                 }
-                units.push(rec);
+                let tag = format!("{}/recompute", st.suffix);
+                let outs = self.copy_node(e, ci, ins, &tag, true).map_err(err)?;
+                for (&o, v) in cnode.outputs.iter().zip(outs) {
+                    st.clones.insert(o, v);
+                }
             }
-            gathered
-                .get(&(key, k))
-                .copied()
-                .ok_or_else(|| format!("internal: unit {key:?} does not gather parameter {k}"))
-        };
+        }
+        Ok(())
+    }
 
-        let copy_node = |e: &mut Emitter,
-                         i: usize,
-                         ins: Vec<ValueId>,
-                         tag: &str,
-                         recompute: bool|
-         -> Result<Vec<ValueId>, String> {
-            let node = &micro.nodes[i];
-            let outs: Vec<String> = node
-                .outputs
-                .iter()
-                .map(|&o| e.fresh(&format!("{}{tag}", micro.value(o).name)))
-                .collect();
-            let name = e.fresh(&format!("{}{tag}", node.name));
-            let outs = e.p.add_node(name, node.op.clone(), ins, outs)?;
-            if let Some(added) = e.p.nodes.last_mut() {
-                added.role = if recompute {
-                    Role::of(RoleKind::Recompute)
-                } else {
-                    node.role.clone()
-                };
+    /// Parameter j's gradient `v` of this micro-batch, reduced (per micro-batch: to its
+    /// G-shard, accumulated two layers later; per step: accumulated whole now). `scope` is
+    /// the reduction's scope under `reduce.mb<mb>`; `seen` the backward layer count to
+    /// accumulate it after.
+    fn reduce_grad(
+        &mut self,
+        e: &mut Emitter,
+        st: &mut MicroBatch,
+        j: usize,
+        v: ValueId,
+        layer: Option<&str>,
+        seen: usize,
+    ) -> Result<(), TrainError> {
+        let mb = st.mb;
+        let name = self.d.layouts[j].name.clone();
+        let (scope, unit) = match layer {
+            Some(layer) => (
+                format!("reduce.mb{mb}.{layer}/{name}"),
+                format!("mb{mb}.{layer}"),
+            ),
+            None => (format!("reduce.mb{mb}/{name}"), format!("mb{mb}")),
+        };
+        e.enter(scope, Role::new(RoleKind::Reduce, unit));
+        let f = self.flat_grad(e, v, j).map_err(err)?;
+        if self.per_mb {
+            let r = self.reduce_scatter_g(e, f, j).map_err(err)?;
+            st.pending.push((j, r, seen));
+        } else {
+            if layer.is_some() {
+                e.enter(
+                    format!("accumulate.mb{mb}/{name}"),
+                    Role::new(RoleKind::Accumulate, format!("mb{mb}")),
+                );
             }
-            Ok(outs)
-        };
+            self.accumulate(e, mb, j, f).map_err(err)?;
+        }
+        Ok(())
+    }
 
+    /// Stage 5 for micro-batch `mb`: the forward and backward with parameters read from
+    /// their gather units, recompute before each layer's backward, each gradient reduced as
+    /// it is produced; then the gradients no node computes, and the pending accumulations.
+    fn micro_batch(&mut self, e: &mut Emitter, mb: usize) -> Result<(), TrainError> {
+        let (micro, an) = (self.micro, self.an);
+        let mut st = self.micro_batch_inputs(e, mb)?;
         for (i, node) in micro.nodes.iter().enumerate() {
             let bwd = !an.is_fwd[i];
             if bwd {
                 let l = an.node_layer[i];
-                if last_bwd_layer != Some(l) {
-                    last_bwd_layer = Some(l);
-                    bwd_layers_seen += 1;
+                if st.last_bwd_layer != Some(l) {
+                    st.last_bwd_layer = Some(l);
+                    st.bwd_layers_seen += 1;
                 }
-                // Add reduced gradients of two layers back to their accumulators: by then
-                // their reduce-scatters have had a layer's backward to finish in.
-                let (due, keep): (Vec<_>, Vec<_>) = pending
-                    .drain(..)
-                    .partition(|&(_, _, seen)| seen + 2 <= bwd_layers_seen);
-                pending = keep;
-                for (j, v, _) in due {
-                    e.enter(
-                        format!("accumulate.mb{mb}/{}", layouts[j].name),
-                        Role::new(RoleKind::Accumulate, format!("mb{mb}")),
-                    );
-                    add_to(&mut e, &mut acc[j], v).map_err(err)?;
-                    if mb + 1 == m {
-                        let a = acc[j].expect("just accumulated");
-                        final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
-                    }
-                }
-                // Recompute the layers whose activations this node reads.
-                for &v in &node.inputs {
-                    let Some(&l) = an.need_layer.get(&v) else {
-                        continue;
-                    };
-                    if !cloned.insert(l) {
-                        continue;
-                    }
-                    for &ci in &an.closure[l] {
-                        let cnode = &micro.nodes[ci];
-                        let mut ins = Vec::new();
-                        for &x in &cnode.inputs {
-                            let y = if let Some(&k) = an.param_index.get(&x) {
-                                let key = an.unit_of_use(ci, k, true);
-                                param_for(&mut e, &mut units, &mut gathered, &mut started, key, k)
-                                    .map_err(err)?
-                            } else if an.recomputed.contains(&x) {
-                                *clones.get(&x).ok_or_else(|| {
-                                    err("internal: a recompute clone reads a value not yet recomputed")
-                                })?
-                            } else {
-                                *vmap
-                                    .get(&x)
-                                    .ok_or_else(|| err("internal: unmapped value"))?
-                            };
-                            ins.push(y);
-                        }
-                        let outs = copy_node(&mut e, ci, ins, &format!("{suffix}/recompute"), true)
-                            .map_err(err)?;
-                        for (&o, v) in cnode.outputs.iter().zip(outs) {
-                            clones.insert(o, v);
-                        }
-                    }
-                }
+                self.accumulate_due(e, &mut st, false)?;
+                self.recompute_for(e, &mut st, i)?;
             }
             let mut ins = Vec::new();
             for &x in &node.inputs {
                 let y = if let Some(&k) = an.param_index.get(&x) {
                     let key = an.unit_of_use(i, k, false);
-                    param_for(&mut e, &mut units, &mut gathered, &mut started, key, k)
-                        .map_err(err)?
+                    self.param_for(e, &mut st, key, k).map_err(err)?
                 } else if bwd && an.need_layer.contains_key(&x) {
-                    clones[&x]
+                    st.clones[&x]
                 } else {
-                    *vmap.get(&x).ok_or_else(|| {
+                    *st.vmap.get(&x).ok_or_else(|| {
                         err(format!(
                             "internal: `{}` read before it is computed",
                             micro.value(x).name
@@ -1172,229 +1474,168 @@ pub fn shard_training_step_rewritten(
                 };
                 ins.push(y);
             }
-            if let Some(&j) = sparse_at.get(&i) {
-                let l = &layouts[j];
+            if let Some(&j) = self.sparse.at.get(&i) {
+                let l = &self.d.layouts[j];
                 let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
                 e.enter(
                     format!("reduce.mb{mb}.{layer}/{}/rows", l.name),
                     Role::new(RoleKind::Reduce, format!("mb{mb}.{layer}")),
                 );
-                let r = sparse_rows(&mut e, j, ins[1], ins[2]).map_err(err)?;
-                done_grads[j] = true;
-                pending.push((j, r, bwd_layers_seen));
+                let r = self.sparse_rows(e, j, ins[1], ins[2]).map_err(err)?;
+                st.done_grads[j] = true;
+                st.pending.push((j, r, st.bwd_layers_seen));
                 continue;
             }
-            let outs = copy_node(&mut e, i, ins, &suffix, false).map_err(err)?;
+            let suffix = st.suffix.clone();
+            let outs = self.copy_node(e, i, ins, &suffix, false).map_err(err)?;
             for (&o, v) in node.outputs.iter().zip(outs) {
-                vmap.insert(o, v);
-                if let Some(js) = grad_of.get(&o) {
-                    for &j in js {
-                        done_grads[j] = true;
-                        let l = &layouts[j];
-                        let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
-                        e.enter(
-                            format!("reduce.mb{mb}.{layer}/{}", l.name),
-                            Role::new(RoleKind::Reduce, format!("mb{mb}.{layer}")),
-                        );
-                        let f = flat_grad(&mut e, v, l).map_err(err)?;
-                        if per_mb {
-                            let r = rs_g(&mut e, f, j).map_err(err)?;
-                            pending.push((j, r, bwd_layers_seen));
-                        } else {
-                            e.enter(
-                                format!("accumulate.mb{mb}/{}", l.name),
-                                Role::new(RoleKind::Accumulate, format!("mb{mb}")),
-                            );
-                            add_to(&mut e, &mut acc[j], f).map_err(err)?;
-                            if mb + 1 == m {
-                                let a = acc[j].expect("just accumulated");
-                                final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
-                            }
-                        }
-                    }
+                st.vmap.insert(o, v);
+                for &j in self.d.grad_of.get(&o).into_iter().flatten() {
+                    st.done_grads[j] = true;
+                    let layer = an.layer_names[an.param_layer[j]].replace('/', ".");
+                    let seen = st.bwd_layers_seen;
+                    self.reduce_grad(e, &mut st, j, v, Some(&layer), seen)?;
                 }
             }
         }
         // Gradients that no node of the backward computes (constants, inputs).
-        for j in 0..n_params {
-            if done_grads[j] {
+        for j in 0..micro.params.len() {
+            if st.done_grads[j] {
                 continue;
             }
             let gv = micro.outputs[1 + j];
-            let v = match vmap.get(&gv) {
+            let v = match st.vmap.get(&gv) {
                 Some(&v) => v,
                 None => {
                     let k = an.param_index[&gv];
                     let key = an.unit_of_use(0, k, true);
-                    param_for(&mut e, &mut units, &mut gathered, &mut started, key, k)
-                        .map_err(err)?
+                    self.param_for(e, &mut st, key, k).map_err(err)?
                 }
             };
-            let l = &layouts[j];
-            e.enter(
-                format!("reduce.mb{mb}/{}", l.name),
-                Role::new(RoleKind::Reduce, format!("mb{mb}")),
-            );
-            let f = flat_grad(&mut e, v, l).map_err(err)?;
-            if per_mb {
-                let r = rs_g(&mut e, f, j).map_err(err)?;
-                pending.push((j, r, 0));
-            } else {
-                add_to(&mut e, &mut acc[j], f).map_err(err)?;
-                if mb + 1 == m {
-                    let a = acc[j].expect("just accumulated");
-                    final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
-                }
-            }
+            self.reduce_grad(e, &mut st, j, v, None, 0)?;
         }
-        for (j, v, _) in pending.drain(..) {
-            e.enter(
-                format!("accumulate.mb{mb}/{}", layouts[j].name),
-                Role::new(RoleKind::Accumulate, format!("mb{mb}")),
-            );
-            add_to(&mut e, &mut acc[j], v).map_err(err)?;
-            if mb + 1 == m {
-                let a = acc[j].expect("just accumulated");
-                final_g[j] = Some(finish(&mut e, j, a).map_err(err)?);
-            }
-        }
-        losses.push(vmap[&micro.outputs[0]]);
+        self.accumulate_due(e, &mut st, true)?;
+        self.losses.push(st.vmap[&micro.outputs[0]]);
+        Ok(())
     }
 
-    // Every gradient was finished in the last micro-batch.
-    let grads: Vec<ValueId> = final_g
-        .iter()
-        .map(|g| g.ok_or_else(|| err("internal: a gradient was never accumulated")))
-        .collect::<Result<_, _>>()?;
-    let mut grads = grads;
-    let mut outputs = Vec::new();
-    // The global loss: the mean of the ranks' micro-batch losses.
-    e.enter("loss", Role::of(RoleKind::Loss));
-    let loss = (|| -> Result<ValueId, String> {
-        let mut v = losses[0];
-        if e.ty(v).dtype != DType::F32 {
-            v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
-        }
-        for &x in &losses[1..] {
-            let x = if e.ty(x).dtype != DType::F32 {
-                e.op(Op::Cast { to: DType::F32 }, &[x])?
-            } else {
-                x
-            };
-            v = e.op(Op::Binary(BinaryOp::Add), &[v, x])?;
-        }
-        if m > 1 {
-            let s = e.scalar(1.0 / m as f64, DType::F32);
-            v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
-        }
-        if w > 1 {
-            v = e.op(
-                Op::AllReduce {
-                    group: world.clone(),
-                    reduce: ReduceOp::Sum,
-                },
-                &[v],
-            )?;
-            let s = e.scalar(1.0 / w as f64, DType::F32);
-            v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
-        }
-        Ok(v)
-    })()
-    .map_err(err)?;
-    outputs.push(loss);
-    if let Some(max_norm) = cfg.clip_grad_norm {
-        e.enter("clip", Role::new(RoleKind::Optimizer, "clip"));
-        let shards_of = (o > 1).then_some(&spec.optim);
-        let (norm, clipped) = train::clip(&mut e, &grads, max_norm, shards_of).map_err(err)?;
-        grads = clipped;
-        outputs.push(norm);
-    }
-    let mut updates: Vec<Update> = Vec::new();
-    e.enter("optimizer", Role::of(RoleKind::Optimizer));
-    let optim_states =
-        train::optimizer(&mut e, &opt, &masters, &grads, &mut updates).map_err(err)?;
-    let state_names: Vec<Vec<String>> = optim_states
-        .iter()
-        .map(|v| v.iter().map(|&s| e.p.value(s).name.clone()).collect())
-        .collect();
-    // Rebuild each compute shard from the new master shard (the first update of each target).
-    let mut update_of: HashMap<ValueId, ValueId> = HashMap::with_capacity(updates.len());
-    for u in &updates {
-        update_of.entry(u.target).or_insert(u.value);
-    }
-    for (k, &master) in masters.iter().enumerate() {
-        let new_master = *update_of
-            .get(&master)
-            .ok_or_else(|| err("the optimizer did not update a parameter"))?;
-        // one regather unit per layer, as the gathers: a layer's new shards go out as soon
-        // as its optimizer step is done, while the next layers' steps run
-        let layer = an.layer_names[an.param_layer[k]].replace('/', ".");
-        e.enter(
-            format!("regather.{layer}/{}", layouts[k].name),
-            Role::new(RoleKind::Regather, layer.clone()),
-        );
-        let run = |e: &mut Emitter| -> Result<ValueId, String> {
-            let mut v = new_master;
-            if compute != DType::F32 {
-                v = e.op(Op::Cast { to: compute }, &[v])?;
+    /// Stage 6: the global loss, the mean of the ranks' micro-batch losses.
+    fn global_loss(&self, e: &mut Emitter) -> Result<ValueId, TrainError> {
+        let (m, w, losses) = (self.m, self.gr.w, &self.losses);
+        e.enter("loss", Role::of(RoleKind::Loss));
+        (|| -> Result<ValueId, String> {
+            let mut v = losses[0];
+            if e.ty(v).dtype != DType::F32 {
+                v = e.op(Op::Cast { to: DType::F32 }, &[v])?;
             }
-            if o > p {
+            for &x in &losses[1..] {
+                let x = if e.ty(x).dtype != DType::F32 {
+                    e.op(Op::Cast { to: DType::F32 }, &[x])?
+                } else {
+                    x
+                };
+                v = e.op(Op::Binary(BinaryOp::Add), &[v, x])?;
+            }
+            if m > 1 {
+                let s = e.scalar(1.0 / m as f64, DType::F32);
+                v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
+            }
+            if w > 1 {
                 v = e.op(
-                    Op::AllGather {
-                        group: o_minus_p.clone(),
-                        axis: 0,
+                    Op::AllReduce {
+                        group: self.gr.world.clone(),
+                        reduce: ReduceOp::Sum,
                     },
                     &[v],
                 )?;
-            }
-            if v == new_master {
-                // fp32 with P = O: the shard is a copy of the master
-                v = e.op(Op::Copy, &[v])?;
+                let s = e.scalar(1.0 / w as f64, DType::F32);
+                v = e.op(Op::Binary(BinaryOp::Mul), &[v, s])?;
             }
             Ok(v)
-        };
-        let v = run(&mut e).map_err(err)?;
-        updates.push(Update {
-            target: shards[k],
-            value: v,
-        });
+        })()
+        .map_err(err)
     }
-    drop(e);
-    q.outputs = outputs;
-    q.updates = updates;
-    if let Some(v) = q.outputs.first().copied() {
-        if q.find_value("loss").is_none() {
-            q.values[v.index()].name = "loss".into();
+
+    /// Stage 7: global-norm clipping, the optimizer on the O-shards, and the re-gather of
+    /// each compute shard from its new master shard. Returns the step's outputs (loss, the
+    /// norm when clipping), its updates, and the optimizer's state names per parameter.
+    #[allow(clippy::type_complexity)]
+    fn optimizer_and_regather(
+        &self,
+        e: &mut Emitter,
+        cfg: &TrainConfig,
+        opt: &train::Optimizer,
+        loss: ValueId,
+    ) -> Result<(Vec<ValueId>, Vec<Update>, Vec<Vec<String>>), TrainError> {
+        let (gr, d) = (self.gr, self.d);
+        // Every gradient was finished in the last micro-batch.
+        let mut grads: Vec<ValueId> = self
+            .final_g
+            .iter()
+            .map(|g| g.ok_or_else(|| err("internal: a gradient was never accumulated")))
+            .collect::<Result<_, _>>()?;
+        let mut outputs = vec![loss];
+        if let Some(max_norm) = cfg.clip_grad_norm {
+            e.enter("clip", Role::new(RoleKind::Optimizer, "clip"));
+            let shards_of = (gr.o > 1).then_some(&gr.spec.optim);
+            let (norm, clipped) = train::clip(e, &grads, max_norm, shards_of).map_err(err)?;
+            grads = clipped;
+            outputs.push(norm);
         }
+        let mut updates: Vec<Update> = Vec::new();
+        e.enter("optimizer", Role::of(RoleKind::Optimizer));
+        let optim_states =
+            train::optimizer(e, opt, &d.masters, &grads, &mut updates).map_err(err)?;
+        let state_names: Vec<Vec<String>> = optim_states
+            .iter()
+            .map(|v| v.iter().map(|&s| e.p.value(s).name.clone()).collect())
+            .collect();
+        // Rebuild each compute shard from the new master shard (the first update of each
+        // target).
+        let mut update_of: HashMap<ValueId, ValueId> = HashMap::with_capacity(updates.len());
+        for u in &updates {
+            update_of.entry(u.target).or_insert(u.value);
+        }
+        let compute = cfg.compute;
+        for (k, &master) in d.masters.iter().enumerate() {
+            let new_master = *update_of
+                .get(&master)
+                .ok_or_else(|| err("the optimizer did not update a parameter"))?;
+            // one regather unit per layer, as the gathers: a layer's new shards go out as
+            // soon as its optimizer step is done, while the next layers' steps run
+            let layer = self.an.layer_names[self.an.param_layer[k]].replace('/', ".");
+            e.enter(
+                format!("regather.{layer}/{}", d.layouts[k].name),
+                Role::new(RoleKind::Regather, layer.clone()),
+            );
+            let run = |e: &mut Emitter| -> Result<ValueId, String> {
+                let mut v = new_master;
+                if compute != DType::F32 {
+                    v = e.op(Op::Cast { to: compute }, &[v])?;
+                }
+                if gr.o > gr.p {
+                    v = e.op(
+                        Op::AllGather {
+                            group: gr.o_minus_p.clone(),
+                            axis: 0,
+                        },
+                        &[v],
+                    )?;
+                }
+                if v == new_master {
+                    // fp32 with P = O: the shard is a copy of the master
+                    v = e.op(Op::Copy, &[v])?;
+                }
+                Ok(v)
+            };
+            let v = run(e).map_err(err)?;
+            updates.push(Update {
+                target: d.shards[k],
+                value: v,
+            });
+        }
+        Ok((outputs, updates, state_names))
     }
-    q.eliminate_dead_code();
-    assign_streams(&mut q);
-    trace(STAGES[0], &q);
-    let mut rewrite_report = None;
-    if let Some(rw) = rewrite {
-        let (r, rep) =
-            crate::dist::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
-                .map_err(|e| err(format!("collective rewriting: {e}")))?;
-        q = r;
-        drop_redundant_copies(&mut q);
-        trace(STAGES[1], &q);
-        rewrite_report = Some(rep.to_string());
-    }
-    let (order, waits) = prefetch_schedule(&q, &units, sched);
-    let order = defer_reduce_consumers(&q, &order, &waits);
-    let q = insert_events_with(&q, &order, &waits);
-    hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
-    trace(STAGES[2], &q);
-    for (l, names) in layouts.iter_mut().zip(state_names) {
-        l.states = names;
-    }
-    Ok(ShardedStep {
-        program: q,
-        layouts,
-        groups: spec,
-        rewrite_report,
-        row_exchanged,
-    })
 }
 
 /// The issue order and the rate-limiting waits of the gather units: the all-gathers of unit
