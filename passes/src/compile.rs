@@ -211,15 +211,18 @@ type Events<'e> = dyn FnMut(CompileEvent<'_>) -> Result<(), String> + 'e;
 
 /// Compiles `fwd` (a forward program, parameters frozen or tied as wanted) into a verified
 /// plan. `on` sees every [`CompileEvent`]; an error it returns stops the compile.
+///
+/// The stages, in order: plan shard groups ([`plan_groups`], retrying with recompute under
+/// [`Recompute::Auto`]); build the per-rank step and its memory plan ([`build_step`], with
+/// the bucket size of [`first_bucket_bytes`] and the fallback when whole-unit buckets break
+/// the budget); assemble the plan ([`assemble`]); verify and hash it ([`verify_and_hash`]).
 pub fn compile_plan(
     fwd: &Program,
     opts: &CompileOptions,
     on: &mut Events<'_>,
 ) -> Result<Compiled, CompileError> {
-    let mesh = &opts.mesh;
-    let cluster = &opts.cluster;
-    cluster
-        .validate_mesh(mesh)
+    opts.cluster
+        .validate_mesh(&opts.mesh)
         .map_err(|e| CompileError::Other(e.to_string()))?;
     if opts.prefetch_depth > MAX_PREFETCH_DEPTH {
         return Err(format!(
@@ -228,7 +231,77 @@ pub fn compile_plan(
         )
         .into());
     }
-    let cfg = &opts.train;
+    let (report, shard_opts) = plan_groups(fwd, opts, on)?;
+    let groups = report.chosen.groups();
+    let sched = ScheduleOptions {
+        narrow_grads: report.chosen.narrow.as_ref().map(|n| NarrowGrads {
+            group: n.group.clone(),
+            params: n.params.iter().cloned().collect(),
+        }),
+        ..shard_opts.schedule.clone()
+    };
+    on(CompileEvent::Phase("plan shard groups"))?;
+
+    let bucket_bytes = first_bucket_bytes(opts, &report, on)?;
+    let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
+    let (mut step, mut mem) = build_step(fwd, opts, &groups, &sched, bucket_bytes, on)?;
+    // Where whole-unit buckets still break the budget, buckets of the fallback size are used
+    // instead, and the compile says so.
+    if let Some(b) = opts.budget {
+        if bucket_bytes == u64::MAX && per_unit && mem.arena_bytes > b {
+            let (s2, m2) = build_step(
+                fwd,
+                opts,
+                &groups,
+                &sched,
+                FALLBACK_BUCKET_BYTES,
+                &mut |_| Ok(()),
+            )?;
+            on(CompileEvent::Note(format!(
+                "note: with one bucket per layer the arena needs {} (budget {}); buckets of at \
+                 most 64 MiB need {} (--bucket-mb sets the size)",
+                format_bytes(mem.arena_bytes),
+                format_bytes(b),
+                format_bytes(m2.arena_bytes)
+            )))?;
+            (step, mem) = (s2, m2);
+        }
+    }
+    for (name, rows, table) in &step.row_exchanged {
+        on(CompileEvent::Note(format!(
+            "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
+             per rank per micro-batch) instead of reducing the {} table \
+             (--dense-embedding-grads reduces the table)",
+            format_bytes(*rows),
+            format_bytes(*table)
+        )))?;
+    }
+    if let Some(r) = &step.rewrite_report {
+        on(CompileEvent::Rewritten(r))?;
+    }
+    on(CompileEvent::Phase("build per-rank step + memory plan"))?;
+    let mut plan = assemble(opts, shard_opts.strategy.name(), &mut step, &mem);
+    on(CompileEvent::Assembled(&plan))?;
+    on(CompileEvent::Phase("assemble plan"))?;
+    let json = verify_and_hash(&mut plan, opts)?;
+    on(CompileEvent::Phase("verify + hash + JSON"))?;
+    Ok(Compiled {
+        plan,
+        json,
+        report,
+        peak_by_kind: mem.peak_by_kind,
+    })
+}
+
+/// Stage 1: the planner's choice of shard groups (and its report), with the options it
+/// planned for; under [`Recompute::Auto`], planned again with recompute when nothing fits
+/// without it.
+fn plan_groups(
+    fwd: &Program,
+    opts: &CompileOptions,
+    on: &mut Events<'_>,
+) -> Result<(PlanReport, ShardOptions), CompileError> {
+    let (mesh, cluster, cfg) = (&opts.mesh, &opts.cluster, &opts.train);
     let mut shard_opts = ShardOptions {
         strategy: opts.strategy,
         memory_budget: opts.budget,
@@ -273,56 +346,19 @@ pub fn compile_plan(
         e => CompileError::Other(e.to_string()),
     })?;
     on(CompileEvent::Planned(&report))?;
-    let chosen = report.chosen.groups();
-    let sched = ScheduleOptions {
-        narrow_grads: report.chosen.narrow.as_ref().map(|n| NarrowGrads {
-            group: n.group.clone(),
-            params: n.params.iter().cloned().collect(),
-        }),
-        ..shard_opts.schedule.clone()
-    };
-    let groups = chosen;
-    on(CompileEvent::Phase("plan shard groups"))?;
+    Ok((report, shard_opts))
+}
 
-    // Builds the per-rank step and its memory plan with buckets of at most `bucket_bytes`.
-    let build = |bucket_bytes: u64,
-                 on: &mut Events<'_>|
-     -> Result<(spmd::ShardedStep, memory::MemoryPlan), CompileError> {
-        let rewrite = opts.rewrite.then(|| Rewrite {
-            cluster: cluster.clone(),
-            options: RewriteOptions {
-                bucket_bytes,
-                ..Default::default()
-            },
-        });
-        let mut shown: Result<(), String> = Ok(());
-        let step = spmd::shard_training_step_rewritten(
-            fwd,
-            cfg,
-            mesh,
-            &groups,
-            &sched,
-            rewrite.as_ref(),
-            &mut |stage, p| {
-                if shown.is_ok() {
-                    shown = on(CompileEvent::Stage(stage, p));
-                }
-            },
-        )
-        .map_err(|e| CompileError::Other(e.to_string()))?;
-        shown?;
-        let mem = {
-            let kinds = |v: ValueId| buffer_kind(&step.program, v);
-            let persistent = memory::default_persistent(&step.program);
-            memory::plan_memory(&step.program, &kinds, &persistent)
-        };
-        Ok((step, mem))
-    };
-    // Whole-unit buckets hold one more gathered layer and one more gradient layer than the
-    // planner counts; when its estimate with those is over the budget, start from the
-    // fallback size rather than build twice.
+/// The bucket size to build with first. Whole-unit buckets (`u64::MAX`) hold one more
+/// gathered layer and one more gradient layer than the planner counts; when its estimate
+/// with those is over the budget, start from the fallback size rather than build twice.
+fn first_bucket_bytes(
+    opts: &CompileOptions,
+    report: &PlanReport,
+    on: &mut Events<'_>,
+) -> Result<u64, CompileError> {
     let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
-    let bucket_bytes = match opts.buckets {
+    Ok(match opts.buckets {
         Buckets::AtMost(b) => b,
         Buckets::PerUnit => {
             let m = &report.chosen.memory;
@@ -343,43 +379,65 @@ pub fn compile_plan(
                 _ => u64::MAX,
             }
         }
+    })
+}
+
+/// Stage 2: the per-rank step (collectives, rewriting with buckets of at most
+/// `bucket_bytes`, schedule) and its memory plan; each pipeline stage's program goes to
+/// `on` as a [`CompileEvent::Stage`].
+fn build_step(
+    fwd: &Program,
+    opts: &CompileOptions,
+    groups: &ShardGroups,
+    sched: &ScheduleOptions,
+    bucket_bytes: u64,
+    on: &mut Events<'_>,
+) -> Result<(spmd::ShardedStep, memory::MemoryPlan), CompileError> {
+    let rewrite = opts.rewrite.then(|| Rewrite {
+        cluster: opts.cluster.clone(),
+        options: RewriteOptions {
+            bucket_bytes,
+            ..Default::default()
+        },
+    });
+    let mut shown: Result<(), String> = Ok(());
+    let step = spmd::shard_training_step_rewritten(
+        fwd,
+        &opts.train,
+        &opts.mesh,
+        groups,
+        sched,
+        rewrite.as_ref(),
+        &mut |stage, p| {
+            if shown.is_ok() {
+                shown = on(CompileEvent::Stage(stage, p));
+            }
+        },
+    )
+    .map_err(|e| CompileError::Other(e.to_string()))?;
+    shown?;
+    let mem = {
+        let kinds = |v: ValueId| buffer_kind(&step.program, v);
+        let persistent = memory::default_persistent(&step.program);
+        memory::plan_memory(&step.program, &kinds, &persistent)
     };
-    let (mut step, mut mem) = build(bucket_bytes, on)?;
-    // Where whole-unit buckets still break the budget, buckets of the fallback size are used
-    // instead, and the compile says so.
-    if let Some(b) = opts.budget {
-        if bucket_bytes == u64::MAX && per_unit && mem.arena_bytes > b {
-            let (s2, m2) = build(FALLBACK_BUCKET_BYTES, &mut |_| Ok(()))?;
-            on(CompileEvent::Note(format!(
-                "note: with one bucket per layer the arena needs {} (budget {}); buckets of at \
-                 most 64 MiB need {} (--bucket-mb sets the size)",
-                format_bytes(mem.arena_bytes),
-                format_bytes(b),
-                format_bytes(m2.arena_bytes)
-            )))?;
-            (step, mem) = (s2, m2);
-        }
-    }
-    for (name, rows, table) in &step.row_exchanged {
-        on(CompileEvent::Note(format!(
-            "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
-             per rank per micro-batch) instead of reducing the {} table \
-             (--dense-embedding-grads reduces the table)",
-            format_bytes(*rows),
-            format_bytes(*table)
-        )))?;
-    }
-    if let Some(r) = &step.rewrite_report {
-        on(CompileEvent::Rewritten(r))?;
-    }
-    on(CompileEvent::Phase("build per-rank step + memory plan"))?;
-    let plan_groups = step.groups.clone();
+    Ok((step, mem))
+}
+
+/// Stage 3: the plan from the step (whose program it takes) and its memory plan.
+fn assemble(
+    opts: &CompileOptions,
+    strategy: &str,
+    step: &mut spmd::ShardedStep,
+    mem: &memory::MemoryPlan,
+) -> Plan {
+    let cfg = &opts.train;
     let prog = std::mem::take(&mut step.program);
     let mut plan = Plan::assemble(
         opts.model.clone(),
-        shard_opts.strategy.name(),
-        mesh.clone(),
-        plan_groups,
+        strategy,
+        opts.mesh.clone(),
+        step.groups.clone(),
         prog,
         mem.arena_bytes,
         mem.buffers.clone(),
@@ -392,9 +450,14 @@ pub fn compile_plan(
         None => None,
     };
     plan.loss = opts.loss_spec.clone();
-    on(CompileEvent::Assembled(&plan))?;
-    // One communicator per (group, stream), as the runtime creates them: collectives of one
-    // group on different streams do not need ordering among themselves.
+    plan
+}
+
+/// Stage 4: verifies the plan and sets its content hash; returns its JSON when
+/// `opts.want_json`. One communicator per (group, stream), as the runtime creates them:
+/// collectives of one group on different streams need no ordering among themselves.
+/// Verification and hashing both only read the plan, so they run side by side.
+fn verify_and_hash(plan: &mut Plan, opts: &CompileOptions) -> Result<Option<String>, CompileError> {
     let vopts = VerifyOptions {
         budget: if opts.verify_budget {
             opts.budget
@@ -403,19 +466,17 @@ pub fn compile_plan(
         },
         communicator_per_stream: true,
     };
-    on(CompileEvent::Phase("assemble plan"))?;
-    // Verification and the content hash (with the JSON, when it is wanted) both only read the
-    // plan: they run side by side.
+    let shared: &Plan = plan;
     let (verified, (json, hash)) = std::thread::scope(|s| {
         let hashing = s.spawn(|| {
             if opts.want_json {
-                let (j, h) = plan.to_json_and_hash();
+                let (j, h) = shared.to_json_and_hash();
                 (Some(j), h)
             } else {
-                (None, plan.compute_hash())
+                (None, shared.compute_hash())
             }
         });
-        let verified = verify::verify_plan_with(&plan, &vopts);
+        let verified = verify::verify_plan_with(shared, &vopts);
         (
             verified,
             hashing.join().expect("the hashing thread does not panic"),
@@ -430,11 +491,5 @@ pub fn compile_plan(
         .into());
     }
     plan.content_hash = hash;
-    on(CompileEvent::Phase("verify + hash + JSON"))?;
-    Ok(Compiled {
-        plan,
-        json,
-        report,
-        peak_by_kind: mem.peak_by_kind,
-    })
+    Ok(json)
 }

@@ -397,9 +397,9 @@ impl<'a> Edit<'a> {
         Err("collective rewriting: substitutions form a cycle".into())
     }
 
-    /// The program with the edits applied, nodes in a topological order that follows the
-    /// keys.
-    fn finish(self) -> Result<Program, String> {
+    /// The live items (old nodes `0..nold`, new nodes after them) in a topological order
+    /// that follows their keys.
+    fn order(&self) -> Result<Vec<usize>, String> {
         let p = self.p;
         let nold = p.nodes.len();
         // Items: old nodes 0..nold, new nodes nold..
@@ -467,44 +467,18 @@ impl<'a> Edit<'a> {
         if order.len() != nlive {
             return Err("collective rewriting: the rewritten program has a cycle".into());
         }
+        Ok(order)
+    }
 
-        let mut q = Program::new(p.name.clone());
-        q.mesh = p.mesh.clone();
-        q.precision = p.precision;
-        let mut vmap: Vec<Option<ValueId>> = vec![None; p.values.len()];
-        for (i, v) in p.values.iter().enumerate() {
-            if !matches!(v.def, ValueDef::Node { .. }) {
-                vmap[i] = Some(ValueId(q.values.len() as u32));
-                q.values.push(v.clone());
-            }
-        }
+    /// The program with the edits applied, nodes in a topological order that follows the
+    /// keys.
+    fn finish(self) -> Result<Program, String> {
+        let p = self.p;
+        let nold = p.nodes.len();
+        let order = self.order()?;
+        let (mut q, mut vmap) = declarations_of(p);
         let base = vmap.clone();
         let m = |v: &ValueId| base[v.index()].expect("non-node value");
-        q.inputs = p.inputs.iter().map(m).collect();
-        q.params = p
-            .params
-            .iter()
-            .map(|x| Param {
-                value: m(&x.value),
-                data: x.data.clone(),
-            })
-            .collect();
-        q.consts = p
-            .consts
-            .iter()
-            .map(|c| hzp_ir::Const {
-                value: m(&c.value),
-                data: c.data.clone(),
-            })
-            .collect();
-        q.states = p
-            .states
-            .iter()
-            .map(|s| hzp_ir::State {
-                value: m(&s.value),
-                init: s.init.clone(),
-            })
-            .collect();
         let mut newv: Vec<Option<ValueId>> = vec![None; self.new.len()];
         let get = |r: VRef,
                    vmap: &Vec<Option<ValueId>>,
@@ -563,6 +537,49 @@ impl<'a> Edit<'a> {
             .collect::<Result<_, String>>()?;
         Ok(q)
     }
+}
+
+/// A program with `p`'s name, mesh, precision and every value that is not a node's output
+/// (inputs, parameters, constants, states), and the map of those values from `p`.
+fn declarations_of(p: &Program) -> (Program, Vec<Option<ValueId>>) {
+    let mut q = Program::new(p.name.clone());
+    q.mesh = p.mesh.clone();
+    q.precision = p.precision;
+    let mut vmap: Vec<Option<ValueId>> = vec![None; p.values.len()];
+    for (i, v) in p.values.iter().enumerate() {
+        if !matches!(v.def, ValueDef::Node { .. }) {
+            vmap[i] = Some(ValueId(q.values.len() as u32));
+            q.values.push(v.clone());
+        }
+    }
+    let base = vmap.clone();
+    let m = |v: &ValueId| base[v.index()].expect("non-node value");
+    q.inputs = p.inputs.iter().map(m).collect();
+    q.params = p
+        .params
+        .iter()
+        .map(|x| Param {
+            value: m(&x.value),
+            data: x.data.clone(),
+        })
+        .collect();
+    q.consts = p
+        .consts
+        .iter()
+        .map(|c| hzp_ir::Const {
+            value: m(&c.value),
+            data: c.data.clone(),
+        })
+        .collect();
+    q.states = p
+        .states
+        .iter()
+        .map(|s| hzp_ir::State {
+            value: m(&s.value),
+            init: s.init.clone(),
+        })
+        .collect();
+    (q, vmap)
 }
 
 fn strip_events(p: &Program) -> Result<Program, String> {
@@ -1555,6 +1572,8 @@ impl Sat<'_> {
     }
 
     /// Terms equal to node `n`, with the rule that found each.
+    /// Every rewrite of node `n` (its class's members): the nodes each rule offers as equal,
+    /// with the rule's name, in a fixed order (the rules' order below).
     fn apply(&mut self, n: &RNode) -> Vec<(Id, &'static str)> {
         let mut out: Vec<(Id, &'static str)> = Vec::new();
         let Some(&x) = n.children.first() else {
@@ -1563,7 +1582,22 @@ impl Sat<'_> {
         let Some(xt) = self.ty(x) else {
             return out;
         };
-        let opts = self.opts;
+        self.drop_trivial(n, x, &xt, &mut out);
+        self.fold_and_place_casts(n, x, &mut out);
+        self.cast_after(n, x, &mut out);
+        self.reduce_dtype(n, x, &xt, &mut out);
+        self.collective_rules(n, x, &mut out);
+        out
+    }
+
+    /// `drop_trivial`: a collective over one rank, a cast to its own dtype, a reshape to its own shape, an identity: its input.
+    fn drop_trivial(
+        &mut self,
+        n: &RNode,
+        x: Id,
+        xt: &TensorType,
+        out: &mut Vec<(Id, &'static str)>,
+    ) {
         // drop_trivial
         let trivial = match &n.op {
             op if op.is_collective() => self.size(op.group().expect("collective")) == 1,
@@ -1577,10 +1611,11 @@ impl Sat<'_> {
         if trivial {
             out.push((x, "drop_trivial"));
         }
-        let moves_data_only = matches!(
-            n.op,
-            ROp::AllGather { .. } | ROp::AllToAll { .. } | ROp::Broadcast { .. }
-        );
+    }
+
+    /// Of a cast: `cast_fold` (cast of a cast that holds the values), `cast_past_view` / `cast_past_collective` / `cast_past_concat` (the cast moved before a view, a data-moving collective or a concat, or a zero fill cast), `reduce_dtype` (a reduction of a wider value cast to the wire dtype); of a reshape: `reshape_fold`.
+    fn fold_and_place_casts(&mut self, n: &RNode, x: Id, out: &mut Vec<(Id, &'static str)>) {
+        let opts = self.opts;
         match &n.op {
             ROp::Cast(to) => {
                 let to = *to;
@@ -1672,6 +1707,15 @@ impl Sat<'_> {
             }
             _ => {}
         }
+    }
+
+    /// `cast_past_view` / `cast_past_collective`: a view or a data-moving collective of a cast, as the cast after it.
+    fn cast_after(&mut self, n: &RNode, x: Id, out: &mut Vec<(Id, &'static str)>) {
+        let opts = self.opts;
+        let moves_data_only = matches!(
+            n.op,
+            ROp::AllGather { .. } | ROp::AllToAll { .. } | ROp::Broadcast { .. }
+        );
         // A collective that only moves data, or a view, of a cast: the cast after it.
         if opts.cast_placement && (moves_data_only || n.op.is_view()) {
             let rule = if n.op.is_view() {
@@ -1688,6 +1732,17 @@ impl Sat<'_> {
                 }
             }
         }
+    }
+
+    /// `reduce_dtype`: a reduction carried out in the narrower `reduce_dtype` on the wire, cast back.
+    fn reduce_dtype(
+        &mut self,
+        n: &RNode,
+        x: Id,
+        xt: &TensorType,
+        out: &mut Vec<(Id, &'static str)>,
+    ) {
+        let opts = self.opts;
         // Reductions in a narrower dtype on the wire.
         if let (Some(r), ROp::ReduceScatter { .. } | ROp::AllReduce { .. }) =
             (opts.reduce_dtype, &n.op)
@@ -1700,6 +1755,11 @@ impl Sat<'_> {
                 }
             }
         }
+    }
+
+    /// `rs_ag` (reduce-scatter then all-gather over one group is an all-reduce, and back), `decompose` and `reorder_axes` (a collective over several axes as one per axis), `hierarchical_allreduce`.
+    fn collective_rules(&mut self, n: &RNode, x: Id, out: &mut Vec<(Id, &'static str)>) {
+        let opts = self.opts;
         match &n.op {
             ROp::AllGather { group, axis } => {
                 for m in self.nodes_of(x) {
@@ -1805,7 +1865,6 @@ impl Sat<'_> {
             }
             _ => {}
         }
-        out
     }
 
     fn run(&mut self) {

@@ -852,7 +852,6 @@ pub fn plan_memory(
     kinds: &dyn Fn(ValueId) -> BufferKind,
     persistent: &dyn Fn(ValueId) -> bool,
 ) -> MemoryPlan {
-    let n = p.nodes.len();
     let hb = HappensBefore::new(p);
     let lives = lives(p, &hb, persistent, true);
     let sizes: Vec<u64> = (0..p.values.len())
@@ -877,22 +876,7 @@ pub fn plan_memory(
     let pairs = view_pairs(p);
     let roots = view_roots(p, &pairs);
     let mut lives = lives;
-    for i in 0..p.values.len() {
-        let r = roots[i].index();
-        if r == i {
-            continue;
-        }
-        aliased[i] = true;
-        let (m, l) = (lives[i].clone(), &mut lives[r]);
-        for (a, b) in l.last.iter_mut().zip(m.last) {
-            *a = (*a).max(b);
-        }
-        l.last_issue = match (l.last_issue, m.last_issue) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        };
-        l.to_end |= m.to_end;
-    }
+    merge_view_lives(&mut lives, &roots, &mut aliased);
     // Update values that can be written over their target (it is not read any more, views
     // included) take its bytes: a re-gathered parameter shard needs no second copy at the end
     // of the step.
@@ -943,8 +927,57 @@ pub fn plan_memory(
         .max()
         .unwrap_or(0);
 
-    // Live bytes per issue position: a buffer is live from its producer (or the start) to its
-    // last use (or the end of the step).
+    let (timeline, peak_index, peak_bytes, peak_by_kind) =
+        peaks(p, &buffers, &lives, &aliased, &roots);
+    MemoryPlan {
+        buffers,
+        arena_bytes,
+        peak_bytes,
+        peak_index,
+        peak_by_kind,
+        timeline,
+    }
+}
+
+/// Merges each view's life into its root's (the root lives to the last use of any of its
+/// views, and to the end of the step if one of them is an output) and marks the views as
+/// aliased (they take no bytes of their own).
+fn merge_view_lives(lives: &mut [Life], roots: &[ValueId], aliased: &mut [bool]) {
+    for i in 0..lives.len() {
+        let r = roots[i].index();
+        if r == i {
+            continue;
+        }
+        aliased[i] = true;
+        let (m, l) = (lives[i].clone(), &mut lives[r]);
+        for (a, b) in l.last.iter_mut().zip(m.last) {
+            *a = (*a).max(b);
+        }
+        l.last_issue = match (l.last_issue, m.last_issue) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        l.to_end |= m.to_end;
+    }
+}
+
+/// The live bytes per issue position (a buffer is live from its producer, or the start, to
+/// its last use, or the end of the step), the position and bytes of the peak, and the
+/// bytes live at the peak by kind.
+#[allow(clippy::type_complexity)]
+fn peaks(
+    p: &Program,
+    buffers: &[Buffer],
+    lives: &[Life],
+    aliased: &[bool],
+    roots: &[ValueId],
+) -> (
+    Vec<(usize, u64)>,
+    Option<usize>,
+    u64,
+    BTreeMap<BufferKind, u64>,
+) {
+    let n = p.nodes.len();
     let interval = |i: usize| -> Option<(usize, usize)> {
         let l = &lives[i];
         if n == 0 {
@@ -1014,14 +1047,7 @@ pub fn plan_memory(
             .values()
             .fold(0u64, |a, &b| a.saturating_add(b));
     }
-    MemoryPlan {
-        buffers,
-        arena_bytes,
-        peak_bytes,
-        peak_index,
-        peak_by_kind,
-        timeline,
-    }
+    (timeline, peak_index, peak_bytes, peak_by_kind)
 }
 
 /// The usual persistence: parameters, constants, states and inputs (materialized before the

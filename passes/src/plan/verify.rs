@@ -22,7 +22,7 @@
 
 use crate::plan::memory::{lives, value_bytes, EventProblem, HappensBefore, Life, NUM_STREAMS};
 use hzp_ir::{format_bytes, Buffer, Group, Mesh, NodeId, Op, Plan, Program, ValueDef, ValueId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
 /// Which invariant a violation breaks.
@@ -362,7 +362,42 @@ impl Verifier<'_> {
         }
     }
 
+    /// The buffer checks: each value's buffer (one, big enough, inside the arena; every
+    /// value with bytes has one), then no two buffers that share bytes live at the same
+    /// time.
     fn buffers(&mut self, plan: &Plan) {
+        let ok = self.buffer_table(plan);
+        let p = self.p;
+        let whole_step = |v: ValueId| {
+            matches!(
+                p.value(v).def,
+                ValueDef::Param | ValueDef::Const | ValueDef::State
+            )
+        };
+        let lives = lives(p, &self.hb, &whole_step, false);
+        let users = p.users();
+        // Values that live the whole step share bytes with nothing: check them by address.
+        let (whole, ok): (Vec<usize>, Vec<usize>) = ok
+            .into_iter()
+            .filter(|&k| plan.buffers[k].bytes > 0)
+            .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
+        // A reshape or identity may lie in its input's very bytes: the two are one view of the
+        // same data (see `memory::view_sources`); each is still checked against all others.
+        let views = crate::plan::memory::view_sources(p);
+        // An update value may lie in its target's bytes when the target is no longer read
+        // (see `memory::in_place_updates`).
+        let in_place: HashSet<(ValueId, ValueId)> =
+            crate::plan::memory::in_place_updates(p, &self.hb, &lives, &views)
+                .into_iter()
+                .collect();
+        let mut found = whole_step_overlaps(plan, &whole, &ok, &views, &in_place);
+        found.extend(self.window_overlaps(plan, &ok, &lives, &views));
+        self.report_overlaps(plan, found, &lives, &users);
+    }
+
+    /// Checks each buffer alone and that every value with bytes has one; returns the
+    /// buffers that passed (by index).
+    fn buffer_table(&mut self, plan: &Plan) -> Vec<usize> {
         let p = self.p;
         let nv = p.values.len();
         let mut has: Vec<Option<usize>> = vec![None; nv];
@@ -427,93 +462,22 @@ impl Verifier<'_> {
                 );
             }
         }
+        ok
+    }
 
-        // Overlapping buffers must not be live at the same time.
-        let whole_step = |v: ValueId| {
-            matches!(
-                p.value(v).def,
-                ValueDef::Param | ValueDef::Const | ValueDef::State
-            )
-        };
-        let lives = lives(p, &self.hb, &whole_step, false);
-        let users = p.users();
-        ok.retain(|&k| plan.buffers[k].bytes > 0);
-        // Values that live the whole step share bytes with nothing: check them by address.
-        let mut found: Vec<(usize, usize)> = Vec::new();
-        let (whole, ok): (Vec<usize>, Vec<usize>) = ok
-            .into_iter()
-            .partition(|&k| lives[plan.buffers[k].value.index()].whole_step);
-        // A reshape or identity may lie in its input's very bytes: the two are one view of the
-        // same data (see `memory::view_sources`); each is still checked against all others.
-        let views = crate::plan::memory::view_sources(p);
-        // An update value may lie in its target's bytes when the target is no longer read
-        // (see `memory::in_place_updates`).
-        let in_place: std::collections::HashSet<(ValueId, ValueId)> =
-            crate::plan::memory::in_place_updates(p, &self.hb, &lives, &views)
-                .into_iter()
-                .collect();
-        let same_view = |a: &Buffer, b: &Buffer| {
-            views[a.value.index()] == views[b.value.index()]
-                && a.offset == b.offset
-                && a.bytes == b.bytes
-        };
-        // Pairs with a whole-step buffer, found without scanning every earlier buffer (that
-        // was quadratic in the layers when one whole-step buffer spanned much of the arena):
-        // in offset order, each buffer meets the whole-step buffers still open at its start;
-        // a buffer also meets the whole-step buffers that start inside it (binary search).
-        // Both only enumerate pairs that really share bytes.
-        let is_whole = {
-            let mut w = vec![false; plan.buffers.len()];
-            for &k in &whole {
-                w[k] = true;
-            }
-            w
-        };
-        let key = |k: usize| (plan.buffers[k].offset, plan.buffers[k].end(), k);
-        let mut whole_by_addr: Vec<usize> = whole.clone();
-        whole_by_addr.sort_by_key(|&k| key(k));
-        let mut by_addr: Vec<usize> = whole.iter().chain(&ok).copied().collect();
-        by_addr.sort_by_key(|&k| key(k));
-        let pair = |i: usize, j: usize, found: &mut Vec<(usize, usize)>| {
-            if i == j {
-                return;
-            }
-            // As the scan saw it: b whole-step, a the other (both whole-step: b the lower).
-            let (bi, ai) = if is_whole[j] && (!is_whole[i] || j < i) {
-                (j, i)
-            } else {
-                (i, j)
-            };
-            let (b, a) = (plan.buffers[bi], plan.buffers[ai]);
-            let exempt = in_place.contains(&(b.value, a.value))
-                && a.offset >= b.offset
-                && a.end() <= b.end();
-            if !exempt && !same_view(&a, &b) {
-                found.push((i.min(j), i.max(j)));
-            }
-        };
-        let mut open: Vec<usize> = Vec::new();
-        for &i in &by_addr {
-            let a = plan.buffers[i];
-            open.retain(|&j| plan.buffers[j].end() > a.offset);
-            for &j in &open {
-                pair(i, j, &mut found);
-            }
-            let from = whole_by_addr.partition_point(|&k| plan.buffers[k].offset <= a.offset);
-            for &j in &whole_by_addr[from..] {
-                if plan.buffers[j].offset >= a.end() {
-                    break;
-                }
-                pair(i, j, &mut found);
-            }
-            if is_whole[i] {
-                open.push(i);
-            }
-        }
-        // The others: a producer can only overwrite values whose windows cover it (see
-        // `memory::windows`); index them by window and address, and check each pair that
-        // shares bytes once, from its later-produced side.
-        let wins = crate::plan::memory::windows(&self.hb, &lives);
+    /// Pairs of buffers that share bytes and whose values may be live together, among
+    /// those that do not live the whole step: a producer can only overwrite values whose
+    /// windows cover it (see `memory::windows`); they are indexed by window and address,
+    /// and each pair that shares bytes is checked once, from its later-produced side.
+    fn window_overlaps(
+        &self,
+        plan: &Plan,
+        ok: &[usize],
+        lives: &[Life],
+        views: &[ValueId],
+    ) -> Vec<(usize, usize)> {
+        let mut found = Vec::new();
+        let wins = crate::plan::memory::windows(&self.hb, lives);
         let index = crate::plan::memory::WindowIndex::new(
             crate::plan::memory::stream_lens(&self.hb),
             ok.iter().enumerate().map(|(x, &k)| {
@@ -541,7 +505,7 @@ impl Verifier<'_> {
                 stamp[y] = x as u32;
                 let j = ok[y];
                 let b = plan.buffers[j];
-                if b.offset >= a.end() || a.offset >= b.end() || same_view(&a, &b) {
+                if b.offset >= a.end() || a.offset >= b.end() || same_view(views, &a, &b) {
                     return;
                 }
                 let (la, lb) = (&lives[v], &lives[b.value.index()]);
@@ -550,9 +514,19 @@ impl Verifier<'_> {
                 }
             });
         }
+        found
+    }
+
+    /// Reports each overlapping pair, in address order, as a person reads the arena.
+    fn report_overlaps(
+        &mut self,
+        plan: &Plan,
+        mut found: Vec<(usize, usize)>,
+        lives: &[Life],
+        users: &[Vec<NodeId>],
+    ) {
         found.sort_unstable();
         found.dedup();
-        // Report in address order, as a person reads the arena.
         found.sort_by_key(|&(i, j)| {
             let (a, b) = (&plan.buffers[i], &plan.buffers[j]);
             let (a, b) = if (a.offset, a.end(), a.value) <= (b.offset, b.end(), b.value) {
@@ -573,7 +547,7 @@ impl Verifier<'_> {
                 } else {
                     (b.value, a.value)
                 };
-            let (why, nodes) = self.why_live_together(first, second, &lives, &users);
+            let (why, nodes) = self.why_live_together(first, second, lives, users);
             self.push(
                 Check::Buffer,
                 &nodes,
@@ -797,4 +771,72 @@ fn group_problem(group: &Group, mesh: &Mesh) -> Option<String> {
         }
     }
     None
+}
+/// Whether buffers `a` and `b` are one view of the same data at the same bytes.
+fn same_view(views: &[ValueId], a: &Buffer, b: &Buffer) -> bool {
+    views[a.value.index()] == views[b.value.index()] && a.offset == b.offset && a.bytes == b.bytes
+}
+
+/// Pairs of a whole-step buffer (`whole`) with any other buffer that share bytes, found
+/// without scanning every earlier buffer (that was quadratic in the layers when one
+/// whole-step buffer spanned much of the arena): in offset order, each buffer meets the
+/// whole-step buffers still open at its start; a buffer also meets the whole-step buffers
+/// that start inside it (binary search). Both only enumerate pairs that really share bytes.
+/// An update in its target's bytes (`in_place`) and two views of one value are no conflict.
+fn whole_step_overlaps(
+    plan: &Plan,
+    whole: &[usize],
+    ok: &[usize],
+    views: &[ValueId],
+    in_place: &HashSet<(ValueId, ValueId)>,
+) -> Vec<(usize, usize)> {
+    let mut found = Vec::new();
+    let is_whole = {
+        let mut w = vec![false; plan.buffers.len()];
+        for &k in whole {
+            w[k] = true;
+        }
+        w
+    };
+    let key = |k: usize| (plan.buffers[k].offset, plan.buffers[k].end(), k);
+    let mut whole_by_addr: Vec<usize> = whole.to_vec();
+    whole_by_addr.sort_by_key(|&k| key(k));
+    let mut by_addr: Vec<usize> = whole.iter().chain(ok).copied().collect();
+    by_addr.sort_by_key(|&k| key(k));
+    let pair = |i: usize, j: usize, found: &mut Vec<(usize, usize)>| {
+        if i == j {
+            return;
+        }
+        // As the scan saw it: b whole-step, a the other (both whole-step: b the lower).
+        let (bi, ai) = if is_whole[j] && (!is_whole[i] || j < i) {
+            (j, i)
+        } else {
+            (i, j)
+        };
+        let (b, a) = (plan.buffers[bi], plan.buffers[ai]);
+        let exempt =
+            in_place.contains(&(b.value, a.value)) && a.offset >= b.offset && a.end() <= b.end();
+        if !exempt && !same_view(views, &a, &b) {
+            found.push((i.min(j), i.max(j)));
+        }
+    };
+    let mut open: Vec<usize> = Vec::new();
+    for &i in &by_addr {
+        let a = plan.buffers[i];
+        open.retain(|&j| plan.buffers[j].end() > a.offset);
+        for &j in &open {
+            pair(i, j, &mut found);
+        }
+        let from = whole_by_addr.partition_point(|&k| plan.buffers[k].offset <= a.offset);
+        for &j in &whole_by_addr[from..] {
+            if plan.buffers[j].offset >= a.end() {
+                break;
+            }
+            pair(i, j, &mut found);
+        }
+        if is_whole[i] {
+            open.push(i);
+        }
+    }
+    found
 }
