@@ -773,17 +773,7 @@ impl<'a> Parser<'a, '_> {
     // ---------------------------------------------------------------- nodes
 
     fn node_stmt(&mut self) -> PResult<()> {
-        // outputs
-        let mut outs: Vec<(String, Span)> = Vec::new();
-        if matches!(self.peek_tok(), Tok::Value(_)) {
-            loop {
-                outs.push(self.expect_value_name()?);
-                if !self.eat_punct(',') {
-                    break;
-                }
-            }
-            self.expect_punct('=')?;
-        }
+        let outs = self.node_outputs()?;
         // op name
         let op_span = self.span();
         let op_name = match self.peek_tok() {
@@ -795,6 +785,59 @@ impl<'a> Parser<'a, '_> {
             return Err(self.unknown_op(op_name, op_span, outs.is_empty()));
         }
         self.bump();
+        let op = self.node_op(op_name, op_span)?;
+        let inputs = self.node_inputs()?;
+        let declared = self.declared_types(&outs)?;
+        let (node_name, stream) = self.node_name_and_stream()?;
+        let role = self.node_role()?;
+        if !matches!(self.peek_tok(), Tok::Newline | Tok::Eof) {
+            return Err(self.unexpected("the end of the statement"));
+        }
+        let out_tys = self.node_types(&op, op_name, op_span, &inputs)?;
+        self.check_outputs(op_name, op_span, &out_tys, &outs, declared.as_deref())?;
+        let node = NodeId(self.prog.nodes.len() as u32);
+        let name = node_name.unwrap_or_else(|| {
+            outs.first()
+                .map_or_else(|| op_name.to_string(), |(n, _)| n.clone())
+        });
+        let mut outputs = Vec::with_capacity(outs.len());
+        for (slot, ((oname, ospan), ty)) in outs.into_iter().zip(out_tys).enumerate() {
+            let def = ValueDef::Node {
+                node,
+                slot: slot as u32,
+            };
+            outputs.push(self.define(oname, ospan, ty, def)?);
+        }
+        self.prog.nodes.push(Node {
+            name,
+            op,
+            inputs,
+            outputs,
+            stream,
+            role,
+        });
+        self.node_spans.push(op_span);
+        Ok(())
+    }
+
+    /// A node statement's outputs (`%a, %b =`), if it names any.
+    fn node_outputs(&mut self) -> PResult<Vec<(String, Span)>> {
+        let mut outs: Vec<(String, Span)> = Vec::new();
+        if matches!(self.peek_tok(), Tok::Value(_)) {
+            loop {
+                outs.push(self.expect_value_name()?);
+                if !self.eat_punct(',') {
+                    break;
+                }
+            }
+            self.expect_punct('=')?;
+        }
+        Ok(outs)
+    }
+
+    /// The op of a node statement from its name and `{attributes}`; an error points at the
+    /// attribute it names (or a misspelling of a missing one).
+    fn node_op(&mut self, op_name: &str, op_span: Span) -> PResult<Op> {
         // attributes
         let mut attrs: BTreeMap<String, Attr> = BTreeMap::new();
         let mut attr_spans: HashMap<String, Span> = HashMap::new();
@@ -827,7 +870,7 @@ impl<'a> Parser<'a, '_> {
             }
             self.expect_punct('}')?;
         }
-        let op = Op::from_parts(op_name, &attrs).map_err(|e| {
+        Op::from_parts(op_name, &attrs).map_err(|e| {
             // A missing attribute next to a misspelt one: point at the misspelling.
             let missing = e
                 .split_once("needs attribute `")
@@ -855,8 +898,11 @@ impl<'a> Parser<'a, '_> {
                 .or_else(|| named(&attr_words))
                 .unwrap_or(op_span);
             self.error_at(span, e, "bad attribute")
-        })?;
-        // inputs
+        })
+    }
+
+    /// A node statement's `(inputs)`.
+    fn node_inputs(&mut self) -> PResult<Vec<ValueId>> {
         self.expect_punct('(')?;
         let mut inputs = Vec::new();
         if !self.at_punct(')') {
@@ -868,7 +914,14 @@ impl<'a> Parser<'a, '_> {
             }
         }
         self.expect_punct(')')?;
-        // declared types
+        Ok(inputs)
+    }
+
+    /// The output types a node statement declares (`: f32[2], i64[]`), one per output.
+    fn declared_types(
+        &mut self,
+        outs: &[(String, Span)],
+    ) -> PResult<Option<Vec<(TensorType, Span)>>> {
         let mut declared: Option<Vec<(TensorType, Span)>> = None;
         if self.at_punct(':') {
             let colon = self.bump();
@@ -902,7 +955,11 @@ impl<'a> Parser<'a, '_> {
             }
             declared = Some(tys);
         }
-        // node name and stream
+        Ok(declared)
+    }
+
+    /// A node statement's optional `"name"` and `@stream`.
+    fn node_name_and_stream(&mut self) -> PResult<(Option<String>, StreamKind)> {
         let mut node_name: Option<String> = None;
         if let Tok::Str(s) = self.peek_tok() {
             node_name = Some(s.to_string());
@@ -926,19 +983,24 @@ impl<'a> Parser<'a, '_> {
             })?;
             self.bump();
         }
-        let role = self.node_role()?;
-        if !matches!(self.peek_tok(), Tok::Newline | Tok::Eof) {
-            return Err(self.unexpected("the end of the statement"));
-        }
+        Ok((node_name, stream))
+    }
 
-        // type rule
+    /// The output types of `op` on `inputs` by its type rule; an error lists the inputs.
+    fn node_types(
+        &self,
+        op: &Op,
+        op_name: &str,
+        op_span: Span,
+        inputs: &[ValueId],
+    ) -> PResult<Vec<TensorType>> {
         let out_tys = {
             let ins: Vec<&TensorType> = inputs
                 .iter()
                 .map(|&v| &self.prog.values[v.index()].ty)
                 .collect();
             let mesh = self.prog.mesh.as_ref();
-            let inferred = guard_infer(&op, &ins, mesh)
+            let inferred = guard_infer(op, &ins, mesh)
                 .and_then(|()| op.infer(&ins, mesh))
                 .and_then(|tys| {
                     if tys.iter().all(type_fits) {
@@ -973,6 +1035,18 @@ impl<'a> Parser<'a, '_> {
                 }
             }
         };
+        Ok(out_tys)
+    }
+
+    /// The outputs named match the op's count and the declared types its type rule.
+    fn check_outputs(
+        &self,
+        op_name: &str,
+        op_span: Span,
+        out_tys: &[TensorType],
+        outs: &[(String, Span)],
+        declared: Option<&[(TensorType, Span)]>,
+    ) -> PResult<()> {
         if out_tys.len() != outs.len() {
             let span = match (outs.first(), outs.last()) {
                 (Some(f), Some(l)) => (f.1 .0, l.1 .1),
@@ -990,8 +1064,8 @@ impl<'a> Parser<'a, '_> {
                 "wrong number of outputs",
             ));
         }
-        if let Some(decl) = &declared {
-            for ((t, (dt, dspan)), (oname, _)) in out_tys.iter().zip(decl).zip(&outs) {
+        if let Some(decl) = declared {
+            for ((t, (dt, dspan)), (oname, _)) in out_tys.iter().zip(decl).zip(outs) {
                 if t != dt {
                     return Err(self.error_at(
                         *dspan,
@@ -1004,28 +1078,6 @@ impl<'a> Parser<'a, '_> {
                 }
             }
         }
-        let node = NodeId(self.prog.nodes.len() as u32);
-        let name = node_name.unwrap_or_else(|| {
-            outs.first()
-                .map_or_else(|| op_name.to_string(), |(n, _)| n.clone())
-        });
-        let mut outputs = Vec::with_capacity(outs.len());
-        for (slot, ((oname, ospan), ty)) in outs.into_iter().zip(out_tys).enumerate() {
-            let def = ValueDef::Node {
-                node,
-                slot: slot as u32,
-            };
-            outputs.push(self.define(oname, ospan, ty, def)?);
-        }
-        self.prog.nodes.push(Node {
-            name,
-            op,
-            inputs,
-            outputs,
-            stream,
-            role,
-        });
-        self.node_spans.push(op_span);
         Ok(())
     }
 

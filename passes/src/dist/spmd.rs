@@ -319,6 +319,180 @@ struct Analysis {
     kept: Option<usize>,
 }
 
+/// Each parameter's layer and index, and each node of the micro program: whether it is of
+/// the forward, and its layer (a backward node takes the layer of the forward values or
+/// parameters it reads, else that of the gradients it reads).
+#[allow(clippy::type_complexity)]
+fn node_layers(
+    micro: &Program,
+    with_loss: &Program,
+    grouping: &crate::report::LayerGrouping,
+) -> Result<
+    (
+        Vec<usize>,
+        HashMap<ValueId, usize>,
+        Vec<bool>,
+        Vec<Option<usize>>,
+    ),
+    TrainError,
+> {
+    let fwd_layer: HashMap<&str, Option<usize>> = with_loss
+        .nodes
+        .iter()
+        .zip(&grouping.of_node)
+        .map(|(n, l)| (n.name.as_str(), *l))
+        .collect();
+    let layer_by_param: HashMap<&str, usize> = with_loss
+        .params
+        .iter()
+        .zip(&grouping.of_param)
+        .map(|(q, &l)| (with_loss.value(q.value).name.as_str(), l))
+        .collect();
+    let mut param_layer = Vec::new();
+    let mut param_index = HashMap::new();
+    for (k, q) in micro.params.iter().enumerate() {
+        let name = &micro.value(q.value).name;
+        let l = *layer_by_param.get(name.as_str()).ok_or_else(|| {
+            err(format!(
+                "internal: parameter `{name}` has no layer in the forward program"
+            ))
+        })?;
+        param_layer.push(l);
+        param_index.insert(q.value, k);
+    }
+    let n = micro.nodes.len();
+    let mut is_fwd = vec![false; n];
+    let mut node_layer: Vec<Option<usize>> = vec![None; n];
+    let mut value_layer: Vec<Option<usize>> = vec![None; micro.values.len()];
+    let mut value_fwd: Vec<bool> = vec![false; micro.values.len()];
+    for (k, q) in micro.params.iter().enumerate() {
+        value_layer[q.value.index()] = Some(param_layer[k]);
+        value_fwd[q.value.index()] = true;
+    }
+    for (i, node) in micro.nodes.iter().enumerate() {
+        let fwd = fwd_layer.get(node.name.as_str());
+        is_fwd[i] = fwd.is_some();
+        node_layer[i] = match fwd {
+            Some(l) => *l,
+            None => {
+                // backward: the layer of the forward values (or parameters) it reads,
+                // else that of the gradients it reads
+                let of = |want_fwd: bool| {
+                    node.inputs
+                        .iter()
+                        .filter(|v| value_fwd[v.index()] == want_fwd)
+                        .filter_map(|v| value_layer[v.index()])
+                        .max()
+                };
+                of(true).or_else(|| of(false))
+            }
+        };
+        for &o in &node.outputs {
+            value_layer[o.index()] = node_layer[i];
+            value_fwd[o.index()] = is_fwd[i];
+        }
+    }
+    Ok((param_layer, param_index, is_fwd, node_layer))
+}
+
+/// With recompute: the forward values the backward reads that a layer recomputes (by
+/// layer), the forward nodes each layer clones (program order), and every value the clones
+/// compute. A forward value is a checkpoint (kept from the forward) when it has no layer, is
+/// an output, or a forward node of another layer reads it.
+#[allow(clippy::type_complexity)]
+fn recompute_closure(
+    micro: &Program,
+    is_fwd: &[bool],
+    node_layer: &[Option<usize>],
+    n_layers: usize,
+) -> (HashMap<ValueId, usize>, Vec<Vec<usize>>, HashSet<ValueId>) {
+    let n = micro.nodes.len();
+    let mut need_layer = HashMap::new();
+    let mut closure = vec![Vec::new(); n_layers];
+    let mut recomputed = HashSet::new();
+    let users = micro.users();
+    let producer = |v: ValueId| micro.producer(v).map(|x| x.index());
+    let recomputable = |v: ValueId| -> Option<usize> {
+        let pn = producer(v)?;
+        if !is_fwd[pn] || micro.outputs.contains(&v) {
+            return None;
+        }
+        let l = node_layer[pn]?;
+        let crosses = users[v.index()]
+            .iter()
+            .any(|u| is_fwd[u.index()] && node_layer[u.index()] != Some(l));
+        (!crosses).then_some(l)
+    };
+    for (i, node) in micro.nodes.iter().enumerate() {
+        if is_fwd[i] {
+            continue;
+        }
+        for &v in &node.inputs {
+            if let Some(l) = recomputable(v) {
+                need_layer.insert(v, l);
+            }
+        }
+    }
+    let mut in_closure = vec![false; n];
+    let mut stack: Vec<ValueId> = need_layer.keys().copied().collect();
+    stack.sort();
+    while let Some(v) = stack.pop() {
+        if !recomputed.insert(v) {
+            continue;
+        }
+        let pn = producer(v).expect("recomputable values have producers");
+        if in_closure[pn] {
+            continue;
+        }
+        in_closure[pn] = true;
+        for &o in &micro.nodes[pn].outputs {
+            recomputed.insert(o);
+        }
+        for &x in &micro.nodes[pn].inputs {
+            if recomputable(x).is_some() {
+                stack.push(x);
+            }
+        }
+    }
+    for (i, &c) in in_closure.iter().enumerate() {
+        if c {
+            let l = node_layer[i].expect("cloned nodes have a layer");
+            closure[l].push(i);
+        }
+    }
+    (need_layer, closure, recomputed)
+}
+
+/// The layer whose parameters stay gathered from the forward into the backward (see
+/// `Analysis::kept`): that of the forward's last read of a parameter or of a value computed
+/// from parameters and constants alone (a transposed or cast weight, read later than the
+/// weight).
+fn kept_layer(micro: &Program, is_fwd: &[bool], param_layer: &[usize]) -> Option<usize> {
+    let mut derived: Vec<Option<usize>> = vec![None; micro.values.len()];
+    for (k, q) in micro.params.iter().enumerate() {
+        derived[q.value.index()] = Some(param_layer[k]);
+    }
+    let mut kept = None;
+    for (i, node) in micro.nodes.iter().enumerate() {
+        if !is_fwd[i] {
+            continue;
+        }
+        let Some(l) = node.inputs.iter().find_map(|v| derived[v.index()]) else {
+            continue;
+        };
+        kept = Some(l);
+        let only_weights = node.inputs.iter().all(|v| {
+            derived[v.index()].is_some() || matches!(micro.value(*v).def, ValueDef::Const)
+        });
+        if only_weights {
+            for &o in &node.outputs {
+                derived[o.index()] = Some(l);
+            }
+        }
+    }
+    kept
+}
+
 impl Analysis {
     fn new(
         micro: &Program,
@@ -326,145 +500,15 @@ impl Analysis {
         sched: &ScheduleOptions,
     ) -> Result<Analysis, TrainError> {
         let grouping = crate::report::layer_of_params(with_loss);
-        let fwd_layer: HashMap<&str, Option<usize>> = with_loss
-            .nodes
-            .iter()
-            .zip(&grouping.of_node)
-            .map(|(n, l)| (n.name.as_str(), *l))
-            .collect();
-        let layer_by_param: HashMap<&str, usize> = with_loss
-            .params
-            .iter()
-            .zip(&grouping.of_param)
-            .map(|(q, &l)| (with_loss.value(q.value).name.as_str(), l))
-            .collect();
-        let mut param_layer = Vec::new();
-        let mut param_index = HashMap::new();
-        for (k, q) in micro.params.iter().enumerate() {
-            let name = &micro.value(q.value).name;
-            let l = *layer_by_param.get(name.as_str()).ok_or_else(|| {
-                err(format!(
-                    "internal: parameter `{name}` has no layer in the forward program"
-                ))
-            })?;
-            param_layer.push(l);
-            param_index.insert(q.value, k);
-        }
-        let n = micro.nodes.len();
-        let mut is_fwd = vec![false; n];
-        let mut node_layer: Vec<Option<usize>> = vec![None; n];
-        let mut value_layer: Vec<Option<usize>> = vec![None; micro.values.len()];
-        let mut value_fwd: Vec<bool> = vec![false; micro.values.len()];
-        for (k, q) in micro.params.iter().enumerate() {
-            value_layer[q.value.index()] = Some(param_layer[k]);
-            value_fwd[q.value.index()] = true;
-        }
-        for (i, node) in micro.nodes.iter().enumerate() {
-            let fwd = fwd_layer.get(node.name.as_str());
-            is_fwd[i] = fwd.is_some();
-            node_layer[i] = match fwd {
-                Some(l) => *l,
-                None => {
-                    // backward: the layer of the forward values (or parameters) it reads,
-                    // else that of the gradients it reads
-                    let of = |want_fwd: bool| {
-                        node.inputs
-                            .iter()
-                            .filter(|v| value_fwd[v.index()] == want_fwd)
-                            .filter_map(|v| value_layer[v.index()])
-                            .max()
-                    };
-                    of(true).or_else(|| of(false))
-                }
-            };
-            for &o in &node.outputs {
-                value_layer[o.index()] = node_layer[i];
-                value_fwd[o.index()] = is_fwd[i];
-            }
-        }
+        let (param_layer, param_index, is_fwd, node_layer) =
+            node_layers(micro, with_loss, &grouping)?;
         let n_layers = grouping.names.len();
-        let mut need_layer = HashMap::new();
-        let mut closure = vec![Vec::new(); n_layers];
-        let mut recomputed = HashSet::new();
-        if sched.recompute {
-            let users = micro.users();
-            let producer = |v: ValueId| micro.producer(v).map(|x| x.index());
-            // A forward value is a checkpoint (kept from the forward) when it has no layer,
-            // is an output, or a forward node of another layer reads it.
-            let recomputable = |v: ValueId| -> Option<usize> {
-                let pn = producer(v)?;
-                if !is_fwd[pn] || micro.outputs.contains(&v) {
-                    return None;
-                }
-                let l = node_layer[pn]?;
-                let crosses = users[v.index()]
-                    .iter()
-                    .any(|u| is_fwd[u.index()] && node_layer[u.index()] != Some(l));
-                (!crosses).then_some(l)
-            };
-            for (i, node) in micro.nodes.iter().enumerate() {
-                if is_fwd[i] {
-                    continue;
-                }
-                for &v in &node.inputs {
-                    if let Some(l) = recomputable(v) {
-                        need_layer.insert(v, l);
-                    }
-                }
-            }
-            let mut in_closure = vec![false; n];
-            let mut stack: Vec<ValueId> = need_layer.keys().copied().collect();
-            stack.sort();
-            while let Some(v) = stack.pop() {
-                if !recomputed.insert(v) {
-                    continue;
-                }
-                let pn = producer(v).expect("recomputable values have producers");
-                if in_closure[pn] {
-                    continue;
-                }
-                in_closure[pn] = true;
-                for &o in &micro.nodes[pn].outputs {
-                    recomputed.insert(o);
-                }
-                for &x in &micro.nodes[pn].inputs {
-                    if recomputable(x).is_some() {
-                        stack.push(x);
-                    }
-                }
-            }
-            for (i, &c) in in_closure.iter().enumerate() {
-                if c {
-                    let l = node_layer[i].expect("cloned nodes have a layer");
-                    closure[l].push(i);
-                }
-            }
-        }
-        let reshard = sched.reshard_after_forward;
-        // The layer of each parameter and of each forward value computed from parameters
-        // and constants alone (a transposed or cast weight, read later than the weight).
-        let mut derived: Vec<Option<usize>> = vec![None; micro.values.len()];
-        for (k, q) in micro.params.iter().enumerate() {
-            derived[q.value.index()] = Some(param_layer[k]);
-        }
-        let mut kept = None;
-        for (i, node) in micro.nodes.iter().enumerate() {
-            if !is_fwd[i] {
-                continue;
-            }
-            let Some(l) = node.inputs.iter().find_map(|v| derived[v.index()]) else {
-                continue;
-            };
-            kept = Some(l);
-            let only_weights = node.inputs.iter().all(|v| {
-                derived[v.index()].is_some() || matches!(micro.value(*v).def, ValueDef::Const)
-            });
-            if only_weights {
-                for &o in &node.outputs {
-                    derived[o.index()] = Some(l);
-                }
-            }
-        }
+        let (need_layer, closure, recomputed) = if sched.recompute {
+            recompute_closure(micro, &is_fwd, &node_layer, n_layers)
+        } else {
+            (HashMap::new(), vec![Vec::new(); n_layers], HashSet::new())
+        };
+        let kept = kept_layer(micro, &is_fwd, &param_layer);
         let mut a = Analysis {
             is_fwd,
             node_layer,
@@ -475,10 +519,16 @@ impl Analysis {
             closure,
             recomputed,
             units: BTreeMap::new(),
-            reshard,
+            reshard: sched.reshard_after_forward,
             kept,
         };
-        // The parameters of each unit: from every read, and from the clones' reads.
+        a.units = a.unit_params(micro);
+        Ok(a)
+    }
+
+    /// The parameters of each unit: from every read, and from the clones' reads.
+    fn unit_params(&self, micro: &Program) -> BTreeMap<UnitKey, BTreeSet<usize>> {
+        let a = self;
         let mut units: BTreeMap<UnitKey, BTreeSet<usize>> = BTreeMap::new();
         for (i, node) in micro.nodes.iter().enumerate() {
             for &v in &node.inputs {
@@ -502,8 +552,7 @@ impl Analysis {
                 }
             }
         }
-        a.units = units;
-        Ok(a)
+        units
     }
 
     /// The gather unit that serves node `i`'s read of parameter `k` (`clone`: a recompute
@@ -1871,80 +1920,128 @@ fn defer_reduce_consumers(
     for (i, &id) in order.iter().enumerate() {
         pos[id.index()] = i;
     }
-    let users = p.users();
-    // The reductions whose results the updates depend on (gradients on their way to the
-    // optimizer); one whose result only leaves the step (the loss summed for the report)
-    // holds no update back.
-    let mut feeds_update = vec![false; p.values.len()];
-    let mut stack: Vec<ValueId> = p.updates.iter().map(|u| u.value).collect();
-    while let Some(v) = stack.pop() {
-        if std::mem::replace(&mut feeds_update[v.index()], true) {
-            continue;
-        }
-        if let Some(pn) = p.producer(v) {
-            stack.extend(p.nodes[pn.index()].inputs.iter().copied());
-        }
-    }
-    let reduction =
-        |nd: &hzp_ir::Node| nd.stream == StreamKind::ReduceScatter && nd.op.is_collective();
-    let reduces: Vec<usize> = order
-        .iter()
-        .enumerate()
-        .filter(|(_, id)| {
-            let nd = &p.nodes[id.index()];
-            reduction(nd) && nd.outputs.iter().any(|o| feeds_update[o.index()])
-        })
-        .map(|(i, _)| i)
-        .collect();
+    let o = Reorder {
+        p,
+        order,
+        pos,
+        users: p.users(),
+    };
+    let reduces = o.update_reductions();
     // The preferred place of the node at each position: (target, 0) goes just before the
     // node at `target`, (own position, 1) stays.
     let mut key: Vec<(usize, usize)> = (0..n).map(|i| (i, 1)).collect();
-    let mut stamp = vec![usize::MAX; n];
-    let mut chain: Vec<usize> = Vec::new();
-    let mut stack: Vec<usize> = Vec::new();
-    for (k, &r) in reduces
-        .iter()
-        .enumerate()
-        .take(reduces.len().saturating_sub(1))
-    {
-        // (the last reductions defer to the last one, after which the optimizer runs)
-        let limit = reduces[(k + REDUCE_DEPTH).min(reduces.len() - 1)] + 1;
-        chain.clear();
-        stack.clear();
-        stack.push(r);
-        let mut first_ext = limit;
-        while let Some(x) = stack.pop() {
-            for &o in &p.nodes[order[x].index()].outputs {
-                for u in &users[o.index()] {
-                    let pu = pos[u.index()];
-                    if pu >= limit || stamp[pu] == k {
-                        continue;
-                    }
-                    if p.nodes[u.index()].stream == StreamKind::Compute {
-                        stamp[pu] = k;
-                        chain.push(pu);
-                        stack.push(pu);
-                    } else {
-                        first_ext = first_ext.min(pu);
+    o.defer_reduction_readers(&reduces, &mut key);
+    if let Some(&last) = reduces.last() {
+        o.order_after_last_reduction(&reduces, last, &mut key);
+    }
+    o.send_side_reductions_early(&reduces, &mut key);
+    let out = o.sort_by_keys(extra, &key);
+    debug_assert_eq!(out.len(), n, "the order given is topological");
+    out
+}
+
+/// A program in an issue order, with each node's position in it and each value's readers:
+/// what [`defer_reduce_consumers`]'s steps read.
+struct Reorder<'a> {
+    p: &'a Program,
+    order: &'a [NodeId],
+    /// Node -> position in `order` (`usize::MAX`: not in it).
+    pos: Vec<usize>,
+    users: Vec<Vec<NodeId>>,
+}
+
+impl Reorder<'_> {
+    /// Whether a node is a gradient-stream reduction.
+    fn is_reduction(nd: &hzp_ir::Node) -> bool {
+        nd.stream == StreamKind::ReduceScatter && nd.op.is_collective()
+    }
+
+    /// Positions of the reductions whose results the updates depend on (gradients on their
+    /// way to the optimizer), in order; one whose result only leaves the step (the loss
+    /// summed for the report) holds no update back.
+    fn update_reductions(&self) -> Vec<usize> {
+        let (p, order) = (self.p, self.order);
+        let mut feeds_update = vec![false; p.values.len()];
+        let mut stack: Vec<ValueId> = p.updates.iter().map(|u| u.value).collect();
+        while let Some(v) = stack.pop() {
+            if std::mem::replace(&mut feeds_update[v.index()], true) {
+                continue;
+            }
+            if let Some(pn) = p.producer(v) {
+                stack.extend(p.nodes[pn.index()].inputs.iter().copied());
+            }
+        }
+        order
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| {
+                let nd = &p.nodes[id.index()];
+                Self::is_reduction(nd) && nd.outputs.iter().any(|o| feeds_update[o.index()])
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// The compute that reads a reduction's result (through compute only) moves to just
+    /// before the first node of another stream that reads it or the reduction
+    /// `REDUCE_DEPTH` later, whichever comes first.
+    fn defer_reduction_readers(&self, reduces: &[usize], key: &mut [(usize, usize)]) {
+        let (p, order, pos, users) = (self.p, self.order, &self.pos, &self.users);
+        let n = order.len();
+        let mut stamp = vec![usize::MAX; n];
+        let mut chain: Vec<usize> = Vec::new();
+        let mut stack: Vec<usize> = Vec::new();
+        for (k, &r) in reduces
+            .iter()
+            .enumerate()
+            .take(reduces.len().saturating_sub(1))
+        {
+            // (the last reductions defer to the last one, after which the optimizer runs)
+            let limit = reduces[(k + REDUCE_DEPTH).min(reduces.len() - 1)] + 1;
+            chain.clear();
+            stack.clear();
+            stack.push(r);
+            let mut first_ext = limit;
+            while let Some(x) = stack.pop() {
+                for &o in &p.nodes[order[x].index()].outputs {
+                    for u in &users[o.index()] {
+                        let pu = pos[u.index()];
+                        if pu >= limit || stamp[pu] == k {
+                            continue;
+                        }
+                        if p.nodes[u.index()].stream == StreamKind::Compute {
+                            stamp[pu] = k;
+                            chain.push(pu);
+                            stack.push(pu);
+                        } else {
+                            first_ext = first_ext.min(pu);
+                        }
                     }
                 }
             }
-        }
-        for &c in &chain {
-            if c < first_ext && key[c].0 < first_ext {
-                key[c] = (first_ext, 0);
+            for &c in &chain {
+                if c < first_ext && key[c].0 < first_ext {
+                    key[c] = (first_ext, 0);
+                }
             }
         }
     }
-    // After the last reduction (the optimizer, the re-gathers): work in the order its
-    // reductions were issued, so the updates of the parameters reduced first run while the
-    // last reductions (the first layers' gradients) are still on the wire. `dep`: the latest
-    // reduction a node depends on, through any path.
-    // The compute that reads a re-gather (an all-gather issued after the last reduction)
-    // goes with the work of the layer whose re-gather goes out REGATHER_DEPTH later, so the
-    // compute stream runs the next layers' optimizer steps while the re-gather is on the
-    // wire instead of waiting for it.
-    if let Some(&last) = reduces.last() {
+
+    /// After the last reduction (the optimizer, the re-gathers): work in the order its
+    /// reductions were issued, so the updates of the parameters reduced first run while the
+    /// last reductions (the first layers' gradients) are still on the wire. The compute that
+    /// reads a re-gather (an all-gather issued after the last reduction) goes with the work
+    /// of the layer whose re-gather goes out REGATHER_DEPTH later, so the compute stream runs
+    /// the next layers' optimizer steps while the re-gather is on the wire instead of
+    /// waiting for it.
+    fn order_after_last_reduction(
+        &self,
+        reduces: &[usize],
+        last: usize,
+        key: &mut [(usize, usize)],
+    ) {
+        let (p, order, pos, users) = (self.p, self.order, &self.pos, &self.users);
+        let n = order.len();
         let regathers: Vec<usize> = (last + 1..n)
             .filter(|&i| {
                 let nd = &p.nodes[order[i].index()];
@@ -2012,58 +2109,68 @@ fn defer_reduce_consumers(
             key[i] = (last + 1, eff[i]);
         }
     }
-    // A reduction no update depends on (the loss summed for the report) goes out as soon as
-    // its inputs are there: queued behind the gradients' reductions, its reader would wait
-    // for all of them.
-    for (i, &id) in order.iter().enumerate() {
-        let nd = &p.nodes[id.index()];
-        if reduction(nd) && reduces.binary_search(&i).is_err() {
-            let ready = nd
-                .inputs
-                .iter()
-                .filter_map(|&v| p.producer(v))
-                .map(|pn| pos[pn.index()])
-                .filter(|&j| j != usize::MAX)
-                .max()
-                .map_or(0, |j| j + 1);
-            key[i] = (ready, 0);
+
+    /// A reduction no update depends on (the loss summed for the report) goes out as soon
+    /// as its inputs are there: queued behind the gradients' reductions, its reader would
+    /// wait for all of them.
+    fn send_side_reductions_early(&self, reduces: &[usize], key: &mut [(usize, usize)]) {
+        let (p, order, pos) = (self.p, self.order, &self.pos);
+        for (i, &id) in order.iter().enumerate() {
+            let nd = &p.nodes[id.index()];
+            if Self::is_reduction(nd) && reduces.binary_search(&i).is_err() {
+                let ready = nd
+                    .inputs
+                    .iter()
+                    .filter_map(|&v| p.producer(v))
+                    .map(|pn| pos[pn.index()])
+                    .filter(|&j| j != usize::MAX)
+                    .max()
+                    .map_or(0, |j| j + 1);
+                key[i] = (ready, 0);
+            }
         }
     }
-    // Kahn's algorithm, smallest (key, position) first among the ready nodes.
-    let mut indeg = vec![0u32; n];
-    let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (i, &id) in order.iter().enumerate() {
-        for &v in &p.nodes[id.index()].inputs {
-            if let Some(pn) = p.producer(v) {
-                let j = pos[pn.index()];
-                if j != usize::MAX && j != i {
-                    succ[j].push(i);
-                    indeg[i] += 1;
+
+    /// Kahn's algorithm over the data edges and the `extra` (waiter, waited) pairs,
+    /// smallest (key, position) first among the ready nodes.
+    fn sort_by_keys(&self, extra: &[(NodeId, NodeId)], key: &[(usize, usize)]) -> Vec<NodeId> {
+        let (p, order, pos) = (self.p, self.order, &self.pos);
+        let n = order.len();
+        let mut indeg = vec![0u32; n];
+        let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (i, &id) in order.iter().enumerate() {
+            for &v in &p.nodes[id.index()].inputs {
+                if let Some(pn) = p.producer(v) {
+                    let j = pos[pn.index()];
+                    if j != usize::MAX && j != i {
+                        succ[j].push(i);
+                        indeg[i] += 1;
+                    }
                 }
             }
         }
-    }
-    for &(waiter, waited) in extra {
-        let (a, b) = (pos[waited.index()], pos[waiter.index()]);
-        if a != usize::MAX && b != usize::MAX && a != b {
-            succ[a].push(b);
-            indeg[b] += 1;
-        }
-    }
-    let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(usize, usize, usize)>> = (0..n)
-        .filter(|&i| indeg[i] == 0)
-        .map(|i| std::cmp::Reverse((key[i].0, key[i].1, i)))
-        .collect();
-    let mut out = Vec::with_capacity(n);
-    while let Some(std::cmp::Reverse((_, _, i))) = heap.pop() {
-        out.push(order[i]);
-        for &j in &succ[i] {
-            indeg[j] -= 1;
-            if indeg[j] == 0 {
-                heap.push(std::cmp::Reverse((key[j].0, key[j].1, j)));
+        for &(waiter, waited) in extra {
+            let (a, b) = (pos[waited.index()], pos[waiter.index()]);
+            if a != usize::MAX && b != usize::MAX && a != b {
+                succ[a].push(b);
+                indeg[b] += 1;
             }
         }
+        let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(usize, usize, usize)>> = (0
+            ..n)
+            .filter(|&i| indeg[i] == 0)
+            .map(|i| std::cmp::Reverse((key[i].0, key[i].1, i)))
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        while let Some(std::cmp::Reverse((_, _, i))) = heap.pop() {
+            out.push(order[i]);
+            for &j in &succ[i] {
+                indeg[j] -= 1;
+                if indeg[j] == 0 {
+                    heap.push(std::cmp::Reverse((key[j].0, key[j].1, j)));
+                }
+            }
+        }
+        out
     }
-    debug_assert_eq!(out.len(), n, "the order given is topological");
-    out
 }

@@ -440,6 +440,9 @@ struct Run {
     link_busy: Vec<f64>,
 }
 
+/// Replays the streams of `p` with node costs `costs` until every stream is done (see the
+/// module docs' execution model); `sharing`: concurrent transfers on one link class share
+/// its bandwidth.
 fn run_concurrent(
     p: &Program,
     costs: &[NodeCost],
@@ -447,47 +450,97 @@ fn run_concurrent(
     sharing: bool,
 ) -> Result<Run, SimError> {
     let n = p.nodes.len();
-    let mut start = vec![f64::NAN; n];
-    let mut end = vec![f64::NAN; n];
-    let mut streams: Vec<StreamState> = hzp_ir::StreamKind::ALL
-        .iter()
-        .map(|&s| StreamState {
-            nodes: (0..n).filter(|&i| p.nodes[i].stream == s).collect(),
-            next: 0,
-            free_at: 0.0,
-            active: None,
-        })
-        .collect();
-    let mut recorded: HashMap<u32, f64> = HashMap::new();
-    let mut done = vec![false; n];
-    let mut link_busy = vec![0.0; nlinks];
-    let mut now = 0.0f64;
-    let ready = |i: usize, done: &[bool], recorded: &HashMap<u32, f64>| -> bool {
-        let node = &p.nodes[i];
+    let mut sim = Replay {
+        p,
+        costs,
+        sharing,
+        streams: hzp_ir::StreamKind::ALL
+            .iter()
+            .map(|&s| StreamState {
+                nodes: (0..n).filter(|&i| p.nodes[i].stream == s).collect(),
+                next: 0,
+                free_at: 0.0,
+                active: None,
+            })
+            .collect(),
+        recorded: HashMap::new(),
+        done: vec![false; n],
+        start: vec![f64::NAN; n],
+        end: vec![f64::NAN; n],
+        link_busy: vec![0.0; nlinks],
+        now: 0.0,
+    };
+    loop {
+        sim.start_ready();
+        if sim
+            .streams
+            .iter()
+            .all(|s| s.active.is_none() && s.next >= s.nodes.len())
+        {
+            break;
+        }
+        let load = sim.link_loads(nlinks);
+        let t_next = sim.next_change(&load);
+        if !t_next.is_finite() {
+            return Err(sim.deadlock());
+        }
+        sim.charge_links(t_next - sim.now);
+        sim.advance(t_next, &load);
+        sim.now = t_next;
+    }
+    Ok(Run {
+        start: sim.start,
+        end: sim.end,
+        link_busy: sim.link_busy,
+    })
+}
+
+/// The state of [`run_concurrent`]'s replay.
+struct Replay<'a> {
+    p: &'a Program,
+    costs: &'a [NodeCost],
+    sharing: bool,
+    streams: Vec<StreamState>,
+    /// Event -> when it was recorded.
+    recorded: HashMap<u32, f64>,
+    done: Vec<bool>,
+    start: Vec<f64>,
+    end: Vec<f64>,
+    link_busy: Vec<f64>,
+    now: f64,
+}
+
+impl Replay<'_> {
+    /// Whether node i can start: its inputs are done and, for a wait, its event recorded.
+    fn ready(&self, i: usize) -> bool {
+        let node = &self.p.nodes[i];
         if let Op::WaitEvent { event } = node.op {
-            if !recorded.contains_key(&event) {
+            if !self.recorded.contains_key(&event) {
                 return false;
             }
         }
         node.inputs
             .iter()
-            .all(|&v| p.producer(v).is_none_or(|src| done[src.index()]))
-    };
-    loop {
-        // Start (and finish, for nodes that take no time) whatever can run now.
+            .all(|&v| self.p.producer(v).is_none_or(|src| self.done[src.index()]))
+    }
+
+    /// Starts (and finishes, for nodes that take no time) whatever can run now.
+    fn start_ready(&mut self) {
+        let now = self.now;
         let mut progress = true;
         while progress {
             progress = false;
-            for st in streams.iter_mut() {
+            for k in 0..self.streams.len() {
+                let st = &self.streams[k];
                 if st.active.is_some() || st.next >= st.nodes.len() {
                     continue;
                 }
                 let i = st.nodes[st.next];
-                if !ready(i, &done, &recorded) {
+                if !self.ready(i) {
                     continue;
                 }
-                let c = &costs[i];
-                start[i] = if c.class == OpClass::Wait {
+                let c = &self.costs[i];
+                self.start[i] = if c.class == OpClass::Wait {
                     st.free_at
                 } else {
                     now
@@ -499,11 +552,12 @@ fn run_concurrent(
                         && c.phases
                             .iter()
                             .all(|ph| ph.latency_s <= 0.0 && ph.work.iter().all(|w| w.1 <= 0.0)));
+                let st = &mut self.streams[k];
                 if zero {
-                    end[i] = now;
-                    done[i] = true;
-                    if let Op::RecordEvent { event } = p.nodes[i].op {
-                        recorded.entry(event).or_insert(now);
+                    self.end[i] = now;
+                    self.done[i] = true;
+                    if let Op::RecordEvent { event } = self.p.nodes[i].op {
+                        self.recorded.entry(event).or_insert(now);
                     }
                     st.next += 1;
                     st.free_at = now;
@@ -522,15 +576,12 @@ fn run_concurrent(
                 }
             }
         }
-        if streams
-            .iter()
-            .all(|s| s.active.is_none() && s.next >= s.nodes.len())
-        {
-            break;
-        }
-        // Link loads of the active transfers.
+    }
+
+    /// Per link class, how many active transfers use it.
+    fn link_loads(&self, nlinks: usize) -> Vec<usize> {
         let mut load = vec![0usize; nlinks];
-        for st in &streams {
+        for st in &self.streams {
             if let Some(Active::Coll {
                 node,
                 phase,
@@ -538,16 +589,20 @@ fn run_concurrent(
                 ..
             }) = &st.active
             {
-                for &(l, w) in &costs[*node].phases[*phase].work {
+                for &(l, w) in &self.costs[*node].phases[*phase].work {
                     if w > 0.0 {
                         load[l] += 1;
                     }
                 }
             }
         }
-        // The next instant something changes.
+        load
+    }
+
+    /// The next instant something changes (infinite when nothing is active).
+    fn next_change(&self, load: &[usize]) -> f64 {
         let mut t_next = f64::INFINITY;
-        for st in &streams {
+        for st in &self.streams {
             match &st.active {
                 Some(Active::Fixed { end, .. }) => t_next = t_next.min(*end),
                 Some(Active::Coll {
@@ -560,48 +615,58 @@ fn run_concurrent(
                     latency_end: None,
                     remaining,
                 }) => {
-                    let r = rate(&costs[*node].phases[*phase], &load, sharing);
-                    t_next = t_next.min(now + remaining / r);
+                    let r = rate(&self.costs[*node].phases[*phase], load, self.sharing);
+                    t_next = t_next.min(self.now + remaining / r);
                 }
                 None => {}
             }
         }
-        if !t_next.is_finite() {
-            let blocked = streams
-                .iter()
-                .zip(hzp_ir::StreamKind::ALL)
-                .filter(|(s, _)| s.next < s.nodes.len())
-                .map(|(s, k)| {
-                    let node = &p.nodes[s.nodes[s.next]];
-                    let why = match node.op {
-                        Op::WaitEvent { event } => format!("waits for event {event}"),
-                        _ => "waits for an input no stream will produce".to_string(),
-                    };
-                    format!("stream {} at `{}` {why}", k.name(), node.name)
-                })
-                .collect();
-            return Err(SimError::Deadlock {
-                time_us: now * 1e6,
-                blocked,
-            });
+        t_next
+    }
+
+    /// The error when no stream can go on: what each blocked stream waits for.
+    fn deadlock(&self) -> SimError {
+        let blocked = self
+            .streams
+            .iter()
+            .zip(hzp_ir::StreamKind::ALL)
+            .filter(|(s, _)| s.next < s.nodes.len())
+            .map(|(s, k)| {
+                let node = &self.p.nodes[s.nodes[s.next]];
+                let why = match node.op {
+                    Op::WaitEvent { event } => format!("waits for event {event}"),
+                    _ => "waits for an input no stream will produce".to_string(),
+                };
+                format!("stream {} at `{}` {why}", k.name(), node.name)
+            })
+            .collect();
+        SimError::Deadlock {
+            time_us: self.now * 1e6,
+            blocked,
         }
-        let dt = t_next - now;
-        // A link class is busy while a collective phase on it is in its latency or transfer.
-        let mut occupied = vec![false; nlinks];
-        for st in &streams {
+    }
+
+    /// A link class is busy while a collective phase on it is in its latency or transfer.
+    fn charge_links(&mut self, dt: f64) {
+        let mut occupied = vec![false; self.link_busy.len()];
+        for st in &self.streams {
             if let Some(Active::Coll { node, phase, .. }) = &st.active {
-                for &(l, w) in &costs[*node].phases[*phase].work {
+                for &(l, w) in &self.costs[*node].phases[*phase].work {
                     occupied[l] |= w > 0.0;
                 }
             }
         }
-        for (l, busy) in link_busy.iter_mut().enumerate() {
+        for (l, busy) in self.link_busy.iter_mut().enumerate() {
             if occupied[l] {
                 *busy += dt;
             }
         }
-        // Advance every stream to t_next; finish what ends there.
-        for st in streams.iter_mut() {
+    }
+
+    /// Advances every stream to `t_next` and finishes what ends there.
+    fn advance(&mut self, t_next: f64, load: &[usize]) {
+        let (now, dt, costs, sharing) = (self.now, t_next - self.now, self.costs, self.sharing);
+        for st in self.streams.iter_mut() {
             let finished = match st.active.as_mut() {
                 None => None,
                 Some(Active::Fixed { node, end }) => {
@@ -621,13 +686,13 @@ fn run_concurrent(
                                 *latency_end = None;
                                 *remaining = 1.0;
                                 // A phase without transfer work ends with its latency.
-                                if rate(&c.phases[*phase], &load, sharing).is_infinite() {
+                                if rate(&c.phases[*phase], load, sharing).is_infinite() {
                                     *remaining = 0.0;
                                 }
                             }
                         }
                         None => {
-                            let r = rate(&c.phases[*phase], &load, sharing);
+                            let r = rate(&c.phases[*phase], load, sharing);
                             let t_end = now + *remaining / r;
                             if t_end <= t_next || close(t_end, t_next) {
                                 *remaining = 0.0;
@@ -649,20 +714,14 @@ fn run_concurrent(
                 }
             };
             if let Some(i) = finished {
-                end[i] = t_next;
-                done[i] = true;
+                self.end[i] = t_next;
+                self.done[i] = true;
                 st.active = None;
                 st.next += 1;
                 st.free_at = t_next;
             }
         }
-        now = t_next;
     }
-    Ok(Run {
-        start,
-        end,
-        link_busy,
-    })
 }
 
 /// One node at a time, in issue order, each at its isolated time.

@@ -60,6 +60,113 @@ pub(super) fn position_bias(q: usize, kv: usize, allowed: impl Fn(i64, i64) -> b
 /// with every key masked gives zeros. Written with MatMul, Softmax and elementwise ops.
 pub(super) fn attention(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
     let name = n.ir_name.clone();
+    let (q, mut k, mut v, rank, dt, past_len) = attention_inputs(cx, n)?;
+    let (qs, ks, vs) = (cx.shape(&q), cx.shape(&k), cx.shape(&v));
+    let (batch, qh, tq, hd) = (qs[0], qs[1], qs[2], qs[3]);
+    let (kvh, tk) = (ks[1], ks[2]);
+    if vs[1] != kvh || vs[2] != tk || ks[3] != hd || kvh == 0 || qh % kvh != 0 {
+        return err(format!(
+            "Q {qs:?}, K {ks:?} and V {vs:?} (as [batch, heads, sequence, head size]) do not \
+             fit together"
+        ));
+    }
+    let mut outs: Outs = vec![None; n.n_outputs().max(1)];
+    let wanted = |i: usize| n.p.output.get(i).is_some_and(|o| !o.is_empty());
+    if wanted(1) {
+        outs[1] = Some(k.clone());
+    }
+    if wanted(2) {
+        outs[2] = Some(v.clone());
+    }
+    // Grouped KV heads: each KV head serves qh / kvh consecutive query heads.
+    if qh != kvh {
+        repeat_kv_heads(cx, n, [&mut k, &mut v], qh / kvh, qh)?;
+    }
+    let scale = match n.attr("scale") {
+        Some(_) => n.attr_f("scale", 1.0)? as f64,
+        None => 1.0 / (hd as f64).sqrt(),
+    };
+    let mut b = Builder {
+        cx,
+        n,
+        name: &name,
+        dt,
+    };
+    let kt = b.tmp(
+        Op::Transpose {
+            perm: vec![0, 1, 3, 2],
+        },
+        &[k],
+        "key_t",
+    )?;
+    let qk = b.tmp(Op::MatMul, &[q, kt], "qk")?;
+    let sc = b.k(scale);
+    let mut scores = b.bin(BinaryOp::Mul, &qk, &sc, "scores")?;
+    let raw_scores = scores.clone();
+    let softcap = n.attr_f("softcap", 0.0)? as f64;
+    if softcap > 0.0 {
+        let c = b.k(softcap);
+        let d = b.bin(BinaryOp::Div, &scores, &c, "capped_in")?;
+        let t = b.un(UnaryOp::Tanh, &d, "capped_tanh")?;
+        scores = b.bin(BinaryOp::Mul, &t, &c, "capped")?;
+    }
+    let (bias, runtime_mask) = attention_bias(&mut b, [batch, tq, tk], past_len)?;
+    if let Some(bias) = &bias {
+        scores = b.bin(BinaryOp::Add, &scores, bias, "masked_scores")?;
+    }
+    let fully_masked_row = runtime_mask || may_mask_a_whole_row(bias.as_ref());
+    let t = tmp(b.cx, n, "probs");
+    let probs = if fully_masked_row {
+        safe_softmax(b.cx, n, scores, 3, t)?
+    } else {
+        emit1(b.cx, &name, Op::Softmax { axis: 3 }, &[scores], t)?
+    };
+    if wanted(3) {
+        outs[3] = Some(match n.attr_i("qk_matmul_output_mode", 0)? {
+            0 if softcap <= 0.0 => raw_scores,
+            3 => probs.clone(),
+            m => {
+                return unsupported(format!(
+                    "Attention's qk_matmul_output with qk_matmul_output_mode {m} is not \
+                     supported (hzp gives mode 0 without softcap, and mode 3)"
+                ))
+            }
+        });
+    }
+    let y = if rank == 4 {
+        let out = out_name(b.cx, n, 0);
+        emit1(b.cx, &name, Op::MatMul, &[probs, v], out)?
+    } else {
+        let y = b.tmp(Op::MatMul, &[probs, v], "heads_out")?;
+        let y = b.tmp(
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            &[y],
+            "heads_last",
+        )?;
+        let dv = b.cx.shape(&y)[3];
+        let out = out_name(b.cx, n, 0);
+        emit1(
+            b.cx,
+            &name,
+            Op::Reshape {
+                shape: vec![batch, tq, qh * dv],
+            },
+            &[y],
+            out,
+        )?
+    };
+    outs[0] = Some(y);
+    Ok(outs)
+}
+
+/// Attention's Q, K and V as [batch, heads, sequence, head size] (3-D inputs split into
+/// `q_num_heads` / `kv_num_heads` heads; a past cache concatenated before K and V), with
+/// the inputs' rank, dtype and the past length.
+#[allow(clippy::type_complexity)]
+fn attention_inputs(cx: &mut Ctx, n: &NodeCx) -> FResult<(Slot, Slot, Slot, usize, DType, usize)> {
+    let name = n.ir_name.clone();
     let (mut q, mut k, mut v) = (n.req(0)?.clone(), n.req(1)?.clone(), n.req(2)?.clone());
     let rank = cx.shape(&q).len();
     if !(rank == 3 || rank == 4) || cx.shape(&k).len() != rank || cx.shape(&v).len() != rank {
@@ -102,83 +209,61 @@ pub(super) fn attention(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         (None, None) => {}
         _ => return err("past_key and past_value must be given together"),
     }
-    let (qs, ks, vs) = (cx.shape(&q), cx.shape(&k), cx.shape(&v));
-    let (batch, qh, tq, hd) = (qs[0], qs[1], qs[2], qs[3]);
-    let (kvh, tk) = (ks[1], ks[2]);
-    if vs[1] != kvh || vs[2] != tk || ks[3] != hd || kvh == 0 || qh % kvh != 0 {
-        return err(format!(
-            "Q {qs:?}, K {ks:?} and V {vs:?} (as [batch, heads, sequence, head size]) do not \
-             fit together"
-        ));
+    Ok((q, k, v, rank, dt, past_len))
+}
+
+/// Repeats each of `kv`'s heads `r` times (consecutive query heads share a KV head), to
+/// `qh` heads.
+fn repeat_kv_heads(
+    cx: &mut Ctx,
+    n: &NodeCx,
+    kv: [&mut Slot; 2],
+    r: usize,
+    qh: usize,
+) -> FResult<()> {
+    let name = n.ir_name.clone();
+    let [k, v] = kv;
+    for (x, what) in [(k, "key"), (v, "value")] {
+        let s = cx.shape(x);
+        let t = reshape_tmp(
+            cx,
+            n,
+            x.clone(),
+            vec![s[0], s[1], 1, s[2], s[3]],
+            &format!("{what}_groups"),
+        )?;
+        let e = tmp(cx, n, &format!("{what}_repeated"));
+        let t = emit1(
+            cx,
+            &name,
+            Op::Expand {
+                shape: vec![s[0], s[1], r, s[2], s[3]],
+            },
+            &[t],
+            e,
+        )?;
+        *x = reshape_tmp(
+            cx,
+            n,
+            t,
+            vec![s[0], qh, s[2], s[3]],
+            &format!("{what}_per_head"),
+        )?;
     }
-    let mut outs: Outs = vec![None; n.n_outputs().max(1)];
-    let wanted = |i: usize| n.p.output.get(i).is_some_and(|o| !o.is_empty());
-    if wanted(1) {
-        outs[1] = Some(k.clone());
-    }
-    if wanted(2) {
-        outs[2] = Some(v.clone());
-    }
-    // Grouped KV heads: each KV head serves qh / kvh consecutive query heads.
-    if qh != kvh {
-        let r = qh / kvh;
-        for (x, what) in [(&mut k, "key"), (&mut v, "value")] {
-            let s = cx.shape(x);
-            let t = reshape_tmp(
-                cx,
-                n,
-                x.clone(),
-                vec![s[0], s[1], 1, s[2], s[3]],
-                &format!("{what}_groups"),
-            )?;
-            let e = tmp(cx, n, &format!("{what}_repeated"));
-            let t = emit1(
-                cx,
-                &name,
-                Op::Expand {
-                    shape: vec![s[0], s[1], r, s[2], s[3]],
-                },
-                &[t],
-                e,
-            )?;
-            *x = reshape_tmp(
-                cx,
-                n,
-                t,
-                vec![s[0], qh, s[2], s[3]],
-                &format!("{what}_per_head"),
-            )?;
-        }
-    }
-    let scale = match n.attr("scale") {
-        Some(_) => n.attr_f("scale", 1.0)? as f64,
-        None => 1.0 / (hd as f64).sqrt(),
-    };
-    let mut b = Builder {
-        cx,
-        n,
-        name: &name,
-        dt,
-    };
-    let kt = b.tmp(
-        Op::Transpose {
-            perm: vec![0, 1, 3, 2],
-        },
-        &[k],
-        "key_t",
-    )?;
-    let qk = b.tmp(Op::MatMul, &[q, kt], "qk")?;
-    let sc = b.k(scale);
-    let mut scores = b.bin(BinaryOp::Mul, &qk, &sc, "scores")?;
-    let raw_scores = scores.clone();
-    let softcap = n.attr_f("softcap", 0.0)? as f64;
-    if softcap > 0.0 {
-        let c = b.k(softcap);
-        let d = b.bin(BinaryOp::Div, &scores, &c, "capped_in")?;
-        let t = b.un(UnaryOp::Tanh, &d, "capped_tanh")?;
-        scores = b.bin(BinaryOp::Mul, &t, &c, "capped")?;
-    }
-    // The additive bias.
+    Ok(())
+}
+
+/// The additive bias on the scores (`[batch, tq, tk]`: batch, queries, keys; `past_len`
+/// keys precede the queries): the attention mask (boolean or additive, padded with -inf to
+/// the keys), the causal mask, the sliding window, the padding of `nonpad_kv_seqlen`; and
+/// whether any of it is known only at run time.
+fn attention_bias(
+    b: &mut Builder,
+    [batch, tq, tk]: [usize; 3],
+    past_len: usize,
+) -> FResult<(Option<Slot>, bool)> {
+    let (n, dt) = (b.n, b.dt);
+    let name = b.name.to_string();
     let ninf = b.k(f64::NEG_INFINITY);
     let zero = b.k(0.0);
     let mut bias: Option<Slot> = None;
@@ -226,7 +311,7 @@ pub(super) fn attention(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         }
         let t = position_bias(tq, tk, |i, j| j <= i + offset);
         let c = b.cx.konst(t, &format!("{name}/causal"));
-        add_bias(&mut b, c, "causal_bias")?;
+        add_bias(b, c, "causal_bias")?;
     }
     let (left, right) = (
         n.attr_i("left_window_size", -1)?,
@@ -243,7 +328,7 @@ pub(super) fn attention(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             (left < 0 || d <= left) && (right < 0 || -d <= right)
         });
         let c = b.cx.konst(t, &format!("{name}/window"));
-        add_bias(&mut b, c, "window_bias")?;
+        add_bias(b, c, "window_bias")?;
     }
     if let Some(lens) = n.input(6).cloned() {
         runtime_mask |= lens.as_const().is_none();
@@ -262,65 +347,21 @@ pub(super) fn attention(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             &[valid, zero.clone(), ninf.clone()],
             "padding_bias",
         )?;
-        add_bias(&mut b, t, "bias")?;
+        add_bias(b, t, "bias")?;
     }
-    if let Some(bias) = &bias {
-        scores = b.bin(BinaryOp::Add, &scores, bias, "masked_scores")?;
-    }
-    // A row can be fully masked only with a run-time mask or a constant bias that has one.
-    let fully_masked_row = runtime_mask
-        || bias.as_ref().and_then(|s| s.as_const()).is_some_and(|t| {
-            let s = t.shape.clone();
-            let last = s.last().copied().unwrap_or(1).max(1);
-            t.to_f64_vec()
-                .chunks(last)
-                .any(|row| row.iter().all(|&x| x == f64::NEG_INFINITY))
-        })
-        || bias.as_ref().is_some_and(|s| s.as_const().is_none());
-    let t = tmp(b.cx, n, "probs");
-    let probs = if fully_masked_row {
-        safe_softmax(b.cx, n, scores, 3, t)?
-    } else {
-        emit1(b.cx, &name, Op::Softmax { axis: 3 }, &[scores], t)?
-    };
-    if wanted(3) {
-        outs[3] = Some(match n.attr_i("qk_matmul_output_mode", 0)? {
-            0 if softcap <= 0.0 => raw_scores,
-            3 => probs.clone(),
-            m => {
-                return unsupported(format!(
-                    "Attention's qk_matmul_output with qk_matmul_output_mode {m} is not \
-                     supported (hzp gives mode 0 without softcap, and mode 3)"
-                ))
-            }
-        });
-    }
-    let y = if rank == 4 {
-        let out = out_name(b.cx, n, 0);
-        emit1(b.cx, &name, Op::MatMul, &[probs, v], out)?
-    } else {
-        let y = b.tmp(Op::MatMul, &[probs, v], "heads_out")?;
-        let y = b.tmp(
-            Op::Transpose {
-                perm: vec![0, 2, 1, 3],
-            },
-            &[y],
-            "heads_last",
-        )?;
-        let dv = b.cx.shape(&y)[3];
-        let out = out_name(b.cx, n, 0);
-        emit1(
-            b.cx,
-            &name,
-            Op::Reshape {
-                shape: vec![batch, tq, qh * dv],
-            },
-            &[y],
-            out,
-        )?
-    };
-    outs[0] = Some(y);
-    Ok(outs)
+    Ok((bias, runtime_mask))
+}
+
+/// Whether a constant bias has a row that is all -inf, or the bias is computed (either may
+/// leave a row with no key).
+fn may_mask_a_whole_row(bias: Option<&Slot>) -> bool {
+    bias.and_then(|s| s.as_const()).is_some_and(|t| {
+        let s = t.shape.clone();
+        let last = s.last().copied().unwrap_or(1).max(1);
+        t.to_f64_vec()
+            .chunks(last)
+            .any(|row| row.iter().all(|&x| x == f64::NEG_INFINITY))
+    }) || bias.is_some_and(|s| s.as_const().is_none())
 }
 
 /// RotaryEmbedding (opset 23): rotates the first `rotary_embedding_dim` (default all) dims

@@ -79,30 +79,56 @@ pub(super) fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         .attr_s("equation")?
         .ok_or_else(|| node_err("Einsum needs the `equation` attribute"))?;
     let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
-    let bad = |why: &str| {
-        unsupported::<Outs>(format!(
-            "Einsum equation `{eq}` is not supported ({why}; hzp takes one or two operands \
-             without repeated letters)"
-        ))
-    };
     let ins: Vec<Slot> = n.ins.iter().flatten().cloned().collect();
+    let shapes: Vec<Vec<usize>> = ins.iter().map(|s| cx.shape(s)).collect();
+    let (mut ops, out) = einsum_letters(&eq, &shapes)?;
+    let size = letter_sizes(&ops, &shapes)?;
+    let dim = |c: char| {
+        size.iter()
+            .find(|(l, _)| *l == c)
+            .map(|(_, d)| *d)
+            .unwrap_or(1)
+    };
+    let mut vals = ins;
+    sum_lone_letters(cx, n, &mut ops, &mut vals, &out)?;
+    let (cur, letters) = if ops.len() == 1 {
+        (vals[0].clone(), ops[0].clone())
+    } else {
+        contract_pair(cx, n, &ops, &vals, &out, &dim)?
+    };
+    one(permute_letters(cx, n, cur, &letters, &out, "output")?)
+}
+
+/// The letters of each operand of equation `eq` (`...` expanded into letters no term
+/// uses) for operands of `shapes`, and the output's letters (explicit, or implicit: `...`
+/// first, then the letters used once, sorted).
+fn einsum_letters(eq: &str, shapes: &[Vec<usize>]) -> FResult<(Vec<Vec<char>>, Vec<char>)> {
+    let bad = |why: &str| {
+        Fail::new(
+            ImportErrorKind::Unsupported,
+            format!(
+                "Einsum equation `{eq}` is not supported ({why}; hzp takes one or two operands \
+                 without repeated letters)"
+            ),
+        )
+    };
     let (lhs, rhs) = match eq.split_once("->") {
         Some((l, r)) => (l.to_string(), Some(r.to_string())),
-        None => (eq.clone(), None),
+        None => (eq.to_string(), None),
     };
     let terms: Vec<&str> = lhs.split(',').collect();
-    if terms.len() != ins.len() || !(1..=2).contains(&ins.len()) {
-        return bad(&format!("{} operands", ins.len()));
+    if terms.len() != shapes.len() || !(1..=2).contains(&shapes.len()) {
+        return Err(bad(&format!("{} operands", shapes.len())));
     }
     // Expand `...` into letters no term uses.
     let mut spare = ('A'..='Z').chain('a'..='z').filter(|c| !eq.contains(*c));
     let mut ell: Option<Vec<char>> = None;
     let mut ops: Vec<Vec<char>> = Vec::new();
-    for (t, s) in terms.iter().zip(&ins) {
-        let rank = cx.shape(s).len();
+    for (t, s) in terms.iter().zip(shapes) {
+        let rank = s.len();
         let letters: Vec<char> = t.replace("...", "").chars().collect();
         if letters.iter().any(|c| !c.is_ascii_alphabetic()) {
-            return bad("unexpected characters");
+            return Err(bad("unexpected characters"));
         }
         let v = if t.contains("...") {
             let k = rank
@@ -110,11 +136,11 @@ pub(super) fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
                 .ok_or_else(|| node_err(format!("`{t}` does not fit rank {rank}")))?;
             let e = match &ell {
                 Some(e) if e.len() == k => e.clone(),
-                Some(_) => return bad("`...` covers different ranks"),
+                Some(_) => return Err(bad("`...` covers different ranks")),
                 None => {
                     let e: Vec<char> = (0..k).filter_map(|_| spare.next()).collect();
                     if e.len() != k {
-                        return bad("too many dims");
+                        return Err(bad("too many dims"));
                     }
                     ell = Some(e.clone());
                     e
@@ -133,7 +159,7 @@ pub(super) fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             ));
         }
         if v.iter().enumerate().any(|(i, c)| v[..i].contains(c)) {
-            return bad("a repeated letter (diagonal)");
+            return Err(bad("a repeated letter (diagonal)"));
         }
         ops.push(v);
     }
@@ -160,12 +186,16 @@ pub(super) fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
     if out.iter().enumerate().any(|(i, c)| out[..i].contains(c))
         || out.iter().any(|c| !ops.iter().any(|o| o.contains(c)))
     {
-        return bad("the output repeats a letter or has one no operand has");
+        return Err(bad("the output repeats a letter or has one no operand has"));
     }
-    // Letter sizes must agree.
+    Ok((ops, out))
+}
+
+/// Each letter's size; a letter must have one size in every operand.
+fn letter_sizes(ops: &[Vec<char>], shapes: &[Vec<usize>]) -> FResult<Vec<(char, usize)>> {
     let mut size: Vec<(char, usize)> = Vec::new();
-    for (o, s) in ops.iter().zip(&ins) {
-        for (c, d) in o.iter().zip(cx.shape(s)) {
+    for (o, s) in ops.iter().zip(shapes) {
+        for (c, &d) in o.iter().zip(s) {
             match size.iter().find(|(l, _)| l == c) {
                 Some((_, x)) if *x != d => {
                     return err(format!(
@@ -177,16 +207,18 @@ pub(super) fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             }
         }
     }
-    let dim = |c: char| {
-        size.iter()
-            .find(|(l, _)| *l == c)
-            .map(|(_, d)| *d)
-            .unwrap_or(1)
-    };
-    let name = n.ir_name.clone();
+    Ok(size)
+}
 
-    // Sum away letters only one operand has and the output lacks.
-    let mut vals = ins.clone();
+/// Sums away the letters only one operand has and the output lacks.
+fn sum_lone_letters(
+    cx: &mut Ctx,
+    n: &NodeCx,
+    ops: &mut [Vec<char>],
+    vals: &mut [Slot],
+    out: &[char],
+) -> FResult<()> {
+    let name = n.ir_name.clone();
     for i in 0..ops.len() {
         let others: Vec<char> = ops
             .iter()
@@ -212,54 +244,73 @@ pub(super) fn einsum(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             ops[i] = kept;
         }
     }
-    let permute = |cx: &mut Ctx, x: Slot, have: &[char], want: &[char], what: &str| {
-        let perm: Vec<usize> = want
-            .iter()
-            .map(|c| have.iter().position(|h| h == c).unwrap_or(0))
-            .collect();
-        if perm.iter().copied().eq(0..perm.len()) {
-            Ok(x)
-        } else {
-            let t = tmp(cx, n, what);
-            emit1(cx, &name, Op::Transpose { perm }, &[x], t)
-        }
-    };
-    let (cur, letters) = if ops.len() == 1 {
-        (vals[0].clone(), ops[0].clone())
+    Ok(())
+}
+
+/// `x` (letters `have`) transposed to the letters `want`.
+fn permute_letters(
+    cx: &mut Ctx,
+    n: &NodeCx,
+    x: Slot,
+    have: &[char],
+    want: &[char],
+    what: &str,
+) -> FResult<Slot> {
+    let perm: Vec<usize> = want
+        .iter()
+        .map(|c| have.iter().position(|h| h == c).unwrap_or(0))
+        .collect();
+    if perm.iter().copied().eq(0..perm.len()) {
+        Ok(x)
     } else {
-        let (l, r) = (&ops[0], &ops[1]);
-        let batch: Vec<char> = l
-            .iter()
-            .copied()
-            .filter(|c| r.contains(c) && out.contains(c))
-            .collect();
-        let ms: Vec<char> = l.iter().copied().filter(|c| !r.contains(c)).collect();
-        let ns: Vec<char> = r.iter().copied().filter(|c| !l.contains(c)).collect();
-        let ks: Vec<char> = l
-            .iter()
-            .copied()
-            .filter(|c| r.contains(c) && !out.contains(c))
-            .collect();
-        let prod = |v: &[char]| v.iter().map(|&c| dim(c)).product::<usize>();
-        let bshape: Vec<usize> = batch.iter().map(|&c| dim(c)).collect();
-        let order = |a: &[char], b: &[char], c: &[char]| -> Vec<char> {
-            a.iter().chain(b).chain(c).copied().collect()
-        };
-        let a = permute(cx, vals[0].clone(), l, &order(&batch, &ms, &ks), "lhs")?;
-        let mut sa = bshape.clone();
-        sa.extend([prod(&ms), prod(&ks)]);
-        let a = reshape_tmp(cx, n, a, sa, "lhs_matrix")?;
-        let b = permute(cx, vals[1].clone(), r, &order(&batch, &ks, &ns), "rhs")?;
-        let mut sb = bshape.clone();
-        sb.extend([prod(&ks), prod(&ns)]);
-        let b = reshape_tmp(cx, n, b, sb, "rhs_matrix")?;
-        let t = tmp(cx, n, "matmul");
-        let y = emit1(cx, &name, Op::MatMul, &[a, b], t)?;
-        let letters = order(&batch, &ms, &ns);
-        let shape: Vec<usize> = letters.iter().map(|&c| dim(c)).collect();
-        (reshape_tmp(cx, n, y, shape, "product")?, letters)
+        let t = tmp(cx, n, what);
+        emit1(cx, &n.ir_name, Op::Transpose { perm }, &[x], t)
+    }
+}
+
+/// Two operands as one batched product: batch letters (in both and the output), then the
+/// left's own letters times the contracted ones times the right's own; returns the product
+/// and its letters.
+fn contract_pair(
+    cx: &mut Ctx,
+    n: &NodeCx,
+    ops: &[Vec<char>],
+    vals: &[Slot],
+    out: &[char],
+    dim: &dyn Fn(char) -> usize,
+) -> FResult<(Slot, Vec<char>)> {
+    let name = n.ir_name.clone();
+    let (l, r) = (&ops[0], &ops[1]);
+    let batch: Vec<char> = l
+        .iter()
+        .copied()
+        .filter(|c| r.contains(c) && out.contains(c))
+        .collect();
+    let ms: Vec<char> = l.iter().copied().filter(|c| !r.contains(c)).collect();
+    let ns: Vec<char> = r.iter().copied().filter(|c| !l.contains(c)).collect();
+    let ks: Vec<char> = l
+        .iter()
+        .copied()
+        .filter(|c| r.contains(c) && !out.contains(c))
+        .collect();
+    let prod = |v: &[char]| v.iter().map(|&c| dim(c)).product::<usize>();
+    let bshape: Vec<usize> = batch.iter().map(|&c| dim(c)).collect();
+    let order = |a: &[char], b: &[char], c: &[char]| -> Vec<char> {
+        a.iter().chain(b).chain(c).copied().collect()
     };
-    one(permute(cx, cur, &letters, &out, "output")?)
+    let a = permute_letters(cx, n, vals[0].clone(), l, &order(&batch, &ms, &ks), "lhs")?;
+    let mut sa = bshape.clone();
+    sa.extend([prod(&ms), prod(&ks)]);
+    let a = reshape_tmp(cx, n, a, sa, "lhs_matrix")?;
+    let b = permute_letters(cx, n, vals[1].clone(), r, &order(&batch, &ks, &ns), "rhs")?;
+    let mut sb = bshape.clone();
+    sb.extend([prod(&ks), prod(&ns)]);
+    let b = reshape_tmp(cx, n, b, sb, "rhs_matrix")?;
+    let t = tmp(cx, n, "matmul");
+    let y = emit1(cx, &name, Op::MatMul, &[a, b], t)?;
+    let letters = order(&batch, &ms, &ns);
+    let shape: Vec<usize> = letters.iter().map(|&c| dim(c)).collect();
+    Ok((reshape_tmp(cx, n, y, shape, "product")?, letters))
 }
 
 /// Largest padded spatial dim Conv takes (keeps its index arithmetic far from overflow).
@@ -283,6 +334,65 @@ pub(super) fn conv(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
              (at least 3), got {xs:?} and {ws:?}"
         ));
     }
+    let geo = conv_geometry(n, &xs, &ws)?;
+    let ConvGeometry {
+        batch,
+        chans,
+        m,
+        g,
+        ref kernel,
+        ref out_sp,
+        ..
+    } = geo;
+    let sp = out_sp.len();
+    let xp = zero_pad(cx, n, x, &geo)?;
+    let k: usize = kernel.iter().product();
+    let l: usize = out_sp.iter().product();
+    let cg = chans / g;
+    // Patches as [N, C, K, L] (kernel offsets row-major, then output positions).
+    let patches = if geo.strides == *kernel && geo.dil.iter().all(|&d| d == 1) {
+        tiled_patches(cx, n, xp, &geo)?
+    } else {
+        strided_patches(cx, n, xp, &geo)?
+    };
+    let patches = reshape_tmp(cx, n, patches, vec![batch, g, cg * k, l], "patch_rows")?;
+    let wm = reshape_tmp(cx, n, w, vec![g, m / g, cg * k], "weight_rows")?;
+    let t = tmp(cx, n, "matmul");
+    let y = emit1(cx, &name, Op::MatMul, &[wm, patches], t)?;
+    let mut shape = vec![batch, m];
+    shape.extend(out_sp);
+    match bias {
+        None => reshape(cx, n, y, shape),
+        Some(b) => {
+            let y = reshape_tmp(cx, n, y, shape, "unbiased")?;
+            let mut bs = vec![m];
+            bs.extend(vec![1; sp]);
+            let b = reshape_tmp(cx, n, b, bs, "bias")?;
+            let out = out_name(cx, n, 0);
+            one(emit1(cx, &name, Op::Binary(BinaryOp::Add), &[y, b], out)?)
+        }
+    }
+}
+
+/// A convolution's sizes: batch, input channels, output channels, groups, the kernel, the
+/// strides and dilations, the dilated kernel's extent, the padding before and after each
+/// spatial axis, and the output's spatial shape.
+struct ConvGeometry {
+    batch: usize,
+    chans: usize,
+    m: usize,
+    g: usize,
+    kernel: Vec<usize>,
+    strides: Vec<usize>,
+    dil: Vec<usize>,
+    pb: Vec<usize>,
+    pe: Vec<usize>,
+    out_sp: Vec<usize>,
+}
+
+/// Checks Conv's attributes against the input `xs` and weight `ws` shapes and works out
+/// its geometry (`auto_pad` included).
+fn conv_geometry(n: &NodeCx, xs: &[usize], ws: &[usize]) -> FResult<ConvGeometry> {
     let sp = xs.len() - 2; // spatial dims
     let (batch, chans, m) = (xs[0], xs[1], ws[0]);
     let kernel = ws[2..].to_vec();
@@ -365,9 +475,25 @@ pub(super) fn conv(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         }
         out_sp.push((padded - ext[i]) / strides[i] + 1);
     }
-    let dt = cx.dtype(&x);
+    Ok(ConvGeometry {
+        batch,
+        chans,
+        m,
+        g,
+        kernel,
+        strides,
+        dil,
+        pb,
+        pe,
+        out_sp,
+    })
+}
 
-    // Zero padding.
+/// `x` with zeros concatenated before and after each spatial axis.
+fn zero_pad(cx: &mut Ctx, n: &NodeCx, x: Slot, geo: &ConvGeometry) -> FResult<Slot> {
+    let name = n.ir_name.clone();
+    let dt = cx.dtype(&x);
+    let (sp, pb, pe) = (geo.out_sp.len(), &geo.pb, &geo.pe);
     let mut xp = x;
     for i in 0..sp {
         let a = 2 + i;
@@ -388,94 +514,88 @@ pub(super) fn conv(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             xp = emit1(cx, &name, Op::Concat { axis: a }, &parts, t)?;
         }
     }
+    Ok(xp)
+}
 
-    let k: usize = kernel.iter().product();
-    let l: usize = out_sp.iter().product();
-    let cg = chans / g;
-    // Patches as [N, C, K, L] (kernel offsets row-major, then output positions).
-    let patches = if strides == kernel && dil.iter().all(|&d| d == 1) {
-        // Non-overlapping patches: crop to whole patches, split each axis into
-        // (position, offset) and move the offsets before the positions.
-        let whole: Vec<usize> = (0..sp).map(|i| out_sp[i] * kernel[i]).collect();
-        let ps = cx.shape(&xp);
-        if ps[2..] != whole[..] {
-            let t = tmp(cx, n, "whole_patches");
-            let op = Op::Slice {
-                axes: (2..2 + sp).collect(),
-                starts: vec![0; sp],
-                ends: whole.iter().map(|&d| d as i64).collect(),
-                steps: vec![1; sp],
-            };
-            xp = emit1(cx, &name, op, &[xp], t)?;
-        }
-        let mut split = vec![batch, chans];
-        for i in 0..sp {
-            split.push(out_sp[i]);
-            split.push(kernel[i]);
-        }
-        let t = reshape_tmp(cx, n, xp, split, "patch_grid")?;
-        let mut perm = vec![0, 1];
-        perm.extend((0..sp).map(|i| 3 + 2 * i));
-        perm.extend((0..sp).map(|i| 2 + 2 * i));
-        let t = if perm.iter().copied().eq(0..perm.len()) {
-            t
-        } else {
-            let o = tmp(cx, n, "patch_offsets_first");
-            emit1(cx, &name, Op::Transpose { perm }, &[t], o)?
+/// Patches of a convolution whose strides equal its kernel, without dilation: the
+/// non-overlapping patches by cropping to whole patches, splitting each axis into
+/// (position, offset) and moving the offsets before the positions.
+fn tiled_patches(cx: &mut Ctx, n: &NodeCx, xp: Slot, geo: &ConvGeometry) -> FResult<Slot> {
+    let name = n.ir_name.clone();
+    let (batch, chans, kernel, out_sp) = (geo.batch, geo.chans, &geo.kernel, &geo.out_sp);
+    let sp = out_sp.len();
+    let (k, l): (usize, usize) = (kernel.iter().product(), out_sp.iter().product());
+    let mut xp = xp;
+    let whole: Vec<usize> = (0..sp).map(|i| out_sp[i] * kernel[i]).collect();
+    let ps = cx.shape(&xp);
+    if ps[2..] != whole[..] {
+        let t = tmp(cx, n, "whole_patches");
+        let op = Op::Slice {
+            axes: (2..2 + sp).collect(),
+            starts: vec![0; sp],
+            ends: whole.iter().map(|&d| d as i64).collect(),
+            steps: vec![1; sp],
         };
-        reshape_tmp(cx, n, t, vec![batch, chans, k, l], "patches")?
+        xp = emit1(cx, &name, op, &[xp], t)?;
+    }
+    let mut split = vec![batch, chans];
+    for i in 0..sp {
+        split.push(out_sp[i]);
+        split.push(kernel[i]);
+    }
+    let t = reshape_tmp(cx, n, xp, split, "patch_grid")?;
+    let mut perm = vec![0, 1];
+    perm.extend((0..sp).map(|i| 3 + 2 * i));
+    perm.extend((0..sp).map(|i| 2 + 2 * i));
+    let t = if perm.iter().copied().eq(0..perm.len()) {
+        t
     } else {
-        let mut cols = Vec::with_capacity(k);
-        for off in 0..k {
-            // Row-major kernel offset of index `off`.
-            let mut rem = off;
-            let mut idx = vec![0usize; sp];
-            for i in (0..sp).rev() {
-                idx[i] = rem % kernel[i];
-                rem /= kernel[i];
-            }
-            let starts: Vec<i64> = (0..sp).map(|i| (idx[i] * dil[i]) as i64).collect();
-            let ends: Vec<i64> = (0..sp)
-                .map(|i| (idx[i] * dil[i] + (out_sp[i] - 1) * strides[i] + 1) as i64)
-                .collect();
-            let op = Op::Slice {
-                axes: (2..2 + sp).collect(),
-                starts,
-                ends,
-                steps: strides.iter().map(|&s| s as i64).collect(),
-            };
-            let t = tmp(cx, n, &format!("offset{off}"));
-            let s = emit1(cx, &name, op, std::slice::from_ref(&xp), t)?;
-            cols.push(reshape_tmp(
-                cx,
-                n,
-                s,
-                vec![batch, chans, 1, l],
-                &format!("offset{off}_flat"),
-            )?);
-        }
-        if cols.len() == 1 {
-            cols.pop().unwrap_or_else(|| unreachable!())
-        } else {
-            let t = tmp(cx, n, "patches");
-            emit1(cx, &name, Op::Concat { axis: 2 }, &cols, t)?
-        }
+        let o = tmp(cx, n, "patch_offsets_first");
+        emit1(cx, &name, Op::Transpose { perm }, &[t], o)?
     };
-    let patches = reshape_tmp(cx, n, patches, vec![batch, g, cg * k, l], "patch_rows")?;
-    let wm = reshape_tmp(cx, n, w, vec![g, m / g, cg * k], "weight_rows")?;
-    let t = tmp(cx, n, "matmul");
-    let y = emit1(cx, &name, Op::MatMul, &[wm, patches], t)?;
-    let mut shape = vec![batch, m];
-    shape.extend(&out_sp);
-    match bias {
-        None => reshape(cx, n, y, shape),
-        Some(b) => {
-            let y = reshape_tmp(cx, n, y, shape, "unbiased")?;
-            let mut bs = vec![m];
-            bs.extend(vec![1; sp]);
-            let b = reshape_tmp(cx, n, b, bs, "bias")?;
-            let out = out_name(cx, n, 0);
-            one(emit1(cx, &name, Op::Binary(BinaryOp::Add), &[y, b], out)?)
+    reshape_tmp(cx, n, t, vec![batch, chans, k, l], "patches")
+}
+
+/// Patches of any convolution: one strided slice per kernel offset, concatenated.
+fn strided_patches(cx: &mut Ctx, n: &NodeCx, xp: Slot, geo: &ConvGeometry) -> FResult<Slot> {
+    let name = n.ir_name.clone();
+    let (batch, chans, kernel, out_sp) = (geo.batch, geo.chans, &geo.kernel, &geo.out_sp);
+    let (strides, dil) = (&geo.strides, &geo.dil);
+    let sp = out_sp.len();
+    let (k, l): (usize, usize) = (kernel.iter().product(), out_sp.iter().product());
+    let mut cols = Vec::with_capacity(k);
+    for off in 0..k {
+        // Row-major kernel offset of index `off`.
+        let mut rem = off;
+        let mut idx = vec![0usize; sp];
+        for i in (0..sp).rev() {
+            idx[i] = rem % kernel[i];
+            rem /= kernel[i];
         }
+        let starts: Vec<i64> = (0..sp).map(|i| (idx[i] * dil[i]) as i64).collect();
+        let ends: Vec<i64> = (0..sp)
+            .map(|i| (idx[i] * dil[i] + (out_sp[i] - 1) * strides[i] + 1) as i64)
+            .collect();
+        let op = Op::Slice {
+            axes: (2..2 + sp).collect(),
+            starts,
+            ends,
+            steps: strides.iter().map(|&s| s as i64).collect(),
+        };
+        let t = tmp(cx, n, &format!("offset{off}"));
+        let s = emit1(cx, &name, op, std::slice::from_ref(&xp), t)?;
+        cols.push(reshape_tmp(
+            cx,
+            n,
+            s,
+            vec![batch, chans, 1, l],
+            &format!("offset{off}_flat"),
+        )?);
+    }
+    if cols.len() == 1 {
+        Ok(cols.pop().unwrap_or_else(|| unreachable!()))
+    } else {
+        let t = tmp(cx, n, "patches");
+        emit1(cx, &name, Op::Concat { axis: 2 }, &cols, t)
     }
 }
