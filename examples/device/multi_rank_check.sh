@@ -5,7 +5,8 @@
 # path at world size 1. Made from ../shared/device/gpu_check.sh; payload in .device/ (made
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
-# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1 (all by default; gpt2s alone takes the longest),
+# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1|attn (all by default; gpt2s alone takes the longest;
+# attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend),
 # MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
 # Every run has its own timeout and the script goes on after a failure; `RESULT` lines are the
 # verdicts; everything (logs, JSON, flight records of failures) lands in $OUT.
@@ -123,6 +124,40 @@ if [ $PART = all ] || [ $PART = nccl1 ]; then
   el "== two processes on one GPU through hzp launch (NCCL refuses two ranks on one device: expect a clear error naming --ranks-on-one-gpu)"
   $H compile --no-fuse-attention $M/llama_tiny.legacy.op17.onnx --inputs $W/llama_tiny.io4.npz --loss lm --mesh gpu=2 --strategy zero3 -o $W/l2.json >/dev/null 2>&1
   timeout 60 $H launch --nproc-per-node 2 -- run $W/l2.json --inputs $W/llama_tiny.io4.npz --steps 2 --backend cuda --collective-timeout 20 2>&1 | tail -15
+fi
+if [ $PART = all ] || [ $PART = attn ]; then
+  el "== fused attention on CUDA (HZP_CUDA_ATTENTION=1): 5 steps of the gpu=1 plan with the Attention op vs the CPU backend (1e-4), and step time vs explicit attention"
+  for spec in $TINY; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    [ -f $W/$base.io4.npz ] || tile $M/$base.io.npz $W/$base.io4.npz 2
+    f=$W/$stem.fused
+    $H compile $M/$stem.onnx --inputs $W/$base.io4.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT attn $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    grep -q '"Attention' $f.json || el "attn $stem: the plan has no fused attention"
+    timeout $T $H run $f.json --inputs $W/$base.io4.npz --steps $STEPS --format json --save-params $f.cpu.npz >$f.cpu.out 2>$f.cpu.err || { el "RESULT attn $stem cpu: FAIL"; tail -10 $f.cpu.err; continue; }
+    HZP_CUDA_ATTENTION=1 timeout $T $H run $f.json --inputs $W/$base.io4.npz --steps $STEPS --backend cuda --format json --save-params $f.cuda.npz >$f.cuda.out 2>$f.cuda.err || { el "RESULT attn $stem cuda: FAIL rc=$?"; tail -20 $f.cuda.err; continue; }
+    TOL=1e-4 python3 $D/compare_ranks.py attn-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
+  done
+  if [ -f $W/gpt2s/model.onnx ]; then
+    for mode in fused explicit; do
+      x=""; [ $mode = explicit ] && x=--no-fuse-attention
+      p=$W/attnperf.$mode.json
+      $H compile $x $W/gpt2s/model.onnx --inputs $W/gpt2s/batch.npz --loss lm --retie --mesh gpu=1 -o $p >/dev/null 2>&1 || { el "attn perf $mode: compile failed"; continue; }
+      HZP_CUDA_ATTENTION=1 timeout $T $H run $p --inputs $W/gpt2s/batch.npz --steps 6 --backend cuda --format json >$p.out 2>$p.err || { el "attn perf $mode: FAIL"; tail -10 $p.err; }
+    done
+    python3 - $W/attnperf.fused.json.out $W/attnperf.explicit.json.out <<'PY'
+import json, statistics, sys
+def med(f):
+    try:
+        return 1e3 * statistics.median(json.load(open(f))["step_seconds"][1:])
+    except Exception:
+        return float("nan")
+f, e = med(sys.argv[1]), med(sys.argv[2])
+print(f"RESULT attn perf gpt2s gpu=1: fused {f:.1f} ms, explicit {e:.1f} ms, explicit/fused {e / f if f == f and f > 0 else float('nan'):.2f}")
+PY
+  else
+    el "attn perf: no GPT-2 small export (run PART=gpt2s first)"
+  fi
 fi
 (cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)
 grep '^\[.*RESULT\|^RESULT' "$O/multi_rank.txt" | sed -E 's/^\[[0-9]+s\] //' > "$O/results.txt"

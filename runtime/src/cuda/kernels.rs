@@ -9,13 +9,25 @@ pub const ELEMENTWISE: &str = include_str!("kernels/elementwise.cu");
 pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 /// Copies through n-d walks, Trilu, Gather*, Scatter*, OneHot, TopK.
 pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
+/// Fused attention: the forward (`attn_fwd`) and the gradient's two kernels (`attn_dq`,
+/// `attn_dkv`), tiled with an online softmax.
+pub const ATTENTION: &str = include_str!("kernels/attention.cu");
 /// The local device communicator's reductions (`coll_acc_*`, `coll_scale_*`).
 pub const COLLECTIVE: &str = include_str!("kernels/collective.cu");
 
 /// The whole program NVRTC compiles, in dependency order.
 pub fn source() -> String {
-    [COMMON, ELEMENTWISE, REDUCE, MOVEMENT, COLLECTIVE].join("\n")
+    [COMMON, ELEMENTWISE, REDUCE, MOVEMENT, ATTENTION, COLLECTIVE].join("\n")
 }
+
+/// Threads per block of the attention kernels (`AT_WARPS` warps in the source).
+pub const ATTENTION_THREADS: u32 = 128;
+/// Query rows per block of `attn_fwd` / `attn_dq` and keys per block of `attn_dkv`
+/// (`AT_BR`, `AT_BK`).
+pub const ATTENTION_ROWS: usize = 16;
+pub const ATTENTION_KEYS: usize = 8;
+/// The largest head size the attention kernels take (`AT_DMAX`).
+pub const ATTENTION_MAX_HEAD: usize = 256;
 
 /// Threads per block of the one-block-per-lane kernels (softmax, norm, float reduce); the
 /// kernels' shared arrays have this size.
@@ -53,6 +65,9 @@ pub fn kernel_names() -> Vec<String> {
             "reduce",
             "argmax",
             "cumsum",
+            "attn_fwd",
+            "attn_dq",
+            "attn_dkv",
         ],
         &FLOATS,
     );

@@ -10,7 +10,9 @@
 //! split and concat on axis 0; Sub/Div/Pow/Mod of bools; CumSum of bools; ArgMax over an
 //! empty axis.
 
-use super::kernels::{MAXD, REDUCE_THREADS};
+use super::kernels::{
+    ATTENTION_KEYS, ATTENTION_MAX_HEAD, ATTENTION_ROWS, ATTENTION_THREADS, MAXD, REDUCE_THREADS,
+};
 use hzp_ir::{
     numel, BinaryOp, DType, Mesh, Op, Plan, Program, ReduceOp, Tensor, TensorType, UnaryOp,
 };
@@ -1106,13 +1108,8 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 ],
             ));
         }
-        Op::Attention { .. } | Op::AttentionGrad { .. } => {
-            return Err(format!(
-                "{} (fused attention) is not built for the CUDA backend yet: compile the \
-                 model with --no-fuse-attention to keep attention as explicit products and \
-                 softmax, which the CUDA backend runs",
-                op.name()
-            ))
+        Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
+            w.extend(lower_attention(op, c, *scale, *causal)?);
         }
         // Lowered by the caller (streams and communicators), never here. Listed by name so
         // that a new op does not compile until it is lowered above or listed.
@@ -1207,6 +1204,96 @@ fn lower_matmul(c: &NodeCtx) -> Result<Gemm, String> {
 }
 
 /// Element strides (matrix size `mat`) of batch dims `x` broadcast to `batch`.
+/// Whether plans with fused attention may run on the CUDA backend: its kernels compile with
+/// NVRTC in CI but have not been checked on a GPU yet, so they run only when
+/// `HZP_CUDA_ATTENTION=1` asks for them.
+fn cuda_attention_enabled() -> bool {
+    std::env::var("HZP_CUDA_ATTENTION").is_ok_and(|v| v == "1")
+}
+
+/// The launches of a fused attention (`attn_fwd`) or of its gradient (`attn_dq`, then
+/// `attn_dkv`). Operands: q, k, v (and o, lse, do for the gradient), then the optional
+/// additive mask, read through its broadcast strides over [B, HQ, T, S].
+fn lower_attention(op: &Op, c: &NodeCtx, scale: f64, causal: bool) -> Result<Vec<Work>, String> {
+    if !cuda_attention_enabled() {
+        return Err(format!(
+            "{} (fused attention) on the CUDA backend is not verified on a GPU yet: compile \
+             the model with --no-fuse-attention to keep attention as explicit products and \
+             softmax, or set HZP_CUDA_ATTENTION=1 to run the experimental kernels",
+            op.name()
+        ));
+    }
+    let grad = matches!(op, Op::AttentionGrad { .. });
+    let ((q, qt), (k, kt), (v, vt)) = (c.ins[0], c.ins[1], c.ins[2]);
+    let (b, hq, t, d) = (qt.shape[0], qt.shape[1], qt.shape[2], qt.shape[3]);
+    let (hkv, s, dv) = (kt.shape[1], kt.shape[2], vt.shape[3]);
+    if d > ATTENTION_MAX_HEAD || dv > ATTENTION_MAX_HEAD {
+        return Err(format!(
+            "{}: head sizes {d} and {dv} (the CUDA attention kernels take at most \
+             {ATTENTION_MAX_HEAD}); compile with --no-fuse-attention",
+            op.name()
+        ));
+    }
+    let (mask, strides) = match c.ins.get(if grad { 6 } else { 3 }) {
+        Some(&(m, mt)) => (Arg::Ptr(m), bcast(&mt.shape, &[b, hq, t, s])),
+        None => (Arg::Null, vec![0; 4]),
+    };
+    let mut dims = vec![
+        Arg::I64(b as i64),
+        Arg::I64(hq as i64),
+        Arg::I64(hkv as i64),
+        Arg::I64(t as i64),
+        Arg::I64(s as i64),
+        Arg::I64(d as i64),
+        Arg::I64(dv as i64),
+        Arg::F32(scale as f32),
+        Arg::I32(causal as i32),
+    ];
+    dims.extend(strides.into_iter().map(Arg::I64));
+    let launch = |kernel: &str, blocks: usize, ptrs: Vec<Arg>| {
+        let mut args = dims.clone();
+        args.extend(ptrs);
+        Work::Kernel(Launch {
+            kernel: format!("{kernel}_{}", dt(qt.dtype)),
+            grid: lane_grid(blocks),
+            block: ATTENTION_THREADS,
+            args,
+        })
+    };
+    let query_blocks = b * hq * t.div_ceil(ATTENTION_ROWS);
+    if !grad {
+        let ((o, _), (lse, _)) = (c.outs[0], c.outs[1]);
+        let ptrs = vec![
+            Arg::Ptr(q),
+            Arg::Ptr(k),
+            Arg::Ptr(v),
+            mask,
+            Arg::Ptr(o),
+            Arg::Ptr(lse),
+        ];
+        return Ok(vec![launch("attn_fwd", query_blocks, ptrs)]);
+    }
+    let ((o, _), (lse, _), (dout, _)) = (c.ins[3], c.ins[4], c.ins[5]);
+    let ((dq, _), (dk, _), (dvo, _)) = (c.outs[0], c.outs[1], c.outs[2]);
+    let common = [
+        Arg::Ptr(q),
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(o),
+        Arg::Ptr(lse),
+        Arg::Ptr(dout),
+        mask,
+    ];
+    let mut dq_ptrs = common.to_vec();
+    dq_ptrs.push(Arg::Ptr(dq));
+    let mut dkv_ptrs = common.to_vec();
+    dkv_ptrs.extend([Arg::Ptr(dk), Arg::Ptr(dvo)]);
+    Ok(vec![
+        launch("attn_dq", query_blocks, dq_ptrs),
+        launch("attn_dkv", b * hkv * s.div_ceil(ATTENTION_KEYS), dkv_ptrs),
+    ])
+}
+
 fn bcast_batch(x: &[usize], batch: &[usize], mat: i64) -> Vec<i64> {
     let st: Vec<i64> = bcast(x, batch).into_iter().map(|s| s * mat).collect();
     st

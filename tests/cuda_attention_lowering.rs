@@ -1,0 +1,126 @@
+//! Issue 16's CUDA attention kernels, as far as a machine without a GPU can check them: with
+//! `HZP_CUDA_ATTENTION=1`, plans with the fused `Attention` op (GPT-2 with its causal mask,
+//! Llama with grouped-query heads, BERT with a padding mask) lower for the CUDA backend, each
+//! fused node to the launches of kernels the sources define (`attn_fwd`, then `attn_dq` and
+//! `attn_dkv` for the gradient) with the operands the kernels take. The kernels themselves
+//! compile with NVRTC in `runtime/tests/cuda_kernels.rs`; their numbers are checked on a GPU
+//! by `examples/device/multi_rank_check.sh` (PART=attn). Without the variable the lowering
+//! refuses such plans (`tests/cli_launch.rs`). This file is its own test binary, so setting
+//! the variable here affects no other test.
+
+mod common;
+use common::*;
+use hzp_ir::{Op, Plan};
+use hzp_runtime::cuda::lower::{self, Arg, Work};
+
+/// The dimension arguments every attention kernel starts with (`AT_DIM_PARAMS`).
+const DIM_ARGS: usize = 13;
+
+fn compile(model: &str, shape: &str, mesh: &str) -> Plan {
+    let dir = std::env::temp_dir().join(format!("hzp-cuda-attn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join(format!("{}.json", model.replace('/', "_")));
+    let o = std::process::Command::new(hzp_bin())
+        .current_dir(repo())
+        .args([
+            "compile", model, "--shape", shape, "--mesh", mesh, "--memory", "1GiB", "-o",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{model}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Plan::from_json(&std::fs::read_to_string(&out).unwrap(), "plan.json").unwrap()
+}
+
+#[test]
+fn fused_attention_lowers_to_the_attention_kernels() {
+    // (this test binary has this one test: nothing else reads the environment concurrently)
+    std::env::set_var("HZP_CUDA_ATTENTION", "1");
+    let names = hzp_runtime::cuda::kernels::kernel_names();
+    let mut seen = [0usize; 3];
+    for (model, shape, mesh) in [
+        (
+            "tests/models/gpt2_tiny.dynamo.op18.onnx",
+            "input_ids=4x16",
+            "gpu=2",
+        ),
+        (
+            "tests/models/llama_tiny.legacy.op17.onnx",
+            "input_ids=4x16",
+            "gpu=2",
+        ),
+        (
+            "tests/models/bert_tiny.dynamo.op18.onnx",
+            "input_ids=2x16,attention_mask=2x16,token_type_ids=2x16",
+            "gpu=1",
+        ),
+    ] {
+        let plan = compile(model, shape, mesh);
+        let p = &plan.program;
+        let fused = p
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Attention { .. } | Op::AttentionGrad { .. }))
+            .count();
+        assert!(fused >= 2, "{model}: {fused} fused attention nodes");
+        let low = lower::lower_program(&plan, 0).unwrap_or_else(|e| panic!("{model}: {e}"));
+        for (nw, node) in low.nodes.iter().zip(&p.nodes) {
+            let grad = match node.op {
+                Op::Attention { .. } => false,
+                Op::AttentionGrad { .. } => true,
+                _ => continue,
+            };
+            let launches: Vec<_> = nw
+                .work
+                .iter()
+                .map(|w| match w {
+                    Work::Kernel(l) => l,
+                    other => panic!("{model}: `{}` lowers to {other:?}", node.name),
+                })
+                .collect();
+            let want: &[&str] = if grad {
+                &["attn_dq", "attn_dkv"]
+            } else {
+                &["attn_fwd"]
+            };
+            assert_eq!(launches.len(), want.len(), "{model}: `{}`", node.name);
+            let q = p.ty(node.inputs[0]);
+            let masked = node.inputs.len() == if grad { 7 } else { 4 };
+            for (l, w) in launches.iter().zip(want) {
+                assert!(names.contains(&l.kernel), "{model}: no kernel {}", l.kernel);
+                assert!(l.kernel.starts_with(w), "{} is not {w}", l.kernel);
+                let ptrs = match *w {
+                    "attn_fwd" => 6,
+                    "attn_dq" => 8,
+                    _ => 9,
+                };
+                assert_eq!(l.args.len(), DIM_ARGS + ptrs, "{}", l.kernel);
+                // the dimensions (B, HQ, HKV, T, S, D, DV) hold q's [B, HQ, T, D]
+                let dims: Vec<i64> = [0, 1, 3, 5]
+                    .iter()
+                    .map(|&k| match &l.args[k] {
+                        Arg::I64(v) => *v,
+                        other => panic!("{other:?}"),
+                    })
+                    .collect();
+                let want_dims: Vec<i64> = q.shape.iter().map(|&d| d as i64).collect();
+                assert_eq!(dims, want_dims, "{model}: `{}`", node.name);
+                // the mask operand: a pointer when the node has a mask, else null
+                let mask = &l.args[DIM_ARGS + if grad { 6 } else { 3 }];
+                assert_eq!(matches!(mask, Arg::Ptr(_)), masked, "{model}: {mask:?}");
+                assert!(l.block > 0 && l.grid > 0);
+            }
+            seen[grad as usize] += 1;
+            seen[2] += masked as usize;
+        }
+    }
+    assert!(
+        seen[0] >= 3 && seen[1] >= 3,
+        "forward / gradient nodes lowered: {seen:?}"
+    );
+    assert!(seen[2] >= 1, "no masked attention was lowered: {seen:?}");
+}
