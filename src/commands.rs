@@ -530,23 +530,61 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
     let optimizer = if !with_optimizer {
         None
     } else {
+        let betas = || -> Result<(f64, f64)> {
+            let (beta1, beta2) = parse_pair(&t.betas, "--betas")?;
+            for (b, which) in [(beta1, "first"), (beta2, "second")] {
+                if !(0.0..1.0).contains(&b) {
+                    return Err(miette!(
+                        "--betas {}: the {which} beta is {b}; each must be at least 0 and below 1 (as torch.optim.AdamW requires)",
+                        t.betas
+                    ));
+                }
+            }
+            Ok((beta1, beta2))
+        };
+        if t.optimizer != "muon" {
+            if t.muon_lr != hzp_passes::muon::DEFAULT_LR {
+                return Err(miette!(
+                    "--muon-lr is Muon's learning rate; it needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
+            if t.muon_adjust_lr != "original" {
+                return Err(miette!(
+                    "--muon-adjust-lr needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
+        }
         Some(match t.optimizer.as_str() {
             "adamw" => {
-                let (beta1, beta2) = parse_pair(&t.betas, "--betas")?;
-                for (b, which) in [(beta1, "first"), (beta2, "second")] {
-                    if !(0.0..1.0).contains(&b) {
-                        return Err(miette!(
-                            "--betas {}: the {which} beta is {b}; each must be at least 0 and below 1 (as torch.optim.AdamW requires)",
-                            t.betas
-                        ));
-                    }
-                }
+                let (beta1, beta2) = betas()?;
                 Optimizer::AdamW {
                     lr: t.lr,
                     beta1,
                     beta2,
                     eps: t.eps,
                     weight_decay: t.weight_decay.unwrap_or(0.01),
+                }
+            }
+            "muon" => {
+                let (beta1, beta2) = betas()?;
+                check_number("--muon-lr", t.muon_lr, 0.0, true, " (Muon's learning rate)")?;
+                if t.lr <= 0.0 {
+                    return Err(miette!(
+                        "--optimizer muon: Muon's learning rate follows --lr's schedule (--muon-lr x rate / --lr), so --lr must be above 0, not {}",
+                        t.lr
+                    ));
+                }
+                let adjust = hzp_passes::muon::MuonAdjust::parse(&t.muon_adjust_lr)
+                    .map_err(|e| miette!("--muon-adjust-lr: {e}"))?;
+                Optimizer::Muon {
+                    lr: t.lr,
+                    beta1,
+                    beta2,
+                    eps: t.eps,
+                    weight_decay: t.weight_decay.unwrap_or(0.01),
+                    muon: hzp_passes::muon::MuonSettings::torch(t.muon_lr, adjust),
                 }
             }
             "sgd" => Optimizer::Sgd {
@@ -556,7 +594,7 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
             },
             other => {
                 return Err(miette!(
-                    "unknown optimizer `{other}` (expected adamw or sgd)"
+                    "unknown optimizer `{other}` (expected adamw, sgd or muon)"
                 ))
             }
         })

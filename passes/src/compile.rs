@@ -387,7 +387,9 @@ pub fn compile_plan(
         opts.fingerprint.clone(),
     );
     plan.lr = match &cfg.optimizer {
-        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => Some(*lr),
+        Some(
+            Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } | Optimizer::Muon { lr, .. },
+        ) => Some(*lr),
         None => None,
     };
     plan.loss = opts.loss_spec.clone();

@@ -6,6 +6,7 @@ pub mod compile;
 pub mod cost;
 pub mod emit;
 pub mod memory;
+pub mod muon;
 pub mod rewrite;
 pub mod shard_plan;
 pub mod simplify;

@@ -1271,8 +1271,32 @@ pub fn shard_training_step_rewritten(
     }
     let mut updates: Vec<Update> = Vec::new();
     e.enter("optimizer", Role::of(RoleKind::Optimizer));
+    let muon_matrices = match &opt {
+        train::Optimizer::Muon { .. } => Some(train::muon_parameters(fwd)?),
+        _ => None,
+    };
+    let holding = match &muon_matrices {
+        Some(_) => {
+            // the optimizer group's member index, to take this rank's shard of a whole
+            // orthogonalized matrix
+            let member = if o > 1 {
+                e.enter("optimizer/member", Role::of(RoleKind::Optimizer));
+                Some(crate::muon::member_index(&mut e, &spec.optim, o).map_err(err)?)
+            } else {
+                None
+            };
+            e.enter("optimizer", Role::of(RoleKind::Optimizer));
+            crate::muon::Holding::Shards {
+                group: spec.optim.clone(),
+                size: o,
+                member,
+            }
+        }
+        None => crate::muon::Holding::Whole,
+    };
+    let muon = muon_matrices.as_ref().map(|m| (m, &holding));
     let optim_states =
-        train::optimizer(&mut e, &opt, &masters, &grads, &mut updates).map_err(err)?;
+        train::optimizer(&mut e, &opt, &masters, &grads, &mut updates, muon).map_err(err)?;
     let state_names: Vec<Vec<String>> = optim_states
         .iter()
         .map(|v| v.iter().map(|&s| e.p.value(s).name.clone()).collect())
