@@ -603,3 +603,78 @@ fn five_muon_steps_match_torch_optim_muon() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert_eq!(checked, 8);
 }
+
+/// `hzp compile --optimizer muon` then `hzp run` of the plan (one rank, and two ranks with
+/// the optimizer group over both) for 5 steps on the script's batch: the losses equal
+/// torch.optim.Muon + AdamW's within 1e-4 relative (the tolerance of
+/// `five_muon_steps_match_torch_optim_muon`; torch's own round-off control is below it for
+/// the default adjustment).
+#[test]
+fn a_compiled_muon_plan_runs_as_torch_trains() {
+    let refdir = own_models_dir().join("ref");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refdir.join("muon_refs.json")).unwrap())
+            .unwrap();
+    let batch = refdir.join("muon_batch.npz");
+    for (stem, model) in [
+        ("gpt2_tiny.dynamo.op18", "gpt2_tiny"),
+        ("llama_tiny.legacy.op17", "llama_tiny"),
+    ] {
+        let want: Vec<f64> = meta[format!("{model}/original")]["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        for mesh in ["gpu=1", "gpu=2"] {
+            let plan = tmp(&format!("{stem}.muon.{mesh}.json"));
+            let run = |args: &[&str]| {
+                let out = Command::new(hzp_bin()).args(args).output().unwrap();
+                assert!(
+                    out.status.success(),
+                    "{args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            };
+            let onnx = own_models_dir().join(format!("{stem}.onnx"));
+            run(&[
+                "compile",
+                onnx.to_str().unwrap(),
+                "--inputs",
+                batch.to_str().unwrap(),
+                "--loss",
+                "lm",
+                "--retie",
+                "--optimizer",
+                "muon",
+                "--mesh",
+                mesh,
+                "-o",
+                plan.to_str().unwrap(),
+            ]);
+            let text = run(&[
+                "run",
+                plan.to_str().unwrap(),
+                "--inputs",
+                batch.to_str().unwrap(),
+                "--steps",
+                "5",
+                "--format",
+                "json",
+            ]);
+            let losses = json_losses(&text);
+            assert_eq!(losses.len(), 5, "{text}");
+            let dl = losses
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs() / b.abs())
+                .fold(0.0f64, f64::max);
+            eprintln!("{stem} on {mesh}: hzp run's losses within {dl:.2e} of torch's");
+            assert!(
+                dl <= 1e-4,
+                "{stem} on {mesh}: losses {losses:?} vs torch {want:?}"
+            );
+        }
+    }
+}
