@@ -633,6 +633,26 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
     })
 }
 
+/// With `--optimizer muon`: which parameters Muon updates (and as what linear map) and how
+/// many AdamW does; an error when Muon has nothing to update.
+pub(crate) fn note_muon_split(fwd: &Program, cfg: &TrainConfig) -> Result<()> {
+    let Some(Optimizer::Muon { .. }) = &cfg.optimizer else {
+        return Ok(());
+    };
+    let m = tr::muon_parameters(fwd).map_err(|e| miette!("{e}"))?;
+    let maps: Vec<String> = m
+        .iter()
+        .map(|(n, x)| format!("{n} ({}->{})", x.in_features, x.out_features))
+        .collect();
+    note!(
+        "muon: {} matrices (in->out features): {}; AdamW: the other {} parameters",
+        m.len(),
+        maps.join(", "),
+        fwd.params.len() - m.len()
+    );
+    Ok(())
+}
+
 fn prepare(
     args: &ModelArgs,
     inputs: &Path,
@@ -693,6 +713,7 @@ fn prepare_arrays(
         }
     }
     let made = apply_freeze_and_ties(&mut fwd, t)?;
+    note_muon_split(&fwd, &cfg)?;
     let show = |stage: &str, p: &Program| -> Result<()> {
         if t.print_after.iter().any(|s| s == stage) {
             outln!("# --print-after {stage}\n{}", hzp_ir::text::print(p));

@@ -493,3 +493,49 @@ pub(crate) fn member_index(e: &mut Emitter, group: &Group, size: usize) -> Resul
     )?;
     e.op(Op::Reshape { shape: vec![] }, &[one])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hzp_ir::text::parse;
+
+    /// An embedding table, a weight read `x @ W` ([in, out]), one read `x @ Wᵀ`
+    /// ([out, in]), and a head; a 1-D parameter.
+    const MODEL: &str = r#"program "m"
+input %ids : i64[2,3]
+param %emb : f32[10,4]
+param %w1 : f32[4,8]
+param %b1 : f32[8]
+param %w2 : f32[6,8]
+param %head : f32[6,10]
+%x = Gather{axis=0}(%emb, %ids) : f32[2,3,4] "embed"
+%h = MatMul(%x, %w1) : f32[2,3,8] "fc1"
+%hb = Add(%h, %b1) : f32[2,3,8] "fc1/bias"
+%t = Transpose{perm=[1,0]}(%w2) : f32[8,6] "fc2/T"
+%g = MatMul(%hb, %t) : f32[2,3,6] "fc2"
+%y = MatMul(%g, %head) : f32[2,3,10] "head"
+output %y
+"#;
+
+    #[test]
+    fn matrices_are_read_as_linear_maps_without_embeddings_and_head() {
+        let p = parse(MODEL, "m.hzp", &|_| None).unwrap();
+        let m = muon_matrices(&p);
+        let names: Vec<&str> = m.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["w1", "w2"]);
+        let w1 = &m["w1"];
+        assert_eq!((w1.rows, w1.cols, w1.out_features, w1.in_features), (4, 8, 8, 4));
+        let w2 = &m["w2"];
+        assert_eq!((w2.rows, w2.cols, w2.out_features, w2.in_features), (6, 8, 6, 8));
+    }
+
+    #[test]
+    fn adjustments_are_torchs() {
+        // original: sqrt(max(1, A/B)); match_rms_adamw: 0.2 sqrt(max(A, B))
+        assert_eq!(MuonAdjust::Original.ratio(256, 64), 2.0);
+        assert_eq!(MuonAdjust::Original.ratio(64, 256), 1.0);
+        assert_eq!(MuonAdjust::MatchRmsAdamw.ratio(64, 256), 0.2 * 16.0);
+        assert!(MuonAdjust::parse("spectral_unclamped").is_err());
+        assert_eq!(bf16_round(1e-7), 1.0011717677116394e-7);
+    }
+}
