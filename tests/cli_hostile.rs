@@ -393,8 +393,14 @@ fn muon_flags_are_checked() {
             &["--optimizer", "muon", "--muon-lr=-1"][..],
             &["--muon-lr -1", "Muon's learning rate"][..],
         ),
-        (&["--optimizer", "muon", "--muon-lr=NaN"], &["--muon-lr NaN"]),
-        (&["--muon-lr", "0.1"], &["--muon-lr", "needs --optimizer muon"]),
+        (
+            &["--optimizer", "muon", "--muon-lr=NaN"],
+            &["--muon-lr NaN"],
+        ),
+        (
+            &["--muon-lr", "0.1"],
+            &["--muon-lr", "needs --optimizer muon"],
+        ),
         (
             &["--optimizer", "sgd", "--muon-adjust-lr", "match_rms_adamw"],
             &["--muon-adjust-lr needs --optimizer muon"],
@@ -403,7 +409,10 @@ fn muon_flags_are_checked() {
             &["--optimizer", "muon", "--muon-adjust-lr", "spectral"],
             &["`spectral`", "original or match_rms_adamw"],
         ),
-        (&["--optimizer", "muon", "--lr=0"], &["--lr must be above 0"]),
+        (
+            &["--optimizer", "muon", "--lr=0"],
+            &["--lr must be above 0"],
+        ),
         // fc2 makes the output (the head) and fc1 is frozen: no matrix left for Muon
         (
             &["--optimizer", "muon", "--freeze", "fc1.weight"],

@@ -583,7 +583,8 @@ fn five_muon_steps_match_torch_optim_muon() {
                 worst.1, worst.0
             ));
             // written so that NaN fails too
-            if !(dl <= loss_tol) {
+            let losses_ok = dl <= loss_tol;
+            if !losses_ok {
                 failures.push(format!(
                     "{stem} {adjust}: losses {losses:?} vs torch {want_losses:?}"
                 ));

@@ -524,9 +524,15 @@ output %y
         let names: Vec<&str> = m.keys().map(|k| k.as_str()).collect();
         assert_eq!(names, ["w1", "w2"]);
         let w1 = &m["w1"];
-        assert_eq!((w1.rows, w1.cols, w1.out_features, w1.in_features), (4, 8, 8, 4));
+        assert_eq!(
+            (w1.rows, w1.cols, w1.out_features, w1.in_features),
+            (4, 8, 8, 4)
+        );
         let w2 = &m["w2"];
-        assert_eq!((w2.rows, w2.cols, w2.out_features, w2.in_features), (6, 8, 6, 8));
+        assert_eq!(
+            (w2.rows, w2.cols, w2.out_features, w2.in_features),
+            (6, 8, 6, 8)
+        );
     }
 
     #[test]
@@ -536,6 +542,7 @@ output %y
         assert_eq!(MuonAdjust::Original.ratio(64, 256), 1.0);
         assert_eq!(MuonAdjust::MatchRmsAdamw.ratio(64, 256), 0.2 * 16.0);
         assert!(MuonAdjust::parse("spectral_unclamped").is_err());
-        assert_eq!(bf16_round(1e-7), 1.0011717677116394e-7);
+        // torch.tensor(1e-7).to(torch.bfloat16).item() == 1.0011717677116394e-07
+        assert_eq!(bf16_round(1e-7).to_bits(), 0x33d7_0000);
     }
 }
