@@ -245,6 +245,13 @@ pub fn compile_plan(
             narrow_grads: None,
             sparse_grads: opts.sparse_grads,
         },
+        muon: match &cfg.optimizer {
+            Some(Optimizer::Muon { .. }) => crate::train::muon_parameters(fwd)
+                .map_err(|e| e.0)?
+                .into_values()
+                .collect(),
+            _ => Vec::new(),
+        },
     };
     let mut planned = shard_plan::plan_sharding(fwd, mesh, cluster, &shard_opts);
     if opts.recompute == Recompute::Auto {

@@ -129,12 +129,14 @@ fn transparent(op: &Op) -> bool {
 }
 
 /// The parameters of the forward program `fwd` that Muon updates, by name: every 2-D float
-/// parameter except token-embedding tables (the data of a `Gather`) and the LM head (a
-/// matrix of the product that makes the first output, the logits). Each one's output and
-/// input features come from how the graph multiplies by it: `x @ W` reads W as
-/// `[in, out]`, `x @ Transpose(W)` (ONNX Gemm with transB, a dynamo export's Linear) and
-/// `W @ x` as `[out, in]`. A weight no product reads, or read both ways, keeps the stored
-/// reading `[out, in]` (torch's, from the parameter's shape).
+/// parameter a product reads (a linear map), except token-embedding tables (the data of a
+/// `Gather`) and the LM head (a matrix of the product that makes the first output, the
+/// logits). A 2-D parameter no product reads (a position table a preset slices and adds)
+/// is no linear map and stays with AdamW. Each one's output and input features come from
+/// how the graph multiplies by it: `x @ W` reads W as `[in, out]`, `x @ Transpose(W)`
+/// (ONNX Gemm with transB, a dynamo export's Linear) and `W @ x` as `[out, in]`. A weight
+/// read both ways keeps the stored reading `[out, in]` (torch's, from the parameter's
+/// shape).
 pub fn muon_matrices(fwd: &Program) -> BTreeMap<String, MuonMatrix> {
     let users = fwd.users();
     let head = lm_head_params(fwd);
@@ -175,10 +177,11 @@ pub fn muon_matrices(fwd: &Program) -> BTreeMap<String, MuonMatrix> {
                 }
             }
         }
-        if embedding {
+        // a matrix no product reads is no linear map (a position table added by slices)
+        if embedding || readings.is_empty() {
             continue;
         }
-        let in_out = !readings.is_empty() && readings.iter().all(|&r| r);
+        let in_out = readings.iter().all(|&r| r);
         let (out_features, in_features) = if in_out { (cols, rows) } else { (rows, cols) };
         out.insert(
             fwd.value(prm.value).name.clone(),
@@ -500,15 +503,17 @@ mod tests {
     use hzp_ir::text::parse;
 
     /// An embedding table, a weight read `x @ W` ([in, out]), one read `x @ Wᵀ`
-    /// ([out, in]), and a head; a 1-D parameter.
+    /// ([out, in]), a head, a 1-D parameter, and a 2-D one only added (no linear map).
     const MODEL: &str = r#"program "m"
 input %ids : i64[2,3]
 param %emb : f32[10,4]
+param %pos : f32[3,4]
 param %w1 : f32[4,8]
 param %b1 : f32[8]
 param %w2 : f32[6,8]
 param %head : f32[6,10]
-%x = Gather{axis=0}(%emb, %ids) : f32[2,3,4] "embed"
+%e = Gather{axis=0}(%emb, %ids) : f32[2,3,4] "embed"
+%x = Add(%e, %pos) : f32[2,3,4] "pos"
 %h = MatMul(%x, %w1) : f32[2,3,8] "fc1"
 %hb = Add(%h, %b1) : f32[2,3,8] "fc1/bias"
 %t = Transpose{perm=[1,0]}(%w2) : f32[8,6] "fc2/T"
