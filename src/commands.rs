@@ -555,6 +555,12 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
                     t.optimizer
                 ));
             }
+            if t.muon_ns_precision != "bf16" {
+                return Err(miette!(
+                    "--muon-ns-precision needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
         }
         Some(match t.optimizer.as_str() {
             "adamw" => {
@@ -578,13 +584,25 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
                 }
                 let adjust = hzp_passes::muon::MuonAdjust::parse(&t.muon_adjust_lr)
                     .map_err(|e| miette!("--muon-adjust-lr: {e}"))?;
+                let ns_bf16 = match t.muon_ns_precision.as_str() {
+                    "bf16" => true,
+                    "fp32" | "f32" => false,
+                    other => {
+                        return Err(miette!(
+                            "--muon-ns-precision `{other}`: expected bf16 (torch's) or fp32"
+                        ))
+                    }
+                };
                 Optimizer::Muon {
                     lr: t.lr,
                     beta1,
                     beta2,
                     eps: t.eps,
                     weight_decay: t.weight_decay.unwrap_or(0.01),
-                    muon: hzp_passes::muon::MuonSettings::torch(t.muon_lr, adjust),
+                    muon: hzp_passes::muon::MuonSettings {
+                        ns_bf16,
+                        ..hzp_passes::muon::MuonSettings::torch(t.muon_lr, adjust)
+                    },
                 }
             }
             "sgd" => Optimizer::Sgd {

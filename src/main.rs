@@ -91,6 +91,10 @@ pub struct TrainArgs {
     /// match_rms_adamw (0.2 sqrt(max(out, in))).
     #[arg(long, default_value = "original")]
     pub muon_adjust_lr: String,
+    /// Muon's Newton-Schulz iteration: bf16 (torch.optim.Muon's) or fp32 (f32 throughout:
+    /// the same products without bf16 rounding, which the iteration amplifies).
+    #[arg(long, default_value = "bf16")]
+    pub muon_ns_precision: String,
     /// AdamW betas, as B1,B2.
     #[arg(long, default_value = "0.9,0.999")]
     pub betas: String,

@@ -410,6 +410,14 @@ fn muon_flags_are_checked() {
             &["`spectral`", "original or match_rms_adamw"],
         ),
         (
+            &["--optimizer", "muon", "--muon-ns-precision", "f16"],
+            &["--muon-ns-precision `f16`", "bf16 (torch's) or fp32"],
+        ),
+        (
+            &["--muon-ns-precision", "fp32"],
+            &["--muon-ns-precision needs --optimizer muon"],
+        ),
+        (
             &["--optimizer", "muon", "--lr=0"],
             &["--lr must be above 0"],
         ),

@@ -35,6 +35,8 @@ Writes
                             "worst_param", "losses": relative distances of the control
                             run}}, "settings": {...}}
   ref/muon5.<model>.<adjust>.npz   the parameters after the 5 steps, by torch name
+  "<model>/original/ns_f32", ref/muon5.<model>.original.ns_f32.npz: the same with
+                            Newton-Schulz in float32 (hzp's --muon-ns-precision fp32)
 
 Usage: /work/venv-torch/bin/python tests/models/make_muon_refs.py   (torch >= 2.9,
 transformers, numpy; about 5 s on the CPU)
@@ -48,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.optim._muon as muon_mod
 from transformers.pytorch_utils import Conv1D
 
 HERE = Path(__file__).resolve().parent
@@ -85,7 +88,24 @@ def conv1d_to_linear(model) -> set[str]:
     return names
 
 
-def run(name: str, adjust: str, grad_scale: float = 1.0):
+def newton_schulz_f32(grad, ns_coefficients, ns_steps, eps):
+    """torch's Newton-Schulz iteration kept in float32 (no bf16 copy): what hzp computes
+    with --muon-ns-precision fp32. Written out here, not copied: the same steps as the
+    docstring of torch.optim.Muon."""
+    a, b, c = ns_coefficients
+    x = grad.to(torch.float32, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        g = x @ x.T
+        h = b * g + c * (g @ g)
+        x = a * x + h @ x
+    return x.T if tall else x
+
+
+def run(name: str, adjust: str, grad_scale: float = 1.0, ns_f32: bool = False):
     model, is_decoder = mr.build_own(name)
     with np.load(BATCH) as z:
         inputs = {k: torch.from_numpy(z[k]) for k in z.files}
@@ -110,6 +130,9 @@ def run(name: str, adjust: str, grad_scale: float = 1.0):
         weight_decay=ADAMW["weight_decay"],
     )
     losses = []
+    saved_ns = muon_mod._zeropower_via_newtonschulz
+    if ns_f32:
+        muon_mod._zeropower_via_newtonschulz = newton_schulz_f32
     for _ in range(STEPS):
         opt_m.zero_grad(set_to_none=True)
         opt_a.zero_grad(set_to_none=True)
@@ -118,6 +141,7 @@ def run(name: str, adjust: str, grad_scale: float = 1.0):
         (loss * grad_scale).backward()
         opt_m.step()
         opt_a.step()
+    muon_mod._zeropower_via_newtonschulz = saved_ns
     with torch.no_grad():
         losses.append(mr.compute_loss(model, inputs, is_decoder).item())
     params = {}
@@ -161,6 +185,22 @@ def main() -> int:
                 "control": {"whole": whole, "worst": worst, "worst_param": wname, "losses": dl},
             }
             np.savez(HERE / "ref" / f"muon5.{name}.{adjust}.npz", **params)
+            if adjust == "original":
+                # Newton-Schulz in f32 (hzp --muon-ns-precision fp32): no bf16 rounding to
+                # amplify, so round-off stays near f32's (control measured the same way)
+                f_losses, _, _, f_params = run(name, adjust, ns_f32=True)
+                fc_losses, _, _, fc_params = run(name, adjust, 1.0 + 2.0**-20, ns_f32=True)
+                fwhole, fworst, fwname = control(f_params, fc_params)
+                fdl = max(abs(a - b) / abs(b) for a, b in zip(fc_losses, f_losses))
+                out[f"{name}/{adjust}/ns_f32"] = {
+                    "losses": f_losses,
+                    "control": {"whole": fwhole, "worst": fworst, "worst_param": fwname,
+                                "losses": fdl},
+                }
+                np.savez(HERE / "ref" / f"muon5.{name}.{adjust}.ns_f32.npz", **f_params)
+                print(f"{name} {adjust} ns_f32: loss {f_losses[0]:.6f} -> {f_losses[-1]:.6f}; "
+                      f"control: params {fwhole:.2e} (worst {fwname} {fworst:.2e}), "
+                      f"losses {fdl:.2e}")
             print(f"{name} {adjust}: {len(muon)} Muon, {len(adamw)} AdamW parameters; "
                   f"loss {losses[0]:.6f} -> {losses[-1]:.6f}; control: params {whole:.2e} "
                   f"(worst {wname} {worst:.2e}), losses {dl:.2e}")
