@@ -530,23 +530,79 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
     let optimizer = if !with_optimizer {
         None
     } else {
+        let betas = || -> Result<(f64, f64)> {
+            let (beta1, beta2) = parse_pair(&t.betas, "--betas")?;
+            for (b, which) in [(beta1, "first"), (beta2, "second")] {
+                if !(0.0..1.0).contains(&b) {
+                    return Err(miette!(
+                        "--betas {}: the {which} beta is {b}; each must be at least 0 and below 1 (as torch.optim.AdamW requires)",
+                        t.betas
+                    ));
+                }
+            }
+            Ok((beta1, beta2))
+        };
+        if t.optimizer != "muon" {
+            if t.muon_lr != hzp_passes::train::muon::DEFAULT_LR {
+                return Err(miette!(
+                    "--muon-lr is Muon's learning rate; it needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
+            if t.muon_adjust_lr != "original" {
+                return Err(miette!(
+                    "--muon-adjust-lr needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
+            if t.muon_ns_precision != "bf16" {
+                return Err(miette!(
+                    "--muon-ns-precision needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
+        }
         Some(match t.optimizer.as_str() {
             "adamw" => {
-                let (beta1, beta2) = parse_pair(&t.betas, "--betas")?;
-                for (b, which) in [(beta1, "first"), (beta2, "second")] {
-                    if !(0.0..1.0).contains(&b) {
-                        return Err(miette!(
-                            "--betas {}: the {which} beta is {b}; each must be at least 0 and below 1 (as torch.optim.AdamW requires)",
-                            t.betas
-                        ));
-                    }
-                }
+                let (beta1, beta2) = betas()?;
                 Optimizer::AdamW {
                     lr: t.lr,
                     beta1,
                     beta2,
                     eps: t.eps,
                     weight_decay: t.weight_decay.unwrap_or(0.01),
+                }
+            }
+            "muon" => {
+                let (beta1, beta2) = betas()?;
+                check_number("--muon-lr", t.muon_lr, 0.0, true, " (Muon's learning rate)")?;
+                if t.lr <= 0.0 {
+                    return Err(miette!(
+                        "--optimizer muon: Muon's learning rate follows --lr's schedule (--muon-lr x rate / --lr), so --lr must be above 0, not {}",
+                        t.lr
+                    ));
+                }
+                let adjust = hzp_passes::train::muon::MuonAdjust::parse(&t.muon_adjust_lr)
+                    .map_err(|e| miette!("--muon-adjust-lr: {e}"))?;
+                let ns_bf16 = match t.muon_ns_precision.as_str() {
+                    "bf16" => true,
+                    "fp32" | "f32" => false,
+                    other => {
+                        return Err(miette!(
+                            "--muon-ns-precision `{other}`: expected bf16 (torch's) or fp32"
+                        ))
+                    }
+                };
+                Optimizer::Muon {
+                    lr: t.lr,
+                    beta1,
+                    beta2,
+                    eps: t.eps,
+                    weight_decay: t.weight_decay.unwrap_or(0.01),
+                    muon: hzp_passes::train::muon::MuonSettings {
+                        ns_bf16,
+                        ..hzp_passes::train::muon::MuonSettings::torch(t.muon_lr, adjust)
+                    },
                 }
             }
             "sgd" => Optimizer::Sgd {
@@ -556,7 +612,7 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
             },
             other => {
                 return Err(miette!(
-                    "unknown optimizer `{other}` (expected adamw or sgd)"
+                    "unknown optimizer `{other}` (expected adamw, sgd or muon)"
                 ))
             }
         })
@@ -593,6 +649,26 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
         micro_batches: t.micro_batches,
         compute,
     })
+}
+
+/// With `--optimizer muon`: which parameters Muon updates (and as what linear map) and how
+/// many AdamW does; an error when Muon has nothing to update.
+pub(crate) fn note_muon_split(fwd: &Program, cfg: &TrainConfig) -> Result<()> {
+    let Some(Optimizer::Muon { .. }) = &cfg.optimizer else {
+        return Ok(());
+    };
+    let m = tr::muon_parameters(fwd).map_err(|e| miette!("{e}"))?;
+    let maps: Vec<String> = m
+        .iter()
+        .map(|(n, x)| format!("{n} ({}->{})", x.in_features, x.out_features))
+        .collect();
+    note!(
+        "muon: {} matrices (in->out features): {}; AdamW: the other {} parameters",
+        m.len(),
+        maps.join(", "),
+        fwd.params.len() - m.len()
+    );
+    Ok(())
 }
 
 fn prepare(
@@ -655,6 +731,7 @@ fn prepare_arrays(
         }
     }
     let made = apply_freeze_and_ties(&mut fwd, t)?;
+    note_muon_split(&fwd, &cfg)?;
     let show = |stage: &str, p: &Program| -> Result<()> {
         if t.print_after.iter().any(|s| s == stage) {
             outln!("# --print-after {stage}\n{}", hzp_ir::text::print(p));

@@ -249,6 +249,7 @@ pub fn request(
     // `hzp run` checks the model it loads against this, before any freezing or tying.
     let fingerprint = fingerprint_of(&fwd);
     crate::commands::apply_freeze_and_ties(&mut fwd, t)?;
+    crate::commands::note_muon_split(&fwd, &cfg)?;
     show_stage(&stages, "import", || hzp_ir::text::print(&fwd))?;
     let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
     let overrides = match &c.shard {

@@ -78,12 +78,23 @@ pub struct TrainArgs {
     /// The float input the output is compared with (mse).
     #[arg(long)]
     pub target: Option<String>,
-    /// adamw or sgd.
+    /// adamw, sgd, or muon (torch.optim.Muon on the hidden matrices, AdamW on the rest).
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,
-    /// Learning rate.
+    /// Learning rate (with muon: AdamW's, for the parameters Muon does not update).
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
+    /// Muon's learning rate (--optimizer muon); a schedule scales it as it scales --lr.
+    #[arg(long, default_value_t = hzp_passes::train::muon::DEFAULT_LR)]
+    pub muon_lr: f64,
+    /// Muon's learning-rate adjustment by matrix shape: original (sqrt(max(1, out/in))) or
+    /// match_rms_adamw (0.2 sqrt(max(out, in))).
+    #[arg(long, default_value = "original")]
+    pub muon_adjust_lr: String,
+    /// Muon's Newton-Schulz iteration: bf16 (torch.optim.Muon's) or fp32 (f32 throughout:
+    /// the same products without bf16 rounding, which the iteration amplifies).
+    #[arg(long, default_value = "bf16")]
+    pub muon_ns_precision: String,
     /// AdamW betas, as B1,B2.
     #[arg(long, default_value = "0.9,0.999")]
     pub betas: String,

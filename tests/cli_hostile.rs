@@ -372,6 +372,73 @@ fn overflowing_sizes_are_errors_with_their_limit() {
 }
 
 #[test]
+fn muon_flags_are_checked() {
+    let io = mlp_io();
+    let m = mlp();
+    let base = [
+        "train",
+        s(&m),
+        "--inputs",
+        s(&io),
+        "--loss",
+        "mse",
+        "--target",
+        "y",
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|x| x.to_string()).collect()
+    };
+    for (extra, needles) in [
+        (
+            &["--optimizer", "muon", "--muon-lr=-1"][..],
+            &["--muon-lr -1", "Muon's learning rate"][..],
+        ),
+        (
+            &["--optimizer", "muon", "--muon-lr=NaN"],
+            &["--muon-lr NaN"],
+        ),
+        (
+            &["--muon-lr", "0.1"],
+            &["--muon-lr", "needs --optimizer muon"],
+        ),
+        (
+            &["--optimizer", "sgd", "--muon-adjust-lr", "match_rms_adamw"],
+            &["--muon-adjust-lr needs --optimizer muon"],
+        ),
+        (
+            &["--optimizer", "muon", "--muon-adjust-lr", "spectral"],
+            &["`spectral`", "original or match_rms_adamw"],
+        ),
+        (
+            &["--optimizer", "muon", "--muon-ns-precision", "f16"],
+            &["--muon-ns-precision `f16`", "bf16 (torch's) or fp32"],
+        ),
+        (
+            &["--muon-ns-precision", "fp32"],
+            &["--muon-ns-precision needs --optimizer muon"],
+        ),
+        (
+            &["--optimizer", "muon", "--lr=0"],
+            &["--lr must be above 0"],
+        ),
+        // fc2 makes the output (the head) and fc1 is frozen: no matrix left for Muon
+        (
+            &["--optimizer", "muon", "--freeze", "fc1.weight"],
+            &["no parameter Muon applies to", "use adamw"],
+        ),
+    ] {
+        let a = with(extra);
+        let a: Vec<&str> = a.iter().map(|x| x.as_str()).collect();
+        fails_with(&a, needles);
+    }
+    // and the MLP's first layer is one: it trains
+    let a = with(&["--optimizer", "muon", "--steps", "2"]);
+    let a: Vec<&str> = a.iter().map(|x| x.as_str()).collect();
+    let (code, out, err) = hzp(&a);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+#[test]
 fn nonsense_numbers_are_refused() {
     let io = mlp_io();
     let m = mlp();

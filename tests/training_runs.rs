@@ -292,6 +292,53 @@ fn resume_is_bitwise_the_uninterrupted_run() {
     }
 }
 
+/// Muon plans (the schedule scales Muon's rate with AdamW's): the same command compiles the
+/// same bytes; a checkpoint (the momentum is a state cut like its master) resumes bitwise,
+/// and another rank count resumes it (losses within 1e-4: bf16 Newton-Schulz carries the
+/// other summation order's round-off further than AdamW does, see tests/training.rs).
+#[test]
+fn muon_plans_are_deterministic_and_resume_from_checkpoints() {
+    let dir = tempdir("muon");
+    let muon = ["--optimizer", "muon"];
+    let plan = compile(&dir, "muon-a", "gpu=2", "zero3", &muon);
+    let again = compile(&dir, "muon-b", "gpu=2", "zero3", &muon);
+    assert_eq!(
+        std::fs::read(&plan).unwrap(),
+        std::fs::read(&again).unwrap(),
+        "the same Muon plan compiled twice differs"
+    );
+    let full = dir.join("muon-full.npz");
+    let whole = run_json(&plan, "8", &["--save-params", s(&full)]);
+    assert!(whole[7] < whole[0], "Muon does not train: {whole:?}");
+    let ck = dir.join("muon-ck");
+    let first = run_json(&plan, "8", &["--stop-at", "5", "--checkpoint-dir", s(&ck)]);
+    assert_eq!(first, whole[..5]);
+    let manifest = std::fs::read_to_string(ck.join("step-000005/manifest.json")).unwrap();
+    assert!(manifest.contains("muon.momentum/"), "{manifest}");
+    let resumed = dir.join("muon-resumed.npz");
+    let rest = run_json(
+        &plan,
+        "8",
+        &[
+            "--checkpoint-dir",
+            s(&ck),
+            "--resume",
+            "--save-params",
+            s(&resumed),
+        ],
+    );
+    assert_eq!(rest, whole[5..], "losses after resuming");
+    assert_eq!(params(&full), params(&resumed), "parameters after resuming");
+    let four = compile(&dir, "muon-four", "gpu=4", "zero3", &muon);
+    let mine = dir.join("muon-ck-four");
+    copy_dir(&ck.join("step-000005"), &mine.join("step-000005"));
+    let rest = run_json(&four, "8", &["--checkpoint-dir", s(&mine), "--resume"]);
+    assert_eq!(rest.len(), 3);
+    for (g, w) in rest.iter().zip(&whole[5..]) {
+        assert!((g - w).abs() <= 1e-4 * w.abs(), "gpu=4: {g} vs {w}");
+    }
+}
+
 #[test]
 fn another_plan_reshards_the_checkpoint() {
     let dir = tempdir("reshard");

@@ -319,6 +319,13 @@ fn plan_groups(
             narrow_grads: None,
             sparse_grads: opts.sparse_grads,
         },
+        muon: match &cfg.optimizer {
+            Some(Optimizer::Muon { .. }) => crate::train::muon_parameters(fwd)
+                .map_err(|e| e.0)?
+                .into_values()
+                .collect(),
+            _ => Vec::new(),
+        },
     };
     let mut planned = planner::plan_sharding(fwd, mesh, cluster, &shard_opts);
     if opts.recompute == Recompute::Auto {
@@ -446,7 +453,9 @@ fn assemble(
         opts.fingerprint.clone(),
     );
     plan.lr = match &cfg.optimizer {
-        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => Some(*lr),
+        Some(
+            Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } | Optimizer::Muon { lr, .. },
+        ) => Some(*lr),
         None => None,
     };
     plan.loss = opts.loss_spec.clone();

@@ -1,7 +1,7 @@
 //! A small helper for passes that append nodes to a program: fresh names, scalar constants,
 //! and one-line op emission with errors that name the pass's node.
 
-use hzp_ir::{DType, NameSet, Op, Program, Role, Tensor, TensorType, ValueId};
+use hzp_ir::{DType, Group, NameSet, Op, Program, Role, Tensor, TensorType, ValueId};
 use std::collections::HashMap;
 
 pub struct Emitter<'a> {
@@ -121,5 +121,38 @@ impl<'a> Emitter<'a> {
             },
             &[],
         )
+    }
+
+    /// This rank's index in `group` (of `size` members) as an i64 scalar, from an
+    /// all-to-all of the constant `0..size` (named from `base`): member j sends piece r to
+    /// member r, so member r receives r from every member (no rank-dependent op).
+    pub fn member_index(
+        &mut self,
+        base: &str,
+        group: &Group,
+        size: usize,
+    ) -> Result<ValueId, String> {
+        let name = self.fresh(base);
+        let ranks = self
+            .p
+            .add_const(name, Tensor::i64(vec![size], (0..size as i64).collect()));
+        let got = self.op(
+            Op::AllToAll {
+                group: group.clone(),
+                split_axis: 0,
+                concat_axis: 0,
+            },
+            &[ranks],
+        )?;
+        let one = self.op(
+            Op::Slice {
+                axes: vec![0],
+                starts: vec![0],
+                ends: vec![1],
+                steps: vec![1],
+            },
+            &[got],
+        )?;
+        self.op(Op::Reshape { shape: vec![] }, &[one])
     }
 }

@@ -283,3 +283,57 @@ fn same_speed_and_traffic_choose_the_smaller_plan() {
         explain(&r)
     );
 }
+
+/// With `--optimizer muon` the planner charges what the step program does: one momentum
+/// instead of AdamW's two moments on every Muon matrix, Newton-Schulz on every whole matrix
+/// on every rank (f32 products at the matmul efficiency), and the all-gather of the Nesterov
+/// updates over O before it.
+#[test]
+fn muon_is_charged_its_newton_schulz_and_update_gather() {
+    let p = preset("preset:gpt");
+    let muon: Vec<_> = hzp_passes::train::muon_parameters(&p)
+        .unwrap()
+        .into_values()
+        .collect();
+    let o = opts(Strategy::Zero3, false);
+    let a = plan(&p, &o);
+    let b = plan(
+        &p,
+        &ShardOptions {
+            muon: muon.clone(),
+            ..o.clone()
+        },
+    );
+    let (ca, cb) = (&a.chosen, &b.chosen);
+    assert_eq!((ca.p, ca.g, ca.o), (cb.p, cb.g, cb.o));
+    let numel: u64 = muon.iter().map(|m| (m.rows * m.cols) as u64).sum();
+    let ranks = ca.o as u64;
+    let saved = ca.memory.optim_states - cb.memory.optim_states;
+    assert!(
+        saved.abs_diff(4 * numel / ranks) <= 8,
+        "{saved} vs {}",
+        4 * numel / ranks
+    );
+    let flops: u64 = muon.iter().map(|m| m.ns_flops(5)).sum();
+    let d = &h100().device;
+    let ns_s = flops as f64 / (d.peak_flops_fp32 * d.matmul_efficiency);
+    let extra = cb.compute_s - ca.compute_s;
+    assert!(
+        (extra - ns_s).abs() <= 1e-9 * ns_s,
+        "compute grew by {extra} s, Newton-Schulz is {ns_s} s"
+    );
+    assert!(
+        cb.step_s > ca.step_s + extra,
+        "the update gather is not charged: {} vs {} + {extra}",
+        cb.step_s,
+        ca.step_s
+    );
+    eprintln!(
+        "preset:gpt on {} (zero3): {} Muon matrices, Newton-Schulz {:.3} ms per rank, step {:.3} -> {:.3} ms",
+        mesh(),
+        muon.len(),
+        ns_s * 1e3,
+        ca.step_s * 1e3,
+        cb.step_s * 1e3
+    );
+}

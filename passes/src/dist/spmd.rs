@@ -22,6 +22,7 @@
 
 use crate::dist::streams::{assign_streams, insert_events_with};
 use crate::emit::Emitter;
+use crate::train::muon::Holding;
 use crate::train::{self, TrainConfig, TrainError};
 pub use hzp_ir::ParamLayout;
 use hzp_ir::{
@@ -665,6 +666,7 @@ pub fn shard_training_step_rewritten(
     let n_params = micro.params.len();
     let mut e = Emitter::new(&mut q);
     let mut b = StepBuilder {
+        fwd,
         micro: &micro,
         an: &an,
         gr: &groups,
@@ -987,7 +989,10 @@ impl SparseGrads {
             None
         } else {
             e.enter("member", Role::new(RoleKind::Reduce, "member"));
-            Some(member_index(e, &gr.spec.grads, g).map_err(err)?)
+            Some(
+                e.member_index("member/ranks", &gr.spec.grads, g)
+                    .map_err(err)?,
+            )
         };
         Ok(SparseGrads {
             at,
@@ -997,36 +1002,10 @@ impl SparseGrads {
     }
 }
 
-/// This rank's index in `group` (of `size` members) as an i64 scalar, from an all-to-all of
-/// `0..size` (no rank-dependent op).
-fn member_index(e: &mut Emitter, group: &Group, size: usize) -> Result<ValueId, String> {
-    let name = e.fresh("member/ranks");
-    let ranks = e.p.add_const(
-        name,
-        hzp_ir::Tensor::i64(vec![size], (0..size as i64).collect()),
-    );
-    let got = e.op(
-        Op::AllToAll {
-            group: group.clone(),
-            split_axis: 0,
-            concat_axis: 0,
-        },
-        &[ranks],
-    )?;
-    let one = e.op(
-        Op::Slice {
-            axes: vec![0],
-            starts: vec![0],
-            ends: vec![1],
-            steps: vec![1],
-        },
-        &[got],
-    )?;
-    e.op(Op::Reshape { shape: vec![] }, &[one])
-}
-
 /// Emits the per-rank step, stage by stage, from the single-micro-batch gradient program.
 struct StepBuilder<'a> {
+    /// The forward program the step is built from (Muon reads its matrices' uses).
+    fwd: &'a Program,
     micro: &'a Program,
     an: &'a Analysis,
     gr: &'a StepGroups<'a>,
@@ -1633,8 +1612,35 @@ impl StepBuilder<'_> {
         }
         let mut updates: Vec<Update> = Vec::new();
         e.enter("optimizer", Role::of(RoleKind::Optimizer));
+        let muon_matrices = match opt {
+            train::Optimizer::Muon { .. } => Some(train::muon_parameters(self.fwd)?),
+            _ => None,
+        };
+        let holding = match &muon_matrices {
+            Some(_) => {
+                // the optimizer group's member index, to take this rank's shard of a whole
+                // orthogonalized matrix
+                let member = if gr.o > 1 {
+                    e.enter("optimizer/member", Role::of(RoleKind::Optimizer));
+                    Some(
+                        e.member_index("muon.member/ranks", &gr.spec.optim, gr.o)
+                            .map_err(err)?,
+                    )
+                } else {
+                    None
+                };
+                e.enter("optimizer", Role::of(RoleKind::Optimizer));
+                Holding::Shards {
+                    group: gr.spec.optim.clone(),
+                    size: gr.o,
+                    member,
+                }
+            }
+            None => Holding::Whole,
+        };
+        let muon = muon_matrices.as_ref().map(|m| (m, &holding));
         let optim_states =
-            train::optimizer(e, opt, &d.masters, &grads, &mut updates).map_err(err)?;
+            train::optimizer(e, opt, &d.masters, &grads, &mut updates, muon).map_err(err)?;
         let state_names: Vec<Vec<String>> = optim_states
             .iter()
             .map(|v| v.iter().map(|&s| e.p.value(s).name.clone()).collect())

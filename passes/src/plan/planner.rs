@@ -210,6 +210,11 @@ pub struct ShardOptions {
     /// prefetch, resharding, recompute, row-exchanged embedding gradients). Its
     /// `narrow_grads` is the planner's to choose and is ignored here.
     pub schedule: crate::dist::spmd::ScheduleOptions,
+    /// The matrices Muon updates (`--optimizer muon`; empty otherwise): they keep one
+    /// momentum instead of AdamW's two moments, each member of O orthogonalizes every one
+    /// of them whole (Newton-Schulz in f32 products, as the step program computes it), and
+    /// their Nesterov updates are all-gathered over O first.
+    pub muon: Vec<crate::train::muon::MuonMatrix>,
 }
 
 impl Default for ShardOptions {
@@ -231,6 +236,7 @@ impl Default for ShardOptions {
                 narrow_grads: None,
                 sparse_grads: true,
             },
+            muon: Vec::new(),
         }
     }
 }
@@ -1231,7 +1237,9 @@ fn evaluate(
     } else {
         r * psi
     };
-    let optim_states = 8 * psi / o64;
+    // Muon's matrices keep one momentum (4 bytes), every other parameter AdamW's two
+    let muon_numel: u64 = opts.muon.iter().map(|m| (m.rows * m.cols) as u64).sum();
+    let optim_states = 8 * (psi - muon_numel) / o64 + 4 * muon_numel / o64;
     let activations = if opts.schedule.recompute {
         prof.act_recompute_bytes
     } else {
@@ -1433,7 +1441,12 @@ fn evaluate(
 
     // Compute.
     let d = &ctx.model.spec().device;
-    let opt_s = ((24 + r + c) * psi / o64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
+    let mut opt_s = ((24 + r + c) * psi / o64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
+    // Muon: every member of O runs Newton-Schulz on every whole matrix (f32 products)
+    let muon_flops: u64 = opts.muon.iter().map(|m| m.ns_flops(5)).sum();
+    if muon_flops > 0 {
+        opt_s += muon_flops as f64 / (d.peak_flops_fp32 * d.matmul_efficiency);
+    }
     let fwd_total: f64 = prof.fwd_s.iter().sum::<f64>() + prof.other_fwd_s;
     let bwd_total: f64 = prof.bwd_s.iter().sum::<f64>() + prof.other_bwd_s;
     let rec_total: f64 = if opts.schedule.recompute {
@@ -1489,8 +1502,29 @@ fn evaluate(
             });
         }
     }
-    let step_s =
-        simulate(&tasks, opts.schedule.prefetch_depth) + rs_cross + ar_cross + opt_s + ag_regather;
+    // Muon: the Nesterov updates (f32) are all-gathered over O before Newton-Schulz
+    let ag_muon = if o > 1 && muon_numel > 0 {
+        collective(
+            ctx,
+            cache,
+            CollectiveKind::AllGather,
+            4 * muon_numel,
+            og,
+            1.0,
+            &[],
+            &mut links,
+            &mut comm_s,
+        )?
+        .seconds
+    } else {
+        0.0
+    };
+    let step_s = simulate(&tasks, opts.schedule.prefetch_depth)
+        + rs_cross
+        + ar_cross
+        + opt_s
+        + ag_regather
+        + ag_muon;
     let exposed_comm_s = (step_s - compute_s).max(0.0);
     let cross_node_bytes = links
         .iter()

@@ -8,16 +8,18 @@
 //! output, and one [`Update`] per parameter and state.
 
 pub mod autodiff;
+pub mod muon;
 pub mod simplify;
 pub mod ties;
 
 use crate::emit::Emitter;
 use crate::train::autodiff::differentiate_scaled;
+use crate::train::muon::{Holding, MuonMatrix, MuonSettings};
 use hzp_ir::{
     BinaryOp, DType, Op, Precision, Program, ReduceOp, Role, RoleKind, Tensor, TensorType, UnaryOp,
     Update, ValueDef, ValueId,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -86,6 +88,18 @@ pub enum Optimizer {
         beta2: f64,
         eps: f64,
         weight_decay: f64,
+    },
+    /// `torch.optim.Muon` on the matrices [`crate::train::muon::muon_matrices`] picks and
+    /// `torch.optim.AdamW` (these fields, as in [`Optimizer::AdamW`]) on every other
+    /// parameter. `lr` is AdamW's rate and the step's rate input; Muon's rate follows it:
+    /// `muon.lr * rate / lr`, so a schedule scales both.
+    Muon {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        muon: MuonSettings,
     },
     /// `torch.optim.SGD` with momentum (dampening 0, not Nesterov).
     Sgd {
@@ -551,6 +565,10 @@ pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainEr
 pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainError> {
     let m = cfg.micro_batches.max(1);
     let specialized = fwd.specialized.clone();
+    let muon_matrices = match &cfg.optimizer {
+        Some(Optimizer::Muon { .. }) => Some(muon_parameters(fwd)?),
+        _ => None,
+    };
     let fwd = lower_precision(fwd, cfg.compute)?;
     let micro = gradient_program(&fwd, &cfg.loss)?;
     let mut p = Program::new(format!("{}.train", fwd.name));
@@ -675,7 +693,9 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     match &cfg.optimizer {
         Some(opt) => {
             e.enter("step/optimizer", Role::of(RoleKind::Optimizer));
-            optimizer(&mut e, opt, &params, &grads, &mut updates).map_err(terr)?;
+            let holding = Holding::Whole;
+            let muon = muon_matrices.as_ref().map(|m| (m, &holding));
+            optimizer(&mut e, opt, &params, &grads, &mut updates, muon).map_err(terr)?;
         }
         None => {
             // A gradient program: name each gradient after its parameter.
@@ -699,6 +719,19 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     p.eliminate_dead_code();
     hzp_ir::verify(&p).map_err(|e| terr(format!("the training step failed verification: {e}")))?;
     Ok(p)
+}
+
+/// The matrices Muon updates ([`crate::train::muon::muon_matrices`]); an error when there are none.
+pub fn muon_parameters(fwd: &Program) -> Result<BTreeMap<String, MuonMatrix>, TrainError> {
+    let m = crate::train::muon::muon_matrices(fwd);
+    if m.is_empty() {
+        return Err(terr(format!(
+            "--optimizer muon: `{}` has no parameter Muon applies to (a 2-D parameter that is \
+             not an embedding table read by a Gather and not the LM head); use adamw",
+            fwd.name
+        )));
+    }
+    Ok(m)
 }
 
 /// torch.nn.utils.clip_grad_norm_: total = ||all grads||_2; g *= min(1, max/(total+1e-6)).
@@ -784,6 +817,7 @@ pub(crate) fn optimizer(
     params: &[ValueId],
     grads: &[ValueId],
     updates: &mut Vec<Update>,
+    muon: Option<(&BTreeMap<String, MuonMatrix>, &Holding)>,
 ) -> Result<Vec<Vec<ValueId>>, String> {
     let f = DType::F32;
     let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
@@ -794,60 +828,81 @@ pub(crate) fn optimizer(
     }
     let lrv = e.p.add_input(LR_INPUT, TensorType::scalar(f));
     let mut states = Vec::with_capacity(params.len());
-    match *opt {
-        Optimizer::AdamW {
+    match opt {
+        &Optimizer::AdamW {
             lr: _,
             beta1,
             beta2,
             eps,
             weight_decay,
         } => {
-            let step_name = e.fresh("adamw.step");
-            let step = e.p.add_state(step_name, TensorType::scalar(f), None);
-            let one = e.scalar(1.0, f);
-            let t = b(e, BinaryOp::Add, step, one)?;
-            updates.push(Update {
-                target: step,
-                value: t,
-            });
-            // bias corrections: 1 - beta^t
-            let b1 = e.scalar(beta1, f);
-            let b2 = e.scalar(beta2, f);
-            let p1 = b(e, BinaryOp::Pow, b1, t)?;
-            let p2 = b(e, BinaryOp::Pow, b2, t)?;
-            let bc1 = b(e, BinaryOp::Sub, one, p1)?;
-            let bc2 = b(e, BinaryOp::Sub, one, p2)?;
-            let step_size = b(e, BinaryOp::Div, lrv, bc1)?;
-            let bc2s = e.op(Op::Unary(UnaryOp::Sqrt), &[bc2])?;
+            let pairs: Vec<(ValueId, ValueId)> =
+                params.iter().copied().zip(grads.iter().copied()).collect();
             let fused = Op::AdamW {
                 beta1,
                 beta2,
                 eps,
                 weight_decay,
             };
+            states = adamw(e, &fused, lrv, &pairs, updates)?;
+        }
+        Optimizer::Muon {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            muon: settings,
+        } => {
+            let (matrices, holding) =
+                muon.ok_or("internal: a Muon step built without its matrices")?;
+            let is_matrix = |w: ValueId, e: &Emitter| matrices.get(&e.p.value(w).name);
+            let pairs: Vec<(ValueId, ValueId)> = params
+                .iter()
+                .copied()
+                .zip(grads.iter().copied())
+                .filter(|&(w, _)| is_matrix(w, e).is_none())
+                .collect();
+            let fused = Op::AdamW {
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *weight_decay,
+            };
+            let mut adamw_states = adamw(e, &fused, lrv, &pairs, updates)?.into_iter();
+            // Muon's rate follows the step's rate input: muon.lr * rate / lr
+            if *lr <= 0.0 {
+                return Err(format!(
+                    "--optimizer muon: Muon's learning rate follows --lr's schedule (muon-lr x \
+                     rate / lr), so --lr must be above 0, not {lr}"
+                ));
+            }
+            e.enter("step/muon", Role::of(RoleKind::Optimizer));
+            let ratio = e.scalar(settings.lr / lr, f);
+            let mlr = b(e, BinaryOp::Mul, lrv, ratio)?;
+            let run = crate::train::muon::MuonRun {
+                settings,
+                holding,
+                lr: mlr,
+            };
             for (&w, &g) in params.iter().zip(grads) {
-                let wname = e.p.value(w).name.clone();
-                let ty = e.ty(w).clone();
-                let mn = e.fresh(&format!("adamw.m/{wname}"));
-                let vn = e.fresh(&format!("adamw.v/{wname}"));
-                let m = e.p.add_state(mn, ty.clone(), None);
-                let v = e.p.add_state(vn, ty, None);
-                e.enter(format!("step/adamw/{wname}"), Role::of(RoleKind::Optimizer));
-                let g = to_f32(e, g)?;
-                // one fused pass (see Op::AdamW for the formula); the memory plan writes
-                // each result over the state it replaces
-                let outs = e.ops_named(
-                    fused.clone(),
-                    &[w, g, m, v, step_size, bc2s, lrv],
-                    &["param", "m", "v"],
-                )?;
-                for (target, value) in [w, m, v].into_iter().zip(outs) {
-                    updates.push(Update { target, value });
+                match is_matrix(w, e).cloned() {
+                    Some(m) => {
+                        let wname = e.p.value(w).name.clone();
+                        e.enter(format!("step/muon/{wname}"), Role::of(RoleKind::Optimizer));
+                        let g = to_f32(e, g)?;
+                        let buf = crate::train::muon::muon_step(e, &run, &m, (w, g), updates)?;
+                        states.push(vec![buf]);
+                    }
+                    None => states.push(
+                        adamw_states
+                            .next()
+                            .ok_or("internal: AdamW states of a parameter missing")?,
+                    ),
                 }
-                states.push(vec![m, v]);
             }
         }
-        Optimizer::Sgd {
+        &Optimizer::Sgd {
             lr: _,
             momentum,
             weight_decay,
@@ -886,6 +941,65 @@ pub(crate) fn optimizer(
                 states.push(kept);
             }
         }
+    }
+    Ok(states)
+}
+
+/// The fused AdamW update of each (parameter, gradient) pair, with one step counter for all;
+/// returns each parameter's moments.
+fn adamw(
+    e: &mut Emitter,
+    fused: &Op,
+    lrv: ValueId,
+    pairs: &[(ValueId, ValueId)],
+    updates: &mut Vec<Update>,
+) -> Result<Vec<Vec<ValueId>>, String> {
+    let f = DType::F32;
+    let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
+    let &Op::AdamW { beta1, beta2, .. } = fused else {
+        return Err("internal: adamw() needs an AdamW op".into());
+    };
+    let mut states = Vec::with_capacity(pairs.len());
+    if pairs.is_empty() {
+        return Ok(states);
+    }
+    let step_name = e.fresh("adamw.step");
+    let step = e.p.add_state(step_name, TensorType::scalar(f), None);
+    let one = e.scalar(1.0, f);
+    let t = b(e, BinaryOp::Add, step, one)?;
+    updates.push(Update {
+        target: step,
+        value: t,
+    });
+    // bias corrections: 1 - beta^t
+    let b1 = e.scalar(beta1, f);
+    let b2 = e.scalar(beta2, f);
+    let p1 = b(e, BinaryOp::Pow, b1, t)?;
+    let p2 = b(e, BinaryOp::Pow, b2, t)?;
+    let bc1 = b(e, BinaryOp::Sub, one, p1)?;
+    let bc2 = b(e, BinaryOp::Sub, one, p2)?;
+    let step_size = b(e, BinaryOp::Div, lrv, bc1)?;
+    let bc2s = e.op(Op::Unary(UnaryOp::Sqrt), &[bc2])?;
+    for &(w, g) in pairs {
+        let wname = e.p.value(w).name.clone();
+        let ty = e.ty(w).clone();
+        let mn = e.fresh(&format!("adamw.m/{wname}"));
+        let vn = e.fresh(&format!("adamw.v/{wname}"));
+        let m = e.p.add_state(mn, ty.clone(), None);
+        let v = e.p.add_state(vn, ty, None);
+        e.enter(format!("step/adamw/{wname}"), Role::of(RoleKind::Optimizer));
+        let g = to_f32(e, g)?;
+        // one fused pass (see Op::AdamW for the formula); the memory plan writes
+        // each result over the state it replaces
+        let outs = e.ops_named(
+            fused.clone(),
+            &[w, g, m, v, step_size, bc2s, lrv],
+            &["param", "m", "v"],
+        )?;
+        for (target, value) in [w, m, v].into_iter().zip(outs) {
+            updates.push(Update { target, value });
+        }
+        states.push(vec![m, v]);
     }
     Ok(states)
 }

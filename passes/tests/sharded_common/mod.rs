@@ -35,7 +35,9 @@ pub fn with_optimizer_lr(
 ) -> Vec<(String, Tensor)> {
     use hzp_passes::train::{Optimizer, LR_INPUT};
     match &cfg.optimizer {
-        Some(Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. }) => {
+        Some(
+            Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } | Optimizer::Muon { lr, .. },
+        ) => {
             let mut b = batch;
             b.push((LR_INPUT.to_string(), Tensor::f32(vec![], vec![*lr as f32])));
             b
