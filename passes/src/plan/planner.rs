@@ -1194,70 +1194,111 @@ fn layer_pad(prof: &Profile, o: u64) -> Vec<u64> {
     pad
 }
 
-fn evaluate(
-    ctx: &Ctx,
-    cache: &mut CostCache,
-    pg: &Group,
-    gg: &Group,
-    og: &Group,
-    narrow: Option<(&Group, &[bool])>,
-) -> Result<Candidate, ShardPlanError> {
-    let (mesh, opts, prof) = (ctx.mesh, ctx.opts, ctx.prof);
-    let (p, g, o) = (gsize(mesh, pg), gsize(mesh, gg), gsize(mesh, og));
-    // Layers whose gradients accumulate in the narrower group `ng` (n ranks).
-    let (ng, in_narrow): (Group, Vec<bool>) = match narrow {
-        Some((n, flags)) => (n.clone(), flags.to_vec()),
-        None => (gg.clone(), vec![false; prof.layers]),
-    };
-    let n_size = gsize(mesh, &ng);
-    let w = mesh.world_size();
-    let m = opts.micro_batches.max(1);
-    let c = opts.compute.size_bytes() as u64;
-    let r = opts.schedule.grad_dtype.size_bytes() as u64;
-    let o64 = o as u64;
-    let layer_pad = layer_pad(prof, o64);
-    let psi: u64 = layer_pad.iter().sum();
-    let mut sorted = layer_pad.clone();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
-    let largest = |k: usize| -> u64 { sorted.iter().take(k).sum() };
+/// The sizes a candidate (P, G, O, and the narrow group N of the layers in `in_narrow`) is
+/// costed with: group sizes, bytes per element, each layer's padded elements.
+struct Sizes {
+    p: usize,
+    g: usize,
+    o: usize,
+    /// The narrow gradient group (G when none) and its size.
+    ng: Group,
+    n_size: usize,
+    in_narrow: Vec<bool>,
+    w: usize,
+    m: usize,
+    /// Bytes per element of the compute and the gradient-reduction dtype.
+    c: u64,
+    r: u64,
+    layer_pad: Vec<u64>,
+    /// All padded elements, and those of the narrow layers.
+    psi: u64,
+    narrow_pad: u64,
+    /// Gradients reduce-scattered over G per micro-batch (or with one micro-batch).
+    sharded_grads: bool,
+    /// Elements of the matrices Muon updates.
+    muon_numel: u64,
+}
 
-    // Memory.
-    let sharded_grads =
-        g > 1 && (opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch || m == 1);
-    let params = c * psi / p as u64;
+impl Sizes {
+    fn new(
+        ctx: &Ctx,
+        (pg, gg, og): (&Group, &Group, &Group),
+        narrow: Option<(&Group, &[bool])>,
+    ) -> Sizes {
+        let (mesh, opts, prof) = (ctx.mesh, ctx.opts, ctx.prof);
+        let (p, g, o) = (gsize(mesh, pg), gsize(mesh, gg), gsize(mesh, og));
+        // Layers whose gradients accumulate in the narrower group `ng` (n ranks).
+        let (ng, in_narrow): (Group, Vec<bool>) = match narrow {
+            Some((n, flags)) => (n.clone(), flags.to_vec()),
+            None => (gg.clone(), vec![false; prof.layers]),
+        };
+        let m = opts.micro_batches.max(1);
+        let layer_pad = layer_pad(prof, o as u64);
+        let narrow_pad: u64 = layer_pad
+            .iter()
+            .zip(&in_narrow)
+            .filter(|(_, &f)| f)
+            .map(|(&n, _)| n)
+            .sum();
+        Sizes {
+            p,
+            g,
+            o,
+            n_size: gsize(mesh, &ng),
+            ng,
+            in_narrow,
+            w: mesh.world_size(),
+            m,
+            c: opts.compute.size_bytes() as u64,
+            r: opts.schedule.grad_dtype.size_bytes() as u64,
+            psi: layer_pad.iter().sum(),
+            layer_pad,
+            narrow_pad,
+            sharded_grads: g > 1
+                && (opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch || m == 1),
+            muon_numel: opts.muon.iter().map(|m| (m.rows * m.cols) as u64).sum(),
+        }
+    }
+
+    /// The elements of the `k` largest layers.
+    fn largest(&self, k: usize) -> u64 {
+        let mut sorted = self.layer_pad.clone();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        sorted.iter().take(k).sum()
+    }
+}
+
+/// A candidate's memory per rank, by kind.
+fn candidate_memory(ctx: &Ctx, z: &Sizes) -> MemoryBreakdown {
+    let (opts, prof) = (ctx.opts, ctx.prof);
+    let (c, r, psi, o64) = (z.c, z.r, z.psi, z.o as u64);
+    let params = c * psi / z.p as u64;
     let master = 4 * psi / o64;
-    let narrow_pad: u64 = layer_pad
-        .iter()
-        .zip(&in_narrow)
-        .filter(|(_, &f)| f)
-        .map(|(&n, _)| n)
-        .sum();
-    let grads = if sharded_grads {
-        r * (psi - narrow_pad) / g as u64 + r * narrow_pad / n_size as u64
+    let grads = if z.sharded_grads {
+        r * (psi - z.narrow_pad) / z.g as u64 + r * z.narrow_pad / z.n_size as u64
     } else {
         r * psi
     };
     // Muon's matrices keep one momentum (4 bytes), every other parameter AdamW's two
-    let muon_numel: u64 = opts.muon.iter().map(|m| (m.rows * m.cols) as u64).sum();
-    let optim_states = 8 * (psi - muon_numel) / o64 + 4 * muon_numel / o64;
+    let optim_states = 8 * (psi - z.muon_numel) / o64 + 4 * z.muon_numel / o64;
     let activations = if opts.schedule.recompute {
         prof.act_recompute_bytes
     } else {
         prof.act_bytes
     };
-    let gathered = if p > 1 {
+    let gathered = if z.p > 1 {
         if opts.schedule.reshard_after_forward {
-            c * largest(opts.schedule.prefetch_depth + 1)
+            c * z.largest(opts.schedule.prefetch_depth + 1)
         } else {
             c * psi
         }
     } else {
         0
     };
-    let grad_buckets = if sharded_grads { r * largest(2) } else { 0 };
+    let grad_buckets = if z.sharded_grads { r * z.largest(2) } else { 0 };
     let buffers = gathered + grad_buckets;
     let total = params + master + grads + optim_states + activations + buffers;
-    let memory = MemoryBreakdown {
+    MemoryBreakdown {
         params,
         master,
         grads,
@@ -1267,41 +1308,79 @@ fn evaluate(
         gathered,
         grad_buckets,
         total,
-    };
+    }
+}
 
-    // Communication.
-    let mut links: BTreeMap<String, f64> = BTreeMap::new();
-    let mut comm_s = 0.0;
-    let mf = m as f64;
-    let regather = p > 1 && opts.schedule.reshard_after_forward;
-    let rs_times = if g > 1 {
-        if sharded_grads {
-            mf
-        } else {
-            1.0
-        }
-    } else {
-        0.0
-    };
-    // In backward the re-gather and the reduce-scatter run at once; on link classes both
-    // groups use they share the bandwidth.
-    let p_links: Vec<String> = ctx
-        .model
-        .group_link_classes(pg)
-        .iter()
-        .map(|l| l.name.clone())
-        .collect();
-    let shared_with = |grp: &Group| -> Vec<String> {
-        ctx.model
+/// Collectives costed for one candidate, their traffic per link class and total time
+/// summed in the order they are asked for.
+struct Tally<'t, 'c> {
+    ctx: &'t Ctx<'c>,
+    cache: &'t mut CostCache,
+    links: BTreeMap<String, f64>,
+    comm_s: f64,
+}
+
+impl Tally<'_, '_> {
+    /// [`collective`], counted `times` per step.
+    fn add(
+        &mut self,
+        kind: CollectiveKind,
+        bytes: u64,
+        group: &Group,
+        times: f64,
+        shared: &[String],
+    ) -> Result<Comm, ShardPlanError> {
+        collective(
+            self.ctx,
+            self.cache,
+            kind,
+            bytes,
+            group,
+            times,
+            shared,
+            &mut self.links,
+            &mut self.comm_s,
+        )
+    }
+
+    /// Link classes of `grp` that P's all-gathers also use (in backward the re-gather and
+    /// the reduce-scatter run at once and share their bandwidth).
+    fn shared_with_p(&self, pg: &Group, grp: &Group) -> Vec<String> {
+        let model = &self.ctx.model;
+        let p_links: Vec<String> = model
+            .group_link_classes(pg)
+            .iter()
+            .map(|l| l.name.clone())
+            .collect();
+        model
             .group_link_classes(grp)
             .iter()
             .map(|l| l.name.clone())
             .filter(|l| p_links.contains(l))
             .collect()
+    }
+}
+
+/// Per layer, the all-gather of its parameters and the reduction of its gradients (dense
+/// reduce-scatter plus the rows of row-exchanged embeddings); and the names of the
+/// row-exchanged parameters.
+#[allow(clippy::type_complexity)]
+fn layer_collectives(
+    t: &mut Tally,
+    z: &Sizes,
+    (pg, gg): (&Group, &Group),
+) -> Result<(Vec<Comm>, Vec<Comm>, Vec<String>), ShardPlanError> {
+    let (opts, prof) = (t.ctx.opts, t.ctx.prof);
+    let mf = z.m as f64;
+    let regather = z.p > 1 && opts.schedule.reshard_after_forward;
+    let rs_times = match (z.g > 1, z.sharded_grads) {
+        (true, true) => mf,
+        (true, false) => 1.0,
+        (false, _) => 0.0,
     };
-    let shared = shared_with(gg);
-    let shared_narrow = shared_with(&ng);
-    let ag_times = if p > 1 {
+    let shared = t.shared_with_p(pg, gg);
+    let shared_narrow = t.shared_with_p(pg, &z.ng);
+    let ag_times = if z.p > 1 {
         mf * if regather { 2.0 } else { 1.0 }
     } else {
         0.0
@@ -1313,14 +1392,15 @@ fn evaluate(
     let mut row_bytes = vec![0u64; prof.layers];
     let mut row_exchanged = Vec::new();
     if opts.schedule.sparse_grads
-        && sharded_grads
+        && z.sharded_grads
         && opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch
     {
-        for (k, t) in prof.row_tables.iter().enumerate() {
+        for (k, tb) in prof.row_tables.iter().enumerate() {
             let l = prof.param_layer[k];
-            let gathered = t.and_then(|t| t.gathered(g as u64, o64, r).map(|b| (t, b)));
-            if let (Some((t, b)), false) = (gathered, in_narrow[l]) {
-                row_elems[l] += t.numel;
+            let gathered =
+                tb.and_then(|tb| tb.gathered(z.g as u64, z.o as u64, z.r).map(|b| (tb, b)));
+            if let (Some((tb, b)), false) = (gathered, z.in_narrow[l]) {
+                row_elems[l] += tb.numel;
                 row_bytes[l] += b;
                 row_exchanged.push(prof.param_names[k].clone());
             }
@@ -1328,141 +1408,118 @@ fn evaluate(
     }
     let mut ag = Vec::with_capacity(prof.layers);
     let mut rs = Vec::with_capacity(prof.layers);
-    for (l, (&n, &nar)) in layer_pad.iter().zip(&in_narrow).enumerate() {
-        ag.push(collective(
-            ctx,
-            cache,
-            CollectiveKind::AllGather,
-            c * n,
-            pg,
-            ag_times,
-            &shared,
-            &mut links,
-            &mut comm_s,
-        )?);
+    for (l, (&n, &nar)) in z.layer_pad.iter().zip(&z.in_narrow).enumerate() {
+        ag.push(t.add(CollectiveKind::AllGather, z.c * n, pg, ag_times, &shared)?);
         let (rg, rsize, rshared) = if nar {
-            (&ng, n_size, &shared_narrow)
+            (&z.ng, z.n_size, &shared_narrow)
         } else {
-            (gg, g, &shared)
+            (gg, z.g, &shared)
         };
-        let dense = collective(
-            ctx,
-            cache,
+        let times = if rsize > 1 { rs_times } else { 0.0 };
+        let dense = t.add(
             CollectiveKind::ReduceScatter,
-            r * (n - row_elems[l]),
+            z.r * (n - row_elems[l]),
             rg,
-            if rsize > 1 { rs_times } else { 0.0 },
+            times,
             rshared,
-            &mut links,
-            &mut comm_s,
         )?;
-        let rows = collective(
-            ctx,
-            cache,
+        let rows = t.add(
             CollectiveKind::AllGather,
             row_bytes[l],
             gg,
             rs_times,
             &shared,
-            &mut links,
-            &mut comm_s,
         )?;
         rs.push(Comm {
             seconds: dense.seconds + rows.seconds,
             shared_s: dense.shared_s + rows.shared_s,
         });
     }
+    Ok((ag, rs, row_exchanged))
+}
+
+/// The once-per-step collectives: the cross-replica reduce-scatter (O\G) and all-reduce
+/// (W\O), each narrow layer's reduction over the rest of O (by layer), and the re-gather
+/// over O\P.
+struct StepComms {
+    rs_cross: f64,
+    narrow_cross: Vec<f64>,
+    ar_cross: f64,
+    ag_regather: f64,
+}
+
+fn step_collectives(
+    t: &mut Tally,
+    z: &Sizes,
+    (pg, gg, og): (&Group, &Group, &Group),
+) -> Result<StepComms, ShardPlanError> {
+    let (mesh, prof) = (t.ctx.mesh, t.ctx.prof);
     let world = world_group(mesh);
-    let o_minus_g = minus(og, gg);
-    let replicas = minus(&world, og);
-    let o_minus_p = minus(og, pg);
-    let rs_cross = collective(
-        ctx,
-        cache,
-        CollectiveKind::ReduceScatter,
-        r * (psi - narrow_pad) / g as u64,
-        &o_minus_g,
-        1.0,
-        &[],
-        &mut links,
-        &mut comm_s,
-    )?
-    .seconds;
+    let (r, psi, o64) = (z.r, z.psi, z.o as u64);
+    let rs_cross = t
+        .add(
+            CollectiveKind::ReduceScatter,
+            r * (psi - z.narrow_pad) / z.g as u64,
+            &minus(og, gg),
+            1.0,
+            &[],
+        )?
+        .seconds;
     // A narrow layer's gradient crosses the rest of O once, right after its last
     // accumulation: on the reduce stream during the last micro-batch's backward.
     let mut narrow_cross = vec![0.0; prof.layers];
-    if narrow_pad > 0 {
-        let rest = minus(og, &ng);
-        for (l, (&n, &nar)) in layer_pad.iter().zip(&in_narrow).enumerate() {
+    if z.narrow_pad > 0 {
+        let rest = minus(og, &z.ng);
+        for (l, (&n, &nar)) in z.layer_pad.iter().zip(&z.in_narrow).enumerate() {
             if nar {
-                narrow_cross[l] = collective(
-                    ctx,
-                    cache,
-                    CollectiveKind::ReduceScatter,
-                    r * n / n_size as u64,
-                    &rest,
-                    1.0,
-                    &[],
-                    &mut links,
-                    &mut comm_s,
-                )?
-                .seconds;
+                let bytes = r * n / z.n_size as u64;
+                narrow_cross[l] = t
+                    .add(CollectiveKind::ReduceScatter, bytes, &rest, 1.0, &[])?
+                    .seconds;
             }
         }
     }
-    let ar_cross = if w > o {
-        collective(
-            ctx,
-            cache,
+    let ar_cross = if z.w > z.o {
+        t.add(
             CollectiveKind::AllReduce,
             r * psi / o64,
-            &replicas,
+            &minus(&world, og),
             1.0,
             &[],
-            &mut links,
-            &mut comm_s,
         )?
         .seconds
     } else {
         0.0
     };
-    let ag_regather = collective(
-        ctx,
-        cache,
-        CollectiveKind::AllGather,
-        c * psi / p as u64,
-        &o_minus_p,
-        1.0,
-        &[],
-        &mut links,
-        &mut comm_s,
-    )?
-    .seconds;
+    let ag_regather = t
+        .add(
+            CollectiveKind::AllGather,
+            z.c * psi / z.p as u64,
+            &minus(og, pg),
+            1.0,
+            &[],
+        )?
+        .seconds;
+    Ok(StepComms {
+        rs_cross,
+        narrow_cross,
+        ar_cross,
+        ag_regather,
+    })
+}
 
-    // Compute.
-    let d = &ctx.model.spec().device;
-    let mut opt_s = ((24 + r + c) * psi / o64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
-    // Muon: every member of O runs Newton-Schulz on every whole matrix (f32 products)
-    let muon_flops: u64 = opts.muon.iter().map(|m| m.ns_flops(5)).sum();
-    if muon_flops > 0 {
-        opt_s += muon_flops as f64 / (d.peak_flops_fp32 * d.matmul_efficiency);
-    }
-    let fwd_total: f64 = prof.fwd_s.iter().sum::<f64>() + prof.other_fwd_s;
-    let bwd_total: f64 = prof.bwd_s.iter().sum::<f64>() + prof.other_bwd_s;
-    let rec_total: f64 = if opts.schedule.recompute {
-        prof.fwd_s.iter().sum()
-    } else {
-        0.0
-    };
-    let compute_s = mf * (fwd_total + bwd_total + rec_total) + opt_s;
-
-    // The step, simulated.
+/// The per-layer tasks of a step (forward with its gather, the rest of the forward and
+/// backward, backward with its re-gather, recompute and reduction), for [`simulate`].
+fn step_tasks(ctx: &Ctx, z: &Sizes, ag: &[Comm], rs: &[Comm], narrow_cross: &[f64]) -> Vec<Task> {
+    let (opts, prof) = (ctx.opts, ctx.prof);
+    let m = z.m;
+    let regather = z.p > 1 && opts.schedule.reshard_after_forward;
     let mut tasks = Vec::with_capacity(m * (2 * prof.layers + 2));
     for k in 0..m {
-        for (&f, a) in prof.fwd_s.iter().zip(&ag) {
+        for (&f, a) in prof.fwd_s.iter().zip(ag) {
             tasks.push(Task {
                 compute: f,
-                gather: if p > 1 { a.seconds } else { 0.0 },
+                gather: if z.p > 1 { a.seconds } else { 0.0 },
                 reduce: 0.0,
             });
         }
@@ -1471,7 +1528,7 @@ fn evaluate(
             gather: 0.0,
             reduce: 0.0,
         });
-        let reduce_now = g > 1 && (sharded_grads || k + 1 == m);
+        let reduce_now = z.g > 1 && (z.sharded_grads || k + 1 == m);
         for l in (0..prof.layers).rev() {
             let (gather, reduce) = match (regather, reduce_now) {
                 (true, true) => {
@@ -1502,29 +1559,71 @@ fn evaluate(
             });
         }
     }
+    tasks
+}
+
+/// The optimizer's time (memory-bound AdamW over the O-shard, plus Muon's Newton-Schulz on
+/// every whole matrix on every member of O) and the step's compute time.
+fn compute_times(ctx: &Ctx, z: &Sizes) -> (f64, f64) {
+    let (opts, prof) = (ctx.opts, ctx.prof);
+    let d = &ctx.model.spec().device;
+    let mut opt_s =
+        ((24 + z.r + z.c) * z.psi / z.o as u64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
+    // Muon: every member of O runs Newton-Schulz on every whole matrix (f32 products)
+    let muon_flops: u64 = opts.muon.iter().map(|m| m.ns_flops(5)).sum();
+    if muon_flops > 0 {
+        opt_s += muon_flops as f64 / (d.peak_flops_fp32 * d.matmul_efficiency);
+    }
+    let fwd_total: f64 = prof.fwd_s.iter().sum::<f64>() + prof.other_fwd_s;
+    let bwd_total: f64 = prof.bwd_s.iter().sum::<f64>() + prof.other_bwd_s;
+    let rec_total: f64 = if opts.schedule.recompute {
+        prof.fwd_s.iter().sum()
+    } else {
+        0.0
+    };
+    (
+        opt_s,
+        z.m as f64 * (fwd_total + bwd_total + rec_total) + opt_s,
+    )
+}
+
+/// One candidate (P, G, O; with `narrow`, the layers whose gradients accumulate in N):
+/// memory per rank, traffic per link class, and the step simulated on the cost model.
+fn evaluate(
+    ctx: &Ctx,
+    cache: &mut CostCache,
+    pg: &Group,
+    gg: &Group,
+    og: &Group,
+    narrow: Option<(&Group, &[bool])>,
+) -> Result<Candidate, ShardPlanError> {
+    let (opts, prof) = (ctx.opts, ctx.prof);
+    let z = Sizes::new(ctx, (pg, gg, og), narrow);
+    let memory = candidate_memory(ctx, &z);
+    let mut t = Tally {
+        ctx,
+        cache,
+        links: BTreeMap::new(),
+        comm_s: 0.0,
+    };
+    let (ag, rs, row_exchanged) = layer_collectives(&mut t, &z, (pg, gg))?;
+    let cross = step_collectives(&mut t, &z, (pg, gg, og))?;
+    let (opt_s, compute_s) = compute_times(ctx, &z);
+    let tasks = step_tasks(ctx, &z, &ag, &rs, &cross.narrow_cross);
     // Muon: the Nesterov updates (f32) are all-gathered over O before Newton-Schulz
-    let ag_muon = if o > 1 && muon_numel > 0 {
-        collective(
-            ctx,
-            cache,
-            CollectiveKind::AllGather,
-            4 * muon_numel,
-            og,
-            1.0,
-            &[],
-            &mut links,
-            &mut comm_s,
-        )?
-        .seconds
+    let ag_muon = if z.o > 1 && z.muon_numel > 0 {
+        t.add(CollectiveKind::AllGather, 4 * z.muon_numel, og, 1.0, &[])?
+            .seconds
     } else {
         0.0
     };
     let step_s = simulate(&tasks, opts.schedule.prefetch_depth)
-        + rs_cross
-        + ar_cross
+        + cross.rs_cross
+        + cross.ar_cross
         + opt_s
-        + ag_regather
+        + cross.ag_regather
         + ag_muon;
+    let Tally { links, comm_s, .. } = t;
     let exposed_comm_s = (step_s - compute_s).max(0.0);
     let cross_node_bytes = links
         .iter()
@@ -1537,13 +1636,14 @@ fn evaluate(
         .filter(|(_, sg)| sg.params == *pg && sg.grads == *gg && sg.optim == *og)
         .map(|(s, _)| s.name())
         .collect();
+    let in_narrow = &z.in_narrow;
     Ok(Candidate {
         params: pg.clone(),
         grads: gg.clone(),
         optim: og.clone(),
-        p,
-        g,
-        o,
+        p: z.p,
+        g: z.g,
+        o: z.o,
         baseline: (!names.is_empty()).then(|| names.join("/")),
         fits: memory.total <= ctx.budget,
         memory,
@@ -1554,8 +1654,8 @@ fn evaluate(
         bytes_per_link: links,
         cross_node_bytes,
         row_exchanged,
-        narrow: (narrow_pad > 0).then(|| NarrowChoice {
-            group: ng.clone(),
+        narrow: (z.narrow_pad > 0).then(|| NarrowChoice {
+            group: z.ng.clone(),
             layers: in_narrow.iter().filter(|&&f| f).count(),
             params: prof
                 .param_names
