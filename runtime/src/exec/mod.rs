@@ -557,6 +557,99 @@ fn check_fault(
     Ok(())
 }
 
+/// What the threads of one [`Executor::run`] share.
+struct RunState {
+    /// The node lists of each thread: (rank, stream, nodes).
+    lists: Vec<(usize, usize, Vec<usize>)>,
+    sync_mode: bool,
+    steps: usize,
+    /// Steps run before this run.
+    base_step: usize,
+    epoch: Instant,
+    barrier: StepBarrier,
+    abort: AtomicBool,
+    failure: Mutex<Option<ExecError>>,
+    /// Each rank's own error (not the aborts another's caused), for the flight report.
+    rank_errors: Mutex<Vec<Option<String>>>,
+    events: Vec<EventTable>,
+    progress: Vec<Progress>,
+    finished: AtomicUsize,
+    /// Per step, rank and stream: [busy, wait] in ns.
+    stats: Vec<Mutex<Vec<[u64; 4]>>>,
+    walls: Mutex<Vec<Duration>>,
+    losses: Mutex<Vec<Option<f64>>>,
+    traces: Mutex<Vec<Vec<TraceEvent>>>,
+}
+
+impl RunState {
+    fn new(ex: &Executor, steps: usize) -> RunState {
+        let w = ex.world;
+        let lists = ex.thread_lists();
+        let n_threads = lists.len();
+        RunState {
+            sync_mode: ex.opts.comm == CommMode::Sync,
+            steps,
+            barrier: StepBarrier::new(n_threads),
+            abort: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            rank_errors: Mutex::new(vec![None; w]),
+            events: (0..w).map(|_| EventTable::new(ex.n_events)).collect(),
+            progress: (0..n_threads).map(|_| Progress::default()).collect(),
+            finished: AtomicUsize::new(0),
+            stats: (0..steps)
+                .map(|_| Mutex::new(vec![[0u64; 4]; w * 3]))
+                .collect(),
+            walls: Mutex::new(Vec::with_capacity(steps)),
+            losses: Mutex::new(Vec::with_capacity(steps)),
+            epoch: Instant::now(),
+            base_step: ex.steps_run,
+            traces: Mutex::new(Vec::new()),
+            lists,
+        }
+    }
+
+    /// Stops the run with `e`: the first real error wins over the aborts it caused.
+    fn fail(&self, e: ExecError) {
+        self.abort.store(true, Ordering::Relaxed);
+        let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        // the first real error wins over the aborts it caused
+        if f.is_none() || (!e.is_abort() && f.as_ref().is_some_and(ExecError::is_abort)) {
+            *f = Some(e);
+        }
+    }
+}
+
+/// Each step's [`StepStats`] from the threads' per-step records.
+fn step_stats(
+    stats: Vec<Mutex<Vec<[u64; 4]>>>,
+    walls: &[Duration],
+    losses: &[Option<f64>],
+    base_step: usize,
+    w: usize,
+) -> Vec<StepStats> {
+    let mut out = Vec::with_capacity(stats.len());
+    for (k, st) in stats.into_iter().enumerate() {
+        let st = st.into_inner().unwrap_or_else(|e| e.into_inner());
+        let mut busy = [0u64; 3];
+        let mut exposed = 0u64;
+        for r in 0..w {
+            for s in 0..3 {
+                busy[s] += st[r * 3 + s][0];
+            }
+            exposed += st[r * 3][1];
+        }
+        let mean = |x: u64| Duration::from_nanos(x / w as u64);
+        out.push(StepStats {
+            step: base_step + k + 1,
+            loss: losses.get(k).copied().flatten(),
+            wall: walls.get(k).copied().unwrap_or_default(),
+            busy: [mean(busy[0]), mean(busy[1]), mean(busy[2])],
+            exposed_comm: mean(exposed),
+        });
+    }
+    out
+}
+
 impl Executor {
     /// Prepares `plan` with the model's full parameters (by name): allocates each rank's
     /// arena, cuts the parameters into master and compute shards as the plan's layouts say,
@@ -729,11 +822,51 @@ impl Executor {
         if steps == 0 {
             return Ok(Vec::new());
         }
-        let w = self.world;
+        let run = RunState::new(self, steps);
+        self.report = None;
+        let this = &*self;
+        std::thread::scope(|scope| {
+            for slot in 0..run.lists.len() {
+                this.spawn_worker(scope, &run, slot)?;
+            }
+            this.spawn_watchdog(scope, &run)
+        })?;
+        let RunState {
+            base_step,
+            failure,
+            rank_errors,
+            stats,
+            walls,
+            losses,
+            traces,
+            ..
+        } = run;
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let errors = rank_errors.into_inner().unwrap_or_else(|e| e.into_inner());
+            self.report = Some(self.flight_report_of(&e.to_string(), &errors));
+            return Err(e);
+        }
+        let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
+        let losses = losses.into_inner().unwrap_or_else(|e| e.into_inner());
+        let out = step_stats(stats, &walls, &losses, base_step, self.world);
+        self.steps_run += steps;
+        if self.opts.trace {
+            for t in traces.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                self.trace.extend(t);
+            }
+            self.trace
+                .sort_by_key(|e| (e.rank, e.stream.index(), e.start, e.node));
+        }
+        Ok(out)
+    }
+
+    /// The node lists of each thread: (rank, stream, nodes). In sync mode one thread per
+    /// rank runs every node but the events; otherwise each rank has a compute thread and a
+    /// thread per comm stream with nodes.
+    fn thread_lists(&self) -> Vec<(usize, usize, Vec<usize>)> {
         let sync_mode = self.opts.comm == CommMode::Sync;
-        // The node lists of each thread: (rank, stream, nodes).
         let mut lists: Vec<(usize, usize, Vec<usize>)> = Vec::new();
-        for r in 0..w {
+        for r in 0..self.world {
             if sync_mode {
                 let all = (0..self.nodes.len())
                     .filter(|&i| !matches!(self.nodes[i].kind, Kind::Record(_) | Kind::Wait(_)))
@@ -750,156 +883,106 @@ impl Executor {
                 }
             }
         }
-        let n_threads = lists.len();
-        let barrier = StepBarrier::new(n_threads);
-        let abort = AtomicBool::new(false);
-        let failure: Mutex<Option<ExecError>> = Mutex::new(None);
-        // Each rank's own error (not the aborts another's caused), for the flight report.
-        let rank_errors: Mutex<Vec<Option<String>>> = Mutex::new(vec![None; w]);
-        let events: Vec<EventTable> = (0..w).map(|_| EventTable::new(self.n_events)).collect();
-        let progress: Vec<Progress> = (0..lists.len()).map(|_| Progress::default()).collect();
-        let finished = AtomicUsize::new(0);
-        // Per step, rank and stream: [busy, wait] in ns.
-        let stats: Vec<Mutex<Vec<[u64; 4]>>> = (0..steps)
-            .map(|_| Mutex::new(vec![[0u64; 4]; w * 3]))
-            .collect();
-        let walls: Mutex<Vec<Duration>> = Mutex::new(Vec::with_capacity(steps));
-        let losses: Mutex<Vec<Option<f64>>> = Mutex::new(Vec::with_capacity(steps));
-        let epoch = Instant::now();
-        let base_step = self.steps_run;
-        let traces: Mutex<Vec<Vec<TraceEvent>>> = Mutex::new(Vec::new());
-        self.report = None;
-        let this = &*self;
-        let fail = |e: ExecError| {
-            abort.store(true, Ordering::Relaxed);
-            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
-            // the first real error wins over the aborts it caused
-            if f.is_none() || (!e.is_abort() && f.as_ref().is_some_and(ExecError::is_abort)) {
-                *f = Some(e);
-            }
+        lists
+    }
+
+    /// Starts the thread of `run.lists[slot]`.
+    fn spawn_worker<'scope, 'env>(
+        &'env self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        run: &'env RunState,
+        slot: usize,
+    ) -> Result<(), ExecError> {
+        let (r, s, _) = run.lists[slot];
+        std::thread::Builder::new()
+            .name(format!("hzp-r{r}-{}", StreamKind::ALL[s].name()))
+            .spawn_scoped(scope, move || self.worker(run, slot))
+            .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+        Ok(())
+    }
+
+    /// The body of the thread of `run.lists[slot]`: runs its nodes for every step; a
+    /// failure (or a panic) stops the run.
+    fn worker(&self, run: &RunState, slot: usize) {
+        let (r, s, list) = (run.lists[slot].0, run.lists[slot].1, &run.lists[slot].2);
+        let ctx = ThreadCtx {
+            ex: self,
+            rank: r,
+            stream: s,
+            list,
+            barrier: &run.barrier,
+            abort: &run.abort,
+            events: &run.events[r],
+            sync_mode: run.sync_mode,
+            progress: &run.progress[slot],
         };
-        let shared = RunShared {
-            lists: &lists,
-            progress: &progress,
-            rank_errors: &rank_errors,
+        let steps = run.steps;
+        let mut trace = if self.opts.trace {
+            Vec::with_capacity(list.len() * steps)
+        } else {
+            Vec::new()
         };
-        std::thread::scope(|scope| {
-            for (slot, (r, s, list)) in lists.iter().enumerate() {
-                let (r, s) = (*r, *s);
-                let ctx = ThreadCtx {
-                    ex: this,
-                    rank: r,
-                    stream: s,
-                    list,
-                    barrier: &barrier,
-                    abort: &abort,
-                    events: &events[r],
-                    sync_mode,
-                    progress: &progress[slot],
-                };
-                let stats = &stats;
-                let walls = &walls;
-                let losses = &losses;
-                let traces = &traces;
-                let fail = &fail;
-                let finished = &finished;
-                let rank_errors = &rank_errors;
-                std::thread::Builder::new()
-                    .name(format!("hzp-r{r}-{}", StreamKind::ALL[s].name()))
-                    .spawn_scoped(scope, move || {
-                        let mut trace = if this.opts.trace {
-                            Vec::with_capacity(list.len() * steps)
-                        } else {
-                            Vec::new()
-                        };
-                        let mut scratch = Scratch::default();
-                        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            ctx.run(
-                                steps,
-                                base_step,
-                                epoch,
-                                stats,
-                                walls,
-                                losses,
-                                &mut trace,
-                                &mut scratch,
-                            )
-                        }))
-                        .unwrap_or_else(|payload| {
-                            let msg = payload
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| payload.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "(no message)".into());
-                            Err(ExecError::Run(format!(
-                                "rank {r}'s {} thread panicked: {msg}",
-                                StreamKind::ALL[s].name()
-                            )))
-                        });
-                        ctx.progress.set(IDLE, 0);
-                        if let Err(e) = res {
-                            if !e.is_abort() {
-                                let mut re = rank_errors.lock().unwrap_or_else(|e| e.into_inner());
-                                re[r].get_or_insert_with(|| e.to_string());
-                            }
-                            fail(e);
-                        }
-                        if this.opts.trace {
-                            traces.lock().unwrap_or_else(|e| e.into_inner()).push(trace);
-                        }
-                        finished.fetch_add(1, Ordering::Release);
-                    })
-                    .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+        let mut scratch = Scratch::default();
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ctx.run(
+                steps,
+                run.base_step,
+                run.epoch,
+                &run.stats,
+                &run.walls,
+                &run.losses,
+                &mut trace,
+                &mut scratch,
+            )
+        }))
+        .unwrap_or_else(|payload| {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            Err(ExecError::Run(format!(
+                "rank {r}'s {} thread panicked: {msg}",
+                StreamKind::ALL[s].name()
+            )))
+        });
+        ctx.progress.set(IDLE, 0);
+        if let Err(e) = res {
+            if !e.is_abort() {
+                let mut re = run.rank_errors.lock().unwrap_or_else(|e| e.into_inner());
+                re[r].get_or_insert_with(|| e.to_string());
             }
-            // The watchdog: a wait longer than the timeout stops the run; threads that do not
-            // stop after that get the stuck hook.
-            let shared = &shared;
-            let fail = &fail;
-            let (abort, finished, failure) = (&abort, &finished, &failure);
-            std::thread::Builder::new()
-                .name("hzp-watchdog".into())
-                .spawn_scoped(scope, move || {
-                    this.watch(shared, abort, finished, failure, fail)
-                })
-                .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
-            Ok::<(), ExecError>(())
-        })?;
-        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            let errors = rank_errors.into_inner().unwrap_or_else(|e| e.into_inner());
-            self.report = Some(self.flight_report_of(&e.to_string(), &errors));
-            return Err(e);
+            run.fail(e);
         }
-        let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
-        let losses = losses.into_inner().unwrap_or_else(|e| e.into_inner());
-        let mut out = Vec::with_capacity(steps);
-        for (k, st) in stats.into_iter().enumerate() {
-            let st = st.into_inner().unwrap_or_else(|e| e.into_inner());
-            let mut busy = [0u64; 3];
-            let mut exposed = 0u64;
-            for r in 0..w {
-                for s in 0..3 {
-                    busy[s] += st[r * 3 + s][0];
-                }
-                exposed += st[r * 3][1];
-            }
-            let mean = |x: u64| Duration::from_nanos(x / w as u64);
-            out.push(StepStats {
-                step: base_step + k + 1,
-                loss: losses.get(k).copied().flatten(),
-                wall: walls.get(k).copied().unwrap_or_default(),
-                busy: [mean(busy[0]), mean(busy[1]), mean(busy[2])],
-                exposed_comm: mean(exposed),
-            });
-        }
-        self.steps_run += steps;
         if self.opts.trace {
-            for t in traces.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                self.trace.extend(t);
-            }
-            self.trace
-                .sort_by_key(|e| (e.rank, e.stream.index(), e.start, e.node));
+            run.traces
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(trace);
         }
-        Ok(out)
+        run.finished.fetch_add(1, Ordering::Release);
+    }
+
+    /// Starts the watchdog: a wait longer than the timeout stops the run; threads that do
+    /// not stop after that get the stuck hook.
+    fn spawn_watchdog<'scope, 'env>(
+        &'env self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        run: &'env RunState,
+    ) -> Result<(), ExecError> {
+        std::thread::Builder::new()
+            .name("hzp-watchdog".into())
+            .spawn_scoped(scope, move || {
+                let shared = RunShared {
+                    lists: &run.lists,
+                    progress: &run.progress,
+                    rank_errors: &run.rank_errors,
+                };
+                let fail = |e: ExecError| run.fail(e);
+                self.watch(&shared, &run.abort, &run.finished, &run.failure, &fail)
+            })
+            .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+        Ok(())
     }
 
     /// The nodes run so far, when the executor was made with `trace: true`.
