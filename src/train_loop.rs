@@ -21,7 +21,6 @@ pub fn run_loop(
     fixed: &[(String, Tensor)],
     schedule: &LrSchedule,
 ) -> Result<Vec<StepStats>> {
-    let w = plan.mesh.world_size();
     let p = &plan.program;
     let s = &args.session;
     let mut lp = StepLoop {
@@ -33,32 +32,9 @@ pub fn run_loop(
         samples: 0,
     };
     let eval_every = s.eval_period(args.steps)?;
-    let (feed, val_feed) = match session::open_feeds(s, p, w)? {
-        Some((f, v)) => (Some(f), v),
-        None => (None, None),
-    };
-    lp.feed = feed;
-    if let Some(f) = &lp.feed {
-        lp.println(f.data_line())?;
-    }
-    let mut evaluator = match val_feed {
-        Some(vf) => {
-            let e = Evaluator::new(crate::run::eval_program(args, plan)?, vf, s.eval_batches)?;
-            lp.println(format!("evaluation: {}", e.describe()))?;
-            Some(e)
-        }
-        None => None,
-    };
+    let mut evaluator = lp.open_feeds()?;
     let ckpt_dir = args.checkpoint_dir.as_deref();
-    if ckpt_dir.is_none() && (args.resume || args.checkpoint_every.is_some() || args.keep.is_some())
-    {
-        return Err(miette!(
-            "--resume, --checkpoint-every and --keep need --checkpoint-dir DIR"
-        ));
-    }
-    if args.checkpoint_every == Some(0) || args.keep == Some(0) {
-        return Err(miette!("--checkpoint-every and --keep must be at least 1"));
-    }
+    check_checkpoint_flags(args)?;
     let start = match (args.resume, ckpt_dir) {
         (true, Some(dir)) => lp.resume(ex, dir)?,
         _ => 0,
@@ -146,7 +122,46 @@ struct StepLoop<'a> {
     samples: u64,
 }
 
+/// The checkpoint flags: `--resume`, `--checkpoint-every` and `--keep` need
+/// `--checkpoint-dir`; a period or count of 0 is refused.
+fn check_checkpoint_flags(args: &RunArgs) -> Result<()> {
+    if args.checkpoint_dir.is_none()
+        && (args.resume || args.checkpoint_every.is_some() || args.keep.is_some())
+    {
+        return Err(miette!(
+            "--resume, --checkpoint-every and --keep need --checkpoint-dir DIR"
+        ));
+    }
+    if args.checkpoint_every == Some(0) || args.keep == Some(0) {
+        return Err(miette!("--checkpoint-every and --keep must be at least 1"));
+    }
+    Ok(())
+}
+
 impl StepLoop<'_> {
+    /// Opens `--data` (kept as the loop's feed) and `--val-data` (returned as the
+    /// evaluator), saying what each reads.
+    fn open_feeds(&mut self) -> Result<Option<Evaluator>> {
+        let (args, plan, s) = (self.args, self.plan, &self.args.session);
+        let (feed, val_feed) = match session::open_feeds(s, &plan.program, plan.mesh.world_size())?
+        {
+            Some((f, v)) => (Some(f), v),
+            None => (None, None),
+        };
+        self.feed = feed;
+        if let Some(f) = &self.feed {
+            self.println(f.data_line())?;
+        }
+        Ok(match val_feed {
+            Some(vf) => {
+                let e = Evaluator::new(crate::run::eval_program(args, plan)?, vf, s.eval_batches)?;
+                self.println(format!("evaluation: {}", e.describe()))?;
+                Some(e)
+            }
+            None => None,
+        })
+    }
+
     /// A line on stdout (with `--format json`, stdout holds the JSON document only).
     fn println(&self, line: String) -> Result<()> {
         if self.text {
