@@ -340,6 +340,20 @@ fn install_panic_hook() {
 }
 
 fn main() {
+    process_setup();
+    let cli = parse_cli();
+    apply_global_flags(&cli);
+    let result = run_command(cli.command);
+    let result = result.and_then(|()| stdio::flush());
+    if let Err(e) = result {
+        note!("{e:?}");
+        std::process::exit(1);
+    }
+}
+
+/// Process-wide settings made before anything else: SIGPIPE, the allocator's thresholds,
+/// the panic hook and how errors are printed.
+fn process_setup() {
     // Exit quietly when the reader of our output goes away (`hzp show ... | head`), as
     // command-line tools do, instead of panicking on a broken pipe.
     #[cfg(unix)]
@@ -365,7 +379,12 @@ fn main() {
             Box::new(miette::MietteHandlerOpts::new().wrap_lines(false).build())
         }));
     }
-    let cli = match Cli::try_parse() {
+}
+
+/// The command line; a usage error (or `--help`, `--version`) is printed and ends the
+/// process here.
+fn parse_cli() -> Cli {
+    match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
             use clap::error::ErrorKind;
@@ -386,7 +405,11 @@ fn main() {
                 }
             }
         }
-    };
+    }
+}
+
+/// The flags that apply to every command: the thread-count note and `--max-memory`.
+fn apply_global_flags(cli: &Cli) {
     if let Some(n) = hzp_runtime::cpu::threads::setting_note() {
         note!("{n}");
     }
@@ -403,7 +426,11 @@ fn main() {
             }
         }
     }
-    let result = match cli.command {
+}
+
+/// Runs one command.
+fn run_command(command: Command) -> Result<(), miette::Report> {
+    match command {
         Command::Import {
             model,
             inputs,
@@ -491,10 +518,5 @@ fn main() {
         } => simulate::scale(&model, &train, &scale),
         Command::Checkpoint { what } => data_cmd::checkpoint_cmd(&what),
         Command::Data { what } => data_cmd::data_cmd(&what),
-    };
-    let result = result.and_then(|()| stdio::flush());
-    if let Err(e) = result {
-        note!("{e:?}");
-        std::process::exit(1);
     }
 }

@@ -376,48 +376,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         .map_err(|e| miette!("--collective-timeout {e}"))?;
     let fault = hzp_runtime::watchdog::Fault::from_env().map_err(|e| miette!("{e}"))?;
     let plan = read_plan(&args.plan)?;
-    let link: Option<Arc<dyn LinkModel>> = match (&args.emulate_links, &args.link) {
-        (Some(path), _) => {
-            let spec = ClusterSpec::load(path).map_err(|e| miette!("{e}"))?;
-            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
-            Some(Arc::new(CostLinks(cm)))
-        }
-        (None, Some(s)) => {
-            let spec = links_from_flag(s, &plan.mesh)?;
-            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
-            Some(Arc::new(CostLinks(cm)))
-        }
-        (None, None) => None,
-    };
-    let mut outs: Vec<&Path> = vec![args.plan.as_path()];
-    outs.extend(args.inputs.as_deref());
-    outs.extend(args.params.as_deref());
-    outs.extend(args.session.data.as_deref());
-    outs.extend(args.session.val_data.as_deref());
-    outs.extend(args.emulate_links.as_deref());
-    for out in args
-        .save_params
-        .iter()
-        .chain(&args.trace)
-        .chain(&args.session.log)
-    {
-        crate::files::check_output(out, &outs)?;
-    }
-    if args.inputs.is_none() && args.session.data.is_none() {
-        return Err(miette!(
-            "hzp run needs the batch: --inputs IN.npz (the same batch every step) or --data TOKENS.bin"
-        ));
-    }
-    let fixed = match &args.inputs {
-        Some(p) => npz::read(p).map_err(|e| miette!("{e}"))?,
-        None => Vec::new(),
-    };
-    // Token ids and labels in range, for every backend (the row-exchanged embedding
-    // gradient relies on it as much as the lookup does); --data checks its own.
-    if let Some(path) = &args.inputs {
-        hzp_runtime::index_check::check_index_inputs(&plan.program, &fixed)
-            .map_err(|e| miette!("{}: {e}", path.display()))?;
-    }
+    let link = link_model(args, &plan)?;
+    let outs = checked_outputs(args)?;
+    let fixed = fixed_batch(args, &plan)?;
     let lr_max = args.lr.or(plan.lr).ok_or_else(|| {
         miette!("the plan records no learning rate (compiled by an older hzp?): pass --lr")
     })?;
@@ -446,40 +407,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "--ranks-on-one-gpu is an option of --backend cuda (the CPU backend always runs every rank in this process)"
         ));
     }
-    let w = plan.mesh.world_size();
     let text = args.format == Format::Text;
-    let recorder_dir = args.flight_recorder.clone();
-    let opts = ExecOptions {
-        comm,
-        link: link.clone(),
-        trace: args.trace.is_some(),
-        collective_timeout: Some(timeout),
-        fault,
-        on_stuck: Some(Arc::new(move |report: &FlightReport| {
-            // threads that ignore the abort: report, then end the process (nothing else can)
-            emit_flight_report(report, recorder_dir.as_deref());
-            note!("error: {}", report.reason);
-            std::process::exit(EXIT_STUCK);
-        })),
-        flight_capacity: 0,
-    };
+    let opts = exec_options(args, comm, link, timeout, fault);
     let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
-    let header = |verb: &str| {
-        format!(
-            "{verb} {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
-            args.plan.display(),
-            plan.model,
-            plan.mesh,
-            if w == 1 { "" } else { "s" },
-            plan.strategy,
-            args.comm,
-            match (&args.emulate_links, &args.link) {
-                (Some(p), _) => format!(", links emulated from {}", p.display()),
-                (None, Some(s)) => format!(", links emulated at {s}"),
-                _ => String::new(),
-            }
-        )
-    };
     let stats = if plain {
         let batch = hzp_passes::train::with_lr(&plan.program, &fixed, lr_max);
         ex.set_inputs(&batch).map_err(|e| {
@@ -493,7 +423,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     } else {
         // the loop prints a line per step as it goes: the header comes first
         if text {
-            outln!("{}", header("running"));
+            outln!("{}", run_header(args, &plan, "running"));
         }
         let r = crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule);
         flight_on_error(r, &ex, args)?
@@ -501,9 +431,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
     if text {
         if plain {
-            outln!("{}", header("ran"));
-        }
-        if plain {
+            outln!("{}", run_header(args, &plan, "ran"));
             for s in &stats {
                 outln!(
                     "step {:>4}  loss {}  ({:.1} ms)",
@@ -516,60 +444,183 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if stats.is_empty() {
             return Ok(());
         }
-        let m = measured(&stats);
-        let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
-        outln!(
-            "per step, mean over {} step{}{} and the ranks:",
-            m.len(),
-            if m.len() == 1 { "" } else { "s" },
-            if stats.len() > 1 {
-                " (the first, warm-up, left out)"
-            } else {
-                ""
-            }
-        );
-        outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
-        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
-            let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
-            outln!(
-                "  {:<16} {:>10.3}  {:>6.1}%",
-                s.name(),
-                ms(b),
-                100.0 * b.as_secs_f64() / wall.as_secs_f64().max(1e-12)
-            );
-        }
-        let comm_t = mean(&m.iter().map(|x| x.comm()).collect::<Vec<_>>());
-        let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
-        outln!("  step time        {:>10.3} ms", ms(wall));
-        if exposed <= comm_t {
-            outln!(
-                "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
-                ms(exposed),
-                100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
-                ms(comm_t)
-            );
-        } else {
-            // The compute stream waited on comm streams that were themselves waiting (for
-            // other ranks, or on compute): a share of their busy time would exceed 100%.
-            outln!(
-                "  exposed communication {:.3} ms (compute waited on the comm streams longer than their busy time {:.3} ms: they were waiting too, for other ranks or on compute)",
-                ms(exposed),
-                ms(comm_t)
-            );
-        }
+        print_step_summary(&stats)?;
     }
+    let saved = write_run_outputs(args, &plan, &ex, &outs, text)?;
+    if !text {
+        print_run_json(args, &plan, &stats, saved)?;
+    }
+    Ok(())
+}
+
+/// `--emulate-links` or `--link`: the link model collectives are slowed down to.
+fn link_model(args: &RunArgs, plan: &Plan) -> Result<Option<Arc<dyn LinkModel>>> {
+    Ok(match (&args.emulate_links, &args.link) {
+        (Some(path), _) => {
+            let spec = ClusterSpec::load(path).map_err(|e| miette!("{e}"))?;
+            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
+            Some(Arc::new(CostLinks(cm)))
+        }
+        (None, Some(s)) => {
+            let spec = links_from_flag(s, &plan.mesh)?;
+            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
+            Some(Arc::new(CostLinks(cm)))
+        }
+        (None, None) => None,
+    })
+}
+
+/// The files `hzp run` reads; every file it writes is checked not to be one of them.
+fn checked_outputs(args: &RunArgs) -> Result<Vec<&Path>> {
+    let mut outs: Vec<&Path> = vec![args.plan.as_path()];
+    outs.extend(args.inputs.as_deref());
+    outs.extend(args.params.as_deref());
+    outs.extend(args.session.data.as_deref());
+    outs.extend(args.session.val_data.as_deref());
+    outs.extend(args.emulate_links.as_deref());
+    for out in args
+        .save_params
+        .iter()
+        .chain(&args.trace)
+        .chain(&args.session.log)
+    {
+        crate::files::check_output(out, &outs)?;
+    }
+    Ok(outs)
+}
+
+/// The batch of `--inputs` (empty with `--data` alone), its token ids and labels checked.
+fn fixed_batch(args: &RunArgs, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
+    if args.inputs.is_none() && args.session.data.is_none() {
+        return Err(miette!(
+            "hzp run needs the batch: --inputs IN.npz (the same batch every step) or --data TOKENS.bin"
+        ));
+    }
+    let fixed = match &args.inputs {
+        Some(p) => npz::read(p).map_err(|e| miette!("{e}"))?,
+        None => Vec::new(),
+    };
+    // Token ids and labels in range, for every backend (the row-exchanged embedding
+    // gradient relies on it as much as the lookup does); --data checks its own.
+    if let Some(path) = &args.inputs {
+        hzp_runtime::index_check::check_index_inputs(&plan.program, &fixed)
+            .map_err(|e| miette!("{}: {e}", path.display()))?;
+    }
+    Ok(fixed)
+}
+
+/// The CPU executor's options; threads that ignore an abort get the flight report
+/// printed (and written to `--flight-recorder`), then the process ends.
+fn exec_options(
+    args: &RunArgs,
+    comm: CommMode,
+    link: Option<Arc<dyn LinkModel>>,
+    timeout: Duration,
+    fault: Option<hzp_runtime::watchdog::Fault>,
+) -> ExecOptions {
+    let recorder_dir = args.flight_recorder.clone();
+    ExecOptions {
+        comm,
+        link,
+        trace: args.trace.is_some(),
+        collective_timeout: Some(timeout),
+        fault,
+        on_stuck: Some(Arc::new(move |report: &FlightReport| {
+            // threads that ignore the abort: report, then end the process (nothing else can)
+            emit_flight_report(report, recorder_dir.as_deref());
+            note!("error: {}", report.reason);
+            std::process::exit(EXIT_STUCK);
+        })),
+        flight_capacity: 0,
+    }
+}
+
+/// The first line of the text report: `{verb} PLAN (model on mesh, W ranks, ...)`.
+fn run_header(args: &RunArgs, plan: &Plan, verb: &str) -> String {
+    let w = plan.mesh.world_size();
+    format!(
+        "{verb} {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
+        args.plan.display(),
+        plan.model,
+        plan.mesh,
+        if w == 1 { "" } else { "s" },
+        plan.strategy,
+        args.comm,
+        match (&args.emulate_links, &args.link) {
+            (Some(p), _) => format!(", links emulated from {}", p.display()),
+            (None, Some(s)) => format!(", links emulated at {s}"),
+            _ => String::new(),
+        }
+    )
+}
+
+/// The text summary of the measured steps: per stream busy time, step time, exposed
+/// communication.
+fn print_step_summary(stats: &[StepStats]) -> Result<()> {
+    let m = measured(stats);
+    let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
+    outln!(
+        "per step, mean over {} step{}{} and the ranks:",
+        m.len(),
+        if m.len() == 1 { "" } else { "s" },
+        if stats.len() > 1 {
+            " (the first, warm-up, left out)"
+        } else {
+            ""
+        }
+    );
+    outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
+    for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
+        let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
+        outln!(
+            "  {:<16} {:>10.3}  {:>6.1}%",
+            s.name(),
+            ms(b),
+            100.0 * b.as_secs_f64() / wall.as_secs_f64().max(1e-12)
+        );
+    }
+    let comm_t = mean(&m.iter().map(|x| x.comm()).collect::<Vec<_>>());
+    let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
+    outln!("  step time        {:>10.3} ms", ms(wall));
+    if exposed <= comm_t {
+        outln!(
+            "  exposed communication {:.3} ms ({:.1}% of communication time {:.3} ms)",
+            ms(exposed),
+            100.0 * exposed.as_secs_f64() / comm_t.as_secs_f64().max(1e-12),
+            ms(comm_t)
+        );
+    } else {
+        // The compute stream waited on comm streams that were themselves waiting (for
+        // other ranks, or on compute): a share of their busy time would exceed 100%.
+        outln!(
+            "  exposed communication {:.3} ms (compute waited on the comm streams longer than their busy time {:.3} ms: they were waiting too, for other ranks or on compute)",
+            ms(exposed),
+            ms(comm_t)
+        );
+    }
+    Ok(())
+}
+
+/// `--save-params` and `--trace`; returns how many parameters were saved.
+fn write_run_outputs(
+    args: &RunArgs,
+    plan: &Plan,
+    ex: &Executor,
+    outs: &[&Path],
+    text: bool,
+) -> Result<Option<usize>> {
     let mut saved = None;
     if let Some(out) = &args.save_params {
-        let p = saved_parameters(args, &plan, ex.parameters())?;
-        crate::files::write_npz(out, &outs, &p)?;
+        let p = saved_parameters(args, plan, ex.parameters())?;
+        crate::files::write_npz(out, outs, &p)?;
         saved = Some(p.len());
         if text {
             outln!("saved {} parameters to {}", p.len(), out.display());
         }
     }
     if let Some(out) = &args.trace {
-        let json = trace_json(&ex, ex.trace());
-        crate::files::write_bytes(out, &outs, json.as_bytes())?;
+        let json = trace_json(ex, ex.trace());
+        crate::files::write_bytes(out, outs, json.as_bytes())?;
         if text {
             outln!(
                 "wrote a trace of {} node runs to {}",
@@ -578,39 +629,47 @@ pub fn run(args: &RunArgs) -> Result<()> {
             );
         }
     }
-    if !text {
-        let m = measured(&stats);
-        let secs = |f: &dyn Fn(&StepStats) -> Duration| -> Vec<f64> {
-            stats.iter().map(|s| f(s).as_secs_f64()).collect()
-        };
-        let mut streams = BTreeMap::new();
-        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
-            streams.insert(s.name(), secs(&|x: &StepStats| x.busy[k]));
-        }
-        let v = serde_json::json!({
-            "plan": args.plan.display().to_string(),
-            "model": plan.model,
-            "strategy": plan.strategy,
-            "mesh": plan.mesh.to_string(),
-            "world_size": w,
-            "backend": args.backend,
-            "comm": args.comm,
-            "steps": args.steps,
-            "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
-            "step_seconds": secs(&|x: &StepStats| x.wall),
-            "busy_seconds": streams,
-            "comm_seconds": secs(&|x: &StepStats| x.comm()),
-            "exposed_comm_seconds": secs(&|x: &StepStats| x.exposed_comm),
-            "summary": {
-                "steps_measured": m.len(),
-                "step_seconds": mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>()).as_secs_f64(),
-                "comm_seconds": mean(&m.iter().map(|s| s.comm()).collect::<Vec<_>>()).as_secs_f64(),
-                "exposed_comm_seconds": mean(&m.iter().map(|s| s.exposed_comm).collect::<Vec<_>>()).as_secs_f64(),
-            },
-            "saved_parameters": saved,
-        });
-        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    Ok(saved)
+}
+
+/// The `--format json` report of a CPU run.
+fn print_run_json(
+    args: &RunArgs,
+    plan: &Plan,
+    stats: &[StepStats],
+    saved: Option<usize>,
+) -> Result<()> {
+    let m = measured(stats);
+    let secs = |f: &dyn Fn(&StepStats) -> Duration| -> Vec<f64> {
+        stats.iter().map(|s| f(s).as_secs_f64()).collect()
+    };
+    let mut streams = BTreeMap::new();
+    for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
+        streams.insert(s.name(), secs(&|x: &StepStats| x.busy[k]));
     }
+    let v = serde_json::json!({
+        "plan": args.plan.display().to_string(),
+        "model": plan.model,
+        "strategy": plan.strategy,
+        "mesh": plan.mesh.to_string(),
+        "world_size": plan.mesh.world_size(),
+        "backend": args.backend,
+        "comm": args.comm,
+        "steps": args.steps,
+        "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+        "step_seconds": secs(&|x: &StepStats| x.wall),
+        "busy_seconds": streams,
+        "comm_seconds": secs(&|x: &StepStats| x.comm()),
+        "exposed_comm_seconds": secs(&|x: &StepStats| x.exposed_comm),
+        "summary": {
+            "steps_measured": m.len(),
+            "step_seconds": mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>()).as_secs_f64(),
+            "comm_seconds": mean(&m.iter().map(|s| s.comm()).collect::<Vec<_>>()).as_secs_f64(),
+            "exposed_comm_seconds": mean(&m.iter().map(|s| s.exposed_comm).collect::<Vec<_>>()).as_secs_f64(),
+        },
+        "saved_parameters": saved,
+    });
+    outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     Ok(())
 }
 

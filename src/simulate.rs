@@ -890,38 +890,17 @@ struct ScaleRow {
     note: Option<String>,
 }
 
+/// One (strategy, ranks) pair of `hzp scale`: strategy, ranks, mesh, the model at that
+/// batch, and the compile flags.
+type ScaleJob = (String, usize, String, ModelArgs, CompileArgs);
+
 pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
     let strategies = parse_strategies(&a.strategies)?;
-    let mut ranks: Vec<usize> = Vec::new();
-    for r in a.ranks.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-        let n: usize = r
-            .parse()
-            .map_err(|_| miette!("--ranks: `{r}` is not a number of ranks"))?;
-        if n == 0 {
-            return Err(miette!("--ranks: 0 ranks"));
-        }
-        ranks.push(n);
-    }
-    if ranks.is_empty() {
-        return Err(miette!("--ranks: give at least one world size"));
-    }
+    let ranks = parse_ranks(&a.ranks)?;
     let cluster = load_cluster(a.cluster.as_deref())?;
     let template = match &a.mesh_template {
         Some(t) => t.clone(),
-        None => cluster
-            .mesh
-            .axes
-            .iter()
-            .enumerate()
-            .map(|(i, ax)| {
-                if i == 0 {
-                    format!("{}=*", ax.name)
-                } else {
-                    format!("{}={}", ax.name, ax.size)
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(","),
+        None => default_template(&cluster),
     };
     let meshes: Vec<String> = ranks
         .iter()
@@ -940,9 +919,95 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
     let pb = progress(strategies.len() * ranks.len(), a.quiet);
     pb.set_message("compiling and simulating");
     // Every (strategy, ranks) pair compiles independently; linearity is computed after.
+    let jobs = scale_jobs(model, a, &strategies, &ranks, &meshes)?;
+    let results: Vec<_> = jobs
+        .par_iter()
+        .map(|(s, n, mesh, m, c)| {
+            let row = match evaluate(m, None, t, c, s, &sim) {
+                Ok(r) => r,
+                Err(e) => empty_row(s, mesh, *n, format!("{e}")),
+            };
+            pb.inc(1);
+            row
+        })
+        .collect();
+    let rows = scale_rows(&jobs, results);
+    pb.finish_and_clear();
+    if rows.iter().all(|r| !r.tokens_per_s.is_finite()) {
+        let notes: Vec<String> = rows.iter().filter_map(|r| r.note.clone()).collect();
+        return Err(miette!(
+            "no configuration could be simulated:\n{}",
+            notes.join("\n")
+        ));
+    }
+    match a.format {
+        TableFormat::Json => outln!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
+        TableFormat::Text | TableFormat::Markdown => {
+            let md = a.format == TableFormat::Markdown;
+            if !md {
+                outln!(
+                    "weak scaling of {} on {} (mesh {}), fixed tokens per rank:",
+                    model.model,
+                    cluster.name,
+                    template
+                );
+            }
+            print_scale_table(&rows, md)?;
+            print_scale_notes(&rows, &strategies, &ranks, md)?;
+        }
+    }
+    Ok(())
+}
+
+/// `--ranks`: the world sizes, each at least 1, at least one.
+fn parse_ranks(s: &str) -> Result<Vec<usize>> {
+    let mut ranks: Vec<usize> = Vec::new();
+    for r in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+        let n: usize = r
+            .parse()
+            .map_err(|_| miette!("--ranks: `{r}` is not a number of ranks"))?;
+        if n == 0 {
+            return Err(miette!("--ranks: 0 ranks"));
+        }
+        ranks.push(n);
+    }
+    if ranks.is_empty() {
+        return Err(miette!("--ranks: give at least one world size"));
+    }
+    Ok(ranks)
+}
+
+/// The cluster's mesh with its outermost axis free (`*`): the default `--mesh-template`.
+fn default_template(cluster: &ClusterSpec) -> String {
+    cluster
+        .mesh
+        .axes
+        .iter()
+        .enumerate()
+        .map(|(i, ax)| {
+            if i == 0 {
+                format!("{}=*", ax.name)
+            } else {
+                format!("{}={}", ax.name, ax.size)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Every (strategy, ranks) pair, strategies outermost; the global batch grows with the
+/// ranks (weak scaling) unless the model is a preset.
+fn scale_jobs(
+    model: &ModelArgs,
+    a: &ScaleArgs,
+    strategies: &[String],
+    ranks: &[usize],
+    meshes: &[String],
+) -> Result<Vec<ScaleJob>> {
+    let preset = model.model.starts_with("preset:");
     let mut jobs = Vec::new();
-    for s in &strategies {
-        for (&n, mesh) in ranks.iter().zip(&meshes) {
+    for s in strategies {
+        for (&n, mesh) in ranks.iter().zip(meshes) {
             let mut m = model.clone();
             if !preset {
                 if n % ranks[0] != 0 {
@@ -957,17 +1022,12 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
             jobs.push((s.clone(), n, mesh.clone(), m, compile_args(a, mesh)?));
         }
     }
-    let results: Vec<_> = jobs
-        .par_iter()
-        .map(|(s, n, mesh, m, c)| {
-            let row = match evaluate(m, None, t, c, s, &sim) {
-                Ok(r) => r,
-                Err(e) => empty_row(s, mesh, *n, format!("{e}")),
-            };
-            pb.inc(1);
-            row
-        })
-        .collect();
+    Ok(jobs)
+}
+
+/// The table's rows: linearity against the first rank count of the same strategy that
+/// could be simulated.
+fn scale_rows(jobs: &[ScaleJob], results: Vec<Row>) -> Vec<ScaleRow> {
     let mut rows: Vec<ScaleRow> = Vec::new();
     let mut base: Option<(&str, usize, f64)> = None;
     for ((s, n, mesh, _, _), row) in jobs.iter().zip(results) {
@@ -997,82 +1057,74 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
             note: row.note,
         });
     }
-    pb.finish_and_clear();
-    if rows.iter().all(|r| !r.tokens_per_s.is_finite()) {
-        let notes: Vec<String> = rows.iter().filter_map(|r| r.note.clone()).collect();
-        return Err(miette!(
-            "no configuration could be simulated:\n{}",
-            notes.join("\n")
-        ));
+    rows
+}
+
+/// The text or Markdown table of `hzp scale`.
+fn print_scale_table(rows: &[ScaleRow], md: bool) -> Result<()> {
+    let mut table = vec![[
+        "strategy",
+        "ranks",
+        "mesh",
+        "step",
+        "tokens/s",
+        "linearity",
+        "MFU",
+        "exposed comm",
+        "cross-node bytes/rank",
+        "fits",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect::<Vec<_>>()];
+    for r in rows {
+        table.push(vec![
+            r.strategy.clone(),
+            r.ranks.to_string(),
+            r.mesh.clone(),
+            or_dash(r.step_time_s, secs),
+            or_dash(r.tokens_per_s, |x| format!("{x:.0}")),
+            or_dash(r.linearity, pct),
+            or_dash(r.mfu, pct),
+            or_dash(r.exposed_comm_fraction, pct),
+            bytes_f(r.cross_node_bytes),
+            if r.fits { "yes" } else { "no" }.to_string(),
+        ]);
     }
-    match a.format {
-        TableFormat::Json => outln!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
-        TableFormat::Text | TableFormat::Markdown => {
-            let md = a.format == TableFormat::Markdown;
-            if !md {
+    print_table(&table, md)
+}
+
+/// The rows' notes, the paper's reference figure, and ours from 256 to 1024 ranks.
+fn print_scale_notes(
+    rows: &[ScaleRow],
+    strategies: &[String],
+    ranks: &[usize],
+    md: bool,
+) -> Result<()> {
+    let lead = if md { "\n" } else { "  " };
+    for r in rows {
+        if let Some(n) = &r.note {
+            outln!("{lead}{} at {} ranks: {n}", r.strategy, r.ranks);
+        }
+    }
+    outln!(
+        "{lead}reference: the AsyncHZP paper (Bai et al., arXiv:2510.20111) reports {} \
+         linearity from 256 to 1024 ranks on its own hardware (a figure from the paper, \
+         not computed here)",
+        pct(PAPER_LINEARITY_256_1024)
+    );
+    for s in strategies {
+        let at = |n: usize| {
+            rows.iter()
+                .find(|r| &r.strategy == s && r.ranks == n)
+                .map(|r| r.linearity)
+        };
+        if let (Some(_), Some(l)) = (at(256), at(1024)) {
+            if ranks.first() == Some(&256) {
                 outln!(
-                    "weak scaling of {} on {} (mesh {}), fixed tokens per rank:",
-                    model.model,
-                    cluster.name,
-                    template
+                    "{lead}ours, {s}: {} from 256 to 1024 ranks (simulated)",
+                    or_dash(l, pct)
                 );
-            }
-            let mut table = vec![[
-                "strategy",
-                "ranks",
-                "mesh",
-                "step",
-                "tokens/s",
-                "linearity",
-                "MFU",
-                "exposed comm",
-                "cross-node bytes/rank",
-                "fits",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect::<Vec<_>>()];
-            for r in &rows {
-                table.push(vec![
-                    r.strategy.clone(),
-                    r.ranks.to_string(),
-                    r.mesh.clone(),
-                    or_dash(r.step_time_s, secs),
-                    or_dash(r.tokens_per_s, |x| format!("{x:.0}")),
-                    or_dash(r.linearity, pct),
-                    or_dash(r.mfu, pct),
-                    or_dash(r.exposed_comm_fraction, pct),
-                    bytes_f(r.cross_node_bytes),
-                    if r.fits { "yes" } else { "no" }.to_string(),
-                ]);
-            }
-            print_table(&table, md)?;
-            let lead = if md { "\n" } else { "  " };
-            for r in &rows {
-                if let Some(n) = &r.note {
-                    outln!("{lead}{} at {} ranks: {n}", r.strategy, r.ranks);
-                }
-            }
-            outln!(
-                "{lead}reference: the AsyncHZP paper (Bai et al., arXiv:2510.20111) reports {} \
-                 linearity from 256 to 1024 ranks on its own hardware (a figure from the paper, \
-                 not computed here)",
-                pct(PAPER_LINEARITY_256_1024)
-            );
-            for s in &strategies {
-                let at = |n: usize| {
-                    rows.iter()
-                        .find(|r| &r.strategy == s && r.ranks == n)
-                        .map(|r| r.linearity)
-                };
-                if let (Some(_), Some(l)) = (at(256), at(1024)) {
-                    if ranks.first() == Some(&256) {
-                        outln!(
-                            "{lead}ours, {s}: {} from 256 to 1024 ranks (simulated)",
-                            or_dash(l, pct)
-                        );
-                    }
-                }
             }
         }
     }

@@ -3,13 +3,14 @@
 //! `hzp_runtime::checkpoint`).
 
 use crate::run::RunArgs;
-use crate::session::{self, Evaluator, Metrics};
+use crate::session::{self, Evaluator, Metrics, TokenFeed};
 use hzp_ir::plan::Plan;
 use hzp_ir::{Tensor, TensorType};
-use hzp_runtime::checkpoint::{self, DataPosition, Manifest};
+use hzp_runtime::checkpoint::{self, Checkpoint, DataPosition, Manifest};
 use hzp_runtime::exec::{Executor, StepStats};
 use hzp_runtime::schedule::LrSchedule;
 use miette::{miette, Result};
+use std::path::Path;
 
 /// Runs `plan` from the step a checkpoint left (or 0) to `--steps`, printing a line per
 /// step; returns the steps' statistics.
@@ -20,138 +21,27 @@ pub fn run_loop(
     fixed: &[(String, Tensor)],
     schedule: &LrSchedule,
 ) -> Result<Vec<StepStats>> {
-    let w = plan.mesh.world_size();
     let p = &plan.program;
     let s = &args.session;
-    let text = args.format == crate::Format::Text;
-    // With --format json, stdout holds the JSON document only.
-    let println = |line: String| -> Result<()> {
-        if text {
-            outln!("{line}");
-        }
-        Ok(())
+    let mut lp = StepLoop {
+        args,
+        plan,
+        schedule,
+        text: args.format == crate::Format::Text,
+        feed: None,
+        samples: 0,
     };
     let eval_every = s.eval_period(args.steps)?;
-    let (mut feed, val_feed) = match session::open_feeds(s, p, w)? {
-        Some((f, v)) => (Some(f), v),
-        None => (None, None),
-    };
-    if let Some(f) = &feed {
-        println(f.data_line())?;
-    }
-    let mut evaluator = match val_feed {
-        Some(vf) => {
-            let e = Evaluator::new(crate::run::eval_program(args, plan)?, vf, s.eval_batches)?;
-            println(format!("evaluation: {}", e.describe()))?;
-            Some(e)
-        }
-        None => None,
-    };
+    let mut evaluator = lp.open_feeds()?;
     let ckpt_dir = args.checkpoint_dir.as_deref();
-    if ckpt_dir.is_none() && (args.resume || args.checkpoint_every.is_some() || args.keep.is_some())
-    {
-        return Err(miette!(
-            "--resume, --checkpoint-every and --keep need --checkpoint-dir DIR"
-        ));
-    }
-    if args.checkpoint_every == Some(0) || args.keep == Some(0) {
-        return Err(miette!("--checkpoint-every and --keep must be at least 1"));
-    }
-
-    // Resume.
-    let mut start = 0usize;
-    let mut samples = 0u64;
-    if let (true, Some(dir)) = (args.resume, ckpt_dir) {
-        match checkpoint::latest(dir, &mut |n| eprintln!("note: {n}"))
-            .map_err(|e| miette!("{e}"))?
-        {
-            None => eprintln!(
-                "note: --resume: no checkpoint in {} yet; starting at step 0",
-                dir.display()
-            ),
-            Some(c) => {
-                let m = &c.manifest;
-                if !m.model_fingerprint.is_empty()
-                    && !plan.model_fingerprint.is_empty()
-                    && m.model_fingerprint != plan.model_fingerprint
-                {
-                    return Err(miette!(
-                        "{}: written for another model ({} with parameter fingerprint {}...); this plan trains {} ({}...)",
-                        c.path.display(),
-                        m.model,
-                        &m.model_fingerprint[..12.min(m.model_fingerprint.len())],
-                        plan.model,
-                        &plan.model_fingerprint[..12.min(plan.model_fingerprint.len())]
-                    ));
-                }
-                if m.plan_hash == plan.content_hash {
-                    ex.restore(&c.ranks)
-                        .map_err(|e| miette!("{}: {e}", c.path.display()))?;
-                    println(format!(
-                        "resumed from {} (step {})",
-                        c.path.display(),
-                        m.step
-                    ))?;
-                } else {
-                    let want: Vec<Vec<(String, TensorType)>> = (0..w)
-                        .map(|_| {
-                            p.params
-                                .iter()
-                                .map(|x| x.value)
-                                .chain(p.states.iter().map(|s| s.value))
-                                .map(|v| (p.value(v).name.clone(), p.ty(v).clone()))
-                                .collect()
-                        })
-                        .collect();
-                    let values = c
-                        .reshard(&plan.mesh, &plan.layouts, &want)
-                        .map_err(|e| miette!("{e}"))?;
-                    ex.restore(&values)
-                        .map_err(|e| miette!("{}: {e}", c.path.display()))?;
-                    println(format!(
-                        "resumed from {} (step {}), resharded from {} ({}, {} rank{}) to {} ({}, {w} rank{})",
-                        c.path.display(),
-                        m.step,
-                        m.mesh,
-                        m.strategy,
-                        m.world_size(),
-                        if m.world_size() == 1 { "" } else { "s" },
-                        plan.mesh,
-                        plan.strategy,
-                        if w == 1 { "" } else { "s" }
-                    ))?;
-                }
-                start = m.step;
-                if let (Some(d), Some(f)) = (&m.data, &feed) {
-                    samples = d.samples;
-                    if d.tokens != f.tokens() || d.seq != f.seq {
-                        eprintln!(
-                            "note: the checkpoint read {} ({} tokens, sequences of {}); this run reads {} tokens in sequences of {}: the data position (sample {}) is kept",
-                            d.file,
-                            d.tokens,
-                            d.seq,
-                            f.tokens(),
-                            f.seq,
-                            d.samples
-                        );
-                    }
-                } else if let Some(f) = &feed {
-                    samples = (start * f.rows) as u64;
-                }
-                if let Some(old) = &m.schedule {
-                    if old != schedule {
-                        eprintln!(
-                            "note: the checkpoint's run had learning rate {old}; this run uses {schedule}"
-                        );
-                    }
-                }
-                ex.set_steps_run(start);
-            }
-        }
-    }
+    check_checkpoint_flags(args)?;
+    let start = match (args.resume, ckpt_dir) {
+        (true, Some(dir)) => lp.resume(ex, dir)?,
+        _ => 0,
+    };
     let end = args.stop_at.map_or(args.steps, |n| n.min(args.steps));
     if start >= end {
-        println(format!(
+        lp.println(format!(
             "nothing to run: {start} steps done, --steps {}",
             args.steps
         ))?;
@@ -159,7 +49,7 @@ pub fn run_loop(
     }
 
     let mut metrics = Metrics::open(s.log.as_deref())?;
-    let pb = if text {
+    let pb = if lp.text {
         session::progress(args.steps, start)
     } else {
         None
@@ -168,12 +58,12 @@ pub fn run_loop(
     let mut out = Vec::with_capacity(end - start);
     for step in start..end {
         let lr = schedule.at(step);
-        let batch = session::step_batch(p, fixed, feed.as_mut(), samples, lr)?;
+        let batch = session::step_batch(p, fixed, lp.feed.as_mut(), lp.samples, lr)?;
         ex.set_inputs(&batch)
             .map_err(|e| miette!("step {}: {e}", step + 1))?;
         let st = ex.step().map_err(|e| miette!("{e}"))?;
-        if let Some(f) = &feed {
-            samples += f.rows as u64;
+        if let Some(f) = &lp.feed {
+            lp.samples += f.rows as u64;
         }
         let done = step + 1;
         let val_loss = match (&mut evaluator, eval_every) {
@@ -187,14 +77,14 @@ pub fn run_loop(
             loss: st.loss,
             lr,
             seconds: st.wall.as_secs_f64(),
-            tokens: feed.as_ref().map(|f| f.rows * f.seq),
+            tokens: lp.feed.as_ref().map(|f| f.rows * f.seq),
             grad_norm: norm_name
                 .as_deref()
                 .and_then(|n| ex.value(0, n))
                 .and_then(|t| t.to_f64_vec().first().copied()),
             val_loss,
         };
-        if text {
+        if lp.text {
             session::say(&pb, &report.line())?;
         }
         if let Some(b) = &pb {
@@ -210,48 +100,7 @@ pub fn run_loop(
                 .checkpoint_every
                 .is_some_and(|k| done.is_multiple_of(k));
             if due || done == end {
-                let manifest = Manifest {
-                    format: checkpoint::FORMAT,
-                    step: done,
-                    model: plan.model.clone(),
-                    model_fingerprint: plan.model_fingerprint.clone(),
-                    plan_hash: plan.content_hash.clone(),
-                    strategy: plan.strategy.clone(),
-                    mesh: plan.mesh.clone(),
-                    micro_batches: plan.micro_batches,
-                    layouts: plan.layouts.clone(),
-                    data: feed
-                        .as_ref()
-                        .zip(s.data.as_ref())
-                        .map(|(f, path)| DataPosition {
-                            file: path.display().to_string(),
-                            tokens: f.tokens(),
-                            samples,
-                            batch: f.rows,
-                            seq: f.seq,
-                            shuffle: s.shuffle,
-                        }),
-                    schedule: Some(*schedule),
-                    lr,
-                    files: Vec::new(),
-                };
-                let per_rank: Vec<Vec<(String, Tensor)>> =
-                    (0..w).map(|r| ex.persistent(r)).collect();
-                let t0 = std::time::Instant::now();
-                let (path, bytes) = checkpoint::save(dir, manifest, &per_rank, args.keep)
-                    .map_err(|e| miette!("{e}"))?;
-                let say = |l: &str| -> Result<()> {
-                    if text {
-                        session::say(&pb, l)?;
-                    }
-                    Ok(())
-                };
-                say(&format!(
-                    "checkpoint {} ({}, {:.1} ms)",
-                    path.display(),
-                    hzp_ir::plan::format_bytes(bytes),
-                    t0.elapsed().as_secs_f64() * 1e3
-                ))?;
+                lp.save_checkpoint(ex, dir, done, lr, &pb)?;
             }
         }
     }
@@ -259,4 +108,223 @@ pub fn run_loop(
         b.finish_and_clear();
     }
     Ok(out)
+}
+
+/// What the step loop keeps between steps besides the executor: the token feed and the
+/// position in it.
+struct StepLoop<'a> {
+    args: &'a RunArgs,
+    plan: &'a Plan,
+    schedule: &'a LrSchedule,
+    text: bool,
+    feed: Option<TokenFeed>,
+    /// Samples read from the feed so far (a resumed run counts those before it).
+    samples: u64,
+}
+
+/// The checkpoint flags: `--resume`, `--checkpoint-every` and `--keep` need
+/// `--checkpoint-dir`; a period or count of 0 is refused.
+fn check_checkpoint_flags(args: &RunArgs) -> Result<()> {
+    if args.checkpoint_dir.is_none()
+        && (args.resume || args.checkpoint_every.is_some() || args.keep.is_some())
+    {
+        return Err(miette!(
+            "--resume, --checkpoint-every and --keep need --checkpoint-dir DIR"
+        ));
+    }
+    if args.checkpoint_every == Some(0) || args.keep == Some(0) {
+        return Err(miette!("--checkpoint-every and --keep must be at least 1"));
+    }
+    Ok(())
+}
+
+impl StepLoop<'_> {
+    /// Opens `--data` (kept as the loop's feed) and `--val-data` (returned as the
+    /// evaluator), saying what each reads.
+    fn open_feeds(&mut self) -> Result<Option<Evaluator>> {
+        let (args, plan, s) = (self.args, self.plan, &self.args.session);
+        let (feed, val_feed) = match session::open_feeds(s, &plan.program, plan.mesh.world_size())?
+        {
+            Some((f, v)) => (Some(f), v),
+            None => (None, None),
+        };
+        self.feed = feed;
+        if let Some(f) = &self.feed {
+            self.println(f.data_line())?;
+        }
+        Ok(match val_feed {
+            Some(vf) => {
+                let e = Evaluator::new(crate::run::eval_program(args, plan)?, vf, s.eval_batches)?;
+                self.println(format!("evaluation: {}", e.describe()))?;
+                Some(e)
+            }
+            None => None,
+        })
+    }
+
+    /// A line on stdout (with `--format json`, stdout holds the JSON document only).
+    fn println(&self, line: String) -> Result<()> {
+        if self.text {
+            outln!("{line}");
+        }
+        Ok(())
+    }
+
+    /// `--resume`: restores the newest checkpoint in `dir` (if any) and the data position;
+    /// returns the step to start at.
+    fn resume(&mut self, ex: &mut Executor, dir: &Path) -> Result<usize> {
+        let Some(c) =
+            checkpoint::latest(dir, &mut |n| eprintln!("note: {n}")).map_err(|e| miette!("{e}"))?
+        else {
+            eprintln!(
+                "note: --resume: no checkpoint in {} yet; starting at step 0",
+                dir.display()
+            );
+            return Ok(0);
+        };
+        self.restore(ex, &c)?;
+        let m = &c.manifest;
+        let start = m.step;
+        if let (Some(d), Some(f)) = (&m.data, &self.feed) {
+            self.samples = d.samples;
+            if d.tokens != f.tokens() || d.seq != f.seq {
+                eprintln!(
+                    "note: the checkpoint read {} ({} tokens, sequences of {}); this run reads {} tokens in sequences of {}: the data position (sample {}) is kept",
+                    d.file,
+                    d.tokens,
+                    d.seq,
+                    f.tokens(),
+                    f.seq,
+                    d.samples
+                );
+            }
+        } else if let Some(f) = &self.feed {
+            self.samples = (start * f.rows) as u64;
+        }
+        if let Some(old) = &m.schedule {
+            if old != self.schedule {
+                eprintln!(
+                    "note: the checkpoint's run had learning rate {old}; this run uses {}",
+                    self.schedule
+                );
+            }
+        }
+        ex.set_steps_run(start);
+        Ok(start)
+    }
+
+    /// Puts checkpoint `c` into the executor: as written when it is of this plan,
+    /// resharded otherwise; refuses one of another model.
+    fn restore(&self, ex: &mut Executor, c: &Checkpoint) -> Result<()> {
+        let (plan, p) = (self.plan, &self.plan.program);
+        let w = plan.mesh.world_size();
+        let m = &c.manifest;
+        if !m.model_fingerprint.is_empty()
+            && !plan.model_fingerprint.is_empty()
+            && m.model_fingerprint != plan.model_fingerprint
+        {
+            return Err(miette!(
+                "{}: written for another model ({} with parameter fingerprint {}...); this plan trains {} ({}...)",
+                c.path.display(),
+                m.model,
+                &m.model_fingerprint[..12.min(m.model_fingerprint.len())],
+                plan.model,
+                &plan.model_fingerprint[..12.min(plan.model_fingerprint.len())]
+            ));
+        }
+        if m.plan_hash == plan.content_hash {
+            ex.restore(&c.ranks)
+                .map_err(|e| miette!("{}: {e}", c.path.display()))?;
+            self.println(format!(
+                "resumed from {} (step {})",
+                c.path.display(),
+                m.step
+            ))?;
+        } else {
+            let want: Vec<Vec<(String, TensorType)>> = (0..w)
+                .map(|_| {
+                    p.params
+                        .iter()
+                        .map(|x| x.value)
+                        .chain(p.states.iter().map(|s| s.value))
+                        .map(|v| (p.value(v).name.clone(), p.ty(v).clone()))
+                        .collect()
+                })
+                .collect();
+            let values = c
+                .reshard(&plan.mesh, &plan.layouts, &want)
+                .map_err(|e| miette!("{e}"))?;
+            ex.restore(&values)
+                .map_err(|e| miette!("{}: {e}", c.path.display()))?;
+            self.println(format!(
+                "resumed from {} (step {}), resharded from {} ({}, {} rank{}) to {} ({}, {w} rank{})",
+                c.path.display(),
+                m.step,
+                m.mesh,
+                m.strategy,
+                m.world_size(),
+                if m.world_size() == 1 { "" } else { "s" },
+                plan.mesh,
+                plan.strategy,
+                if w == 1 { "" } else { "s" }
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the checkpoint of step `done` (run at learning rate `lr`) into `dir`.
+    fn save_checkpoint(
+        &self,
+        ex: &Executor,
+        dir: &Path,
+        done: usize,
+        lr: f64,
+        pb: &Option<indicatif::ProgressBar>,
+    ) -> Result<()> {
+        let (args, plan, s) = (self.args, self.plan, &self.args.session);
+        let manifest = Manifest {
+            format: checkpoint::FORMAT,
+            step: done,
+            model: plan.model.clone(),
+            model_fingerprint: plan.model_fingerprint.clone(),
+            plan_hash: plan.content_hash.clone(),
+            strategy: plan.strategy.clone(),
+            mesh: plan.mesh.clone(),
+            micro_batches: plan.micro_batches,
+            layouts: plan.layouts.clone(),
+            data: self
+                .feed
+                .as_ref()
+                .zip(s.data.as_ref())
+                .map(|(f, path)| DataPosition {
+                    file: path.display().to_string(),
+                    tokens: f.tokens(),
+                    samples: self.samples,
+                    batch: f.rows,
+                    seq: f.seq,
+                    shuffle: s.shuffle,
+                }),
+            schedule: Some(*self.schedule),
+            lr,
+            files: Vec::new(),
+        };
+        let per_rank: Vec<Vec<(String, Tensor)>> = (0..plan.mesh.world_size())
+            .map(|r| ex.persistent(r))
+            .collect();
+        let t0 = std::time::Instant::now();
+        let (path, bytes) =
+            checkpoint::save(dir, manifest, &per_rank, args.keep).map_err(|e| miette!("{e}"))?;
+        if self.text {
+            session::say(
+                pb,
+                &format!(
+                    "checkpoint {} ({}, {:.1} ms)",
+                    path.display(),
+                    hzp_ir::plan::format_bytes(bytes),
+                    t0.elapsed().as_secs_f64() * 1e3
+                ),
+            )?;
+        }
+        Ok(())
+    }
 }

@@ -344,6 +344,20 @@ pub fn validate(text: &str, file: &str) -> Result<TraceSummary, TraceError> {
 
 /// [`validate`] on parsed JSON.
 pub fn validate_value(v: &Json, file: &str) -> Result<TraceSummary, TraceError> {
+    let events = trace_events(v, file)?;
+    let mut summary = TraceSummary::default();
+    // (pid, tid) -> [(ts, end, index)]
+    let mut lanes: BTreeMap<(u64, u64), Vec<Span>> = BTreeMap::new();
+    for (index, ev) in events.iter().enumerate() {
+        check_event(ev, index, file, &mut summary, &mut lanes)?;
+    }
+    check_nesting(events, lanes, file)?;
+    summary.pids.sort_unstable();
+    Ok(summary)
+}
+
+/// The top-level object's checks; returns its `traceEvents` array.
+fn trace_events<'a>(v: &'a Json, file: &str) -> Result<&'a Vec<Json>, TraceError> {
     let fmt_err = |msg: &str| TraceError::Format {
         file: file.to_string(),
         msg: msg.to_string(),
@@ -367,107 +381,122 @@ pub fn validate_value(v: &Json, file: &str) -> Result<TraceSummary, TraceError> 
             return Err(fmt_err("\"otherData\" must be an object"));
         }
     }
-    let mut summary = TraceSummary::default();
-    // (pid, tid) -> [(ts, end, index)]
-    let mut lanes: BTreeMap<(u64, u64), Vec<Span>> = BTreeMap::new();
-    for (index, ev) in events.iter().enumerate() {
-        let name = ev
-            .get("name")
-            .and_then(Json::as_str)
-            .unwrap_or("?")
-            .to_string();
-        let err = |msg: String| TraceError::Event {
-            file: file.to_string(),
-            index,
-            name: name.clone(),
-            msg,
-        };
-        let e = ev
-            .as_object()
-            .ok_or_else(|| err("an event must be an object".into()))?;
-        if !matches!(e.get("name"), Some(Json::String(_))) {
-            return Err(err("\"name\" must be a string".into()));
-        }
-        let ph = e
-            .get("ph")
-            .and_then(Json::as_str)
-            .ok_or_else(|| err("\"ph\" must be a string".into()))?;
-        if !PHASES.contains(&ph) {
-            return Err(err(format!("unknown phase \"ph\": {ph:?}")));
-        }
-        if let Some(c) = e.get("cat") {
-            if !c.is_string() {
-                return Err(err("\"cat\" must be a string".into()));
-            }
-        }
-        let id = |key: &str| -> Result<u64, TraceError> {
-            match e.get(key) {
-                None => Ok(0),
-                Some(x) => x
-                    .as_u64()
-                    .ok_or_else(|| err(format!("\"{key}\" must be a non-negative integer"))),
-            }
-        };
-        let pid = id("pid")?;
-        let tid = id("tid")?;
-        if let Some(a) = e.get("args") {
-            if !a.is_object() {
-                return Err(err("\"args\" must be an object".into()));
-            }
-        }
-        let num = |key: &str| -> Result<Option<f64>, TraceError> {
-            match e.get(key) {
-                None => Ok(None),
-                Some(x) => {
-                    let f = x
-                        .as_f64()
-                        .ok_or_else(|| err(format!("\"{key}\" must be a number")))?;
-                    if !f.is_finite() || f < 0.0 {
-                        return Err(err(format!("\"{key}\" must be finite and >= 0 (got {f})")));
-                    }
-                    Ok(Some(f))
-                }
-            }
-        };
-        match ph {
-            "X" => {
-                let ts = num("ts")?.ok_or_else(|| err("an \"X\" event needs \"ts\"".into()))?;
-                let dur = num("dur")?.ok_or_else(|| err("an \"X\" event needs \"dur\"".into()))?;
-                summary.complete_events += 1;
-                summary.end_us = summary.end_us.max(ts + dur);
-                if !summary.pids.contains(&(pid as u32)) {
-                    summary.pids.push(pid as u32);
-                }
-                lanes
-                    .entry((pid, tid))
-                    .or_default()
-                    .push((ts, ts + dur, index));
-            }
-            "M" => {
-                if !METADATA.contains(&name.as_str()) {
-                    return Err(err(format!(
-                        "unknown metadata event (expected one of {})",
-                        METADATA.join(", ")
-                    )));
-                }
-                if name.ends_with("_name") {
-                    let ok = e
-                        .get("args")
-                        .and_then(|a| a.get("name"))
-                        .is_some_and(Json::is_string);
-                    if !ok {
-                        return Err(err(format!("{name} needs a string \"args\".\"name\"")));
-                    }
-                }
-                summary.metadata_events += 1;
-            }
-            _ => {
-                num("ts")?.ok_or_else(|| err(format!("a \"{ph}\" event needs \"ts\"")))?;
-            }
+    Ok(events)
+}
+
+/// Checks event `index` of `traceEvents`; counts it in `summary` and files a complete
+/// event's span under its (pid, tid) in `lanes`.
+fn check_event(
+    ev: &Json,
+    index: usize,
+    file: &str,
+    summary: &mut TraceSummary,
+    lanes: &mut BTreeMap<(u64, u64), Vec<Span>>,
+) -> Result<(), TraceError> {
+    let name = ev
+        .get("name")
+        .and_then(Json::as_str)
+        .unwrap_or("?")
+        .to_string();
+    let err = |msg: String| TraceError::Event {
+        file: file.to_string(),
+        index,
+        name: name.clone(),
+        msg,
+    };
+    let e = ev
+        .as_object()
+        .ok_or_else(|| err("an event must be an object".into()))?;
+    if !matches!(e.get("name"), Some(Json::String(_))) {
+        return Err(err("\"name\" must be a string".into()));
+    }
+    let ph = e
+        .get("ph")
+        .and_then(Json::as_str)
+        .ok_or_else(|| err("\"ph\" must be a string".into()))?;
+    if !PHASES.contains(&ph) {
+        return Err(err(format!("unknown phase \"ph\": {ph:?}")));
+    }
+    if let Some(c) = e.get("cat") {
+        if !c.is_string() {
+            return Err(err("\"cat\" must be a string".into()));
         }
     }
-    // Complete events on one thread: disjoint or nested. Sort by start, longer first, and
-    // keep a stack of open parents.
+    let id = |key: &str| -> Result<u64, TraceError> {
+        match e.get(key) {
+            None => Ok(0),
+            Some(x) => x
+                .as_u64()
+                .ok_or_else(|| err(format!("\"{key}\" must be a non-negative integer"))),
+        }
+    };
+    let pid = id("pid")?;
+    let tid = id("tid")?;
+    if let Some(a) = e.get("args") {
+        if !a.is_object() {
+            return Err(err("\"args\" must be an object".into()));
+        }
+    }
+    let num = |key: &str| -> Result<Option<f64>, TraceError> {
+        match e.get(key) {
+            None => Ok(None),
+            Some(x) => {
+                let f = x
+                    .as_f64()
+                    .ok_or_else(|| err(format!("\"{key}\" must be a number")))?;
+                if !f.is_finite() || f < 0.0 {
+                    return Err(err(format!("\"{key}\" must be finite and >= 0 (got {f})")));
+                }
+                Ok(Some(f))
+            }
+        }
+    };
+    match ph {
+        "X" => {
+            let ts = num("ts")?.ok_or_else(|| err("an \"X\" event needs \"ts\"".into()))?;
+            let dur = num("dur")?.ok_or_else(|| err("an \"X\" event needs \"dur\"".into()))?;
+            summary.complete_events += 1;
+            summary.end_us = summary.end_us.max(ts + dur);
+            if !summary.pids.contains(&(pid as u32)) {
+                summary.pids.push(pid as u32);
+            }
+            lanes
+                .entry((pid, tid))
+                .or_default()
+                .push((ts, ts + dur, index));
+        }
+        "M" => {
+            if !METADATA.contains(&name.as_str()) {
+                return Err(err(format!(
+                    "unknown metadata event (expected one of {})",
+                    METADATA.join(", ")
+                )));
+            }
+            if name.ends_with("_name") {
+                let ok = e
+                    .get("args")
+                    .and_then(|a| a.get("name"))
+                    .is_some_and(Json::is_string);
+                if !ok {
+                    return Err(err(format!("{name} needs a string \"args\".\"name\"")));
+                }
+            }
+            summary.metadata_events += 1;
+        }
+        _ => {
+            num("ts")?.ok_or_else(|| err(format!("a \"{ph}\" event needs \"ts\"")))?;
+        }
+    }
+    Ok(())
+}
+
+/// Complete events on one thread: disjoint or nested. Sort by start, longer first, and
+/// keep a stack of open parents.
+fn check_nesting(
+    events: &[Json],
+    lanes: BTreeMap<(u64, u64), Vec<Span>>,
+    file: &str,
+) -> Result<(), TraceError> {
     const EPS: f64 = 1e-3; // the writer's resolution (1 ns)
     for ((pid, tid), mut spans) in lanes {
         spans.sort_by(|a, b| {
@@ -506,8 +535,7 @@ pub fn validate_value(v: &Json, file: &str) -> Result<TraceSummary, TraceError> 
             stack.push(s);
         }
     }
-    summary.pids.sort_unstable();
-    Ok(summary)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -115,22 +115,47 @@ fn evaluate_here(
     inputs: &[(String, Tensor)],
 ) -> Result<(Vec<(String, Tensor)>, EvalStats), EvalError> {
     let nv = p.values.len();
-    let in_range = |v: ValueId| {
-        if v.index() < nv {
-            Ok(v)
-        } else {
-            Err(EvalError::Malformed(format!(
-                "reference to missing value {v}"
-            )))
-        }
-    };
     let mut slots: Vec<Option<Cow<'_, Tensor>>> = vec![None; nv];
+    bind_inputs(p, inputs, &mut slots)?;
+    bind_data(p, &mut slots)?;
+    for n in &p.nodes {
+        for &v in n.inputs.iter().chain(&n.outputs) {
+            in_range(p, v)?;
+        }
+    }
+    let mut is_output = vec![false; nv];
+    for &o in &p.outputs {
+        is_output[in_range(p, o)?.index()] = true;
+    }
+    let mut ev = Evaluator::new(p, slots, is_output);
+    for (i, node) in p.nodes.iter().enumerate() {
+        ev.run_node(i, node)?;
+    }
+    ev.finish()
+}
 
-    // ---- bind inputs by name
+/// `v`, if the program has it.
+fn in_range(p: &Program, v: ValueId) -> Result<ValueId, EvalError> {
+    if v.index() < p.values.len() {
+        Ok(v)
+    } else {
+        Err(EvalError::Malformed(format!(
+            "reference to missing value {v}"
+        )))
+    }
+}
+
+/// Binds the inputs by name: each of the program's inputs given once, nothing else, each
+/// of its type (and as the program was specialized); token ids and labels in range.
+fn bind_inputs<'a>(
+    p: &'a Program,
+    inputs: &'a [(String, Tensor)],
+    slots: &mut [Option<Cow<'a, Tensor>>],
+) -> Result<(), EvalError> {
     let by_name: HashMap<&str, ValueId> = p
         .inputs
         .iter()
-        .map(|&v| in_range(v).map(|v| (p.value(v).name.as_str(), v)))
+        .map(|&v| in_range(p, v).map(|v| (p.value(v).name.as_str(), v)))
         .collect::<Result<_, _>>()?;
     let mut given: HashMap<&str, &Tensor> = HashMap::new();
     let (mut unexpected, mut duplicate) = (Vec::new(), Vec::new());
@@ -169,11 +194,13 @@ fn evaluate_here(
         }
         slots[v.index()] = Some(Cow::Borrowed(t));
     }
-    crate::index_check::check_index_inputs(p, inputs).map_err(EvalError::IndexRange)?;
+    crate::index_check::check_index_inputs(p, inputs).map_err(EvalError::IndexRange)
+}
 
-    // ---- parameters and constants
+/// Binds the parameters and constants: each with data of its type.
+fn bind_data<'a>(p: &'a Program, slots: &mut [Option<Cow<'a, Tensor>>]) -> Result<(), EvalError> {
     for prm in &p.params {
-        let v = in_range(prm.value)?;
+        let v = in_range(p, prm.value)?;
         let value = p.value(v);
         let t = prm
             .data
@@ -192,7 +219,7 @@ fn evaluate_here(
         slots[v.index()] = Some(Cow::Borrowed(t));
     }
     for c in &p.consts {
-        let v = in_range(c.value)?;
+        let v = in_range(p, c.value)?;
         let value = p.value(v);
         if c.data.ty() != value.ty || !consistent(&c.data) {
             return Err(EvalError::DataType {
@@ -204,271 +231,339 @@ fn evaluate_here(
         }
         slots[v.index()] = Some(Cow::Borrowed(&c.data));
     }
+    Ok(())
+}
 
-    for n in &p.nodes {
-        for &v in n.inputs.iter().chain(&n.outputs) {
-            in_range(v)?;
+/// An error of `node`.
+fn node_err(node: &hzp_ir::Node, message: String) -> EvalError {
+    EvalError::Node {
+        node: node.name.clone(),
+        op: node.op.name(),
+        message,
+    }
+}
+
+/// `node` reads `v`, which is not bound.
+fn not_computed(p: &Program, node: &hzp_ir::Node, v: ValueId) -> EvalError {
+    node_err(
+        node,
+        format!(
+            "input `{}` has not been computed (nodes out of order?)",
+            p.value(v).name
+        ),
+    )
+}
+
+/// One evaluation: the values bound so far, what was planned before the run (views,
+/// MatMuls deferred to a transpose, liveness, fused runs), and the memory counters.
+struct Evaluator<'a> {
+    p: &'a Program,
+    slots: Vec<Option<Cow<'a, Tensor>>>,
+    is_output: Vec<bool>,
+    /// Transposes and reshapes that only MatMuls read, as strided views.
+    views: Vec<Option<views::View>>,
+    /// At a transpose: the MatMul that runs there.
+    runs_mm: Vec<Option<usize>>,
+    /// MatMuls that run at a transpose instead.
+    deferred_mm: Vec<bool>,
+    /// The last node reading each value (outputs live to the end).
+    last_use: Vec<Option<usize>>,
+    fusion: crate::fuse::Plan,
+    stats: EvalStats,
+    live_bytes: usize,
+    profile: Option<profile::Profile>,
+}
+
+impl<'a> Evaluator<'a> {
+    /// Plans the run of `p` with its inputs, parameters and constants bound in `slots`.
+    fn new(
+        p: &'a Program,
+        slots: Vec<Option<Cow<'a, Tensor>>>,
+        is_output: Vec<bool>,
+    ) -> Evaluator<'a> {
+        // ---- transposes and reshapes that only MatMuls read become strided views
+        let views = views::plan(p, &is_output);
+        // ---- a MatMul read only by a transpose of its last two axes runs at the transpose,
+        // as the product of its transposed operands: (a b)^T = b^T a^T, no copy
+        let (mut runs_mm, mut deferred_mm) =
+            (vec![None; p.nodes.len()], vec![false; p.nodes.len()]);
+        for (t, m) in views::plan_swapped(p, &is_output, &views) {
+            runs_mm[t] = Some(m);
+            deferred_mm[m] = true;
         }
+        let mut ev = Evaluator {
+            p,
+            slots,
+            last_use: vec![None; p.values.len()],
+            is_output,
+            views,
+            runs_mm,
+            deferred_mm,
+            fusion: crate::fuse::Plan::default(),
+            stats: EvalStats::default(),
+            live_bytes: 0,
+            profile: None,
+        };
+        // ---- liveness: the last node reading each value; outputs live to the end
+        for (i, n) in p.nodes.iter().enumerate() {
+            if views::is_view_node(n, &ev.views) || ev.deferred_mm[i] {
+                continue;
+            }
+            for &v in ev.reads(i) {
+                let s = ev.source(v);
+                ev.last_use[s.index()] = Some(i);
+            }
+        }
+        // ---- runs of elementwise nodes that execute as one fused pass
+        if crate::fuse::enabled() {
+            ev.fusion = crate::fuse::plan(p, &ev.is_output, |i| {
+                views::is_view_node(&p.nodes[i], &ev.views)
+                    || ev.deferred_mm[i]
+                    || ev.runs_mm[i].is_some()
+            });
+        }
+        ev.profile = profile::enabled().then(profile::Profile::default);
+        ev
     }
-    let mut is_output = vec![false; nv];
-    for &o in &p.outputs {
-        is_output[in_range(o)?.index()] = true;
-    }
-    // ---- transposes and reshapes that only MatMuls read become strided views
-    let views = views::plan(p, &is_output);
-    // the value a node really reads: a view's source
-    let source = |v: ValueId| views[v.index()].as_ref().map_or(v, |w| w.src);
 
-    // ---- a MatMul read only by a transpose of its last two axes runs at the transpose,
-    // as the product of its transposed operands: (a b)^T = b^T a^T, no copy
-    let (mut runs_mm, mut deferred_mm) = (vec![None; p.nodes.len()], vec![false; p.nodes.len()]);
-    for (t, m) in views::plan_swapped(p, &is_output, &views) {
-        runs_mm[t] = Some(m);
-        deferred_mm[m] = true;
+    /// The value a node really reads: a view's source.
+    fn source(&self, v: ValueId) -> ValueId {
+        self.views[v.index()].as_ref().map_or(v, |w| w.src)
     }
-    let is_deferred = |i: usize| deferred_mm[i];
-    let deferred_into = |i: usize| runs_mm[i];
-    // the inputs a node reads at run time
-    let reads = |i: usize| -> &[ValueId] {
-        match deferred_into(i) {
+
+    /// The inputs node `i` reads at run time.
+    fn reads(&self, i: usize) -> &'a [ValueId] {
+        let p = self.p;
+        match self.runs_mm[i] {
             Some(m) => &p.nodes[m].inputs,
             None => &p.nodes[i].inputs,
         }
-    };
-
-    // ---- liveness: the last node reading each value; outputs live to the end
-    let mut last_use: Vec<Option<usize>> = vec![None; nv];
-    for (i, n) in p.nodes.iter().enumerate() {
-        if views::is_view_node(n, &views) || is_deferred(i) {
-            continue;
-        }
-        for &v in reads(i) {
-            last_use[source(v).index()] = Some(i);
-        }
     }
 
-    // ---- runs of elementwise nodes that execute as one fused pass
-    let fusion = if crate::fuse::enabled() {
-        crate::fuse::plan(p, &is_output, |i| {
-            views::is_view_node(&p.nodes[i], &views) || is_deferred(i) || deferred_into(i).is_some()
-        })
-    } else {
-        crate::fuse::Plan::default()
-    };
-
-    // ---- run
-    let mut stats = EvalStats::default();
-    let mut live_bytes = 0usize;
-    let mut profile = profile::enabled().then(profile::Profile::default);
-    for (i, node) in p.nodes.iter().enumerate() {
+    /// Runs node `i` (unless it is a view, deferred, or no computation), or the fused run
+    /// it starts.
+    fn run_node(&mut self, i: usize, node: &'a hzp_ir::Node) -> Result<(), EvalError> {
         if matches!(
             node.op,
             Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. }
         ) {
-            continue;
+            return Ok(());
         }
-        if views::is_view_node(node, &views) || is_deferred(i) {
-            continue;
+        if views::is_view_node(node, &self.views) || self.deferred_mm[i] {
+            return Ok(());
         }
-        let node_err = |message: String| EvalError::Node {
-            node: node.name.clone(),
-            op: node.op.name(),
-            message,
-        };
-        let not_computed = |v: ValueId| {
-            node_err(format!(
-                "input `{}` has not been computed (nodes out of order?)",
-                p.value(v).name
-            ))
-        };
-        if let Some(g) = fusion.group_of.get(i).copied().flatten() {
+        if let Some(g) = self.fusion.group_of.get(i).copied().flatten() {
             // a fused run executes whole at its first node
-            let group = &fusion.groups[g];
-            if i != group.first {
-                continue;
+            if i == self.fusion.groups[g].first {
+                self.run_fused(g, node)?;
             }
-            // inputs that die here and that the run may reuse are given up to it
-            let dies = |v: ValueId| {
-                last_use[v.index()].is_some_and(|u| u <= group.last) && !is_output[v.index()]
-            };
-            let mut given: Vec<Option<Tensor>> = vec![None; group.inputs.len()];
-            for d in group.donations() {
-                let j = group.inputs.iter().position(|&v| v == d);
-                let owned = matches!(slots[d.index()], Some(Cow::Owned(_)));
-                if let (Some(j), true, true) = (j, dies(d), owned) {
-                    if let Some(Cow::Owned(t)) = slots[d.index()].take() {
-                        live_bytes -= t.size_bytes();
-                        given[j] = Some(t);
-                    }
-                }
-            }
-            let mut args = Vec::with_capacity(group.inputs.len());
-            for (&v, g) in group.inputs.iter().zip(given) {
-                args.push(match g {
-                    Some(t) => crate::fuse::Input::Owned(t),
-                    None => crate::fuse::Input::Borrowed(
-                        slots[v.index()].as_deref().ok_or_else(|| not_computed(v))?,
-                    ),
-                });
-            }
-            let started = profile.as_ref().map(|prof| {
-                (
-                    prof.fused_key(&group.op_names(), group.elements()),
-                    profile::Stamp::now(),
-                )
-            });
-            let results = crate::fuse::run(group, args).map_err(node_err)?;
-            if let (Some(prof), Some((key, t0))) = (profile.as_mut(), started) {
-                prof.record(key, t0);
-            }
-            for (v, t) in group.output_values().zip(results) {
-                live_bytes += t.size_bytes();
-                slots[v.index()] = Some(Cow::Owned(t));
-            }
-            stats.peak_live_bytes = stats.peak_live_bytes.max(live_bytes);
-            for &v in &group.inputs {
-                let dead = last_use[v.index()].is_some_and(|u| u <= group.last);
-                if dead && !is_output[v.index()] {
-                    if let Some(Cow::Owned(t)) = slots[v.index()].take() {
-                        live_bytes -= t.size_bytes();
-                    }
-                }
-            }
-            continue;
+            return Ok(());
         }
-        let swapped = deferred_into(i);
-        if swapped.is_some() || node.inputs.iter().any(|v| views[v.index()].is_some()) {
-            // a MatMul reading a view (the planner allows no other reader), or a transpose
-            // running the MatMul it was deferred from
-            let (mm_op, mm_inputs) = match swapped {
-                Some(m) => (&p.nodes[m].op, &p.nodes[m].inputs[..]),
-                None => (&node.op, &node.inputs[..]),
-            };
-            let started = profile.as_ref().map(|prof| {
-                let shapes: Vec<&[usize]> = mm_inputs.iter().map(|&v| &p.ty(v).shape[..]).collect();
-                (prof.view_key(mm_op, &shapes), profile::Stamp::now())
+        if self.runs_mm[i].is_some() || node.inputs.iter().any(|v| self.views[v.index()].is_some())
+        {
+            return self.run_view_matmul(i, node);
+        }
+        self.run_plain(i, node)
+    }
+
+    /// Runs fused group `g` (at its first node, `node`).
+    fn run_fused(&mut self, g: usize, node: &hzp_ir::Node) -> Result<(), EvalError> {
+        let p = self.p;
+        let group = &self.fusion.groups[g];
+        // inputs that die here and that the run may reuse are given up to it
+        let dies = |v: ValueId| {
+            self.last_use[v.index()].is_some_and(|u| u <= group.last) && !self.is_output[v.index()]
+        };
+        let mut given: Vec<Option<Tensor>> = vec![None; group.inputs.len()];
+        for d in group.donations() {
+            let j = group.inputs.iter().position(|&v| v == d);
+            let owned = matches!(self.slots[d.index()], Some(Cow::Owned(_)));
+            if let (Some(j), true, true) = (j, dies(d), owned) {
+                if let Some(Cow::Owned(t)) = self.slots[d.index()].take() {
+                    self.live_bytes -= t.size_bytes();
+                    given[j] = Some(t);
+                }
+            }
+        }
+        let mut args = Vec::with_capacity(group.inputs.len());
+        for (&v, g) in group.inputs.iter().zip(given) {
+            args.push(match g {
+                Some(t) => crate::fuse::Input::Owned(t),
+                None => crate::fuse::Input::Borrowed(
+                    self.slots[v.index()]
+                        .as_deref()
+                        .ok_or_else(|| not_computed(p, node, v))?,
+                ),
             });
-            let mut operands = Vec::with_capacity(2);
-            for &v in mm_inputs {
-                let src = slots[source(v).index()]
-                    .as_deref()
-                    .ok_or_else(|| not_computed(v))?;
-                operands.push(views::operand(src, views[v.index()].as_ref()).map_err(node_err)?);
-            }
-            let (Op::MatMul, [a, b]) = (mm_op, &operands[..]) else {
-                return Err(node_err(
-                    "internal: a strided view read by a non-MatMul".into(),
-                ));
-            };
-            let (out, shape) = if swapped.is_some() {
-                let (at, bt) = (a.swap_last2(), b.swap_last2());
-                crate::cpu::matmul::matmul_views(&bt, &at).map_err(node_err)?
-            } else {
-                crate::cpu::matmul::matmul_views(a, b).map_err(node_err)?
-            };
-            drop(operands);
-            if let (Some(prof), Some((key, t0))) = (profile.as_mut(), started) {
-                prof.record(key, t0);
-            }
-            let t = Tensor {
-                shape,
-                data: hzp_ir::Data::F32(out),
-            };
-            store(
-                p,
-                node,
-                vec![t],
-                (&last_use, &is_output),
-                &mut slots,
-                &mut live_bytes,
+        }
+        let started = self.profile.as_ref().map(|prof| {
+            (
+                prof.fused_key(&group.op_names(), group.elements()),
+                profile::Stamp::now(),
             )
-            .map_err(node_err)?;
-            stats.peak_live_bytes = stats.peak_live_bytes.max(live_bytes);
-            free_dead(
-                mm_inputs,
-                i,
-                &source,
-                (&last_use, &is_output),
-                &mut slots,
-                &mut live_bytes,
-            );
-            continue;
+        });
+        let results = crate::fuse::run(group, args).map_err(|m| node_err(node, m))?;
+        if let (Some(prof), Some((key, t0))) = (self.profile.as_mut(), started) {
+            prof.record(key, t0);
         }
+        for (v, t) in group.output_values().zip(results) {
+            self.live_bytes += t.size_bytes();
+            self.slots[v.index()] = Some(Cow::Owned(t));
+        }
+        self.stats.peak_live_bytes = self.stats.peak_live_bytes.max(self.live_bytes);
+        for &v in &group.inputs {
+            let dead = self.last_use[v.index()].is_some_and(|u| u <= group.last);
+            if dead && !self.is_output[v.index()] {
+                if let Some(Cow::Owned(t)) = self.slots[v.index()].take() {
+                    self.live_bytes -= t.size_bytes();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A MatMul reading a view (the planner allows no other reader), or a transpose
+    /// running the MatMul it was deferred from (node `i`).
+    fn run_view_matmul(&mut self, i: usize, node: &'a hzp_ir::Node) -> Result<(), EvalError> {
+        let p = self.p;
+        let nerr = |m: String| node_err(node, m);
+        let swapped = self.runs_mm[i];
+        let (mm_op, mm_inputs) = match swapped {
+            Some(m) => (&p.nodes[m].op, &p.nodes[m].inputs[..]),
+            None => (&node.op, &node.inputs[..]),
+        };
+        let started = self.profile.as_ref().map(|prof| {
+            let shapes: Vec<&[usize]> = mm_inputs.iter().map(|&v| &p.ty(v).shape[..]).collect();
+            (prof.view_key(mm_op, &shapes), profile::Stamp::now())
+        });
+        let mut operands = Vec::with_capacity(2);
+        for &v in mm_inputs {
+            let src = self.slots[self.source(v).index()]
+                .as_deref()
+                .ok_or_else(|| not_computed(p, node, v))?;
+            operands.push(views::operand(src, self.views[v.index()].as_ref()).map_err(nerr)?);
+        }
+        let (Op::MatMul, [a, b]) = (mm_op, &operands[..]) else {
+            return Err(nerr("internal: a strided view read by a non-MatMul".into()));
+        };
+        let (out, shape) = if swapped.is_some() {
+            let (at, bt) = (a.swap_last2(), b.swap_last2());
+            crate::cpu::matmul::matmul_views(&bt, &at).map_err(nerr)?
+        } else {
+            crate::cpu::matmul::matmul_views(a, b).map_err(nerr)?
+        };
+        drop(operands);
+        if let (Some(prof), Some((key, t0))) = (self.profile.as_mut(), started) {
+            prof.record(key, t0);
+        }
+        let t = Tensor {
+            shape,
+            data: hzp_ir::Data::F32(out),
+        };
+        self.store_and_free(i, node, vec![t], mm_inputs)
+    }
+
+    /// Runs node `i` with [`eval_op`], or, for a reshape or identity of a dying
+    /// intermediate, by reusing its buffer.
+    fn run_plain(&mut self, i: usize, node: &'a hzp_ir::Node) -> Result<(), EvalError> {
+        let p = self.p;
+        let nerr = |m: String| node_err(node, m);
         let args: Vec<&Tensor> = node
             .inputs
             .iter()
-            .map(|&v| slots[v.index()].as_deref().ok_or_else(|| not_computed(v)))
+            .map(|&v| {
+                self.slots[v.index()]
+                    .as_deref()
+                    .ok_or_else(|| not_computed(p, node, v))
+            })
             .collect::<Result<_, _>>()?;
         // a reshape or identity of a dying intermediate reuses its buffer
         let reuse = node.op.is_view()
             && node.inputs.len() == 1
             && node.outputs.len() == 1
-            && last_use[node.inputs[0].index()] == Some(i)
-            && !is_output[node.inputs[0].index()]
-            && matches!(slots[node.inputs[0].index()], Some(Cow::Owned(_)))
-            && args[0].numel() == p.value(in_range(node.outputs[0])?).ty.numel();
-        let started = profile
+            && self.last_use[node.inputs[0].index()] == Some(i)
+            && !self.is_output[node.inputs[0].index()]
+            && matches!(self.slots[node.inputs[0].index()], Some(Cow::Owned(_)))
+            && args[0].numel() == p.value(in_range(p, node.outputs[0])?).ty.numel();
+        let started = self
+            .profile
             .as_ref()
             .map(|prof| (prof.key(&node.op, &args, reuse), profile::Stamp::now()));
         let results = if reuse {
             drop(args);
             let v = node.inputs[0].index();
-            let Some(Cow::Owned(mut t)) = slots[v].take() else {
-                return Err(node_err("internal: reused input vanished".into()));
+            let Some(Cow::Owned(mut t)) = self.slots[v].take() else {
+                return Err(nerr("internal: reused input vanished".into()));
             };
-            live_bytes -= t.size_bytes();
+            self.live_bytes -= t.size_bytes();
             t.shape = p.value(node.outputs[0]).ty.shape.clone();
             vec![t]
         } else {
-            let r = eval_op(&node.op, &args).map_err(node_err)?;
+            let r = eval_op(&node.op, &args).map_err(nerr)?;
             drop(args);
             r
         };
-        if let (Some(prof), Some((key, t0))) = (profile.as_mut(), started) {
+        if let (Some(prof), Some((key, t0))) = (self.profile.as_mut(), started) {
             prof.record(key, t0);
         }
+        self.store_and_free(i, node, results, &node.inputs)
+    }
+
+    /// Binds node `i`'s results (see [`store`]), counts the peak, and frees what it was
+    /// the last reader of among `read` (see [`free_dead`]).
+    fn store_and_free(
+        &mut self,
+        i: usize,
+        node: &hzp_ir::Node,
+        results: Vec<Tensor>,
+        read: &[ValueId],
+    ) -> Result<(), EvalError> {
         store(
-            p,
+            self.p,
             node,
             results,
-            (&last_use, &is_output),
-            &mut slots,
-            &mut live_bytes,
+            (&self.last_use, &self.is_output),
+            &mut self.slots,
+            &mut self.live_bytes,
         )
-        .map_err(node_err)?;
-        stats.peak_live_bytes = stats.peak_live_bytes.max(live_bytes);
+        .map_err(|m| node_err(node, m))?;
+        self.stats.peak_live_bytes = self.stats.peak_live_bytes.max(self.live_bytes);
+        let views = &self.views;
+        let source = |v: ValueId| views[v.index()].as_ref().map_or(v, |w| w.src);
         free_dead(
-            &node.inputs,
+            read,
             i,
             &source,
-            (&last_use, &is_output),
-            &mut slots,
-            &mut live_bytes,
+            (&self.last_use, &self.is_output),
+            &mut self.slots,
+            &mut self.live_bytes,
         );
+        Ok(())
     }
 
-    if let Some(prof) = profile {
-        prof.report(&p.name);
+    /// Reports the profile (if on) and returns the outputs: the last occurrence of an
+    /// output takes its tensor; earlier ones (an output listed twice) clone it.
+    fn finish(mut self) -> Result<(Vec<(String, Tensor)>, EvalStats), EvalError> {
+        let p = self.p;
+        if let Some(prof) = self.profile.take() {
+            prof.report(&p.name);
+        }
+        let mut outs = Vec::with_capacity(p.outputs.len());
+        for (j, &o) in p.outputs.iter().enumerate() {
+            let value = p.value(o);
+            let last = !p.outputs[j + 1..].contains(&o);
+            let t = if last {
+                self.slots[o.index()].take()
+            } else {
+                self.slots[o.index()].clone()
+            };
+            let t = t.ok_or_else(|| {
+                EvalError::Malformed(format!("output `{}` is never computed", value.name))
+            })?;
+            outs.push((value.name.clone(), t.into_owned()));
+        }
+        Ok((outs, self.stats))
     }
-
-    // ---- outputs
-    // the last occurrence of an output takes its tensor; earlier ones (an output listed
-    // twice) clone it
-    let mut outs = Vec::with_capacity(p.outputs.len());
-    for (j, &o) in p.outputs.iter().enumerate() {
-        let value = p.value(o);
-        let last = !p.outputs[j + 1..].contains(&o);
-        let t = if last {
-            slots[o.index()].take()
-        } else {
-            slots[o.index()].clone()
-        };
-        let t = t.ok_or_else(|| {
-            EvalError::Malformed(format!("output `{}` is never computed", value.name))
-        })?;
-        outs.push((value.name.clone(), t.into_owned()));
-    }
-    Ok((outs, stats))
 }
 
 /// Checks a node's results against its declared outputs and binds those that are read

@@ -364,8 +364,53 @@ pub fn run(g: &Group, inputs: Vec<Input<'_>>) -> Result<Vec<Tensor>, String> {
     if inputs.len() != g.inputs.len() {
         return Err("internal: fused run given the wrong number of inputs".into());
     }
-    // every input as a raw pointer, so that a result may overwrite an owned input's tile
-    // after the tile's last read; owned buffers stay here until they become results
+    let (mut owned, ptrs) = input_buffers(g, inputs)?;
+    let (fresh, dest) = destinations(g, &owned, &ptrs);
+    let tiles = Tiles {
+        g,
+        n,
+        ptrs: &ptrs,
+        dest: &dest,
+    };
+    let t = threads::num_threads();
+    if t > 1 && n >= 16 * TILE {
+        // pieces of whole tiles, a few per thread
+        let piece = n.div_ceil(4 * t).div_ceil(TILE) * TILE;
+        threads::for_each_index(n.div_ceil(piece), |i| {
+            let end = ((i + 1) * piece).min(n);
+            tiles.work(i * piece, end, &mut tiles.new_regs(), &mut tiles.new_wide());
+        });
+    } else {
+        tiles.work(0, n, &mut tiles.new_regs(), &mut tiles.new_wide());
+    }
+    let mut results = Vec::with_capacity(g.outputs.len());
+    for (((_, _, shape), &d), f) in g.outputs.iter().zip(&g.inplace).zip(fresh) {
+        let v = match f {
+            Some(mut v) => {
+                // SAFETY: the workers wrote all n elements.
+                unsafe { v.set_len(n) };
+                v
+            }
+            None => d
+                .and_then(|j| owned[j].take())
+                .ok_or("internal: fused result lost its buffer")?,
+        };
+        results.push(Tensor {
+            shape: shape.clone(),
+            data: Data::F32(v),
+        });
+    }
+    Ok(results)
+}
+
+/// Owned input buffers (kept until they become results) and a pointer per input.
+type InputBuffers = (Vec<Option<Vec<f32>>>, Vec<SendPtr>);
+
+/// Every input as a raw pointer, so that a result may overwrite an owned input's tile
+/// after the tile's last read; owned buffers stay in the first list until they become
+/// results. Each input must be f32 with as many elements as its mode says.
+fn input_buffers(g: &Group, inputs: Vec<Input<'_>>) -> Result<InputBuffers, String> {
+    let n = g.len;
     let mut owned: Vec<Option<Vec<f32>>> = Vec::with_capacity(inputs.len());
     let mut ptrs: Vec<SendPtr> = Vec::with_capacity(inputs.len());
     for (input, &mode) in inputs.into_iter().zip(&g.modes) {
@@ -397,7 +442,16 @@ pub fn run(g: &Group, inputs: Vec<Input<'_>>) -> Result<Vec<Tensor>, String> {
             }
         }
     }
-    // where each written-out result goes: its input's buffer, or a new one
+    Ok((owned, ptrs))
+}
+
+/// New result buffers (`None` where a result takes its input's) and, per instruction,
+/// where its result is written (and whether it is stored at the end of the tile).
+type Destinations = (Vec<Option<Vec<f32>>>, Vec<Option<(SendPtr, bool)>>);
+
+/// Where each written-out result goes: its owned input's buffer, or a new one.
+fn destinations(g: &Group, owned: &[Option<Vec<f32>>], ptrs: &[SendPtr]) -> Destinations {
+    let n = g.len;
     let mut fresh: Vec<Option<Vec<f32>>> = Vec::with_capacity(g.outputs.len());
     // per instruction: (destination, stored at the end of the tile)
     let mut dest: Vec<Option<(SendPtr, bool)>> = vec![None; g.instrs.len()];
@@ -414,119 +468,124 @@ pub fn run(g: &Group, inputs: Vec<Input<'_>>) -> Result<Vec<Tensor>, String> {
             }
         }
     }
-    // SAFETY (for the reads below): input j holds mode.len(n) elements at ptrs[j]; a tile
-    // of it is only overwritten at the end of that tile, after its last read.
-    let tile_of = |j: usize, s: usize, e: usize| unsafe {
-        std::slice::from_raw_parts(ptrs[j].0.add(s) as *const f32, e - s)
-    };
-    // elements [start, end) with the caller's registers (and tiles of broadcast inputs)
-    let work = |start: usize, end: usize, regs: &mut [Vec<f32>], wide: &mut [Vec<f32>]| {
-        let mut t0 = start;
-        while t0 < end {
-            let tl = TILE.min(end - t0);
-            // broadcast inputs: this tile's elements
-            for (j, (w, &mode)) in wide.iter_mut().zip(&g.modes).enumerate() {
-                let mut i = 0;
-                match mode {
-                    Mode::Inner(d) => {
-                        let src = tile_of(j, 0, d);
-                        while i < tl {
-                            let at = (t0 + i) % d;
-                            let run = (d - at).min(tl - i);
-                            w[i..i + run].copy_from_slice(&src[at..at + run]);
-                            i += run;
-                        }
-                    }
-                    Mode::Outer(d) => {
-                        let src = tile_of(j, 0, n / d);
-                        while i < tl {
-                            let at = t0 + i;
-                            let run = (d - at % d).min(tl - i);
-                            w[i..i + run].fill(src[at / d]);
-                            i += run;
-                        }
-                    }
-                    Mode::Full | Mode::Scalar => {}
-                }
-            }
-            for (ins, out) in g.instrs.iter().zip(&dest) {
-                let mut dst = std::mem::take(&mut regs[ins.dst]);
-                let d = &mut dst[..tl];
-                let arg = |s: Src| match s {
-                    Src::Reg(r) => Arg::Full(&regs[r][..tl]),
-                    Src::Input(j) => match g.modes[j] {
-                        Mode::Full => Arg::Full(tile_of(j, t0, t0 + tl)),
-                        Mode::Scalar => Arg::Scalar(tile_of(j, 0, 1)[0]),
-                        Mode::Inner(_) | Mode::Outer(_) => Arg::Full(&wide[j][..tl]),
-                    },
-                };
-                match (ins.kind, arg(ins.a)) {
-                    (Kind::Unary(u), Arg::Full(x)) => unary_into(u, x, d),
-                    (Kind::Unary(u), Arg::Scalar(x)) => {
-                        unary_into(u, &[x], &mut d[..1]);
-                        let v = d[0];
-                        d.fill(v);
-                    }
-                    (Kind::Binary(b), a) => {
-                        let bv = ins.b.map_or(Arg::Scalar(f32::NAN), arg);
-                        binary_into(b, a, bv, d)
-                    }
-                }
-                if let Some((ptr, false)) = out {
-                    // SAFETY: the buffer has room for n elements and [t0, t0 + tl) is this
-                    // worker's own range.
-                    unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), ptr.0.add(t0), tl) };
-                }
-                regs[ins.dst] = dst;
-            }
-            // results that overwrite an input: now that the tile has been read
-            for (ins, out) in g.instrs.iter().zip(&dest) {
-                if let Some((ptr, true)) = out {
-                    let d = &regs[ins.dst][..tl];
-                    // SAFETY: as above; no slice of this tile of the input is alive.
-                    unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), ptr.0.add(t0), tl) };
-                }
-            }
-            t0 += tl;
-        }
-    };
-    let new_regs = || vec![vec![0f32; TILE]; g.nregs];
-    let new_wide = || {
-        g.modes
+    (fresh, dest)
+}
+
+/// A fused run over tiles: the group, its inputs' pointers and its results' destinations.
+struct Tiles<'a> {
+    g: &'a Group,
+    n: usize,
+    ptrs: &'a [SendPtr],
+    dest: &'a [Option<(SendPtr, bool)>],
+}
+
+impl Tiles<'_> {
+    /// Elements [s, e) of input j.
+    fn tile_of(&self, j: usize, s: usize, e: usize) -> &[f32] {
+        // SAFETY: input j holds mode.len(n) elements at ptrs[j]; a tile of it is only
+        // overwritten at the end of that tile, after its last read.
+        unsafe { std::slice::from_raw_parts(self.ptrs[j].0.add(s) as *const f32, e - s) }
+    }
+
+    /// A worker's registers.
+    fn new_regs(&self) -> Vec<Vec<f32>> {
+        vec![vec![0f32; TILE]; self.g.nregs]
+    }
+
+    /// A worker's tiles of broadcast inputs.
+    fn new_wide(&self) -> Vec<Vec<f32>> {
+        self.g
+            .modes
             .iter()
             .map(|m| match m {
                 Mode::Inner(_) | Mode::Outer(_) => vec![0f32; TILE],
                 Mode::Full | Mode::Scalar => Vec::new(),
             })
             .collect::<Vec<_>>()
-    };
-    let t = threads::num_threads();
-    if t > 1 && n >= 16 * TILE {
-        // pieces of whole tiles, a few per thread
-        let piece = n.div_ceil(4 * t).div_ceil(TILE) * TILE;
-        threads::for_each_index(n.div_ceil(piece), |i| {
-            let end = ((i + 1) * piece).min(n);
-            work(i * piece, end, &mut new_regs(), &mut new_wide());
-        });
-    } else {
-        work(0, n, &mut new_regs(), &mut new_wide());
     }
-    let mut results = Vec::with_capacity(g.outputs.len());
-    for (((_, _, shape), &d), f) in g.outputs.iter().zip(&g.inplace).zip(fresh) {
-        let v = match f {
-            Some(mut v) => {
-                // SAFETY: the workers wrote all n elements.
-                unsafe { v.set_len(n) };
-                v
+
+    /// Elements [start, end) with the caller's registers (and tiles of broadcast inputs).
+    fn work(&self, start: usize, end: usize, regs: &mut [Vec<f32>], wide: &mut [Vec<f32>]) {
+        let mut t0 = start;
+        while t0 < end {
+            let tl = TILE.min(end - t0);
+            self.fill_wide(t0, tl, wide);
+            self.run_instrs(t0, tl, regs, wide);
+            // results that overwrite an input: now that the tile has been read
+            for (ins, out) in self.g.instrs.iter().zip(self.dest) {
+                if let Some((ptr, true)) = out {
+                    let d = &regs[ins.dst][..tl];
+                    // SAFETY: the buffer has room for n elements and [t0, t0 + tl) is this
+                    // worker's own range; no slice of this tile of the input is alive.
+                    unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), ptr.0.add(t0), tl) };
+                }
             }
-            None => d
-                .and_then(|j| owned[j].take())
-                .ok_or("internal: fused result lost its buffer")?,
-        };
-        results.push(Tensor {
-            shape: shape.clone(),
-            data: Data::F32(v),
-        });
+            t0 += tl;
+        }
     }
-    Ok(results)
+
+    /// Broadcast inputs: the elements of the tile of `tl` elements at `t0`.
+    fn fill_wide(&self, t0: usize, tl: usize, wide: &mut [Vec<f32>]) {
+        let n = self.n;
+        for (j, (w, &mode)) in wide.iter_mut().zip(&self.g.modes).enumerate() {
+            let mut i = 0;
+            match mode {
+                Mode::Inner(d) => {
+                    let src = self.tile_of(j, 0, d);
+                    while i < tl {
+                        let at = (t0 + i) % d;
+                        let run = (d - at).min(tl - i);
+                        w[i..i + run].copy_from_slice(&src[at..at + run]);
+                        i += run;
+                    }
+                }
+                Mode::Outer(d) => {
+                    let src = self.tile_of(j, 0, n / d);
+                    while i < tl {
+                        let at = t0 + i;
+                        let run = (d - at % d).min(tl - i);
+                        w[i..i + run].fill(src[at / d]);
+                        i += run;
+                    }
+                }
+                Mode::Full | Mode::Scalar => {}
+            }
+        }
+    }
+
+    /// Every instruction on the tile of `tl` elements at `t0`; results not stored over an
+    /// input are written out as they are made.
+    fn run_instrs(&self, t0: usize, tl: usize, regs: &mut [Vec<f32>], wide: &[Vec<f32>]) {
+        let g = self.g;
+        for (ins, out) in g.instrs.iter().zip(self.dest) {
+            let mut dst = std::mem::take(&mut regs[ins.dst]);
+            let d = &mut dst[..tl];
+            let arg = |s: Src| match s {
+                Src::Reg(r) => Arg::Full(&regs[r][..tl]),
+                Src::Input(j) => match g.modes[j] {
+                    Mode::Full => Arg::Full(self.tile_of(j, t0, t0 + tl)),
+                    Mode::Scalar => Arg::Scalar(self.tile_of(j, 0, 1)[0]),
+                    Mode::Inner(_) | Mode::Outer(_) => Arg::Full(&wide[j][..tl]),
+                },
+            };
+            match (ins.kind, arg(ins.a)) {
+                (Kind::Unary(u), Arg::Full(x)) => unary_into(u, x, d),
+                (Kind::Unary(u), Arg::Scalar(x)) => {
+                    unary_into(u, &[x], &mut d[..1]);
+                    let v = d[0];
+                    d.fill(v);
+                }
+                (Kind::Binary(b), a) => {
+                    let bv = ins.b.map_or(Arg::Scalar(f32::NAN), arg);
+                    binary_into(b, a, bv, d)
+                }
+            }
+            if let Some((ptr, false)) = out {
+                // SAFETY: the buffer has room for n elements and [t0, t0 + tl) is this
+                // worker's own range.
+                unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), ptr.0.add(t0), tl) };
+            }
+            regs[ins.dst] = dst;
+        }
+    }
 }

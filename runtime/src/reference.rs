@@ -7,11 +7,25 @@
 use crate::cpu::eval_op;
 use crate::cpu::matmul::{matmul_views, MatView};
 use crate::eval::EvalError;
-use hzp_ir::{BinaryOp, Data, Mesh, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId};
+use hzp_ir::{
+    BinaryOp, Data, Mesh, Node, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId,
+};
 
 fn malformed(s: impl Into<String>) -> EvalError {
     EvalError::Malformed(s.into())
 }
+
+/// An error of node `n`.
+fn node_err(n: &Node, message: String) -> EvalError {
+    EvalError::Node {
+        node: n.name.clone(),
+        op: n.op.name(),
+        message,
+    }
+}
+
+/// `vals[rank][value]`: each rank's values computed so far in a step.
+type RankValues = Vec<Vec<Option<Tensor>>>;
 
 /// The ranks' persistent tensors and how to run a step.
 pub struct ReferenceRunner {
@@ -122,10 +136,51 @@ impl ReferenceRunner {
         self.index_check
             .check(global)
             .map_err(EvalError::IndexRange)?;
+        let mut vals = self.step_values(global)?;
+        let p = &self.program;
+        // A MatMul reads a transposed operand (`hzp_ir::views::transposed_operands`) through a
+        // strided view of the transpose's input, as the executor does (the product's bits
+        // can depend on its operands' layout).
+        let transposed = hzp_ir::views::transposed_operands(p);
+        for n in &p.nodes {
+            if matches!(
+                n.op,
+                Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. }
+            ) {
+                continue;
+            }
+            let results = if let Some(group) = n.op.group() {
+                self.collective_results(n, group, &vals)?
+            } else {
+                self.local_results(n, &transposed, &vals)?
+            };
+            for (r, outs) in results.into_iter().enumerate() {
+                for (&o, t) in n.outputs.iter().zip(outs) {
+                    vals[r][o.index()] = Some(t);
+                }
+            }
+        }
+        let outs = p
+            .outputs
+            .iter()
+            .map(|&o| {
+                (
+                    p.value(o).name.clone(),
+                    vals[0][o.index()].clone().expect("computed"),
+                )
+            })
+            .collect();
+        self.apply_updates(&mut vals)?;
+        Ok(outs)
+    }
+
+    /// Each rank's values at the start of a step: its rows of every input (a scalar input
+    /// whole), its persistent tensors and the constants.
+    fn step_values(&self, global: &[(String, Tensor)]) -> Result<RankValues, EvalError> {
         let p = &self.program;
         let w = self.mesh.world_size();
         let nv = p.values.len();
-        let mut vals: Vec<Vec<Option<Tensor>>> = vec![vec![None; nv]; w];
+        let mut vals: RankValues = vec![vec![None; nv]; w];
         for &i in &p.inputs {
             let v = p.value(i);
             let (_, t) =
@@ -182,90 +237,83 @@ impl ReferenceRunner {
                 rv[c.value.index()] = Some(c.data.clone());
             }
         }
-        // A MatMul reads a transposed operand (`hzp_ir::views::transposed_operands`) through a
-        // strided view of the transpose's input, as the executor does (the product's bits
-        // can depend on its operands' layout).
-        let transposed = hzp_ir::views::transposed_operands(p);
+        Ok(vals)
+    }
+
+    /// Each rank's result of collective node `n` on `group`.
+    fn collective_results(
+        &self,
+        n: &Node,
+        group: &hzp_ir::Group,
+        vals: &RankValues,
+    ) -> Result<Vec<Vec<Tensor>>, EvalError> {
+        let x = n.inputs[0];
+        (0..self.mesh.world_size())
+            .map(|r| {
+                let members = self
+                    .mesh
+                    .group_members(group, r)
+                    .ok_or_else(|| node_err(n, format!("group {group} is not in the mesh")))?;
+                let ins: Vec<&Tensor> = members
+                    .iter()
+                    .map(|&m| vals[m][x.index()].as_ref().expect("computed"))
+                    .collect();
+                let idx = self.mesh.group_index(group, r).unwrap_or(0);
+                collective(&n.op, &ins, idx)
+                    .map(|t| vec![t])
+                    .map_err(|m| node_err(n, m))
+            })
+            .collect()
+    }
+
+    /// Each rank's results of the non-collective node `n`; a MatMul reads a transposed
+    /// operand (`transposed[node]`: the node is one) through a view of its stored input.
+    fn local_results(
+        &self,
+        n: &Node,
+        transposed: &[bool],
+        vals: &RankValues,
+    ) -> Result<Vec<Vec<Tensor>>, EvalError> {
+        let p = &self.program;
         let stored_transposed = |v: ValueId| {
             p.producer(v)
                 .filter(|t| transposed[t.index()])
                 .map(|t| p.nodes[t.index()].inputs[0])
         };
-        for n in &p.nodes {
-            let node_err = |m: String| EvalError::Node {
-                node: n.name.clone(),
-                op: n.op.name(),
-                message: m,
-            };
-            if matches!(
-                n.op,
-                Op::Free | Op::RecordEvent { .. } | Op::WaitEvent { .. }
-            ) {
-                continue;
-            }
-            let results: Vec<Vec<Tensor>> = if let Some(group) = n.op.group() {
-                let x = n.inputs[0];
-                (0..w)
-                    .map(|r| {
-                        let members = self
-                            .mesh
-                            .group_members(group, r)
-                            .ok_or_else(|| node_err(format!("group {group} is not in the mesh")))?;
-                        let ins: Vec<&Tensor> = members
-                            .iter()
-                            .map(|&m| vals[m][x.index()].as_ref().expect("computed"))
-                            .collect();
-                        let idx = self.mesh.group_index(group, r).unwrap_or(0);
-                        collective(&n.op, &ins, idx)
-                            .map(|t| vec![t])
-                            .map_err(node_err)
-                    })
-                    .collect::<Result<_, _>>()?
-            } else {
-                let stored: Vec<Option<ValueId>> = match n.op {
-                    Op::MatMul => n.inputs.iter().map(|&v| stored_transposed(v)).collect(),
-                    _ => vec![],
-                };
-                (0..w)
-                    .map(|r| {
-                        let get = |v: ValueId| vals[r][v.index()].as_ref().expect("computed");
-                        if stored.iter().any(Option::is_some) {
-                            let view = |k: usize| -> Result<MatView, String> {
-                                let (t, transposed) = match stored[k] {
-                                    Some(x) => (get(x), true),
-                                    None => (get(n.inputs[k]), false),
-                                };
-                                let Data::F32(d) = &t.data else {
-                                    return Err("a transposed operand of another dtype".into());
-                                };
-                                let v = MatView::contiguous(d, &t.shape);
-                                Ok(if transposed { v.swap_last2() } else { v })
-                            };
-                            let (a, b) = (view(0).map_err(node_err)?, view(1).map_err(node_err)?);
-                            let (data, shape) = matmul_views(&a, &b).map_err(node_err)?;
-                            return Ok(vec![Tensor::f32(shape, data)]);
-                        }
-                        let ins: Vec<&Tensor> = n.inputs.iter().map(|&v| get(v)).collect();
-                        eval_op(&n.op, &ins).map_err(node_err)
-                    })
-                    .collect::<Result<_, _>>()?
-            };
-            for (r, outs) in results.into_iter().enumerate() {
-                for (&o, t) in n.outputs.iter().zip(outs) {
-                    vals[r][o.index()] = Some(t);
+        let node_err = |m: String| node_err(n, m);
+        let stored: Vec<Option<ValueId>> = match n.op {
+            Op::MatMul => n.inputs.iter().map(|&v| stored_transposed(v)).collect(),
+            _ => vec![],
+        };
+        (0..self.mesh.world_size())
+            .map(|r| {
+                let get = |v: ValueId| vals[r][v.index()].as_ref().expect("computed");
+                if stored.iter().any(Option::is_some) {
+                    let view = |k: usize| -> Result<MatView, String> {
+                        let (t, transposed) = match stored[k] {
+                            Some(x) => (get(x), true),
+                            None => (get(n.inputs[k]), false),
+                        };
+                        let Data::F32(d) = &t.data else {
+                            return Err("a transposed operand of another dtype".into());
+                        };
+                        let v = MatView::contiguous(d, &t.shape);
+                        Ok(if transposed { v.swap_last2() } else { v })
+                    };
+                    let (a, b) = (view(0).map_err(node_err)?, view(1).map_err(node_err)?);
+                    let (data, shape) = matmul_views(&a, &b).map_err(node_err)?;
+                    return Ok(vec![Tensor::f32(shape, data)]);
                 }
-            }
-        }
-        let outs = p
-            .outputs
-            .iter()
-            .map(|&o| {
-                (
-                    p.value(o).name.clone(),
-                    vals[0][o.index()].clone().expect("computed"),
-                )
+                let ins: Vec<&Tensor> = n.inputs.iter().map(|&v| get(v)).collect();
+                eval_op(&n.op, &ins).map_err(node_err)
             })
-            .collect();
+            .collect()
+    }
+
+    /// The program's updates, on every rank: each target's persistent tensor takes its
+    /// new value.
+    fn apply_updates(&mut self, vals: &mut RankValues) -> Result<(), EvalError> {
+        let p = &self.program;
         for (r, rv) in vals.iter_mut().enumerate() {
             for u in &p.updates {
                 let k = self
@@ -278,7 +326,7 @@ impl ReferenceRunner {
                 rv[u.value.index()] = Some(self.persistent[r][k].clone());
             }
         }
-        Ok(outs)
+        Ok(())
     }
 
     /// The full parameters, put back together from the ranks' master shards.

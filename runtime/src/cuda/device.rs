@@ -151,6 +151,147 @@ unsafe impl Send for CudaExecutor {}
 // communicators and the cuBLAS handle (compute stream) are used by one thread at a time.
 unsafe impl Sync for CudaExecutor {}
 
+/// Initialises the driver and opens this process's GPU (`LOCAL_RANK` modulo the device
+/// count).
+fn open_device(dist: &DistEnv) -> Result<Arc<CudaContext>, ExecError> {
+    drv::init().map_err(|e| drv_err("cuInit (the driver loaded, but found no usable GPU)", e))?;
+    let count = drv::device::get_count().map_err(|e| drv_err("cuDeviceGetCount", e))?;
+    if count <= 0 {
+        return Err(run_err(
+            "hzp run --backend cuda: the CUDA driver loaded but reports no CUDA device",
+        ));
+    }
+    if dist.local_world_size > count as usize {
+        return Err(run_err(format!(
+            "LOCAL_WORLD_SIZE is {} but this machine has {count} CUDA device(s)",
+            dist.local_world_size
+        )));
+    }
+    let ordinal = dist.local_rank % count as usize;
+    CudaContext::new(ordinal).map_err(|e| drv_err("creating the context", e))
+}
+
+/// Loads the kernels: `image` when given (compiled once for every rank of this process),
+/// else compiled here for the device's compute capability.
+fn load_module(ctx: &CudaContext, image: Option<&[u8]>) -> Result<sys::CUmodule, ExecError> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| drv_err("reading the compute capability", e))?;
+    let compiled;
+    let image: &[u8] = match image {
+        Some(image) => image,
+        None => {
+            compiled = compile_kernels(major, minor)?;
+            &compiled
+        }
+    };
+    // SAFETY: the image is a complete cubin from NVRTC; the context is current.
+    unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
+        .map_err(|e| drv_err("loading the compiled kernels", e))
+}
+
+/// The kernel functions: with every rank in this process, the local communicator's
+/// kernels first; then every kernel the lowering launches.
+fn kernel_functions(
+    module: sys::CUmodule,
+    low: &LoweredPlan,
+    local: bool,
+) -> Result<HashMap<String, sys::CUfunction>, ExecError> {
+    let mut functions = HashMap::new();
+    if local {
+        for k in super::local_kernel_names() {
+            let name = CString::new(k.clone()).expect("kernel names are ASCII");
+            // SAFETY: module is loaded.
+            let f = unsafe { drv::module::get_function(module, name) }
+                .map_err(|e| drv_err(&format!("kernel `{k}`"), e))?;
+            functions.insert(k, f);
+        }
+    }
+    for nw in &low.nodes {
+        for w in &nw.work {
+            if let Work::Kernel(l) = w {
+                if !functions.contains_key(&l.kernel) {
+                    let name = CString::new(l.kernel.clone()).expect("kernel names are ASCII");
+                    // SAFETY: module is loaded.
+                    let f = unsafe { drv::module::get_function(module, name) }.map_err(|e| {
+                        drv_err(&format!("kernel `{}` (node `{}`)", l.kernel, nw.name), e)
+                    })?;
+                    functions.insert(l.kernel.clone(), f);
+                }
+            }
+        }
+    }
+    Ok(functions)
+}
+
+/// The arena (one allocation for the whole run, cleared) and the three streams.
+fn allocate(low: &LoweredPlan) -> Result<Handles, ExecError> {
+    // SAFETY: plain allocation on the current context.
+    let base = unsafe { drv::malloc_sync(low.alloc_bytes as usize) }
+        .map_err(|e| drv_err(&format!("allocating the {}-byte arena", low.alloc_bytes), e))?;
+    // SAFETY: base..base+alloc_bytes was just allocated.
+    unsafe { drv::memset_d8_sync(base, 0, low.alloc_bytes as usize) }
+        .map_err(|e| drv_err("clearing the arena", e))?;
+    let mut streams = [std::ptr::null_mut(); 3];
+    for s in streams.iter_mut() {
+        *s = drv::stream::create(drv::stream::StreamKind::NonBlocking)
+            .map_err(|e| drv_err("creating a stream", e))?;
+    }
+    Ok(Handles { streams, base })
+}
+
+/// The plan's events, the nodes' timing events, and where each compute-stream wait on a
+/// comm stream has its (before, after) pair among them.
+type EventSet = (Events, Vec<sys::CUevent>, Vec<Option<(usize, usize)>>);
+
+/// Creates the plan's events (no timing), then per node a (start, end) timing pair, and
+/// for a compute-stream node that starts by waiting on a comm stream's event a
+/// (before, after) pair.
+fn create_events(low: &LoweredPlan) -> Result<EventSet, ExecError> {
+    let mk = |flags| drv::event::create(flags).map_err(|e| drv_err("creating an event", e));
+    let events = Events(
+        (0..low.n_events)
+            .map(|_| mk(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .collect::<Result<_, _>>()?,
+    );
+    let mut timing = Vec::new();
+    let mut wait_timing = vec![None; low.nodes.len()];
+    for (i, nw) in low.nodes.iter().enumerate() {
+        timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+        timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+        if nw.stream == 0 {
+            if let Some(Work::Wait(e)) = nw.work.first() {
+                if low.event_stream[*e] != 0 {
+                    timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+                    timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
+                    wait_timing[i] = Some((timing.len() - 2, timing.len() - 1));
+                }
+            }
+        }
+    }
+    Ok((events, timing, wait_timing))
+}
+
+/// The local device communicator of each communicator key of the lowering (none for a
+/// group of one).
+fn local_transport(group: &Arc<LocalGroup>, low: &LoweredPlan) -> Result<Transport, ExecError> {
+    Ok(Transport::Local {
+        group: group.clone(),
+        comms: low
+            .comms
+            .iter()
+            .map(|k| {
+                if k.members.len() <= 1 {
+                    Ok(None)
+                } else {
+                    group.comm(k.stream, &k.axes, &k.members).map(Some)
+                }
+            })
+            .collect::<Result<_, String>>()
+            .map_err(run_err)?,
+    })
+}
+
 impl CudaExecutor {
     /// Probes the libraries, opens this process's GPU (`LOCAL_RANK` modulo the device count),
     /// compiles the kernels, allocates the arena, places this rank's parameter shards, states
@@ -216,103 +357,15 @@ impl CudaExecutor {
         dist: DistEnv,
         local: Option<(Arc<LocalGroup>, &[u8])>,
     ) -> Result<CudaExecutor, ExecError> {
-        drv::init()
-            .map_err(|e| drv_err("cuInit (the driver loaded, but found no usable GPU)", e))?;
-        let count = drv::device::get_count().map_err(|e| drv_err("cuDeviceGetCount", e))?;
-        if count <= 0 {
-            return Err(run_err(
-                "hzp run --backend cuda: the CUDA driver loaded but reports no CUDA device",
-            ));
-        }
-        if dist.local_world_size > count as usize {
-            return Err(run_err(format!(
-                "LOCAL_WORLD_SIZE is {} but this machine has {count} CUDA device(s)",
-                dist.local_world_size
-            )));
-        }
-        let ordinal = dist.local_rank % count as usize;
-        let ctx = CudaContext::new(ordinal).map_err(|e| drv_err("creating the context", e))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| drv_err("reading the compute capability", e))?;
-        let compiled;
-        let image: &[u8] = match &local {
-            Some((_, image)) => image,
-            None => {
-                compiled = compile_kernels(major, minor)?;
-                &compiled
-            }
-        };
-        // SAFETY: the image is a complete cubin from NVRTC; the context is current.
-        let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(|e| drv_err("loading the compiled kernels", e))?;
-
-        let mut functions = HashMap::new();
-        if local.is_some() {
-            for k in super::local_kernel_names() {
-                let name = CString::new(k.clone()).expect("kernel names are ASCII");
-                // SAFETY: module is loaded.
-                let f = unsafe { drv::module::get_function(module, name) }
-                    .map_err(|e| drv_err(&format!("kernel `{k}`"), e))?;
-                functions.insert(k, f);
-            }
-        }
-        for nw in &low.nodes {
-            for w in &nw.work {
-                if let Work::Kernel(l) = w {
-                    if !functions.contains_key(&l.kernel) {
-                        let name = CString::new(l.kernel.clone()).expect("kernel names are ASCII");
-                        // SAFETY: module is loaded.
-                        let f =
-                            unsafe { drv::module::get_function(module, name) }.map_err(|e| {
-                                drv_err(&format!("kernel `{}` (node `{}`)", l.kernel, nw.name), e)
-                            })?;
-                        functions.insert(l.kernel.clone(), f);
-                    }
-                }
-            }
-        }
-
-        // The arena: one allocation for the whole run.
-        // SAFETY: plain allocation on the current context.
-        let base = unsafe { drv::malloc_sync(low.alloc_bytes as usize) }
-            .map_err(|e| drv_err(&format!("allocating the {}-byte arena", low.alloc_bytes), e))?;
-        // SAFETY: base..base+alloc_bytes was just allocated.
-        unsafe { drv::memset_d8_sync(base, 0, low.alloc_bytes as usize) }
-            .map_err(|e| drv_err("clearing the arena", e))?;
-        let mut streams = [std::ptr::null_mut(); 3];
-        for s in streams.iter_mut() {
-            *s = drv::stream::create(drv::stream::StreamKind::NonBlocking)
-                .map_err(|e| drv_err("creating a stream", e))?;
-        }
-        let h = Handles { streams, base };
-
-        let mk = |flags| drv::event::create(flags).map_err(|e| drv_err("creating an event", e));
-        let events = Events(
-            (0..low.n_events)
-                .map(|_| mk(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .collect::<Result<_, _>>()?,
-        );
-        let mut timing = Vec::new();
-        let mut wait_timing = vec![None; low.nodes.len()];
-        for (i, nw) in low.nodes.iter().enumerate() {
-            timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
-            timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
-            if nw.stream == 0 {
-                if let Some(Work::Wait(e)) = nw.work.first() {
-                    if low.event_stream[*e] != 0 {
-                        timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
-                        timing.push(mk(sys::CUevent_flags::CU_EVENT_DEFAULT)?);
-                        wait_timing[i] = Some((timing.len() - 2, timing.len() - 1));
-                    }
-                }
-            }
-        }
-
+        let ctx = open_device(&dist)?;
+        let module = load_module(&ctx, local.as_ref().map(|(_, image)| *image))?;
+        let functions = kernel_functions(module, &low, local.is_some())?;
+        let h = allocate(&low)?;
+        let (events, timing, wait_timing) = create_events(&low)?;
         let blas_h = blas::create_handle()
             .map_err(|e| run_err(format!("cuBLAS: creating a handle: {e:?}")))?;
         // SAFETY: both handles are live.
-        unsafe { blas::set_stream(blas_h, streams[0] as _) }
+        unsafe { blas::set_stream(blas_h, h.streams[0] as _) }
             .map_err(|e| run_err(format!("cuBLAS: setting the stream: {e:?}")))?;
 
         let rdv = match &local {
@@ -322,21 +375,7 @@ impl CudaExecutor {
             }
         };
         let transport = match &local {
-            Some((group, _)) => Transport::Local {
-                group: group.clone(),
-                comms: low
-                    .comms
-                    .iter()
-                    .map(|k| {
-                        if k.members.len() <= 1 {
-                            Ok(None)
-                        } else {
-                            group.comm(k.stream, &k.axes, &k.members).map(Some)
-                        }
-                    })
-                    .collect::<Result<_, String>>()
-                    .map_err(run_err)?,
-            },
+            Some((group, _)) => local_transport(group, &low)?,
             None => Transport::Nccl(Comms(Vec::new())),
         };
         let mut ex = CudaExecutor {
@@ -366,10 +405,16 @@ impl CudaExecutor {
             ex.check_same_plan()?;
             ex.create_comms()?;
         }
+        ex.place(shards)?;
+        Ok(ex)
+    }
+
+    /// This rank's parameter shards, then the constants, into the arena.
+    fn place(&mut self, shards: &[(ValueId, Tensor)]) -> Result<(), ExecError> {
         for (v, t) in shards {
-            ex.write(*v, t)?;
+            self.write(*v, t)?;
         }
-        let consts: Vec<(ValueId, Tensor)> = ex
+        let consts: Vec<(ValueId, Tensor)> = self
             .plan
             .program
             .consts
@@ -377,9 +422,9 @@ impl CudaExecutor {
             .map(|c| (c.value, c.data.clone()))
             .collect();
         for (v, t) in &consts {
-            ex.write(*v, t)?;
+            self.write(*v, t)?;
         }
-        Ok(ex)
+        Ok(())
     }
 
     /// Every rank must run the same plan: all-gather the content hashes.

@@ -14,7 +14,7 @@ use super::kernels::{
     ATTENTION_KEYS, ATTENTION_MAX_HEAD, ATTENTION_ROWS, ATTENTION_THREADS, MAXD, REDUCE_THREADS,
 };
 use hzp_ir::{
-    numel, BinaryOp, DType, Mesh, Op, Plan, Program, ReduceOp, Tensor, TensorType, UnaryOp,
+    numel, BinaryOp, DType, Mesh, Node, Op, Plan, Program, ReduceOp, Tensor, TensorType, UnaryOp,
 };
 use std::collections::BTreeMap;
 
@@ -305,6 +305,41 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
             mesh.world_size()
         ));
     }
+    let loc = buffer_locations(plan)?;
+    let (events, event_stream) = event_indices(p)?;
+    let mut lowering = Lowering {
+        p,
+        mesh,
+        rank,
+        stored_transposed: stored_transposed(p, &loc),
+        loc: &loc,
+        events,
+        comm_list: Vec::new(),
+    };
+    let mut nodes = Vec::with_capacity(p.nodes.len());
+    for (ni, n) in p.nodes.iter().enumerate() {
+        nodes.push(lowering.node(ni, n)?);
+    }
+    let comms = renumber_comms(&lowering.comm_list, &mut nodes);
+    let updates = update_copies(p, &loc)?;
+    let err_offset = plan.arena_bytes.div_ceil(256) * 256;
+    Ok(LoweredPlan {
+        rank,
+        nodes,
+        n_events: event_stream.len(),
+        event_stream,
+        comms,
+        alloc_bytes: err_offset + 256,
+        err_offset,
+        updates,
+        loc,
+    })
+}
+
+/// Every value's (offset, bytes) in the arena: each buffer an aligned range of it, each
+/// value with a buffer at least as large as it (values of no bytes need none).
+fn buffer_locations(plan: &Plan) -> Result<Vec<(u64, u64)>, String> {
+    let p = &plan.program;
     let mut loc = vec![(0u64, 0u64); p.values.len()];
     let mut has = vec![false; p.values.len()];
     for b in &plan.buffers {
@@ -331,6 +366,11 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
             loc[i].1 = need;
         }
     }
+    Ok(loc)
+}
+
+/// Events: dense indices in record order (each recorded once), and each one's stream.
+fn event_indices(p: &Program) -> Result<(BTreeMap<u32, usize>, Vec<usize>), String> {
     let mut events: BTreeMap<u32, usize> = BTreeMap::new();
     let mut event_stream = Vec::new();
     for n in &p.nodes {
@@ -345,33 +385,53 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
             event_stream.push(stream_idx(n.stream));
         }
     }
-    // communicators in first-use order here; renumbered in sorted order below
-    let mut comm_list: Vec<CommKey> = Vec::new();
-    let mut nodes = Vec::with_capacity(p.nodes.len());
-    // transposed operands in their input's bytes: nothing to run, read transposed
+    Ok((events, event_stream))
+}
+
+/// Transposed operands in their input's bytes: nothing to run, read transposed.
+fn stored_transposed(p: &Program, loc: &[(u64, u64)]) -> Vec<bool> {
     let mut stored_transposed = vec![false; p.values.len()];
     for (n, t) in p.nodes.iter().zip(hzp_ir::views::transposed_operands(p)) {
         if let (true, [x], [y]) = (t, n.inputs.as_slice(), n.outputs.as_slice()) {
             stored_transposed[y.index()] = loc[y.index()].0 == loc[x.index()].0;
         }
     }
-    for (ni, n) in p.nodes.iter().enumerate() {
+    stored_transposed
+}
+
+/// Lowering the nodes of one rank, in program order.
+struct Lowering<'a> {
+    p: &'a Program,
+    mesh: &'a Mesh,
+    rank: usize,
+    loc: &'a [(u64, u64)],
+    /// Event id -> dense index.
+    events: BTreeMap<u32, usize>,
+    stored_transposed: Vec<bool>,
+    /// Communicators in first-use order (renumbered in sorted order at the end).
+    comm_list: Vec<CommKey>,
+}
+
+impl Lowering<'_> {
+    /// The work of node `ni`.
+    fn node(&mut self, ni: usize, n: &Node) -> Result<NodeWork, String> {
+        let p = self.p;
         let ins: Vec<(u64, &TensorType)> = n
             .inputs
             .iter()
-            .map(|&v| (loc[v.index()].0, p.ty(v)))
+            .map(|&v| (self.loc[v.index()].0, p.ty(v)))
             .collect();
         let outs: Vec<(u64, &TensorType)> = n
             .outputs
             .iter()
-            .map(|&v| (loc[v.index()].0, p.ty(v)))
+            .map(|&v| (self.loc[v.index()].0, p.ty(v)))
             .collect();
         let stream = stream_idx(n.stream);
         let trans = |k: usize| {
             matches!(n.op, Op::MatMul)
                 && n.inputs
                     .get(k)
-                    .is_some_and(|v| stored_transposed[v.index()])
+                    .is_some_and(|v| self.stored_transposed[v.index()])
         };
         let ctx = NodeCtx {
             code: (ni + 1) as i32,
@@ -380,11 +440,11 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
             trans: [trans(0), trans(1)],
         };
         let work = match &n.op {
-            Op::Transpose { .. } if n.outputs.iter().any(|y| stored_transposed[y.index()]) => {
+            Op::Transpose { .. } if n.outputs.iter().any(|y| self.stored_transposed[y.index()]) => {
                 Vec::new()
             }
-            Op::RecordEvent { event } => vec![Work::Record(events[event])],
-            Op::WaitEvent { event } => match events.get(event) {
+            Op::RecordEvent { event } => vec![Work::Record(self.events[event])],
+            Op::WaitEvent { event } => match self.events.get(event) {
                 Some(&e) => vec![Work::Wait(e)],
                 None => {
                     return Err(format!(
@@ -393,57 +453,78 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
                     ))
                 }
             },
-            op if op.is_collective() => {
-                let group = op.group().expect("collectives have a group");
-                let members = mesh.group_members(group, rank).ok_or_else(|| {
-                    format!(
-                        "node `{}`: group {group} names an axis the mesh {mesh} lacks",
-                        n.name
-                    )
-                })?;
-                let member = members.iter().position(|&m| m == rank).unwrap_or(0);
-                let size = members.len();
-                let key = CommKey {
-                    stream,
-                    axes: group.axes.clone(),
-                    members,
-                    member,
-                };
-                let comm = match comm_list.iter().position(|k| *k == key) {
-                    Some(i) => i,
-                    None => {
-                        comm_list.push(key);
-                        comm_list.len() - 1
-                    }
-                };
-                lower_collective(op, &ctx, comm, size)
-                    .map_err(|m| format!("node `{}` ({}): {m}", n.name, op.name()))?
-            }
+            op if op.is_collective() => self.collective(n, op, &ctx, stream)?,
             op => lower_compute(op, &ctx)
                 .map_err(|m| format!("node `{}` ({}): {m}", n.name, op.name()))?,
         };
-        nodes.push(NodeWork {
+        Ok(NodeWork {
             node: ni,
             name: n.name.clone(),
             op: n.op.name(),
             stream,
             work,
-        });
+        })
     }
-    // every rank creates its communicators in one order: by (stream, axes)
-    let mut comms = comm_list.clone();
+
+    /// The work of collective node `n` on `stream`, with its communicator (this rank's
+    /// instance of its group on that stream).
+    fn collective(
+        &mut self,
+        n: &Node,
+        op: &Op,
+        ctx: &NodeCtx,
+        stream: usize,
+    ) -> Result<Vec<Work>, String> {
+        let (mesh, rank) = (self.mesh, self.rank);
+        let group = op.group().expect("collectives have a group");
+        let members = mesh.group_members(group, rank).ok_or_else(|| {
+            format!(
+                "node `{}`: group {group} names an axis the mesh {mesh} lacks",
+                n.name
+            )
+        })?;
+        let member = members.iter().position(|&m| m == rank).unwrap_or(0);
+        let size = members.len();
+        let key = CommKey {
+            stream,
+            axes: group.axes.clone(),
+            members,
+            member,
+        };
+        let comm = match self.comm_list.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                self.comm_list.push(key);
+                self.comm_list.len() - 1
+            }
+        };
+        lower_collective(op, ctx, comm, size)
+            .map_err(|m| format!("node `{}` ({}): {m}", n.name, op.name()))
+    }
+}
+
+/// Every rank creates its communicators in one order: by (stream, axes). Returns them in
+/// that order, with the collectives of `nodes` renumbered from first-use order.
+fn renumber_comms(comm_list: &[CommKey], nodes: &mut [NodeWork]) -> Vec<CommKey> {
+    let mut comms = comm_list.to_vec();
     comms.sort();
     let renumber: Vec<usize> = comm_list
         .iter()
         .map(|k| comms.iter().position(|s| s == k).unwrap_or(0))
         .collect();
-    for nw in &mut nodes {
+    for nw in nodes {
         for w in &mut nw.work {
             if let Work::Collective(c) = w {
                 c.comm = renumber[c.comm];
             }
         }
     }
+    comms
+}
+
+/// The updates as (value offset, target offset, bytes); a value may not overlap another
+/// update's target (updates are applied in place).
+fn update_copies(p: &Program, loc: &[(u64, u64)]) -> Result<Vec<(u64, u64, u64)>, String> {
     let mut updates = Vec::new();
     for u in &p.updates {
         let (v, t) = (loc[u.value.index()], loc[u.target.index()]);
@@ -463,18 +544,7 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
             }
         }
     }
-    let err_offset = plan.arena_bytes.div_ceil(256) * 256;
-    Ok(LoweredPlan {
-        rank,
-        nodes,
-        n_events: event_stream.len(),
-        event_stream,
-        comms,
-        alloc_bytes: err_offset + 256,
-        err_offset,
-        updates,
-        loc,
-    })
+    Ok(updates)
 }
 
 struct NodeCtx<'a> {

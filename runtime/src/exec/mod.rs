@@ -266,6 +266,390 @@ fn value_bytes(ty: &TensorType) -> Option<usize> {
         .try_fold(ty.dtype.size_bytes(), |a, &d| a.checked_mul(d))
 }
 
+/// The program's mesh is the plan's.
+fn check_mesh(plan: &Plan) -> Result<(), ExecError> {
+    match &plan.program.mesh {
+        Some(m) if *m == plan.mesh => Ok(()),
+        Some(m) => Err(plan_err(format!(
+            "the program's mesh {m} is not the plan's mesh {}",
+            plan.mesh
+        ))),
+        None => Err(plan_err("the program has no mesh")),
+    }
+}
+
+/// Every value at its buffer: each buffer an aligned range of the arena, each value with
+/// a buffer at least as large as it (values of no bytes need none). The locations have the
+/// values' own sizes.
+fn value_locations(plan: &Plan) -> Result<Vec<Loc>, ExecError> {
+    let p = &plan.program;
+    let mut loc = vec![Loc::default(); p.values.len()];
+    let mut has = vec![false; p.values.len()];
+    for b in &plan.buffers {
+        let i = b.value.index();
+        if i >= p.values.len() {
+            return Err(plan_err(format!("a buffer names value {}", b.value.0)));
+        }
+        if b.end() > plan.arena_bytes || b.offset % 8 != 0 {
+            return Err(plan_err(format!(
+                "the buffer of `{}` ({} bytes at offset {}) is not an aligned range of the \
+                 {}-byte arena",
+                p.values[i].name, b.bytes, b.offset, plan.arena_bytes
+            )));
+        }
+        loc[i] = Loc {
+            off: b.offset as usize,
+            bytes: b.bytes as usize,
+        };
+        has[i] = true;
+    }
+    for (i, v) in p.values.iter().enumerate() {
+        let need = value_bytes(&v.ty)
+            .ok_or_else(|| plan_err(format!("value `{}` ({}) is too large", v.name, v.ty)))?;
+        if need == 0 {
+            loc[i] = Loc { off: 0, bytes: 0 };
+            continue;
+        }
+        if !has[i] || loc[i].bytes < need {
+            return Err(plan_err(format!(
+                "value `{}` ({}, {need} bytes) has {}",
+                v.name,
+                v.ty,
+                if has[i] {
+                    format!("a buffer of only {} bytes", loc[i].bytes)
+                } else {
+                    "no buffer".to_string()
+                }
+            )));
+        }
+        loc[i].bytes = need;
+    }
+    Ok(loc)
+}
+
+/// Events: dense indices; each recorded once. Event id -> (index, the node recording it).
+fn event_indices(p: &Program) -> Result<HashMap<u32, (usize, usize)>, ExecError> {
+    let mut event_idx: HashMap<u32, (usize, usize)> = HashMap::new();
+    for (ni, n) in p.nodes.iter().enumerate() {
+        if let Op::RecordEvent { event } = n.op {
+            let k = event_idx.len();
+            if event_idx.insert(event, (k, ni)).is_some() {
+                return Err(plan_err(format!(
+                    "event {event} is recorded twice (node `{}`)",
+                    n.name
+                )));
+            }
+        }
+    }
+    Ok(event_idx)
+}
+
+/// Transposed operands in their input's bytes: the stored (input) shape of each.
+fn stored_shapes(p: &Program, loc: &[Loc]) -> Vec<Option<Vec<usize>>> {
+    let mut stored_as: Vec<Option<Vec<usize>>> = vec![None; p.values.len()];
+    for (n, t) in p.nodes.iter().zip(hzp_ir::views::transposed_operands(p)) {
+        if let (true, [x], [y]) = (t, n.inputs.as_slice(), n.outputs.as_slice()) {
+            if loc[y.index()].off == loc[x.index()].off {
+                stored_as[y.index()] = Some(p.ty(*x).shape.clone());
+            }
+        }
+    }
+    stored_as
+}
+
+/// What each node is to the executor, with its operands' locations and types; waits come
+/// after their records, and no node writes over its inputs except where its op says it may.
+fn runtime_nodes(
+    p: &Program,
+    loc: &[Loc],
+    event_idx: &HashMap<u32, (usize, usize)>,
+) -> Result<Vec<NodeRt>, ExecError> {
+    let mut nodes = Vec::with_capacity(p.nodes.len());
+    let ty = |v: ValueId| p.ty(v).clone();
+    let stored_as = stored_shapes(p, loc);
+    for (ni, n) in p.nodes.iter().enumerate() {
+        let kind = node_kind(n, ni, event_idx, &stored_as)?;
+        let ins: Vec<(Loc, TensorType)> =
+            n.inputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
+        let outs: Vec<(Loc, TensorType)> =
+            n.outputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
+        check_no_overwrite(n, &kind, &ins, &outs)?;
+        nodes.push(NodeRt {
+            kind,
+            stream: n.stream.index(),
+            ins,
+            outs,
+        });
+    }
+    Ok(nodes)
+}
+
+/// The [`Kind`] of node `ni`.
+fn node_kind(
+    n: &hzp_ir::Node,
+    ni: usize,
+    event_idx: &HashMap<u32, (usize, usize)>,
+    stored_as: &[Option<Vec<usize>>],
+) -> Result<Kind, ExecError> {
+    Ok(match &n.op {
+        Op::RecordEvent { event } => Kind::Record(event_idx[event].0),
+        Op::WaitEvent { event } => match event_idx.get(event) {
+            Some(&(k, r)) if r < ni => Kind::Wait(k),
+            Some(_) => {
+                return Err(plan_err(format!(
+                    "node `{}` waits on event {event} before it is recorded (a deadlock)",
+                    n.name
+                )))
+            }
+            None => {
+                return Err(plan_err(format!(
+                    "node `{}` waits on event {event}, which nothing records",
+                    n.name
+                )))
+            }
+        },
+        Op::Free => Kind::Nop,
+        Op::Identity | Op::Copy | Op::Reshape { .. } => Kind::Move,
+        Op::Transpose { .. } if stored_as[n.outputs[0].index()].is_some() => Kind::Move,
+        Op::MatMul if n.inputs.iter().any(|v| stored_as[v.index()].is_some()) => {
+            let view = |k: usize| stored_as[n.inputs[k].index()].clone();
+            Kind::MatMul([view(0), view(1)])
+        }
+        op if op.is_collective() => Kind::Collective,
+        _ => Kind::Compute,
+    })
+}
+
+/// Refuses a node whose result overlaps one of its inputs, unless it is a move lying in its
+/// input's very bytes or an in-place pair its op declares.
+fn check_no_overwrite(
+    n: &hzp_ir::Node,
+    kind: &Kind,
+    ins: &[(Loc, TensorType)],
+    outs: &[(Loc, TensorType)],
+) -> Result<(), ExecError> {
+    // A move may lie in its input's very bytes (the planner shares a reshape's buffer
+    // with its input): then it has nothing to do.
+    let in_place_move = matches!(kind, Kind::Move)
+        && ins.len() == 1
+        && outs.len() == 1
+        && ins[0].0.off == outs[0].0.off
+        && ins[0].0.bytes == outs[0].0.bytes;
+    // An op may write a result exactly over an input it declares (an optimizer
+    // update in place, see `Op::in_place_pairs`); any other overlap is refused.
+    let pairs = n.op.in_place_pairs();
+    for (oi, (o, _)) in outs.iter().enumerate() {
+        for (ii, (i, _)) in ins.iter().enumerate() {
+            let declared = pairs.contains(&(ii, oi)) && i.off == o.off && i.bytes == o.bytes;
+            if !in_place_move
+                && !declared
+                && o.bytes > 0
+                && i.bytes > 0
+                && o.off < i.off + i.bytes
+                && i.off < o.off + o.bytes
+            {
+                return Err(plan_err(format!(
+                    "node `{}` writes its result over one of its inputs",
+                    n.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per-rank communicator table of each collective node.
+type CommTable = Vec<Vec<Option<CommRef>>>;
+
+/// Communicators: one per (stream, group instance); and each rank's communicator of each
+/// collective node.
+fn communicators(p: &Program, mesh: &Mesh) -> Result<(Vec<Communicator>, CommTable), ExecError> {
+    let world = mesh.world_size();
+    let labels: Arc<[String]> = p.nodes.iter().map(|n| n.name.clone()).collect();
+    let mut comms: Vec<Communicator> = Vec::new();
+    let mut comm_key: HashMap<(usize, Vec<usize>), usize> = HashMap::new();
+    let mut comm_of = vec![vec![None; p.nodes.len()]; world];
+    for (ni, n) in p.nodes.iter().enumerate() {
+        let Some(group) = n.op.group() else { continue };
+        for (r, row) in comm_of.iter_mut().enumerate() {
+            let members = mesh.group_members(group, r).ok_or_else(|| {
+                plan_err(format!(
+                    "node `{}` runs on group {group}, which names an axis the mesh {mesh} lacks",
+                    n.name
+                ))
+            })?;
+            let member = members.iter().position(|&m| m == r).unwrap_or(0);
+            let size = members.len();
+            debug_assert_eq!(size, members.len());
+            let key = (n.stream.index(), members.clone());
+            let comm = *comm_key.entry(key).or_insert_with(|| {
+                comms.push(Communicator::with_members(members, Some(labels.clone())));
+                comms.len() - 1
+            });
+            row[ni] = Some(CommRef { comm, member });
+        }
+    }
+    Ok((comms, comm_of))
+}
+
+/// The updates as (value, target) copies, and the per-rank staging arenas if any.
+type UpdateCopies = (Vec<(Loc, Loc)>, Option<Vec<Arena>>);
+
+/// The updates as (value, target) copies, and, when a value is read after another
+/// update overwrote it, a staging arena per rank.
+fn update_copies(p: &Program, loc: &[Loc], world: usize) -> Result<UpdateCopies, ExecError> {
+    let mut updates = Vec::new();
+    for u in &p.updates {
+        let (v, t) = (loc[u.value.index()], loc[u.target.index()]);
+        if v.bytes != t.bytes {
+            return Err(plan_err(format!(
+                "update of `{}` by `{}` of another size",
+                p.value(u.target).name,
+                p.value(u.value).name
+            )));
+        }
+        updates.push((v, t));
+    }
+    let overlap = |a: Loc, b: Loc| {
+        a.bytes > 0 && b.bytes > 0 && a.off < b.off + b.bytes && b.off < a.off + a.bytes
+    };
+    let needs_staging = updates.iter().any(|&(v, _)| {
+        updates
+            .iter()
+            .any(|&(_, t)| overlap(v, t) && v.off != t.off)
+    });
+    let staging = if needs_staging {
+        let total: usize = updates.iter().map(|(v, _)| v.bytes.div_ceil(8) * 8).sum();
+        Some(
+            (0..world)
+                .map(|_| Arena::new(total).map_err(plan_err))
+                .collect::<Result<Vec<_>, _>>()?,
+        )
+    } else {
+        None
+    };
+    Ok((updates, staging))
+}
+
+/// An injected fault names a rank of the plan, and a collective where it needs one.
+fn check_fault(
+    opts: &ExecOptions,
+    world: usize,
+    first_collective: Option<usize>,
+) -> Result<(), ExecError> {
+    if let Some(f) = &opts.fault {
+        if f.rank >= world {
+            return Err(plan_err(format!(
+                "the injected fault names rank {}, the plan has {world} rank{}",
+                f.rank,
+                if world == 1 { "" } else { "s" }
+            )));
+        }
+        if matches!(f.kind, FaultKind::SkipCollective | FaultKind::WrongBytes)
+            && first_collective.is_none()
+        {
+            return Err(plan_err(format!(
+                "the injected fault {} needs a collective, the plan has none",
+                f.kind.name()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What the threads of one [`Executor::run`] share.
+struct RunState {
+    /// The node lists of each thread: (rank, stream, nodes).
+    lists: Vec<(usize, usize, Vec<usize>)>,
+    sync_mode: bool,
+    steps: usize,
+    /// Steps run before this run.
+    base_step: usize,
+    epoch: Instant,
+    barrier: StepBarrier,
+    abort: AtomicBool,
+    failure: Mutex<Option<ExecError>>,
+    /// Each rank's own error (not the aborts another's caused), for the flight report.
+    rank_errors: Mutex<Vec<Option<String>>>,
+    events: Vec<EventTable>,
+    progress: Vec<Progress>,
+    finished: AtomicUsize,
+    /// Per step, rank and stream: [busy, wait] in ns.
+    stats: Vec<Mutex<Vec<[u64; 4]>>>,
+    walls: Mutex<Vec<Duration>>,
+    losses: Mutex<Vec<Option<f64>>>,
+    traces: Mutex<Vec<Vec<TraceEvent>>>,
+}
+
+impl RunState {
+    fn new(ex: &Executor, steps: usize) -> RunState {
+        let w = ex.world;
+        let lists = ex.thread_lists();
+        let n_threads = lists.len();
+        RunState {
+            sync_mode: ex.opts.comm == CommMode::Sync,
+            steps,
+            barrier: StepBarrier::new(n_threads),
+            abort: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            rank_errors: Mutex::new(vec![None; w]),
+            events: (0..w).map(|_| EventTable::new(ex.n_events)).collect(),
+            progress: (0..n_threads).map(|_| Progress::default()).collect(),
+            finished: AtomicUsize::new(0),
+            stats: (0..steps)
+                .map(|_| Mutex::new(vec![[0u64; 4]; w * 3]))
+                .collect(),
+            walls: Mutex::new(Vec::with_capacity(steps)),
+            losses: Mutex::new(Vec::with_capacity(steps)),
+            epoch: Instant::now(),
+            base_step: ex.steps_run,
+            traces: Mutex::new(Vec::new()),
+            lists,
+        }
+    }
+
+    /// Stops the run with `e`: the first real error wins over the aborts it caused.
+    fn fail(&self, e: ExecError) {
+        self.abort.store(true, Ordering::Relaxed);
+        let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        // the first real error wins over the aborts it caused
+        if f.is_none() || (!e.is_abort() && f.as_ref().is_some_and(ExecError::is_abort)) {
+            *f = Some(e);
+        }
+    }
+}
+
+/// Each step's [`StepStats`] from the threads' per-step records.
+fn step_stats(
+    stats: Vec<Mutex<Vec<[u64; 4]>>>,
+    walls: &[Duration],
+    losses: &[Option<f64>],
+    base_step: usize,
+    w: usize,
+) -> Vec<StepStats> {
+    let mut out = Vec::with_capacity(stats.len());
+    for (k, st) in stats.into_iter().enumerate() {
+        let st = st.into_inner().unwrap_or_else(|e| e.into_inner());
+        let mut busy = [0u64; 3];
+        let mut exposed = 0u64;
+        for r in 0..w {
+            for s in 0..3 {
+                busy[s] += st[r * 3 + s][0];
+            }
+            exposed += st[r * 3][1];
+        }
+        let mean = |x: u64| Duration::from_nanos(x / w as u64);
+        out.push(StepStats {
+            step: base_step + k + 1,
+            loss: losses.get(k).copied().flatten(),
+            wall: walls.get(k).copied().unwrap_or_default(),
+            busy: [mean(busy[0]), mean(busy[1]), mean(busy[2])],
+            exposed_comm: mean(exposed),
+        });
+    }
+    out
+}
+
 impl Executor {
     /// Prepares `plan` with the model's full parameters (by name): allocates each rank's
     /// arena, cuts the parameters into master and compute shards as the plan's layouts say,
@@ -276,238 +660,23 @@ impl Executor {
         opts: ExecOptions,
     ) -> Result<Executor, ExecError> {
         let p = &plan.program;
-        match &p.mesh {
-            Some(m) if *m == plan.mesh => {}
-            Some(m) => {
-                return Err(plan_err(format!(
-                    "the program's mesh {m} is not the plan's mesh {}",
-                    plan.mesh
-                )))
-            }
-            None => return Err(plan_err("the program has no mesh")),
-        }
+        check_mesh(plan)?;
         let mesh = plan.mesh.clone();
         let world = mesh.world_size();
         let arena_bytes = usize::try_from(plan.arena_bytes)
             .map_err(|_| plan_err("the arena does not fit this machine's address space"))?;
-
-        // Every value at its buffer.
-        let mut loc = vec![Loc::default(); p.values.len()];
-        let mut has = vec![false; p.values.len()];
-        for b in &plan.buffers {
-            let i = b.value.index();
-            if i >= p.values.len() {
-                return Err(plan_err(format!("a buffer names value {}", b.value.0)));
-            }
-            if b.end() > plan.arena_bytes || b.offset % 8 != 0 {
-                return Err(plan_err(format!(
-                    "the buffer of `{}` ({} bytes at offset {}) is not an aligned range of the \
-                     {}-byte arena",
-                    p.values[i].name, b.bytes, b.offset, plan.arena_bytes
-                )));
-            }
-            loc[i] = Loc {
-                off: b.offset as usize,
-                bytes: b.bytes as usize,
-            };
-            has[i] = true;
-        }
-        for (i, v) in p.values.iter().enumerate() {
-            let need = value_bytes(&v.ty)
-                .ok_or_else(|| plan_err(format!("value `{}` ({}) is too large", v.name, v.ty)))?;
-            if need == 0 {
-                loc[i] = Loc { off: 0, bytes: 0 };
-                continue;
-            }
-            if !has[i] || loc[i].bytes < need {
-                return Err(plan_err(format!(
-                    "value `{}` ({}, {need} bytes) has {}",
-                    v.name,
-                    v.ty,
-                    if has[i] {
-                        format!("a buffer of only {} bytes", loc[i].bytes)
-                    } else {
-                        "no buffer".to_string()
-                    }
-                )));
-            }
-            loc[i].bytes = need;
-        }
-
-        // Events: dense indices; each recorded once, before its waits.
-        let mut event_idx: HashMap<u32, (usize, usize)> = HashMap::new(); // id -> (index, record node)
-        for (ni, n) in p.nodes.iter().enumerate() {
-            if let Op::RecordEvent { event } = n.op {
-                let k = event_idx.len();
-                if event_idx.insert(event, (k, ni)).is_some() {
-                    return Err(plan_err(format!(
-                        "event {event} is recorded twice (node `{}`)",
-                        n.name
-                    )));
-                }
-            }
-        }
-        let mut nodes = Vec::with_capacity(p.nodes.len());
-        let ty = |v: ValueId| p.ty(v).clone();
-        // Transposed operands in their input's bytes: the stored (input) shape of each.
-        let mut stored_as: Vec<Option<Vec<usize>>> = vec![None; p.values.len()];
-        for (n, t) in p.nodes.iter().zip(hzp_ir::views::transposed_operands(p)) {
-            if let (true, [x], [y]) = (t, n.inputs.as_slice(), n.outputs.as_slice()) {
-                if loc[y.index()].off == loc[x.index()].off {
-                    stored_as[y.index()] = Some(p.ty(*x).shape.clone());
-                }
-            }
-        }
-        for (ni, n) in p.nodes.iter().enumerate() {
-            let kind = match &n.op {
-                Op::RecordEvent { event } => Kind::Record(event_idx[event].0),
-                Op::WaitEvent { event } => match event_idx.get(event) {
-                    Some(&(k, r)) if r < ni => Kind::Wait(k),
-                    Some(_) => {
-                        return Err(plan_err(format!(
-                            "node `{}` waits on event {event} before it is recorded (a deadlock)",
-                            n.name
-                        )))
-                    }
-                    None => {
-                        return Err(plan_err(format!(
-                            "node `{}` waits on event {event}, which nothing records",
-                            n.name
-                        )))
-                    }
-                },
-                Op::Free => Kind::Nop,
-                Op::Identity | Op::Copy | Op::Reshape { .. } => Kind::Move,
-                Op::Transpose { .. } if stored_as[n.outputs[0].index()].is_some() => Kind::Move,
-                Op::MatMul if n.inputs.iter().any(|v| stored_as[v.index()].is_some()) => {
-                    let view = |k: usize| stored_as[n.inputs[k].index()].clone();
-                    Kind::MatMul([view(0), view(1)])
-                }
-                op if op.is_collective() => Kind::Collective,
-                _ => Kind::Compute,
-            };
-            let ins: Vec<(Loc, TensorType)> =
-                n.inputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
-            let outs: Vec<(Loc, TensorType)> =
-                n.outputs.iter().map(|&v| (loc[v.index()], ty(v))).collect();
-            // A move may lie in its input's very bytes (the planner shares a reshape's buffer
-            // with its input): then it has nothing to do.
-            let in_place_move = matches!(kind, Kind::Move)
-                && ins.len() == 1
-                && outs.len() == 1
-                && ins[0].0.off == outs[0].0.off
-                && ins[0].0.bytes == outs[0].0.bytes;
-            // An op may write a result exactly over an input it declares (an optimizer
-            // update in place, see `Op::in_place_pairs`); any other overlap is refused.
-            let pairs = n.op.in_place_pairs();
-            for (oi, (o, _)) in outs.iter().enumerate() {
-                for (ii, (i, _)) in ins.iter().enumerate() {
-                    let declared =
-                        pairs.contains(&(ii, oi)) && i.off == o.off && i.bytes == o.bytes;
-                    if !in_place_move
-                        && !declared
-                        && o.bytes > 0
-                        && i.bytes > 0
-                        && o.off < i.off + i.bytes
-                        && i.off < o.off + o.bytes
-                    {
-                        return Err(plan_err(format!(
-                            "node `{}` writes its result over one of its inputs",
-                            n.name
-                        )));
-                    }
-                }
-            }
-            nodes.push(NodeRt {
-                kind,
-                stream: n.stream.index(),
-                ins,
-                outs,
-            });
-        }
-
-        // Communicators: one per (stream, group instance).
-        let labels: Arc<[String]> = p.nodes.iter().map(|n| n.name.clone()).collect();
-        let mut comms: Vec<Communicator> = Vec::new();
-        let mut comm_key: HashMap<(usize, Vec<usize>), usize> = HashMap::new();
-        let mut comm_of = vec![vec![None; p.nodes.len()]; world];
-        for (ni, n) in p.nodes.iter().enumerate() {
-            let Some(group) = n.op.group() else { continue };
-            for (r, row) in comm_of.iter_mut().enumerate() {
-                let members = mesh.group_members(group, r).ok_or_else(|| {
-                    plan_err(format!(
-                        "node `{}` runs on group {group}, which names an axis the mesh {mesh} lacks",
-                        n.name
-                    ))
-                })?;
-                let member = members.iter().position(|&m| m == r).unwrap_or(0);
-                let size = members.len();
-                debug_assert_eq!(size, members.len());
-                let key = (n.stream.index(), members.clone());
-                let comm = *comm_key.entry(key).or_insert_with(|| {
-                    comms.push(Communicator::with_members(members, Some(labels.clone())));
-                    comms.len() - 1
-                });
-                row[ni] = Some(CommRef { comm, member });
-            }
-        }
-
+        let loc = value_locations(plan)?;
+        let event_idx = event_indices(p)?;
+        let nodes = runtime_nodes(p, &loc, &event_idx)?;
+        let (comms, comm_of) = communicators(p, &mesh)?;
         let arenas = (0..world)
             .map(|_| Arena::new(arena_bytes).map_err(plan_err))
             .collect::<Result<Vec<_>, _>>()?;
-
-        // Updates, and whether a value is read after another update overwrote it.
-        let mut updates = Vec::new();
-        for u in &p.updates {
-            let (v, t) = (loc[u.value.index()], loc[u.target.index()]);
-            if v.bytes != t.bytes {
-                return Err(plan_err(format!(
-                    "update of `{}` by `{}` of another size",
-                    p.value(u.target).name,
-                    p.value(u.value).name
-                )));
-            }
-            updates.push((v, t));
-        }
-        let overlap = |a: Loc, b: Loc| {
-            a.bytes > 0 && b.bytes > 0 && a.off < b.off + b.bytes && b.off < a.off + a.bytes
-        };
-        let needs_staging = updates.iter().any(|&(v, _)| {
-            updates
-                .iter()
-                .any(|&(_, t)| overlap(v, t) && v.off != t.off)
-        });
-        let staging = if needs_staging {
-            let total: usize = updates.iter().map(|(v, _)| v.bytes.div_ceil(8) * 8).sum();
-            Some(
-                (0..world)
-                    .map(|_| Arena::new(total).map_err(plan_err))
-                    .collect::<Result<Vec<_>, _>>()?,
-            )
-        } else {
-            None
-        };
-
+        let (updates, staging) = update_copies(p, &loc, world)?;
         let first_collective = nodes
             .iter()
             .position(|n| matches!(n.kind, Kind::Collective));
-        if let Some(f) = &opts.fault {
-            if f.rank >= world {
-                return Err(plan_err(format!(
-                    "the injected fault names rank {}, the plan has {world} rank{}",
-                    f.rank,
-                    if world == 1 { "" } else { "s" }
-                )));
-            }
-            if matches!(f.kind, FaultKind::SkipCollective | FaultKind::WrongBytes)
-                && first_collective.is_none()
-            {
-                return Err(plan_err(format!(
-                    "the injected fault {} needs a collective, the plan has none",
-                    f.kind.name()
-                )));
-            }
-        }
+        check_fault(&opts, world, first_collective)?;
         let recorder = FlightRecorder::new(
             world,
             StreamKind::COUNT,
@@ -653,11 +822,51 @@ impl Executor {
         if steps == 0 {
             return Ok(Vec::new());
         }
-        let w = self.world;
+        let run = RunState::new(self, steps);
+        self.report = None;
+        let this = &*self;
+        std::thread::scope(|scope| {
+            for slot in 0..run.lists.len() {
+                this.spawn_worker(scope, &run, slot)?;
+            }
+            this.spawn_watchdog(scope, &run)
+        })?;
+        let RunState {
+            base_step,
+            failure,
+            rank_errors,
+            stats,
+            walls,
+            losses,
+            traces,
+            ..
+        } = run;
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let errors = rank_errors.into_inner().unwrap_or_else(|e| e.into_inner());
+            self.report = Some(self.flight_report_of(&e.to_string(), &errors));
+            return Err(e);
+        }
+        let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
+        let losses = losses.into_inner().unwrap_or_else(|e| e.into_inner());
+        let out = step_stats(stats, &walls, &losses, base_step, self.world);
+        self.steps_run += steps;
+        if self.opts.trace {
+            for t in traces.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                self.trace.extend(t);
+            }
+            self.trace
+                .sort_by_key(|e| (e.rank, e.stream.index(), e.start, e.node));
+        }
+        Ok(out)
+    }
+
+    /// The node lists of each thread: (rank, stream, nodes). In sync mode one thread per
+    /// rank runs every node but the events; otherwise each rank has a compute thread and a
+    /// thread per comm stream with nodes.
+    fn thread_lists(&self) -> Vec<(usize, usize, Vec<usize>)> {
         let sync_mode = self.opts.comm == CommMode::Sync;
-        // The node lists of each thread: (rank, stream, nodes).
         let mut lists: Vec<(usize, usize, Vec<usize>)> = Vec::new();
-        for r in 0..w {
+        for r in 0..self.world {
             if sync_mode {
                 let all = (0..self.nodes.len())
                     .filter(|&i| !matches!(self.nodes[i].kind, Kind::Record(_) | Kind::Wait(_)))
@@ -674,156 +883,106 @@ impl Executor {
                 }
             }
         }
-        let n_threads = lists.len();
-        let barrier = StepBarrier::new(n_threads);
-        let abort = AtomicBool::new(false);
-        let failure: Mutex<Option<ExecError>> = Mutex::new(None);
-        // Each rank's own error (not the aborts another's caused), for the flight report.
-        let rank_errors: Mutex<Vec<Option<String>>> = Mutex::new(vec![None; w]);
-        let events: Vec<EventTable> = (0..w).map(|_| EventTable::new(self.n_events)).collect();
-        let progress: Vec<Progress> = (0..lists.len()).map(|_| Progress::default()).collect();
-        let finished = AtomicUsize::new(0);
-        // Per step, rank and stream: [busy, wait] in ns.
-        let stats: Vec<Mutex<Vec<[u64; 4]>>> = (0..steps)
-            .map(|_| Mutex::new(vec![[0u64; 4]; w * 3]))
-            .collect();
-        let walls: Mutex<Vec<Duration>> = Mutex::new(Vec::with_capacity(steps));
-        let losses: Mutex<Vec<Option<f64>>> = Mutex::new(Vec::with_capacity(steps));
-        let epoch = Instant::now();
-        let base_step = self.steps_run;
-        let traces: Mutex<Vec<Vec<TraceEvent>>> = Mutex::new(Vec::new());
-        self.report = None;
-        let this = &*self;
-        let fail = |e: ExecError| {
-            abort.store(true, Ordering::Relaxed);
-            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
-            // the first real error wins over the aborts it caused
-            if f.is_none() || (!e.is_abort() && f.as_ref().is_some_and(ExecError::is_abort)) {
-                *f = Some(e);
-            }
+        lists
+    }
+
+    /// Starts the thread of `run.lists[slot]`.
+    fn spawn_worker<'scope, 'env>(
+        &'env self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        run: &'env RunState,
+        slot: usize,
+    ) -> Result<(), ExecError> {
+        let (r, s, _) = run.lists[slot];
+        std::thread::Builder::new()
+            .name(format!("hzp-r{r}-{}", StreamKind::ALL[s].name()))
+            .spawn_scoped(scope, move || self.worker(run, slot))
+            .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+        Ok(())
+    }
+
+    /// The body of the thread of `run.lists[slot]`: runs its nodes for every step; a
+    /// failure (or a panic) stops the run.
+    fn worker(&self, run: &RunState, slot: usize) {
+        let (r, s, list) = (run.lists[slot].0, run.lists[slot].1, &run.lists[slot].2);
+        let ctx = ThreadCtx {
+            ex: self,
+            rank: r,
+            stream: s,
+            list,
+            barrier: &run.barrier,
+            abort: &run.abort,
+            events: &run.events[r],
+            sync_mode: run.sync_mode,
+            progress: &run.progress[slot],
         };
-        let shared = RunShared {
-            lists: &lists,
-            progress: &progress,
-            rank_errors: &rank_errors,
+        let steps = run.steps;
+        let mut trace = if self.opts.trace {
+            Vec::with_capacity(list.len() * steps)
+        } else {
+            Vec::new()
         };
-        std::thread::scope(|scope| {
-            for (slot, (r, s, list)) in lists.iter().enumerate() {
-                let (r, s) = (*r, *s);
-                let ctx = ThreadCtx {
-                    ex: this,
-                    rank: r,
-                    stream: s,
-                    list,
-                    barrier: &barrier,
-                    abort: &abort,
-                    events: &events[r],
-                    sync_mode,
-                    progress: &progress[slot],
-                };
-                let stats = &stats;
-                let walls = &walls;
-                let losses = &losses;
-                let traces = &traces;
-                let fail = &fail;
-                let finished = &finished;
-                let rank_errors = &rank_errors;
-                std::thread::Builder::new()
-                    .name(format!("hzp-r{r}-{}", StreamKind::ALL[s].name()))
-                    .spawn_scoped(scope, move || {
-                        let mut trace = if this.opts.trace {
-                            Vec::with_capacity(list.len() * steps)
-                        } else {
-                            Vec::new()
-                        };
-                        let mut scratch = Scratch::default();
-                        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            ctx.run(
-                                steps,
-                                base_step,
-                                epoch,
-                                stats,
-                                walls,
-                                losses,
-                                &mut trace,
-                                &mut scratch,
-                            )
-                        }))
-                        .unwrap_or_else(|payload| {
-                            let msg = payload
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| payload.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "(no message)".into());
-                            Err(ExecError::Run(format!(
-                                "rank {r}'s {} thread panicked: {msg}",
-                                StreamKind::ALL[s].name()
-                            )))
-                        });
-                        ctx.progress.set(IDLE, 0);
-                        if let Err(e) = res {
-                            if !e.is_abort() {
-                                let mut re = rank_errors.lock().unwrap_or_else(|e| e.into_inner());
-                                re[r].get_or_insert_with(|| e.to_string());
-                            }
-                            fail(e);
-                        }
-                        if this.opts.trace {
-                            traces.lock().unwrap_or_else(|e| e.into_inner()).push(trace);
-                        }
-                        finished.fetch_add(1, Ordering::Release);
-                    })
-                    .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+        let mut scratch = Scratch::default();
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ctx.run(
+                steps,
+                run.base_step,
+                run.epoch,
+                &run.stats,
+                &run.walls,
+                &run.losses,
+                &mut trace,
+                &mut scratch,
+            )
+        }))
+        .unwrap_or_else(|payload| {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            Err(ExecError::Run(format!(
+                "rank {r}'s {} thread panicked: {msg}",
+                StreamKind::ALL[s].name()
+            )))
+        });
+        ctx.progress.set(IDLE, 0);
+        if let Err(e) = res {
+            if !e.is_abort() {
+                let mut re = run.rank_errors.lock().unwrap_or_else(|e| e.into_inner());
+                re[r].get_or_insert_with(|| e.to_string());
             }
-            // The watchdog: a wait longer than the timeout stops the run; threads that do not
-            // stop after that get the stuck hook.
-            let shared = &shared;
-            let fail = &fail;
-            let (abort, finished, failure) = (&abort, &finished, &failure);
-            std::thread::Builder::new()
-                .name("hzp-watchdog".into())
-                .spawn_scoped(scope, move || {
-                    this.watch(shared, abort, finished, failure, fail)
-                })
-                .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
-            Ok::<(), ExecError>(())
-        })?;
-        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            let errors = rank_errors.into_inner().unwrap_or_else(|e| e.into_inner());
-            self.report = Some(self.flight_report_of(&e.to_string(), &errors));
-            return Err(e);
+            run.fail(e);
         }
-        let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
-        let losses = losses.into_inner().unwrap_or_else(|e| e.into_inner());
-        let mut out = Vec::with_capacity(steps);
-        for (k, st) in stats.into_iter().enumerate() {
-            let st = st.into_inner().unwrap_or_else(|e| e.into_inner());
-            let mut busy = [0u64; 3];
-            let mut exposed = 0u64;
-            for r in 0..w {
-                for s in 0..3 {
-                    busy[s] += st[r * 3 + s][0];
-                }
-                exposed += st[r * 3][1];
-            }
-            let mean = |x: u64| Duration::from_nanos(x / w as u64);
-            out.push(StepStats {
-                step: base_step + k + 1,
-                loss: losses.get(k).copied().flatten(),
-                wall: walls.get(k).copied().unwrap_or_default(),
-                busy: [mean(busy[0]), mean(busy[1]), mean(busy[2])],
-                exposed_comm: mean(exposed),
-            });
-        }
-        self.steps_run += steps;
         if self.opts.trace {
-            for t in traces.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                self.trace.extend(t);
-            }
-            self.trace
-                .sort_by_key(|e| (e.rank, e.stream.index(), e.start, e.node));
+            run.traces
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(trace);
         }
-        Ok(out)
+        run.finished.fetch_add(1, Ordering::Release);
+    }
+
+    /// Starts the watchdog: a wait longer than the timeout stops the run; threads that do
+    /// not stop after that get the stuck hook.
+    fn spawn_watchdog<'scope, 'env>(
+        &'env self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        run: &'env RunState,
+    ) -> Result<(), ExecError> {
+        std::thread::Builder::new()
+            .name("hzp-watchdog".into())
+            .spawn_scoped(scope, move || {
+                let shared = RunShared {
+                    lists: &run.lists,
+                    progress: &run.progress,
+                    rank_errors: &run.rank_errors,
+                };
+                let fail = |e: ExecError| run.fail(e);
+                self.watch(&shared, &run.abort, &run.finished, &run.failure, &fail)
+            })
+            .map_err(|e| ExecError::Run(format!("cannot start a thread: {e}")))?;
+        Ok(())
     }
 
     /// The nodes run so far, when the executor was made with `trace: true`.
