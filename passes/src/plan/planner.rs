@@ -88,7 +88,7 @@
 use crate::cost::cluster::{node_local_group, ClusterError, ClusterSpec};
 use crate::cost::{roofline, CollectiveCost, CollectiveKind, CostError, CostModel};
 use crate::dist::spmd::ReduceGrads;
-use crate::report::{human_bytes, human_count, layer_of_params};
+use crate::report::{human_bytes, human_count, layer_of_params, LayerGrouping};
 use crate::train::autodiff::differentiate;
 use crate::train::{attach_loss, lower_precision, LossKind};
 use hzp_ir::{BinaryOp, DType, Group, Mesh, Op, Program, ShardGroups, ValueDef, ValueId};
@@ -776,48 +776,17 @@ fn model_err(fwd: &Program, message: impl Into<String>) -> ShardPlanError {
     }
 }
 
-fn profile(
-    fwd: &Program,
-    cluster: &ClusterSpec,
-    opts: &ShardOptions,
-) -> Result<Profile, ShardPlanError> {
-    let low = lower_precision(fwd, opts.compute).map_err(|e| model_err(fwd, e.0))?;
-    let mut p = match &opts.loss {
-        Some(k) => attach_loss(&low, k),
-        None => attach_loss(&low, &LossKind::Lm { labels: None })
-            .or_else(|_| attach_loss(&low, &LossKind::Mean)),
-    }
-    .map_err(|e| model_err(fwd, e.0))?;
-    let n_fwd = p.nodes.len();
-    let n_fwd_values = p.values.len();
-    let grouping = layer_of_params(&p);
-    let loss = p.outputs[0];
-    let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
-    // Without a backward (an op with no gradient rule), estimate from the forward alone.
-    let grads = differentiate(&mut p, loss, &params);
-    let row_tables: Vec<Option<RowTable>> = match &grads {
-        Ok(gs) => {
-            let users = p.users();
-            params
-                .iter()
-                .zip(gs)
-                .map(|(&w, &gv)| {
-                    // (a gradient value shared with another parameter stays dense)
-                    let once = gs.iter().filter(|&&x| x == gv).count() == 1;
-                    row_table(&p, &users, w, gv).filter(|_| once)
-                })
-                .collect()
-        }
-        Err(_) => vec![None; params.len()],
-    };
-    let fallback = grads.err().map(|e| {
-        format!(
-            "the backward could not be derived ({}); activations are estimated as the inputs of \
-             the forward's compute ops and the backward as twice the forward's compute",
-            e.0.trim_start_matches("autodiff: ")
-        )
-    });
-
+/// Bytes of the activations the backward keeps (forward values the backward reads; without
+/// a backward, `with_backward` false, the inputs of the forward's compute ops other than
+/// additions, views and data movement), and with per-layer recompute (layer inputs and
+/// values outside layers kept, plus one layer's rest). `p` holds the forward's `n_fwd`
+/// nodes and `n_fwd_values` values first, then the backward.
+fn saved_activations(
+    p: &Program,
+    (n_fwd, n_fwd_values): (usize, usize),
+    grouping: &LayerGrouping,
+    with_backward: bool,
+) -> (u64, u64) {
     // Which forward values depend on an input, which on a parameter.
     let mut dep_in = vec![false; n_fwd_values];
     let mut dep_par = vec![false; n_fwd_values];
@@ -851,7 +820,7 @@ fn profile(
     // Saved values: forward values the backward reads (or, without a backward, the inputs
     // of forward ops other than additions, views and data movement).
     let mut saved = vec![false; n_fwd_values];
-    let readers: Vec<&hzp_ir::Node> = if fallback.is_none() {
+    let readers: Vec<&hzp_ir::Node> = if with_backward {
         p.nodes[n_fwd..].iter().collect()
     } else {
         p.nodes[..n_fwd]
@@ -908,10 +877,22 @@ fn profile(
     }
     let kept_bytes: u64 = (0..n_fwd_values).filter(|&i| kept[i]).map(bytes_of).sum();
     let act_recompute_bytes = kept_bytes + per_layer.iter().copied().max().unwrap_or(0);
+    (act_bytes, act_recompute_bytes)
+}
 
-    // Compute per node, assigned to layers. Backward nodes: the layer of a parameter they
-    // read, else of the forward value produced last they read, else of their backward input
-    // produced last.
+/// The modeled compute time of each layer's forward and backward and of the nodes outside
+/// layers, over the first `timed` nodes of `p` (the forward's `n_fwd`, then the backward).
+/// A backward node counts for the layer of a parameter it reads, else of the forward value
+/// produced last it reads, else of its backward input produced last.
+fn layer_times(
+    p: &Program,
+    n_fwd: usize,
+    timed: usize,
+    grouping: &LayerGrouping,
+    cluster: &ClusterSpec,
+    opts: &ShardOptions,
+) -> (Vec<f64>, Vec<f64>, f64, f64) {
+    let nl = grouping.names.len();
     let mut param_layer_of_value: HashMap<ValueId, usize> = HashMap::new();
     for (prm, &l) in p.params.iter().zip(&grouping.of_param) {
         param_layer_of_value.insert(prm.value, l);
@@ -920,11 +901,6 @@ fn profile(
     let mut fwd_s = vec![0.0; nl];
     let mut bwd_s = vec![0.0; nl];
     let (mut other_fwd_s, mut other_bwd_s) = (0.0, 0.0);
-    let timed = if fallback.is_none() {
-        p.nodes.len()
-    } else {
-        n_fwd
-    };
     for (i, n) in p.nodes[..timed].iter().enumerate() {
         let ins: Vec<&hzp_ir::TensorType> = n.inputs.iter().map(|&v| p.ty(v)).collect();
         let outs: Vec<&hzp_ir::TensorType> = n.outputs.iter().map(|&v| p.ty(v)).collect();
@@ -977,6 +953,60 @@ fn profile(
             None => other_bwd_s += secs,
         }
     }
+    (fwd_s, bwd_s, other_fwd_s, other_bwd_s)
+}
+
+fn profile(
+    fwd: &Program,
+    cluster: &ClusterSpec,
+    opts: &ShardOptions,
+) -> Result<Profile, ShardPlanError> {
+    let low = lower_precision(fwd, opts.compute).map_err(|e| model_err(fwd, e.0))?;
+    let mut p = match &opts.loss {
+        Some(k) => attach_loss(&low, k),
+        None => attach_loss(&low, &LossKind::Lm { labels: None })
+            .or_else(|_| attach_loss(&low, &LossKind::Mean)),
+    }
+    .map_err(|e| model_err(fwd, e.0))?;
+    let n_fwd = p.nodes.len();
+    let n_fwd_values = p.values.len();
+    let grouping = layer_of_params(&p);
+    let loss = p.outputs[0];
+    let params: Vec<ValueId> = p.params.iter().map(|x| x.value).collect();
+    // Without a backward (an op with no gradient rule), estimate from the forward alone.
+    let grads = differentiate(&mut p, loss, &params);
+    let row_tables: Vec<Option<RowTable>> = match &grads {
+        Ok(gs) => {
+            let users = p.users();
+            params
+                .iter()
+                .zip(gs)
+                .map(|(&w, &gv)| {
+                    // (a gradient value shared with another parameter stays dense)
+                    let once = gs.iter().filter(|&&x| x == gv).count() == 1;
+                    row_table(&p, &users, w, gv).filter(|_| once)
+                })
+                .collect()
+        }
+        Err(_) => vec![None; params.len()],
+    };
+    let fallback = grads.err().map(|e| {
+        format!(
+            "the backward could not be derived ({}); activations are estimated as the inputs of \
+             the forward's compute ops and the backward as twice the forward's compute",
+            e.0.trim_start_matches("autodiff: ")
+        )
+    });
+
+    let (act_bytes, act_recompute_bytes) =
+        saved_activations(&p, (n_fwd, n_fwd_values), &grouping, fallback.is_none());
+    let timed = if fallback.is_none() {
+        p.nodes.len()
+    } else {
+        n_fwd
+    };
+    let (fwd_s, mut bwd_s, other_fwd_s, mut other_bwd_s) =
+        layer_times(&p, n_fwd, timed, &grouping, cluster, opts);
     if fallback.is_some() {
         bwd_s = fwd_s.iter().map(|f| 2.0 * f).collect();
         other_bwd_s = 2.0 * other_fwd_s;
@@ -1011,7 +1041,7 @@ fn profile(
             .map(|q| p.ty(q.value).numel() as u64)
             .collect(),
         param_layer: grouping.of_param.clone(),
-        layers: nl,
+        layers: grouping.names.len(),
         row_tables,
         fwd_s,
         bwd_s,
@@ -1742,12 +1772,9 @@ fn better(a: &Candidate, b: &Candidate) -> bool {
 
 /// Plans the shard groups of `fwd` (a forward program at per-rank micro-batch shapes) on
 /// `mesh` of `cluster`. See the module docs for the model.
-pub fn plan_sharding(
-    fwd: &Program,
-    mesh: &Mesh,
-    cluster: &ClusterSpec,
-    opts: &ShardOptions,
-) -> Result<PlanReport, ShardPlanError> {
+/// The options' own checks: micro-batches, float dtypes, `--shard` groups on the mesh's
+/// axes.
+fn check_options(mesh: &Mesh, opts: &ShardOptions) -> Result<(), ShardPlanError> {
     if opts.micro_batches == 0 {
         return Err(ShardPlanError::Options(
             "micro-batches per step must be at least 1".into(),
@@ -1778,6 +1805,96 @@ pub fn plan_sharding(
             }
         }
     }
+    Ok(())
+}
+
+/// Mixed candidates: a plan that fits with G reaching across nodes keeps as many layers'
+/// gradients accumulating inside the node (G ∩ node-local) as the memory left allows:
+/// those cross the node boundary once per step instead of once per micro-batch. The mixed
+/// candidates that fit.
+fn mixed_candidates(
+    ctx: &Ctx,
+    cache: &mut CostCache,
+    candidates: &[Candidate],
+    node_local: &Group,
+) -> Result<Vec<Candidate>, ShardPlanError> {
+    let (mesh, opts, prof, budget) = (ctx.mesh, ctx.opts, ctx.prof, ctx.budget);
+    let r = opts.schedule.grad_dtype.size_bytes() as u64;
+    let mut out = Vec::new();
+    for c in candidates {
+        let ng = Group {
+            axes: c
+                .grads
+                .axes
+                .iter()
+                .filter(|a| node_local.axes.contains(a))
+                .cloned()
+                .collect(),
+        };
+        let n = gsize(mesh, &ng);
+        if !c.fits || n >= c.g || !subset(&c.params, &ng) {
+            continue;
+        }
+        let layer_pad = layer_pad(prof, c.o as u64);
+        let mut slack = budget.saturating_sub(c.memory.total);
+        let mut flags = vec![false; prof.layers];
+        for (l, &pad) in layer_pad.iter().enumerate() {
+            let extra = r * pad / n as u64 - r * pad / c.g as u64;
+            if extra <= slack {
+                slack -= extra;
+                flags[l] = true;
+            }
+        }
+        // none: nothing to mix; all: that is the candidate with G = the narrow group
+        if !flags.iter().any(|&f| f) || flags.iter().all(|&f| f) {
+            continue;
+        }
+        let (pg, gg, og) = (c.params.clone(), c.grads.clone(), c.optim.clone());
+        let mixed = evaluate(ctx, cache, &pg, &gg, &og, Some((&ng, &flags)))?;
+        if mixed.fits {
+            out.push(mixed);
+        }
+    }
+    Ok(out)
+}
+
+/// The fastest candidate that fits; among those predicted within SAME_SPEED of it, the one
+/// that sends the fewest bytes across nodes (the model cannot tell such step times apart,
+/// and cross-node links are the ones other jobs and congestion slow down), then the one
+/// that needs the least memory (headroom for a larger batch), then the fastest. `None`
+/// when nothing fits.
+fn choose(candidates: &[Candidate]) -> Option<&Candidate> {
+    let mut fastest: Option<&Candidate> = None;
+    for c in candidates.iter().filter(|c| c.fits) {
+        if fastest.is_none_or(|b| better(c, b)) {
+            fastest = Some(c);
+        }
+    }
+    let mut chosen = fastest;
+    if let Some(f) = fastest {
+        for c in candidates.iter().filter(|c| c.fits) {
+            if c.step_s <= f.step_s * (1.0 + SAME_SPEED)
+                && chosen.is_some_and(|b| {
+                    let same_cross = c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9);
+                    c.cross_node_bytes < b.cross_node_bytes * (1.0 - 1e-9)
+                        || (same_cross && c.memory.total < b.memory.total)
+                        || (same_cross && c.memory.total == b.memory.total && better(c, b))
+                })
+            {
+                chosen = Some(c);
+            }
+        }
+    }
+    chosen
+}
+
+pub fn plan_sharding(
+    fwd: &Program,
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+    opts: &ShardOptions,
+) -> Result<PlanReport, ShardPlanError> {
+    check_options(mesh, opts)?;
     let model = CostModel::new(cluster.clone(), mesh.clone())?;
     let budget = opts.memory_budget.unwrap_or(cluster.device.memory_bytes);
     let node_local = node_local_group(mesh, cluster);
@@ -1810,77 +1927,15 @@ pub fn plan_sharding(
     for (pg, gg, og) in &triples {
         candidates.push(evaluate(&ctx, &mut cache, pg, gg, og, None)?);
     }
-    // Mixed candidates: a plan that fits with G reaching across nodes keeps as many layers'
-    // gradients accumulating inside the node (G ∩ node-local) as the memory left allows:
-    // those cross the node boundary once per step instead of once per micro-batch.
     if opts.strategy == Strategy::AsyncHzp
         && opts.overrides.grads.is_none()
         && opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch
         && opts.micro_batches > 1
     {
-        let r = opts.schedule.grad_dtype.size_bytes() as u64;
-        let base = candidates.len();
-        for i in 0..base {
-            let c = &candidates[i];
-            let ng = Group {
-                axes: c
-                    .grads
-                    .axes
-                    .iter()
-                    .filter(|a| node_local.axes.contains(a))
-                    .cloned()
-                    .collect(),
-            };
-            let n = gsize(mesh, &ng);
-            if !c.fits || n >= c.g || !subset(&c.params, &ng) {
-                continue;
-            }
-            let layer_pad = layer_pad(&prof, c.o as u64);
-            let mut slack = budget.saturating_sub(c.memory.total);
-            let mut flags = vec![false; prof.layers];
-            for (l, &pad) in layer_pad.iter().enumerate() {
-                let extra = r * pad / n as u64 - r * pad / c.g as u64;
-                if extra <= slack {
-                    slack -= extra;
-                    flags[l] = true;
-                }
-            }
-            // none: nothing to mix; all: that is the candidate with G = the narrow group
-            if !flags.iter().any(|&f| f) || flags.iter().all(|&f| f) {
-                continue;
-            }
-            let (pg, gg, og) = (c.params.clone(), c.grads.clone(), c.optim.clone());
-            let mixed = evaluate(&ctx, &mut cache, &pg, &gg, &og, Some((&ng, &flags)))?;
-            if mixed.fits {
-                candidates.push(mixed);
-            }
-        }
+        let mixed = mixed_candidates(&ctx, &mut cache, &candidates, &node_local)?;
+        candidates.extend(mixed);
     }
-    // The fastest that fits; among those predicted within SAME_SPEED of it, the one that
-    // sends the fewest bytes across nodes (the model cannot tell such step times apart, and
-    // cross-node links are the ones other jobs and congestion slow down), then the one that
-    // needs the least memory (headroom for a larger batch), then the fastest.
-    let mut fastest: Option<&Candidate> = None;
-    for c in candidates.iter().filter(|c| c.fits) {
-        if fastest.is_none_or(|b| better(c, b)) {
-            fastest = Some(c);
-        }
-    }
-    let mut chosen = fastest;
-    if let Some(f) = fastest {
-        for c in candidates.iter().filter(|c| c.fits) {
-            if c.step_s <= f.step_s * (1.0 + SAME_SPEED)
-                && chosen.is_some_and(|b| {
-                    let same_cross = c.cross_node_bytes <= b.cross_node_bytes * (1.0 + 1e-9);
-                    c.cross_node_bytes < b.cross_node_bytes * (1.0 - 1e-9)
-                        || (same_cross && c.memory.total < b.memory.total)
-                        || (same_cross && c.memory.total == b.memory.total && better(c, b))
-                })
-            {
-                chosen = Some(c);
-            }
-        }
-    }
+    let chosen = choose(&candidates);
     let Some(chosen) = chosen.cloned() else {
         let smallest = candidates
             .iter()
@@ -1982,6 +2037,17 @@ fn table(out: &mut String, rows: &[Vec<String>]) {
 /// step time, cross-node bytes per step) and why the chosen one won.
 pub fn explain(r: &PlanReport) -> String {
     let mut s = String::new();
+    explain_header(&mut s, r);
+    s.push('\n');
+    explain_table(&mut s, r);
+    explain_choice(&mut s, r);
+    explain_limits(&mut s, r);
+    s.push('\n');
+    s
+}
+
+/// The report's first lines: model, cluster, mesh, strategy, schedule, sizes, notes.
+fn explain_header(s: &mut String, r: &PlanReport) {
     let _ = writeln!(
         s,
         "sharding plan for `{}` on {} (mesh {}, {} ranks), strategy {}{}",
@@ -2040,7 +2106,10 @@ pub fn explain(r: &PlanReport) -> String {
     for n in &r.notes {
         let _ = writeln!(s, "note: {n}");
     }
-    s.push('\n');
+}
+
+/// The table of candidates: groups, memory by kind, times, cross-node bytes.
+fn explain_table(s: &mut String, r: &PlanReport) {
     let mut rows = vec![[
         "",
         "P",
@@ -2089,9 +2158,13 @@ pub fn explain(r: &PlanReport) -> String {
             hb(c.cross_node_bytes),
         ]);
     }
-    table(&mut s, &rows);
+    table(s, &rows);
     s.push('\n');
+}
 
+/// Why the chosen candidate: its prediction, how it compares with the fastest that fits,
+/// the next fastest and ZeRO-3, and its row-exchanged gradients.
+fn explain_choice(s: &mut String, r: &PlanReport) {
     let c = &r.chosen;
     let fitting: Vec<&Candidate> = r.candidates.iter().filter(|x| x.fits).collect();
     let _ = write!(
@@ -2205,6 +2278,12 @@ pub fn explain(r: &PlanReport) -> String {
             c.row_exchanged.join(", ")
         );
     }
+}
+
+/// What the budget ruled out: the fastest candidate that does not fit, and for P, G and O
+/// the narrower groups none of which fits.
+fn explain_limits(s: &mut String, r: &PlanReport) {
+    let c = &r.chosen;
     // Faster candidates that do not fit, and narrower groups that do not fit.
     let mut told: Vec<&Candidate> = Vec::new();
     if let Some(f) = r
@@ -2264,8 +2343,6 @@ pub fn explain(r: &PlanReport) -> String {
         );
         told.push(smallest);
     }
-    s.push('\n');
-    s
 }
 
 #[cfg(test)]
