@@ -1828,9 +1828,15 @@ fn prefetch_schedule(
             eff_prev = seq[j].start as i64 - 1;
         }
     }
-    let mut moved = vec![false; p.nodes.len()];
+    (issue_order(p.nodes.len(), &moves, &place), waits)
+}
+
+/// The node order with each unit's moved nodes (`moves`) right after the node `place` says
+/// (-1: at the start; `None`: left in place), every other node in program order.
+fn issue_order(n: usize, moves: &[(Vec<NodeId>, i64)], place: &[Option<i64>]) -> Vec<NodeId> {
+    let mut moved = vec![false; n];
     let mut after: BTreeMap<i64, Vec<NodeId>> = BTreeMap::new();
-    for ((mv, _), at) in moves.iter().zip(&place) {
+    for ((mv, _), at) in moves.iter().zip(place) {
         if let Some(at) = *at {
             for &gn in mv {
                 after.entry(at).or_default().push(gn);
@@ -1847,7 +1853,7 @@ fn prefetch_schedule(
             order.extend(v.iter().copied());
         }
     }
-    (order, waits)
+    order
 }
 
 /// Removes `c = Copy(x)` where `x` is computed on the compute stream by a node that is not a

@@ -893,6 +893,33 @@ fn memory_timeline(plan: &Plan, run: &Run, step: f64) -> MemoryTimeline {
         };
         events.push((run.end[l], seq[l], 1, k, b.bytes));
     }
+    let (points, peak, peak_at) = sweep(events, base, step);
+    let peak_by_kind = BufferKind::ALL
+        .iter()
+        .zip(peak_at.1)
+        .filter(|(_, b)| *b > 0)
+        .map(|(k, b)| (k.name().to_string(), b))
+        .collect();
+    MemoryTimeline {
+        points,
+        peak_bytes: peak,
+        peak_time_s: peak_at.0,
+        peak_by_kind,
+        planned_peak_bytes: 0,
+        arena_bytes: plan.arena_bytes,
+    }
+}
+
+/// Live bytes by kind over time from allocation and free events (time, issue sequence,
+/// 0 = alloc | 1 = free, kind, bytes) on top of the persistent `base`: the points of the
+/// timeline (one per instant, the last at `step`), the peak total and when it happens with
+/// its bytes by kind.
+#[allow(clippy::type_complexity)]
+fn sweep(
+    mut events: Vec<(f64, usize, u8, usize, u64)>,
+    base: [u64; 7],
+    step: f64,
+) -> (Vec<(f64, [u64; 7])>, u64, (f64, [u64; 7])) {
     events.sort_by(|a, b| {
         a.0.total_cmp(&b.0)
             .then(a.1.cmp(&b.1))
@@ -928,20 +955,7 @@ fn memory_timeline(plan: &Plan, run: &Run, step: f64) -> MemoryTimeline {
     if points.last().is_none_or(|l| l.0 < step) {
         points.push((step, live));
     }
-    let peak_by_kind = BufferKind::ALL
-        .iter()
-        .zip(peak_at.1)
-        .filter(|(_, b)| *b > 0)
-        .map(|(k, b)| (k.name().to_string(), b))
-        .collect();
-    MemoryTimeline {
-        points,
-        peak_bytes: peak,
-        peak_time_s: peak_at.0,
-        peak_by_kind,
-        planned_peak_bytes: 0,
-        arena_bytes: plan.arena_bytes,
-    }
+    (points, peak, peak_at)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1027,68 +1041,8 @@ pub fn simulate(
             flops: c.flops,
         });
     }
-    // Link classes that leave a node: those of mesh axes outside the node-local group.
-    let local = crate::cost::cluster::node_local_group(&plan.mesh, spec);
-    let mut cross = vec![false; spec.links.len()];
-    for ax in &plan.mesh.axes {
-        if ax.size > 1 && !local.axes.contains(&ax.name) {
-            if let Ok(l) = spec.link_for_axis(&ax.name) {
-                cross[link_index[l.name.as_str()]] = true;
-            }
-        }
-    }
-    let mut sent = vec![0.0f64; spec.links.len()];
-    for c in &costs {
-        for &(l, b) in &c.sent {
-            sent[l] += b;
-        }
-    }
-    let links = spec
-        .links
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| sent[*i] > 0.0 || run.link_busy[*i] > 0.0)
-        .map(|(i, l)| LinkUsage {
-            name: l.name.clone(),
-            cross_node: cross[i],
-            bytes_per_rank: sent[i],
-            busy_s: run.link_busy[i],
-        })
-        .collect();
-    // FLOPs and the peak they are measured against.
-    let mut hardware = 0.0;
-    let mut model_flops = 0.0;
-    let mut matmul_by_dtype: BTreeMap<&'static str, (f64, DType)> = BTreeMap::new();
-    for (i, c) in costs.iter().enumerate() {
-        let node = &p.nodes[i];
-        if node.stream != StreamKind::Compute || c.flops <= 0.0 {
-            continue;
-        }
-        hardware += c.flops;
-        if node.role.kind != hzp_ir::RoleKind::Recompute {
-            model_flops += c.flops;
-        }
-        if matches!(
-            node.op,
-            Op::MatMul | Op::Attention { .. } | Op::AttentionGrad { .. }
-        ) {
-            let dt = node.inputs.first().map_or(DType::F32, |&v| p.ty(v).dtype);
-            matmul_by_dtype.entry(dt.name()).or_insert((0.0, dt)).0 += c.flops;
-        }
-    }
-    let dominant = matmul_by_dtype
-        .values()
-        .fold(None::<(f64, DType)>, |a, &(f, d)| match a {
-            Some((fa, _)) if fa >= f => a,
-            _ => Some((f, d)),
-        })
-        .map_or(DType::BF16, |x| x.1);
-    let peak_flops = cost::matmul_peak(spec, dominant);
-    let mfu = if step > 0.0 && peak_flops > 0.0 {
-        model_flops / (step * peak_flops)
-    } else {
-        0.0
-    };
+    let links = link_usage(plan, spec, &link_index, &costs, &run);
+    let (hardware, model_flops, peak_flops, mfu) = flop_rates(p, spec, &costs, step);
     let (tok, token_source) = tokens(p);
     let world = plan.mesh.world_size();
     let tokens_per_s = if step > 0.0 {
@@ -1128,6 +1082,87 @@ pub fn simulate(
         memory,
         ops,
     })
+}
+
+/// Traffic and busy time per link class the step uses; cross-node: the link classes of mesh
+/// axes outside the node-local group.
+fn link_usage(
+    plan: &Plan,
+    spec: &ClusterSpec,
+    link_index: &HashMap<&str, usize>,
+    costs: &[NodeCost],
+    run: &Run,
+) -> Vec<LinkUsage> {
+    let local = crate::cost::cluster::node_local_group(&plan.mesh, spec);
+    let mut cross = vec![false; spec.links.len()];
+    for ax in &plan.mesh.axes {
+        if ax.size > 1 && !local.axes.contains(&ax.name) {
+            if let Ok(l) = spec.link_for_axis(&ax.name) {
+                cross[link_index[l.name.as_str()]] = true;
+            }
+        }
+    }
+    let mut sent = vec![0.0f64; spec.links.len()];
+    for c in costs {
+        for &(l, b) in &c.sent {
+            sent[l] += b;
+        }
+    }
+    spec.links
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| sent[*i] > 0.0 || run.link_busy[*i] > 0.0)
+        .map(|(i, l)| LinkUsage {
+            name: l.name.clone(),
+            cross_node: cross[i],
+            bytes_per_rank: sent[i],
+            busy_s: run.link_busy[i],
+        })
+        .collect()
+}
+
+/// Hardware FLOPs of the compute stream, model FLOPs (without recompute), the peak they are
+/// measured against (the matrix peak of the dtype most product FLOPs use) and the MFU.
+fn flop_rates(
+    p: &Program,
+    spec: &ClusterSpec,
+    costs: &[NodeCost],
+    step: f64,
+) -> (f64, f64, f64, f64) {
+    let mut hardware = 0.0;
+    let mut model_flops = 0.0;
+    let mut matmul_by_dtype: BTreeMap<&'static str, (f64, DType)> = BTreeMap::new();
+    for (i, c) in costs.iter().enumerate() {
+        let node = &p.nodes[i];
+        if node.stream != StreamKind::Compute || c.flops <= 0.0 {
+            continue;
+        }
+        hardware += c.flops;
+        if node.role.kind != hzp_ir::RoleKind::Recompute {
+            model_flops += c.flops;
+        }
+        if matches!(
+            node.op,
+            Op::MatMul | Op::Attention { .. } | Op::AttentionGrad { .. }
+        ) {
+            let dt = node.inputs.first().map_or(DType::F32, |&v| p.ty(v).dtype);
+            matmul_by_dtype.entry(dt.name()).or_insert((0.0, dt)).0 += c.flops;
+        }
+    }
+    let dominant = matmul_by_dtype
+        .values()
+        .fold(None::<(f64, DType)>, |a, &(f, d)| match a {
+            Some((fa, _)) if fa >= f => a,
+            _ => Some((f, d)),
+        })
+        .map_or(DType::BF16, |x| x.1);
+    let peak_flops = cost::matmul_peak(spec, dominant);
+    let mfu = if step > 0.0 && peak_flops > 0.0 {
+        model_flops / (step * peak_flops)
+    } else {
+        0.0
+    };
+    (hardware, model_flops, peak_flops, mfu)
 }
 
 /// The happens-before relation of the plan (re-exported for checks on simulated timings).

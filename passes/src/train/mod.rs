@@ -580,45 +580,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
             reduce: DType::F32,
         });
     }
-    // Global inputs: axis 0 scaled by m.
-    let mut globals = Vec::new();
-    for &i in &micro.inputs {
-        let mut ty = micro.ty(i).clone();
-        if m > 1 {
-            if ty.rank() == 0 {
-                return Err(terr(format!(
-                    "input `{}` is a scalar; it cannot be split into {m} micro-batches",
-                    micro.value(i).name
-                )));
-            }
-            ty.shape[0] *= m;
-        }
-        globals.push((i, p.add_input(micro.value(i).name.clone(), ty)));
-    }
-    // Inputs the model was specialized on keep their values: the step checks them too.
-    for (name, t) in specialized {
-        let same = p
-            .inputs
-            .iter()
-            .any(|&v| p.value(v).name == name && p.value(v).ty == t.ty());
-        if !same {
-            return Err(terr(format!(
-                "the model was specialized on the value of input `{name}`, which the training \
-                 step {} (micro-batches split it, or the precision policy changes its type); \
-                 train with one micro-batch and fp32, or make the model not depend on its value",
-                if m > 1 { "splits" } else { "changes" }
-            )));
-        }
-        p.specialized.insert(name, t);
-    }
-    // Parameters first, in the model's order.
-    for prm in &micro.params {
-        p.add_param(
-            micro.value(prm.value).name.clone(),
-            micro.ty(prm.value).clone(),
-            prm.data.clone(),
-        );
-    }
+    let globals = declare_step_inputs(&mut p, &micro, specialized, m)?;
     let n_params = micro.params.len();
     let mut loss_parts = Vec::new();
     let mut grad_parts: Vec<Vec<ValueId>> = vec![Vec::new(); n_params];
@@ -719,6 +681,56 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     p.eliminate_dead_code();
     hzp_ir::verify(&p).map_err(|e| terr(format!("the training step failed verification: {e}")))?;
     Ok(p)
+}
+
+/// The training step's inputs (the micro-batch inputs with axis 0 scaled by `m`; the values
+/// the model was specialized on, which the step checks too) and parameters (in the model's
+/// order); returns (input of `micro`, input of the step) pairs.
+fn declare_step_inputs(
+    p: &mut Program,
+    micro: &Program,
+    specialized: BTreeMap<String, Tensor>,
+    m: usize,
+) -> Result<Vec<(ValueId, ValueId)>, TrainError> {
+    let mut globals = Vec::new();
+    for &i in &micro.inputs {
+        let mut ty = micro.ty(i).clone();
+        if m > 1 {
+            if ty.rank() == 0 {
+                return Err(terr(format!(
+                    "input `{}` is a scalar; it cannot be split into {m} micro-batches",
+                    micro.value(i).name
+                )));
+            }
+            ty.shape[0] *= m;
+        }
+        globals.push((i, p.add_input(micro.value(i).name.clone(), ty)));
+    }
+    // Inputs the model was specialized on keep their values: the step checks them too.
+    for (name, t) in specialized {
+        let same = p
+            .inputs
+            .iter()
+            .any(|&v| p.value(v).name == name && p.value(v).ty == t.ty());
+        if !same {
+            return Err(terr(format!(
+                "the model was specialized on the value of input `{name}`, which the training \
+                 step {} (micro-batches split it, or the precision policy changes its type); \
+                 train with one micro-batch and fp32, or make the model not depend on its value",
+                if m > 1 { "splits" } else { "changes" }
+            )));
+        }
+        p.specialized.insert(name, t);
+    }
+    // Parameters first, in the model's order.
+    for prm in &micro.params {
+        p.add_param(
+            micro.value(prm.value).name.clone(),
+            micro.ty(prm.value).clone(),
+            prm.data.clone(),
+        );
+    }
+    Ok(globals)
 }
 
 /// The matrices Muon updates ([`crate::train::muon::muon_matrices`]); an error when there are none.
