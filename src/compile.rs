@@ -84,7 +84,7 @@ pub struct CompileArgs {
     pub output: Option<std::path::PathBuf>,
 }
 
-fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
+pub(crate) fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
     match path {
         Some(p) => ClusterSpec::load(p).map_err(|e| miette!("{e}")),
         None => ClusterSpec::from_toml_str(DEFAULT_CLUSTER, "examples/clusters/h100-dgx.toml")

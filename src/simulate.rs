@@ -21,9 +21,6 @@ use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-/// The cluster used when `--cluster` is not given (as `hzp compile`).
-const DEFAULT_CLUSTER: &str = include_str!("../examples/clusters/h100-dgx.toml");
-
 /// The AsyncHZP paper's reported weak-scaling linearity from 256 to 1024 ranks (Bai et al.,
 /// arXiv:2510.20111), measured on its own hardware: a reference figure, not ours.
 const PAPER_LINEARITY_256_1024: f64 = 0.9112;
@@ -102,14 +99,6 @@ pub struct SimulateArgs {
     pub sim: SimFlags,
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
-}
-
-fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
-    match path {
-        Some(p) => ClusterSpec::load(p).map_err(|e| miette!("{e}")),
-        None => ClusterSpec::from_toml_str(DEFAULT_CLUSTER, "examples/clusters/h100-dgx.toml")
-            .map_err(|e| miette!("{e}")),
-    }
 }
 
 fn write_file(path: &Path, text: &str, inputs: &[&Path]) -> Result<()> {
@@ -346,7 +335,7 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
         crate::files::check_output(out, &inputs)?;
     }
     let plan = crate::run::read_plan(&a.plan)?;
-    let spec = load_cluster(a.cluster.as_deref())?;
+    let spec = crate::compile::load_cluster(a.cluster.as_deref())?;
     let mut opts = a.sim.options()?;
     opts.serialize = a.serialize;
     let sim = simulate::simulate(&plan, &spec, &opts).map_err(|e| miette!("{e}"))?;
@@ -897,7 +886,7 @@ type ScaleJob = (String, usize, String, ModelArgs, CompileArgs);
 pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
     let strategies = parse_strategies(&a.strategies)?;
     let ranks = parse_ranks(&a.ranks)?;
-    let cluster = load_cluster(a.cluster.as_deref())?;
+    let cluster = crate::compile::load_cluster(a.cluster.as_deref())?;
     let template = match &a.mesh_template {
         Some(t) => t.clone(),
         None => default_template(&cluster),

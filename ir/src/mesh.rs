@@ -110,6 +110,12 @@ impl Mesh {
             self.axis(n).and_then(|a| acc.checked_mul(a.size))
         })
     }
+
+    /// [`Self::group_size`] for a group already checked against the mesh (1 otherwise: the
+    /// passes that use it take groups built from the mesh's own axes).
+    pub fn size_of(&self, group: &Group) -> usize {
+        self.group_size(group).unwrap_or(1)
+    }
 }
 
 impl Mesh {
@@ -191,6 +197,21 @@ impl Group {
         Group {
             axes: axes.into_iter().map(Into::into).collect(),
         }
+    }
+
+    /// The axes of `self` that `other` lacks, in `self`'s order.
+    pub fn minus(&self, other: &Group) -> Group {
+        Group::new(
+            self.axes
+                .iter()
+                .filter(|x| !other.axes.contains(x))
+                .cloned(),
+        )
+    }
+
+    /// Whether every axis of `self` is one of `other`'s.
+    pub fn is_subset_of(&self, other: &Group) -> bool {
+        self.axes.iter().all(|x| other.axes.contains(x))
     }
 }
 

@@ -39,17 +39,6 @@ pub struct ReferenceRunner {
     index_check: crate::index_check::IndexChecker,
 }
 
-fn flat_padded(t: &Tensor, padded: usize) -> Vec<f32> {
-    let mut v = t.to_f32_vec();
-    v.resize(padded, 0.0);
-    v
-}
-
-fn chunk(v: &[f32], n: usize, i: usize) -> Vec<f32> {
-    let len = v.len() / n;
-    v[i * len..(i + 1) * len].to_vec()
-}
-
 impl ReferenceRunner {
     /// Cuts `full_params` (by name) into each rank's shards as `layouts` say; other states
     /// start at their initial value (zeros when none).
@@ -62,61 +51,18 @@ impl ReferenceRunner {
             .mesh
             .clone()
             .ok_or_else(|| malformed("an SPMD program needs a mesh"))?;
-        let w = mesh.world_size();
-        let mut slots = Vec::new();
-        let mut persistent: Vec<Vec<Tensor>> = vec![Vec::new(); w];
-        let layout_of_param = |name: &str| layouts.iter().find(|l| l.name == name);
-        let layout_of_shard = |name: &str| layouts.iter().find(|l| l.compute_shard == name);
-        let full = |name: &str| -> Result<&Tensor, EvalError> {
-            full_params
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, t)| t)
-                .ok_or_else(|| EvalError::ParamWithoutData {
-                    name: name.to_string(),
-                })
-        };
-        for prm in &program.params {
-            let name = &program.value(prm.value).name;
-            let l = layout_of_param(name)
-                .ok_or_else(|| malformed(format!("parameter `{name}` has no layout")))?;
-            let t = full(name)?;
-            if t.shape != l.shape {
-                return Err(EvalError::DataType {
-                    kind: "parameter",
-                    name: name.clone(),
-                    expected: hzp_ir::TensorType::new(t.dtype(), l.shape.clone()),
-                    got: t.ty(),
-                });
-            }
-            let flat = flat_padded(t, l.padded);
-            let o = mesh.group_size(&l.optim_group).unwrap_or(1);
-            for (r, dst) in persistent.iter_mut().enumerate() {
-                let i = mesh.group_index(&l.optim_group, r).unwrap_or(0);
-                let c = chunk(&flat, o, i);
-                dst.push(Tensor::f32(vec![c.len()], c));
-            }
-            slots.push(prm.value);
-        }
-        for st in &program.states {
-            let name = &program.value(st.value).name;
-            let ty = program.ty(st.value).clone();
-            if let Some(l) = layout_of_shard(name) {
-                let flat = flat_padded(full(&l.name)?, l.padded);
-                let p = mesh.group_size(&l.params_group).unwrap_or(1);
-                for (r, dst) in persistent.iter_mut().enumerate() {
-                    let i = mesh.group_index(&l.params_group, r).unwrap_or(0);
-                    let c: Vec<f64> = chunk(&flat, p, i).iter().map(|&x| x as f64).collect();
-                    dst.push(Tensor::from_f64(ty.dtype, ty.shape.clone(), &c));
-                }
-            } else {
-                let init = st.init.clone().unwrap_or_else(|| Tensor::zeros(&ty));
-                for dst in persistent.iter_mut() {
-                    dst.push(init.clone());
-                }
-            }
-            slots.push(st.value);
-        }
+        // Each rank's master and compute shards, cut as the executor cuts them; other states
+        // start at their initial value (zeros when none).
+        let cut = crate::exec::cut_parameters(program, &mesh, layouts, full_params)
+            .map_err(|e| malformed(e.to_string()))?;
+        let slots: Vec<ValueId> = cut
+            .first()
+            .map(|r| r.iter().map(|(v, _)| *v).collect())
+            .unwrap_or_default();
+        let persistent: Vec<Vec<Tensor>> = cut
+            .into_iter()
+            .map(|r| r.into_iter().map(|(_, t)| t).collect())
+            .collect();
         Ok(ReferenceRunner {
             index_check: crate::index_check::IndexChecker::new(program),
             program: program.clone(),

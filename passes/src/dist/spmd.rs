@@ -90,21 +90,6 @@ pub fn canonical_groups(mesh: &Mesh, spec: &ShardGroups) -> Result<ShardGroups, 
     })
 }
 
-fn minus(a: &Group, b: &Group) -> Group {
-    Group {
-        axes: a
-            .axes
-            .iter()
-            .filter(|x| !b.axes.contains(x))
-            .cloned()
-            .collect(),
-    }
-}
-
-fn size(mesh: &Mesh, g: &Group) -> usize {
-    mesh.group_size(g).unwrap_or(1)
-}
-
 /// When gradients are reduce-scattered over G.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceGrads {
@@ -770,13 +755,13 @@ impl<'m> StepGroups<'m> {
         };
         Ok(StepGroups {
             mesh,
-            p: size(mesh, &spec.params),
-            g: size(mesh, &spec.grads),
-            o: size(mesh, &spec.optim),
+            p: mesh.size_of(&spec.params),
+            g: mesh.size_of(&spec.grads),
+            o: mesh.size_of(&spec.optim),
             w: mesh.world_size(),
-            o_minus_g: minus(&spec.optim, &spec.grads),
-            o_minus_p: minus(&spec.optim, &spec.params),
-            replicas: minus(&world, &spec.optim),
+            o_minus_g: spec.optim.minus(&spec.grads),
+            o_minus_p: spec.optim.minus(&spec.params),
+            replicas: world.minus(&spec.optim),
             world,
             narrow_grads,
             spec,
@@ -1103,7 +1088,7 @@ impl StepBuilder<'_> {
     /// Reduce-scatters parameter j's flat gradient over G (or its narrow group).
     fn reduce_scatter_g(&self, e: &mut Emitter, v: ValueId, j: usize) -> Result<ValueId, String> {
         let (group, size_) = match self.gr.narrow(&self.d.layouts[j].name) {
-            Some(n) => (n.clone(), size(self.gr.mesh, n)),
+            Some(n) => (n.clone(), self.gr.mesh.size_of(n)),
             None => (self.gr.spec.grads.clone(), self.gr.g),
         };
         if size_ > 1 {
@@ -1164,7 +1149,7 @@ impl StepBuilder<'_> {
             v = self.reduce_scatter_g(e, v, j)?;
         }
         let (rest, reduced) = match gr.narrow(&l.name) {
-            Some(n) => (minus(&gr.spec.optim, n), size(gr.mesh, n)),
+            Some(n) => (gr.spec.optim.minus(n), gr.mesh.size_of(n)),
             None => (gr.o_minus_g.clone(), gr.g),
         };
         if gr.o > reduced {

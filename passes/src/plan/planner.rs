@@ -277,18 +277,6 @@ fn canonical<'a>(mesh: &Mesh, axes: impl IntoIterator<Item = &'a String>) -> Gro
     )
 }
 
-fn subset(a: &Group, b: &Group) -> bool {
-    a.axes.iter().all(|x| b.axes.contains(x))
-}
-
-fn minus(a: &Group, b: &Group) -> Group {
-    Group::new(a.axes.iter().filter(|x| !b.axes.contains(x)).cloned())
-}
-
-fn gsize(mesh: &Mesh, g: &Group) -> usize {
-    mesh.group_size(g).unwrap_or(1)
-}
-
 /// The user's `--shard params=gpu,grads=gpu,optim=node.gpu`: groups it names are fixed.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ShardOverride {
@@ -399,7 +387,7 @@ impl ShardOverride {
         ];
         for (an, a, bn, b) in pairs {
             if let (Some(a), Some(b)) = (a, b) {
-                if !subset(a, b) {
+                if !a.is_subset_of(b) {
                     return Err(format!(
                         "--shard: groups must nest (params ⊆ grads ⊆ optim), but {an} {a} is \
                          not inside {bn} {b}"
@@ -1150,7 +1138,7 @@ fn collective(
     links: &mut BTreeMap<String, f64>,
     total: &mut f64,
 ) -> Result<Comm, ShardPlanError> {
-    if bytes == 0 || gsize(ctx.mesh, group) <= 1 {
+    if bytes == 0 || ctx.mesh.size_of(group) <= 1 {
         return Ok(Comm {
             seconds: 0.0,
             shared_s: 0.0,
@@ -1256,7 +1244,7 @@ impl Sizes {
         narrow: Option<(&Group, &[bool])>,
     ) -> Sizes {
         let (mesh, opts, prof) = (ctx.mesh, ctx.opts, ctx.prof);
-        let (p, g, o) = (gsize(mesh, pg), gsize(mesh, gg), gsize(mesh, og));
+        let (p, g, o) = (mesh.size_of(pg), mesh.size_of(gg), mesh.size_of(og));
         // Layers whose gradients accumulate in the narrower group `ng` (n ranks).
         let (ng, in_narrow): (Group, Vec<bool>) = match narrow {
             Some((n, flags)) => (n.clone(), flags.to_vec()),
@@ -1274,7 +1262,7 @@ impl Sizes {
             p,
             g,
             o,
-            n_size: gsize(mesh, &ng),
+            n_size: mesh.size_of(&ng),
             ng,
             in_narrow,
             w: mesh.world_size(),
@@ -1490,7 +1478,7 @@ fn step_collectives(
         .add(
             CollectiveKind::ReduceScatter,
             r * (psi - z.narrow_pad) / z.g as u64,
-            &minus(og, gg),
+            &og.minus(gg),
             1.0,
             &[],
         )?
@@ -1499,7 +1487,7 @@ fn step_collectives(
     // accumulation: on the reduce stream during the last micro-batch's backward.
     let mut narrow_cross = vec![0.0; prof.layers];
     if z.narrow_pad > 0 {
-        let rest = minus(og, &z.ng);
+        let rest = og.minus(&z.ng);
         for (l, (&n, &nar)) in z.layer_pad.iter().zip(&z.in_narrow).enumerate() {
             if nar {
                 let bytes = r * n / z.n_size as u64;
@@ -1513,7 +1501,7 @@ fn step_collectives(
         t.add(
             CollectiveKind::AllReduce,
             r * psi / o64,
-            &minus(&world, og),
+            &world.minus(og),
             1.0,
             &[],
         )?
@@ -1525,7 +1513,7 @@ fn step_collectives(
         .add(
             CollectiveKind::AllGather,
             z.c * psi / z.p as u64,
-            &minus(og, pg),
+            &og.minus(pg),
             1.0,
             &[],
         )?
@@ -1716,7 +1704,7 @@ fn candidate_triples(
                 pick(&ov.grads, sg.grads),
                 pick(&ov.optim, sg.optim),
             );
-            if !subset(&t.0, &t.1) || !subset(&t.1, &t.2) {
+            if !t.0.is_subset_of(&t.1) || !t.1.is_subset_of(&t.2) {
                 return Err(ShardPlanError::Override(format!(
                     "--shard {ov} with strategy {} gives {} {} {}, which do not nest \
                      (params ⊆ grads ⊆ optim); name the other groups too",
@@ -1735,11 +1723,11 @@ fn candidate_triples(
             };
             for pg in choices(&ov.params) {
                 for gg in choices(&ov.grads) {
-                    if !subset(&pg, &gg) {
+                    if !pg.is_subset_of(&gg) {
                         continue;
                     }
                     for og in choices(&ov.optim) {
-                        if subset(&gg, &og) {
+                        if gg.is_subset_of(&og) {
                             out.push((pg.clone(), gg.clone(), og));
                         }
                     }
@@ -1831,8 +1819,8 @@ fn mixed_candidates(
                 .cloned()
                 .collect(),
         };
-        let n = gsize(mesh, &ng);
-        if !c.fits || n >= c.g || !subset(&c.params, &ng) {
+        let n = mesh.size_of(&ng);
+        if !c.fits || n >= c.g || !c.params.is_subset_of(&ng) {
             continue;
         }
         let layer_pad = layer_pad(prof, c.o as u64);
@@ -2315,7 +2303,7 @@ fn explain_limits(s: &mut String, r: &PlanReport) {
             .iter()
             .filter(|x| {
                 let (sz, gr) = get(x);
-                sz < size && subset(gr, group)
+                sz < size && gr.is_subset_of(group)
             })
             .collect();
         if narrower.is_empty() || narrower.iter().any(|x| x.fits) {
