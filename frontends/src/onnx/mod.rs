@@ -53,6 +53,7 @@
 
 mod error;
 mod graph;
+mod mt19937;
 mod ops;
 pub mod proto;
 mod tensor;
