@@ -1099,7 +1099,11 @@ fn training_dropout_draws_numpys_mask_from_the_seed() {
     assert!(y.contains(&0.0) && y.contains(&scale), "{y:?}");
     // a seed numpy's RandomState refuses, and a ratio outside [0, 1), are errors
     for (attrs, ratio, want) in [
-        (vec![a_i("seed", -1)], 0.5, "attribute `seed` must be in 0..=4294967295"),
+        (
+            vec![a_i("seed", -1)],
+            0.5,
+            "attribute `seed` must be in 0..=4294967295",
+        ),
         (vec![], 1.0, "the ratio must be in [0, 1), got 1"),
     ] {
         let mut m = M::new();
@@ -1115,7 +1119,10 @@ fn training_dropout_draws_numpys_mask_from_the_seed() {
         ));
         m.outputs.push(out("y"));
         let e = m.import(&[]).unwrap_err();
-        assert!(e.message.contains("Dropout `d`") && e.message.contains(want), "{e}");
+        assert!(
+            e.message.contains("Dropout `d`") && e.message.contains(want),
+            "{e}"
+        );
     }
 }
 

@@ -575,7 +575,8 @@ fn training_dropout_backpropagates_through_the_forward_mask() {
         "train",
         &Tensor::new(vec![], hzp_ir::Data::Bool(vec![true])),
     ));
-    m.nodes.push(node("Mul", "mul", &["x", "w"], &["xw"], vec![]));
+    m.nodes
+        .push(node("Mul", "mul", &["x", "w"], &["xw"], vec![]));
     m.nodes.push(node(
         "Dropout",
         "drop",
@@ -616,6 +617,9 @@ fn training_dropout_backpropagates_through_the_forward_mask() {
     let scale = 1.0f32 / (1.0 - 0.25);
     for (i, ((&gi, &xi), &keep)) in g.iter().zip(&x.to_f32_vec()).zip(&mask).enumerate() {
         let want = if keep { xi * scale } else { 0.0 };
-        assert!((gi - want).abs() <= 1e-6, "element {i}: dw {gi}, expected {want}");
+        assert!(
+            (gi - want).abs() <= 1e-6,
+            "element {i}: dw {gi}, expected {want}"
+        );
     }
 }

@@ -631,7 +631,9 @@ fn dropout_training(
 ) -> FResult<Outs> {
     let dtype = cx.dtype(&x);
     if !dtype.is_float() {
-        return err(format!("Dropout's input must be a float tensor, got {dtype}"));
+        return err(format!(
+            "Dropout's input must be a float tensor, got {dtype}"
+        ));
     }
     let seed = match n.attr("seed") {
         Some(_) => {
@@ -655,6 +657,16 @@ fn dropout_training(
         .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or_else(|| node_err(format!("Dropout's input shape {shape:?} is too large")))?;
+    if !cx.computes((numel as u64).saturating_mul(dtype.size_bytes() as u64 + 1)) {
+        let out = out_name(cx, n, 0);
+        let y = cx.placeholder(&n.ir_name, dtype, shape.clone(), out)?;
+        let mut outs = vec![Some(y)];
+        if n.n_outputs() > 1 && !n.p.output[1].is_empty() {
+            let out = out_name(cx, n, 1);
+            outs.push(Some(cx.placeholder(&n.ir_name, DType::Bool, shape, out)?));
+        }
+        return Ok(outs);
+    }
     // the scaled mask in x's dtype and the bool mask
     let bytes = (numel as u64).saturating_mul(dtype.size_bytes() as u64 + 1);
     cx.check_fold_budget(&format!("Dropout's mask of {numel} elements"), bytes)?;
@@ -1542,6 +1554,9 @@ fn range(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         if count > MAX as i128 {
             return err(format!("Range would make {count} elements"));
         }
+        if !cx.computes(count as u64 * 8 * 2) {
+            return one(cx.placeholder(&n.ir_name, dtype, vec![count as usize], out)?);
+        }
         cx.check_fold_budget(&format!("Range of {count} elements"), count as u64 * 8 * 2)?;
         if dtype == DType::I64 {
             let v: Vec<i64> = (0..count).map(|i| (s + i * d) as i64).collect();
@@ -1564,6 +1579,9 @@ fn range(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             return err(format!("Range would make {count} elements"));
         }
         let count = count as usize;
+        if !cx.computes(count as u64 * 8 * 2) {
+            return one(cx.placeholder(&n.ir_name, dtype, vec![count], out)?);
+        }
         cx.check_fold_budget(&format!("Range of {count} elements"), count as u64 * 8 * 2)?;
         // Like ONNX's reference: start + i * delta, computed in the tensor's type.
         let v: Vec<f64> = (0..count).map(|i| s + i as f64 * d).collect();
