@@ -33,7 +33,8 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
     let in_range = |v: ValueId| v.index() < nv;
 
     // Names: non-empty and unique.
-    let mut names = HashSet::new();
+    let mut names: foldhash::HashSet<&str> =
+        foldhash::HashSet::with_capacity_and_hasher(nv, Default::default());
     for v in &p.values {
         if v.name.is_empty() {
             return Err(err("value", "has an empty name"));
