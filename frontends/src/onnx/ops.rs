@@ -613,8 +613,9 @@ fn dropout(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
 }
 
 /// Training-mode Dropout with a non-zero `ratio`: the mask is drawn at import, as ONNX's
-/// reference implementation draws it, `numpy.random.RandomState(seed).uniform(0, 1, shape)
-/// >= ratio` (MT19937, [`super::mt19937`]), so a given `seed` attribute reproduces the
+/// reference implementation draws it,
+/// `numpy.random.RandomState(seed).uniform(0, 1, shape) >= ratio` (MT19937,
+/// [`super::mt19937`]), so a given `seed` attribute reproduces the
 /// reference's mask bit for bit. Without `seed` (ONNX: "auto generated"), the seed is the
 /// 32-bit FNV-1a hash of the node's first output name: deterministic (plans stay
 /// byte-identical) and different for each Dropout of a model. The mask is an import-time
