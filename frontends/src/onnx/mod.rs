@@ -50,6 +50,10 @@
 //! again with those inputs folded as constants: the program is *specialized* on them and
 //! records their values ([`hzp_ir::Program::specialized`]), and the evaluator refuses other
 //! values. Without a value the error names the node and the input and says how to give one.
+//! `Dropout` in training mode (a non-zero ratio) draws its mask at import as ONNX's
+//! reference implementation does, numpy's `RandomState(seed).uniform` (`onnx/mt19937.rs`; without
+//! a `seed` attribute, the FNV-1a hash of the node's first output name seeds it): the mask is
+//! a constant of the program, the same in every evaluation and training step.
 
 mod error;
 mod graph;
