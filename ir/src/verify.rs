@@ -59,12 +59,13 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
 
     // Every value is defined exactly once, by what its `def` says.
     let mut defined = vec![false; nv];
-    let define = |defined: &mut Vec<bool>, v: ValueId, what: &str| -> Result<(), VerifyError> {
+    // (`what` is made only for an error: a node's location is formatted on failure alone)
+    let define = |defined: &mut Vec<bool>,
+                  v: ValueId,
+                  what: &dyn Fn() -> String|
+     -> Result<(), VerifyError> {
         if !in_range(v) {
-            return Err(err(
-                what.to_string(),
-                format!("refers to missing value {v}"),
-            ));
+            return Err(err(what(), format!("refers to missing value {v}")));
         }
         if std::mem::replace(&mut defined[v.index()], true) {
             return Err(err(
@@ -75,7 +76,7 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         Ok(())
     };
     for &v in &p.inputs {
-        define(&mut defined, v, "input list")?;
+        define(&mut defined, v, &|| "input list".into())?;
         if p.values[v.index()].def != ValueDef::Input {
             return Err(err(
                 format!("input `{}`", p.value(v).name),
@@ -84,7 +85,7 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         }
     }
     for prm in &p.params {
-        define(&mut defined, prm.value, "parameter list")?;
+        define(&mut defined, prm.value, &|| "parameter list".into())?;
         let val = p.value(prm.value);
         if val.def != ValueDef::Param {
             return Err(err(
@@ -102,7 +103,7 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
         }
     }
     for c in &p.consts {
-        define(&mut defined, c.value, "constant list")?;
+        define(&mut defined, c.value, &|| "constant list".into())?;
         let val = p.value(c.value);
         if val.def != ValueDef::Const {
             return Err(err(
@@ -119,7 +120,7 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
     }
 
     for st in &p.states {
-        define(&mut defined, st.value, "state list")?;
+        define(&mut defined, st.value, &|| "state list".into())?;
         let val = p.value(st.value);
         if val.def != ValueDef::State {
             return Err(err(
@@ -156,7 +157,7 @@ pub fn verify(p: &Program) -> Result<(), VerifyError> {
             }
         }
         for (slot, &o) in n.outputs.iter().enumerate() {
-            define(&mut defined, o, &loc())?;
+            define(&mut defined, o, &loc)?;
             let want = ValueDef::Node {
                 node: NodeId(i as u32),
                 slot: slot as u32,
