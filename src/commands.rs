@@ -61,6 +61,16 @@ fn read_npz(path: &Path) -> Result<Vec<(String, Tensor)>> {
 
 /// Reads the model; input shapes come from --shape, then from the arrays of --inputs.
 fn load(args: &ModelArgs, inputs: Option<&[(String, Tensor)]>) -> Result<Program> {
+    load_as(args, inputs, false)
+}
+
+/// [`load`], reading shapes only when `shapes_only` (`show`: see
+/// `hzp_frontends::onnx::ImportOptions::shapes_only`).
+fn load_as(
+    args: &ModelArgs,
+    inputs: Option<&[(String, Tensor)]>,
+    shapes_only: bool,
+) -> Result<Program> {
     let mut shapes = parse_shapes(&args.shapes)?;
     let mut values = BTreeMap::new();
     if let Some(inputs) = inputs {
@@ -74,6 +84,7 @@ fn load(args: &ModelArgs, inputs: Option<&[(String, Tensor)]>) -> Result<Program
         values,
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
+        shapes_only,
     };
     load_model(&args.model, &opts).map_err(miette::Report::new)
 }
@@ -155,6 +166,7 @@ fn load_with_array_shapes(args: &ModelArgs, path: &Path) -> Result<Option<Progra
         values: BTreeMap::new(),
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
+        shapes_only: true,
     };
     match load_model(&args.model, &opts) {
         Ok(p) => Ok(Some(p)),
@@ -170,10 +182,10 @@ fn load_with_array_shapes(args: &ModelArgs, path: &Path) -> Result<Option<Progra
 pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<()> {
     // Only shapes are needed: the arrays of --inputs are read only if the import needs values.
     let p = match inputs {
-        None => load(args, None)?,
+        None => load_as(args, None, true)?,
         Some(path) => match load_with_array_shapes(args, path)? {
             Some(p) => p,
-            None => load(args, Some(&read_npz(path)?))?,
+            None => load_as(args, Some(&read_npz(path)?), true)?,
         },
     };
     let s = hzp_passes::report::summarize(&p);

@@ -725,18 +725,47 @@ fn shapes_that_would_fold_huge_constants_stop_at_the_budget() {
     // Binding a huge sequence length used to fold position ranges and masks of gigabytes
     // at import (about 19 GB and 100 s for this one).
     let start = std::time::Instant::now();
+    let d = tempdir("hzpfoldbudget");
     fails_with(
         &[
-            "show",
+            "compile",
             s(&gpt2()),
             "--shape",
             "input_ids=1x268435456",
             "--max-memory",
             "1GiB",
+            "--mesh",
+            "gpu=1",
+            "-o",
+            s(&d.join("plan.json")),
         ],
         &["Range of 268435456 elements", "memory budget of 1.0 GiB"],
     );
     assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
+}
+
+/// `show` reads shapes only: constants the import would compute (the position range of
+/// 4 Mi tokens, 64 MiB) are not computed past the memory budget instead of failing it; a
+/// shape whose tensors cannot exist is still an error, naming the node, not a budget stop.
+#[test]
+fn show_reads_shapes_without_computing_huge_constants() {
+    let (code, out, err) = hzp(&[
+        "show",
+        s(&gpt2()),
+        "--shape",
+        "input_ids=1x4194304",
+        "--max-memory",
+        "16MiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("i64[1,4194304]"), "{out}");
+    fails_with(
+        &["show", s(&gpt2()), "--shape", "input_ids=1x268435456"],
+        &[
+            "LessOrEqual `/transformer/LessOrEqual`",
+            "[1, 1, 268435456, 268435456], which is too large",
+        ],
+    );
 }
 
 // ------------------------------------------------------------------ .hzp contradictions

@@ -3,6 +3,11 @@
 //!
 //! - `regression_corpus` (always run) feeds every file under `tests/fuzz/crashes/<target>/`
 //!   to its target: inputs that once crashed or hung stay fixed.
+//! - Targets: `onnx`, `text`, `npz`, `plan` mutate bytes; `onnx-fields` and `plan-fields`
+//!   mutate the decoded structure (a model's nodes, attributes, initializers and inputs; a
+//!   plan's JSON fields and program lines) and encode it again, recomputing the plan's
+//!   content hash, so the input gets past decoding and the hash check (see
+//!   [`mutate_onnx_fields`], [`mutate_plan_fields`]). Each run prints how far its inputs got.
 //! - `fuzz` (ignored; `examples/fuzz/run.sh SECONDS [TARGET]` runs it in release mode) mutates
 //!   seeds (the test models, their inputs, `.hzp` files, a compiled plan) for SECONDS per
 //!   target with a small mutation fuzzer (bit flips, byte and chunk edits, splices, numbers
@@ -17,43 +22,113 @@ use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-type Target = fn(&[u8]);
+/// A target runs one input and says how far it got (counted per target by `fuzz`, so a run
+/// shows how much of the input gets past the first check).
+type Target = fn(&[u8]) -> &'static str;
 
-fn onnx_target(b: &[u8]) {
-    let _ = hzp_frontends::onnx::import_bytes(
+fn onnx_stage(r: Result<hzp_ir::Program, hzp_frontends::onnx::ImportError>) -> &'static str {
+    use hzp_frontends::onnx::ImportErrorKind as K;
+    match r {
+        Ok(_) => "imported",
+        Err(e) => match e.kind {
+            K::Decode => "not protobuf / no graph",
+            K::Opset | K::Unsupported => "opset or op type refused",
+            K::Graph | K::TensorData | K::Shapes => "graph, data or shapes refused",
+            _ => "refused while translating",
+        },
+    }
+}
+
+fn onnx_target(b: &[u8]) -> &'static str {
+    onnx_stage(hzp_frontends::onnx::import_bytes(
         b,
         None,
         "fuzz.onnx",
         &hzp_frontends::onnx::ImportOptions::default(),
-    );
+    ))
 }
 
-fn text_target(b: &[u8]) {
+fn text_target(b: &[u8]) -> &'static str {
     let s = String::from_utf8_lossy(b);
-    if let Ok(p) = hzp_ir::text::parse(&s, "fuzz.hzp", &|_| None) {
-        let _ = hzp_ir::verify(&p);
-        // What parses must print and parse back.
-        let again = hzp_ir::text::print(&p);
-        let _ = hzp_ir::text::parse(&again, "fuzz.hzp", &|_| None);
+    let Ok(p) = hzp_ir::text::parse(&s, "fuzz.hzp", &|_| None) else {
+        return "not parsed";
+    };
+    let verified = hzp_ir::verify(&p).is_ok();
+    // What parses must print and parse back.
+    let again = hzp_ir::text::print(&p);
+    let _ = hzp_ir::text::parse(&again, "fuzz.hzp", &|_| None);
+    if verified {
+        "parsed and verified"
+    } else {
+        "parsed, refused by the verifier"
     }
 }
 
-fn npz_target(b: &[u8]) {
-    let _ = hzp_frontends::npz::read_bytes(b, "fuzz.npz");
-}
-
-fn plan_target(b: &[u8]) {
-    let s = String::from_utf8_lossy(b);
-    if let Ok(plan) = hzp_ir::Plan::from_json(&s, "fuzz.json") {
-        let _ = hzp_passes::plan::verify::verify_plan(&plan, None);
+fn npz_target(b: &[u8]) -> &'static str {
+    match hzp_frontends::npz::read_bytes(b, "fuzz.npz") {
+        Ok(_) => "read",
+        Err(_) => "refused",
     }
 }
 
-const TARGETS: [(&str, Target); 4] = [
+fn plan_target(b: &[u8]) -> &'static str {
+    use hzp_ir::plan::PlanError;
+    let s = String::from_utf8_lossy(b);
+    match hzp_ir::Plan::from_json(&s, "fuzz.json") {
+        Err(PlanError::Json { .. } | PlanError::NotAPlan { .. } | PlanError::Version { .. }) => {
+            "not plan JSON"
+        }
+        Err(PlanError::Modified { .. }) => "content hash differs",
+        Err(PlanError::Invalid { .. }) => "hash ok, program or fields refused",
+        Ok(plan) => match hzp_passes::plan::verify::verify_plan(&plan, None) {
+            Ok(_) => "loaded and verified",
+            Err(_) => "loaded, refused by the plan verifier",
+        },
+    }
+}
+
+/// The ONNX importer on a model whose graph inputs are bound to shapes (a symbolic dim is 3,
+/// a fixed dim is kept, whatever it is), so that a mutated model reaches translation and
+/// constant folding instead of stopping at unbound dims. Used by the structure-aware mode.
+fn onnx_bound_target(b: &[u8]) -> &'static str {
+    use hzp_frontends::onnx::proto::{tensor_shape_proto::dimension::Value, type_proto};
+    use prost::Message;
+    let Ok(m) = hzp_frontends::onnx::proto::ModelProto::decode(b) else {
+        return "not protobuf / no graph";
+    };
+    let mut opts = hzp_frontends::onnx::ImportOptions::default();
+    for v in m.graph.iter().flat_map(|g| &g.input) {
+        let Some(type_proto::Value::TensorType(t)) =
+            v.r#type.as_ref().and_then(|t| t.value.as_ref())
+        else {
+            continue;
+        };
+        let Some(shape) = &t.shape else { continue };
+        let dims: Vec<usize> = shape
+            .dim
+            .iter()
+            .map(|d| match d.value {
+                Some(Value::DimValue(x)) => usize::try_from(x).unwrap_or(0),
+                _ => 3,
+            })
+            .collect();
+        opts.shapes.insert(v.name.clone(), dims);
+    }
+    onnx_stage(hzp_frontends::onnx::import_bytes(
+        b,
+        None,
+        "fuzz.onnx",
+        &opts,
+    ))
+}
+
+const TARGETS: [(&str, Target); 6] = [
     ("onnx", onnx_target),
     ("text", text_target),
     ("npz", npz_target),
     ("plan", plan_target),
+    ("onnx-fields", onnx_bound_target),
+    ("plan-fields", plan_target),
 ];
 
 fn crashes_dir(target: &str) -> PathBuf {
@@ -75,8 +150,8 @@ fn files_in(d: &Path) -> Vec<PathBuf> {
     v
 }
 
-/// Runs `f` on `input`; Err(panic message) if it panicked.
-fn run_one(f: Target, input: &[u8]) -> Result<(), String> {
+/// Runs `f` on `input`: how far it got, or Err(panic message) if it panicked.
+fn run_one(f: Target, input: &[u8]) -> Result<&'static str, String> {
     std::panic::catch_unwind(AssertUnwindSafe(|| f(input))).map_err(|p| {
         p.downcast_ref::<&str>()
             .map(|s| s.to_string())
@@ -219,10 +294,352 @@ fn mutate(rng: &mut Rng, input: &[u8], seeds: &[Vec<u8>]) -> Vec<u8> {
     v
 }
 
+// ------------------------------------------------------------------ structure-aware mutation
+//
+// Byte mutations rarely get past the first check: a mutated plan fails its content hash, a
+// mutated `.onnx` file fails protobuf decoding. The `-fields` targets mutate the decoded
+// structure instead and encode it again: `plan-fields` edits one JSON field (numbers, strings,
+// arrays, keys; the program text line by line) and recomputes the content hash, so the plan
+// reaches the program parser and the plan verifier; `onnx-fields` edits one field of the
+// decoded model (a node's op type, inputs, outputs or attributes, an initializer's dims, type
+// or data, a graph input's dims or type, the opset) and re-encodes it, so the model reaches
+// translation and constant folding.
+
+const NUMBERS: [i64; 14] = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    7,
+    64,
+    65536,
+    1 << 31,
+    -(1 << 31),
+    1 << 32,
+    1 << 48,
+    i64::MAX,
+    i64::MIN,
+];
+
+fn pick_number(rng: &mut Rng, old: i64) -> i64 {
+    match rng.below(4) {
+        0 => old.wrapping_add(1),
+        1 => old.wrapping_sub(1),
+        2 => old.wrapping_mul(2),
+        _ => NUMBERS[rng.below(NUMBERS.len())],
+    }
+}
+
+/// Mutates the text of a plan's program line by line (or byte-wise within a line).
+fn mutate_lines(rng: &mut Rng, text: &str) -> String {
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    if lines.is_empty() {
+        return text.to_string();
+    }
+    let i = rng.below(lines.len());
+    match rng.below(5) {
+        0 => {
+            lines.remove(i);
+        }
+        1 => {
+            let l = lines[i].clone();
+            let at = rng.below(lines.len() + 1);
+            lines.insert(at, l);
+        }
+        2 => {
+            let j = rng.below(lines.len());
+            lines.swap(i, j);
+        }
+        3 => {
+            // change one number in the line
+            let l = &lines[i];
+            let starts: Vec<usize> = l
+                .char_indices()
+                .filter(|&(k, c)| {
+                    c.is_ascii_digit() && (k == 0 || !l.as_bytes()[k - 1].is_ascii_digit())
+                })
+                .map(|(k, _)| k)
+                .collect();
+            if !starts.is_empty() {
+                let k = starts[rng.below(starts.len())];
+                let end = l[k..]
+                    .find(|c: char| !c.is_ascii_digit())
+                    .map_or(l.len(), |e| k + e);
+                let old: i64 = l[k..end].parse().unwrap_or(0);
+                let new = pick_number(rng, old).to_string();
+                lines[i] = format!("{}{}{}", &l[..k], new, &l[end..]);
+            }
+        }
+        _ => {
+            let m = mutate(rng, lines[i].as_bytes(), &[]);
+            lines[i] = String::from_utf8_lossy(&m).into_owned();
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
+}
+
+/// Mutates one randomly chosen node of a JSON tree.
+fn mutate_json(rng: &mut Rng, v: &mut serde_json::Value, depth: usize) {
+    use serde_json::Value;
+    // descend into a child most of the time
+    let descend = depth < 12 && rng.below(4) != 0;
+    match v {
+        Value::Object(m) if !m.is_empty() => {
+            let keys: Vec<String> = m.keys().cloned().collect();
+            let k = keys[rng.below(keys.len())].clone();
+            if descend || k == "content_hash" {
+                if let Some(c) = m.get_mut(&k) {
+                    mutate_json(rng, c, depth + 1);
+                }
+            } else if rng.below(2) == 0 {
+                m.remove(&k);
+            } else {
+                m.insert(k, Value::Null);
+            }
+        }
+        Value::Array(a) if !a.is_empty() => {
+            let i = rng.below(a.len());
+            if descend {
+                mutate_json(rng, &mut a[i], depth + 1);
+            } else {
+                match rng.below(3) {
+                    0 => {
+                        a.remove(i);
+                    }
+                    1 => {
+                        let x = a[i].clone();
+                        a.insert(rng.below(a.len() + 1), x);
+                    }
+                    _ => {
+                        let j = rng.below(a.len());
+                        a.swap(i, j);
+                    }
+                }
+            }
+        }
+        Value::Number(n) => {
+            *v = if rng.below(6) == 0 {
+                serde_json::json!(-0.5)
+            } else {
+                let old = n.as_i64().unwrap_or(0);
+                let x = pick_number(rng, old);
+                if x >= 0 {
+                    Value::from(x as u64)
+                } else {
+                    Value::from(x)
+                }
+            };
+        }
+        Value::String(t) => {
+            *t = if t.contains('\n') {
+                mutate_lines(rng, t)
+            } else {
+                let m = mutate(rng, t.as_bytes(), &[]);
+                String::from_utf8_lossy(&m).into_owned()
+            };
+        }
+        Value::Bool(b) => *b = !*b,
+        _ => {
+            *v = match rng.below(3) {
+                0 => Value::from(0),
+                1 => Value::from(""),
+                _ => Value::Array(vec![]),
+            }
+        }
+    }
+}
+
+/// A plan with one field changed and its content hash recomputed.
+fn mutate_plan_fields(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
+    let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(input) else {
+        return input.to_vec();
+    };
+    for _ in 0..1 + rng.below(2) {
+        mutate_json(rng, &mut v, 0);
+    }
+    if let Some(m) = v.as_object_mut() {
+        let h = hzp_ir::plan::content_hash_of(&serde_json::Value::Object(m.clone()));
+        m.insert("content_hash".into(), serde_json::Value::from(h));
+    }
+    serde_json::to_vec(&v).unwrap()
+}
+
+/// Op types the importer translates (and a few it does not), for op-type swaps.
+const OP_TYPES: [&str; 24] = [
+    "Add",
+    "MatMul",
+    "Reshape",
+    "Transpose",
+    "Gather",
+    "Concat",
+    "Slice",
+    "Softmax",
+    "Where",
+    "Expand",
+    "Unsqueeze",
+    "Squeeze",
+    "Cast",
+    "Shape",
+    "ConstantOfShape",
+    "Range",
+    "Split",
+    "ReduceMean",
+    "LayerNormalization",
+    "Gemm",
+    "Trilu",
+    "TopK",
+    "Dropout",
+    "Loop",
+];
+
+/// A model with one field of its graph changed, encoded again.
+fn mutate_onnx_fields(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
+    use hzp_frontends::onnx::proto::{tensor_shape_proto::dimension::Value as Dim, type_proto};
+    use prost::Message;
+    let Ok(mut m) = hzp_frontends::onnx::proto::ModelProto::decode(input) else {
+        return input.to_vec();
+    };
+    let Some(g) = m.graph.as_mut() else {
+        return input.to_vec();
+    };
+    for _ in 0..1 + rng.below(2) {
+        match rng.below(10) {
+            0..=3 if !g.node.is_empty() => {
+                let names: Vec<String> = g
+                    .node
+                    .iter()
+                    .flat_map(|n| n.output.iter().cloned())
+                    .chain(g.initializer.iter().map(|t| t.name.clone()))
+                    .collect();
+                let k = rng.below(g.node.len());
+                let n = &mut g.node[k];
+                match rng.below(8) {
+                    0 => n.op_type = OP_TYPES[rng.below(OP_TYPES.len())].to_string(),
+                    1 if !n.input.is_empty() => {
+                        let i = rng.below(n.input.len());
+                        n.input[i] = if names.is_empty() || rng.below(4) == 0 {
+                            String::new()
+                        } else {
+                            names[rng.below(names.len())].clone()
+                        };
+                    }
+                    2 if !n.input.is_empty() => {
+                        let i = rng.below(n.input.len());
+                        n.input.remove(i);
+                    }
+                    3 if !names.is_empty() => n.input.push(names[rng.below(names.len())].clone()),
+                    4 if !n.output.is_empty() && !names.is_empty() => {
+                        let i = rng.below(n.output.len());
+                        n.output[i] = names[rng.below(names.len())].clone();
+                    }
+                    5 => {
+                        let d = n.clone();
+                        g.node.insert(rng.below(g.node.len() + 1), d);
+                    }
+                    6 => {
+                        g.node.remove(k);
+                    }
+                    _ if !n.attribute.is_empty() => {
+                        let a = rng.below(n.attribute.len());
+                        let a = &mut n.attribute[a];
+                        if let Some(i) = a.i {
+                            a.i = Some(pick_number(rng, i));
+                        } else if !a.ints.is_empty() {
+                            let j = rng.below(a.ints.len());
+                            match rng.below(3) {
+                                0 => {
+                                    a.ints.remove(j);
+                                }
+                                1 => a.ints.push(pick_number(rng, 0)),
+                                _ => a.ints[j] = pick_number(rng, a.ints[j]),
+                            }
+                        } else if let Some(f) = a.f {
+                            a.f = Some([0.0, -1.0, f32::NAN, f32::INFINITY, f * 2.0][rng.below(5)]);
+                        } else if let Some(t) = a.t.as_mut() {
+                            if t.dims.is_empty() {
+                                t.dims.push(pick_number(rng, 1));
+                            } else {
+                                let j = rng.below(t.dims.len());
+                                t.dims[j] = pick_number(rng, t.dims[j]);
+                            }
+                        } else {
+                            a.r#type = rng.below(16) as i32;
+                        }
+                    }
+                    _ => n.attribute.clear(),
+                }
+            }
+            4..=6 if !g.initializer.is_empty() => {
+                let k = rng.below(g.initializer.len());
+                let t = &mut g.initializer[k];
+                match rng.below(5) {
+                    0 if !t.dims.is_empty() => {
+                        let j = rng.below(t.dims.len());
+                        t.dims[j] = pick_number(rng, t.dims[j]);
+                    }
+                    1 => {
+                        if t.dims.is_empty() || rng.below(2) == 0 {
+                            t.dims.push(pick_number(rng, 1));
+                        } else {
+                            t.dims.pop();
+                        }
+                    }
+                    2 => t.data_type = rng.below(18) as i32,
+                    3 if !t.raw_data.is_empty() => {
+                        let n = rng.below(t.raw_data.len());
+                        t.raw_data.truncate(n);
+                    }
+                    _ => {
+                        // move the data between fields
+                        if !t.raw_data.is_empty() {
+                            t.int64_data = vec![pick_number(rng, 0); 1 + rng.below(4)];
+                            t.raw_data.clear();
+                        } else {
+                            t.raw_data = vec![0xff; 1 + rng.below(64)];
+                        }
+                    }
+                }
+            }
+            7 | 8 if !g.input.is_empty() => {
+                let k = rng.below(g.input.len());
+                if let Some(type_proto::Value::TensorType(t)) =
+                    g.input[k].r#type.as_mut().and_then(|t| t.value.as_mut())
+                {
+                    match (rng.below(3), t.shape.as_mut()) {
+                        (0, _) => t.elem_type = rng.below(18) as i32,
+                        (1, Some(s)) if !s.dim.is_empty() => {
+                            let j = rng.below(s.dim.len());
+                            s.dim[j].value = Some(Dim::DimValue(pick_number(rng, 2)));
+                        }
+                        (_, Some(s)) => {
+                            if s.dim.is_empty() || rng.below(2) == 0 {
+                                s.dim.push(Default::default());
+                            } else {
+                                s.dim.pop();
+                            }
+                        }
+                        _ => t.shape = None,
+                    }
+                }
+            }
+            _ => {
+                if let Some(o) = m.opset_import.first_mut() {
+                    o.version = [1, 12, 13, 17, 18, 21, 25, 26, i64::MAX][rng.below(9)];
+                }
+            }
+        }
+    }
+    m.encode_to_vec()
+}
+
 fn seeds(target: &str) -> Vec<Vec<u8>> {
     let read = |p: PathBuf| std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let models = own_models_dir();
-    let mut out: Vec<Vec<u8>> = match target {
+    // the `-fields` targets start from the same seeds as their byte-mutating twins
+    let mut out: Vec<Vec<u8>> = match target.trim_end_matches("-fields") {
         "onnx" => ["gpt2_tiny.legacy.op17.onnx", "llama_tiny.dynamo.op18.onnx"]
             .iter()
             .map(|f| read(models.join(f)))
@@ -304,13 +721,21 @@ fn fuzz() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (secs << 8) ^ name.len() as u64);
         let start = Instant::now();
         let mut runs = 0u64;
+        let mut stages: std::collections::BTreeMap<&str, u64> = Default::default();
         while start.elapsed() < Duration::from_secs(secs) {
             let base = &seeds[rng.below(seeds.len())];
-            let input = mutate(&mut rng, base, &seeds);
+            let input = match name {
+                "onnx-fields" => mutate_onnx_fields(&mut rng, base),
+                "plan-fields" => mutate_plan_fields(&mut rng, base),
+                _ => mutate(&mut rng, base, &seeds),
+            };
             let t = Instant::now();
             let r = run_one(f, &input);
             let slow = t.elapsed() > Duration::from_secs(5);
             runs += 1;
+            if let Ok(stage) = r {
+                *stages.entry(stage).or_default() += 1;
+            }
             if r.is_err() || slow {
                 let dir = crashes_dir(name);
                 std::fs::create_dir_all(&dir).unwrap();
@@ -329,10 +754,16 @@ fn fuzz() {
                 ));
             }
         }
+        let pct = |n: u64| 100.0 * n as f64 / runs.max(1) as f64;
         eprintln!(
-            "fuzz {name}: {runs} inputs in {:.0} s, {} findings so far",
+            "fuzz {name}: {runs} inputs in {:.0} s, {} findings so far; {}",
             start.elapsed().as_secs_f64(),
-            found.len()
+            found.len(),
+            stages
+                .iter()
+                .map(|(k, &n)| format!("{k} {:.1}%", pct(n)))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     let _ = std::panic::take_hook();

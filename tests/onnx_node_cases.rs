@@ -20,24 +20,7 @@ use std::process::Command;
 
 /// Cases hzp is known not to pass, with why. Each must still fail (so the list stays true);
 /// any other failure fails the test.
-const KNOWN_FAILURES: &[(&str, &str)] = &[
-    (
-        "test_training_dropout",
-        "training-mode Dropout: the expected mask is numpy's random draw",
-    ),
-    (
-        "test_training_dropout_default",
-        "training-mode Dropout: the expected mask is numpy's random draw",
-    ),
-    (
-        "test_training_dropout_default_mask",
-        "training-mode Dropout: the expected mask is numpy's random draw",
-    ),
-    (
-        "test_training_dropout_mask",
-        "training-mode Dropout: the expected mask is numpy's random draw",
-    ),
-];
+const KNOWN_FAILURES: &[(&str, &str)] = &[];
 
 const RTOL: f64 = 1e-4;
 const ATOL: f64 = 1e-5;

@@ -1,6 +1,8 @@
 #!/bin/sh
 # Fuzz hzp's readers: the ONNX importer, the text IR parser, the .npz reader and plan.json
-# loading, SECONDS each (default 60), or only TARGET (onnx, text, npz, plan).
+# loading, SECONDS each (default 60), or only TARGET (onnx, text, npz, plan; onnx-fields and
+# plan-fields mutate the decoded model / plan JSON and encode it again, the plan's content
+# hash recomputed, so inputs get past decoding and the hash check).
 #   examples/fuzz/run.sh 600          # ten minutes per target
 #   examples/fuzz/run.sh 60 npz
 # Inputs that panic or take over 5 s are saved under tests/fuzz/crashes/TARGET/ (commit them:

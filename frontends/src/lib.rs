@@ -35,6 +35,8 @@ pub struct LoadOptions {
     /// (products, mask, softmax) instead of one fused `Attention` op per layer
     /// ([`attention::fuse_attention`]).
     pub no_fuse_attention: bool,
+    /// Read shapes only (`hzp show`): see [`onnx::ImportOptions::shapes_only`].
+    pub shapes_only: bool,
 }
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -71,6 +73,7 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> 
                 shapes: opts.shapes.clone(),
                 values: opts.values.clone(),
                 bind: opts.bind.clone(),
+                shapes_only: opts.shapes_only,
             };
             let mut p = onnx::import_file(path, &o)?;
             if !opts.no_fuse_attention {

@@ -1045,24 +1045,85 @@ fn dropout_is_the_identity_with_an_all_true_mask() {
     );
     close(&r[0], &x);
     assert_eq!(r[1], Tensor::new(vec![2, 2], Data::Bool(vec![true; 4])));
-    let mut m = M::new();
-    m.inputs.push(vi("x", FLOAT, &[D::V(2)]));
-    m.inits
-        .push(init("train", &Tensor::new(vec![], Data::Bool(vec![true]))));
-    m.inits.push(init("ratio", &Tensor::scalar_f32(0.5)));
-    m.nodes.push(node(
+}
+
+/// Training mode draws the mask as ONNX's reference does, numpy's
+/// `RandomState(seed).uniform(0, 1, shape) >= ratio`: for seed 0 the draws are 0.5488,
+/// 0.7152, 0.6028, 0.5449 (numpy 2.4), so ratio 0.6 keeps elements 1 and 2, scaled by 2.5.
+#[test]
+fn training_dropout_draws_numpys_mask_from_the_seed() {
+    let x = Tensor::f32(vec![2, 2], vec![1.0, 2.0, 3.0, 4.0]);
+    let train = Tensor::new(vec![], Data::Bool(vec![true]));
+    let (p, r) = one_node(
         "Dropout",
-        "d",
-        &["x", "ratio", "train"],
-        &["y"],
-        vec![],
-    ));
-    m.outputs.push(out("y"));
-    let e = m.import(&[]).unwrap_err();
-    assert!(
-        e.message.contains("Dropout `d`: Dropout in training mode"),
-        "{e}"
+        vec![
+            In::Run("x", x.clone()),
+            In::Init("ratio", Tensor::scalar_f32(0.6)),
+            In::Init("train", train.clone()),
+        ],
+        vec![a_i("seed", 0)],
+        2,
     );
+    close(&r[0], &Tensor::f32(vec![2, 2], vec![0.0, 5.0, 7.5, 0.0]));
+    assert_eq!(
+        r[1],
+        Tensor::new(vec![2, 2], Data::Bool(vec![false, true, true, false]))
+    );
+    // the same seed, the same mask: deterministic programs
+    let (p2, _) = one_node(
+        "Dropout",
+        vec![
+            In::Run("x", x.clone()),
+            In::Init("ratio", Tensor::scalar_f32(0.6)),
+            In::Init("train", train.clone()),
+        ],
+        vec![a_i("seed", 0)],
+        2,
+    );
+    assert_eq!(hzp_ir::text::print(&p), hzp_ir::text::print(&p2));
+    // without a seed: still a mask of 0s and 2.5s, drawn from the output name's hash
+    let (_, r) = one_node(
+        "Dropout",
+        vec![
+            In::Run("x", Tensor::f32(vec![64], vec![1.0; 64])),
+            In::Init("ratio", Tensor::scalar_f32(0.6)),
+            In::Init("train", train.clone()),
+        ],
+        vec![],
+        1,
+    );
+    // (the scale is 1 / (1 - ratio) in f32, as numpy computes it for an f32 ratio)
+    let scale = 1.0f32 / (1.0f32 - 0.6f32);
+    let y = r[0].to_f32_vec();
+    assert!(y.iter().all(|&v| v == 0.0 || v == scale), "{y:?}");
+    assert!(y.contains(&0.0) && y.contains(&scale), "{y:?}");
+    // a seed numpy's RandomState refuses, and a ratio outside [0, 1), are errors
+    for (attrs, ratio, want) in [
+        (
+            vec![a_i("seed", -1)],
+            0.5,
+            "attribute `seed` must be in 0..=4294967295",
+        ),
+        (vec![], 1.0, "the ratio must be in [0, 1), got 1"),
+    ] {
+        let mut m = M::new();
+        m.inputs.push(vi("x", FLOAT, &[D::V(2)]));
+        m.inits.push(init("train", &train));
+        m.inits.push(init("ratio", &Tensor::scalar_f32(ratio)));
+        m.nodes.push(node(
+            "Dropout",
+            "d",
+            &["x", "ratio", "train"],
+            &["y"],
+            attrs,
+        ));
+        m.outputs.push(out("y"));
+        let e = m.import(&[]).unwrap_err();
+        assert!(
+            e.message.contains("Dropout `d`") && e.message.contains(want),
+            "{e}"
+        );
+    }
 }
 
 #[test]

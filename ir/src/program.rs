@@ -6,7 +6,7 @@ use crate::op::{Op, StreamKind};
 use crate::role::Role;
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 /// Index of a value in [`Program::values`].
@@ -507,17 +507,22 @@ impl Program {
 /// Hands out names that do not collide with names already in use.
 #[derive(Debug, Default, Clone)]
 pub struct NameSet {
-    used: HashSet<String>,
+    /// (foldhash: names are hashed millions of times when compiling a big model; its seed is
+    /// random per process, as std's)
+    used: foldhash::HashSet<String>,
     /// Per base given to `fresh`: every `base.i` below this number is used (names are never
     /// released), so the next search starts here instead of at 1.
-    next: HashMap<String, usize>,
+    next: foldhash::HashMap<String, usize>,
 }
 
 impl NameSet {
     pub fn from_program(p: &Program) -> NameSet {
+        let mut used =
+            foldhash::HashSet::with_capacity_and_hasher(p.values.len() * 2, Default::default());
+        used.extend(p.values.iter().map(|v| v.name.clone()));
         NameSet {
-            used: p.values.iter().map(|v| v.name.clone()).collect(),
-            next: HashMap::new(),
+            used,
+            next: Default::default(),
         }
     }
 

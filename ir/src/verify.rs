@@ -48,7 +48,8 @@ fn in_range(p: &Program, v: ValueId) -> bool {
 
 /// Names: non-empty and unique.
 fn check_names(p: &Program) -> Result<(), VerifyError> {
-    let mut names = HashSet::new();
+    let mut names: foldhash::HashSet<&str> =
+        foldhash::HashSet::with_capacity_and_hasher(p.values.len(), Default::default());
     for v in &p.values {
         if v.name.is_empty() {
             return Err(err("value", "has an empty name"));
@@ -84,12 +85,11 @@ struct Definitions<'a> {
 }
 
 impl Definitions<'_> {
-    fn define(&mut self, v: ValueId, what: &str) -> Result<(), VerifyError> {
+    /// Defines `v`; `what` names the definer, made only for an error (a node's location is
+    /// formatted on failure alone).
+    fn define(&mut self, v: ValueId, what: impl FnOnce() -> String) -> Result<(), VerifyError> {
         if !in_range(self.p, v) {
-            return Err(err(
-                what.to_string(),
-                format!("refers to missing value {v}"),
-            ));
+            return Err(err(what(), format!("refers to missing value {v}")));
         }
         if std::mem::replace(&mut self.defined[v.index()], true) {
             return Err(err(
@@ -111,7 +111,7 @@ impl Definitions<'_> {
     fn inputs(&mut self) -> Result<(), VerifyError> {
         let p = self.p;
         for &v in &p.inputs {
-            self.define(v, "input list")?;
+            self.define(v, || "input list".into())?;
             if p.values[v.index()].def != ValueDef::Input {
                 return Err(err(
                     format!("input `{}`", p.value(v).name),
@@ -125,7 +125,7 @@ impl Definitions<'_> {
     fn params(&mut self) -> Result<(), VerifyError> {
         let p = self.p;
         for prm in &p.params {
-            self.define(prm.value, "parameter list")?;
+            self.define(prm.value, || "parameter list".into())?;
             let val = p.value(prm.value);
             if val.def != ValueDef::Param {
                 return Err(err(
@@ -148,7 +148,7 @@ impl Definitions<'_> {
     fn consts(&mut self) -> Result<(), VerifyError> {
         let p = self.p;
         for c in &p.consts {
-            self.define(c.value, "constant list")?;
+            self.define(c.value, || "constant list".into())?;
             let val = p.value(c.value);
             if val.def != ValueDef::Const {
                 return Err(err(
@@ -169,7 +169,7 @@ impl Definitions<'_> {
     fn states(&mut self) -> Result<(), VerifyError> {
         let p = self.p;
         for st in &p.states {
-            self.define(st.value, "state list")?;
+            self.define(st.value, || "state list".into())?;
             let val = p.value(st.value);
             if val.def != ValueDef::State {
                 return Err(err(
@@ -210,7 +210,7 @@ impl Definitions<'_> {
                 }
             }
             for (slot, &o) in n.outputs.iter().enumerate() {
-                self.define(o, &loc())?;
+                self.define(o, &loc)?;
                 let want = ValueDef::Node {
                     node: NodeId(i as u32),
                     slot: slot as u32,

@@ -555,3 +555,71 @@ fn fused_attention() {
         );
     }
 }
+
+#[path = "../../frontends/tests/onnx_util/mod.rs"]
+mod onnx_util;
+
+/// An ONNX Dropout in training mode (its mask drawn at import from `seed`): the gradient goes
+/// through the mask the forward used. y = Dropout(x * w), loss = sum(y), so dloss/dw is
+/// x * scale where the mask (Dropout's second output) keeps the element and 0 elsewhere.
+#[test]
+fn training_dropout_backpropagates_through_the_forward_mask() {
+    use onnx_util::*;
+    let n = 32;
+    let mut m = M::new();
+    m.inputs.push(vi("x", FLOAT, &[D::V(n as i64)]));
+    let w = Tensor::f32(vec![n], rand_vec(n, 3));
+    m.inits.push(init("w", &w));
+    m.inits.push(init("ratio", &Tensor::scalar_f32(0.25)));
+    m.inits.push(init(
+        "train",
+        &Tensor::new(vec![], hzp_ir::Data::Bool(vec![true])),
+    ));
+    m.nodes
+        .push(node("Mul", "mul", &["x", "w"], &["xw"], vec![]));
+    m.nodes.push(node(
+        "Dropout",
+        "drop",
+        &["xw", "ratio", "train"],
+        &["y", "mask"],
+        vec![a_i("seed", 7)],
+    ));
+    m.outputs.push(out("y"));
+    m.outputs.push(out("mask"));
+    let mut p = m.import(&[]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.params.len(), 1, "w is the one parameter");
+    let wv = p.params[0].value;
+    let x = Tensor::f32(vec![n], rand_vec(n, 5));
+    let feed = vec![("x".to_string(), x.clone())];
+    let fwd = evaluate(&p, &feed).unwrap();
+    let mask = match &fwd[1].1.data {
+        hzp_ir::Data::Bool(b) => b.clone(),
+        d => panic!("the mask is bool, got {d:?}"),
+    };
+    assert!(mask.contains(&true) && mask.contains(&false), "{mask:?}");
+    let y = p.outputs[0];
+    let loss = p
+        .add_node(
+            "loss",
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![0],
+                keep_dims: false,
+            },
+            vec![y],
+            vec!["loss".into()],
+        )
+        .unwrap()[0];
+    let grads = differentiate(&mut p, loss, &[wv]).unwrap();
+    p.outputs = grads;
+    hzp_ir::verify(&p).unwrap();
+    let g = evaluate(&p, &feed).unwrap()[0].1.to_f32_vec();
+    let scale = 1.0f32 / (1.0 - 0.25);
+    for (i, ((&gi, &xi), &keep)) in g.iter().zip(&x.to_f32_vec()).zip(&mask).enumerate() {
+        let want = if keep { xi * scale } else { 0.0 };
+        assert!(
+            (gi - want).abs() <= 1e-6,
+            "element {i}: dw {gi}, expected {want}"
+        );
+    }
+}

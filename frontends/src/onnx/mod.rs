@@ -50,9 +50,14 @@
 //! again with those inputs folded as constants: the program is *specialized* on them and
 //! records their values ([`hzp_ir::Program::specialized`]), and the evaluator refuses other
 //! values. Without a value the error names the node and the input and says how to give one.
+//! `Dropout` in training mode (a non-zero ratio) draws its mask at import as ONNX's
+//! reference implementation does, numpy's `RandomState(seed).uniform` (`onnx/mt19937.rs`; without
+//! a `seed` attribute, the FNV-1a hash of the node's first output name seeds it): the mask is
+//! a constant of the program, the same in every evaluation and training step.
 
 mod error;
 mod graph;
+mod mt19937;
 mod ops;
 pub mod proto;
 mod tensor;
@@ -83,7 +88,19 @@ pub struct ImportOptions {
     /// type; the shape is the input's (bound or declared), or `[n]` for a rank-1 input and a
     /// scalar for a rank-0 one. Takes precedence over `values`.
     pub bind: BTreeMap<String, Vec<f64>>,
+    /// Shapes only (`hzp show`): results computed at import (folded constants) are computed
+    /// while they fit [`SHAPES_ONLY_BUDGET`] bytes together (so a model at ordinary shapes
+    /// imports exactly as without this); past it, a result is not computed: an op with an IR
+    /// equivalent stays a run-time op, a `Range` or a training-mode `Dropout` mask becomes a
+    /// `Fill` of its type (a placeholder: its values are wrong, its type is right), and a
+    /// value that decides a shape cannot come from one (an error says so). Such a program is
+    /// for its types, counts and parameters (what `show` prints), never for evaluation.
+    pub shapes_only: bool,
 }
+
+/// With [`ImportOptions::shapes_only`], the bytes of import-time results computed before
+/// larger ones are left uncomputed.
+pub const SHAPES_ONLY_BUDGET: u64 = 256 << 20;
 
 /// The op types of the default ONNX domain the importer translates, sorted.
 pub fn supported_op_types() -> Vec<&'static str> {

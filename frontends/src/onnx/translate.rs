@@ -137,9 +137,48 @@ pub(crate) struct Ctx<'g> {
     /// Bytes of constants computed at import so far (checked against the memory budget:
     /// shapes bound by `--shape` can make folded tensors of any size).
     folded_bytes: u64,
+    /// [`super::ImportOptions::shapes_only`].
+    shapes_only: bool,
+    /// Placeholders of a shapes-only import (values not computed), by value.
+    placeholders: std::collections::HashSet<ValueId>,
 }
 
 impl<'g> Ctx<'g> {
+    /// Whether a result of `bytes` computed at import is computed: always, except in a
+    /// shapes-only import past [`super::SHAPES_ONLY_BUDGET`] (or the memory budget, when
+    /// smaller): there it is not computed instead of failing the budget.
+    pub fn computes(&self, bytes: u64) -> bool {
+        !self.shapes_only
+            || self.folded_bytes.saturating_add(bytes)
+                <= super::SHAPES_ONLY_BUDGET.min(crate::limits::max_memory())
+    }
+
+    /// A shapes-only import's stand-in for a tensor that is not computed: a `Fill` of zeros
+    /// of its type (see [`super::ImportOptions::shapes_only`]).
+    pub fn placeholder(
+        &mut self,
+        node: &str,
+        dtype: DType,
+        shape: Vec<usize>,
+        out: String,
+    ) -> FResult<Slot> {
+        let vs = self
+            .prog
+            .add_node(
+                node,
+                Op::Fill {
+                    value: 0.0,
+                    dtype,
+                    shape,
+                },
+                vec![],
+                vec![out],
+            )
+            .map_err(node_err)?;
+        self.placeholders.insert(vs[0]);
+        Ok(Slot::Val(vs[0]))
+    }
+
     /// Whether `bytes` more of computed constants fit the memory budget.
     pub fn fold_fits(&self, bytes: u64) -> bool {
         self.folded_bytes.saturating_add(bytes) <= crate::limits::max_memory()
@@ -266,7 +305,8 @@ impl<'g> Ctx<'g> {
                 .sum();
             // Over the memory budget the op stays a run-time op instead.
             let fold = (out_n <= FOLD_ALWAYS || (out_n <= FOLD_MAX && out_n <= in_n))
-                && self.fold_fits(out_bytes);
+                && self.fold_fits(out_bytes)
+                && self.computes(out_bytes);
             if fold && !ts.is_empty() {
                 let results = fold_op(&op, &ts)?;
                 if results.len() != out_tys.len()
@@ -304,7 +344,7 @@ impl<'g> Ctx<'g> {
         out: String,
     ) -> FResult<Slot> {
         let n = checked_numel(&shape)?;
-        if n <= FOLD_ALWAYS {
+        if n <= FOLD_ALWAYS && self.computes((n * dtype.size_bytes()) as u64) {
             let t = Tensor::from_f64(dtype, shape, &vec![value; n]);
             return Ok(self.named_const(t, out));
         }
@@ -332,6 +372,13 @@ impl<'g> Ctx<'g> {
             Slot::Const(c) => Ok(&c.t),
             Slot::Val(v) => {
                 let name = n.in_name(k);
+                if self.placeholders.contains(v) {
+                    return Err(node_err(format!(
+                        "{what} (input `{name}`) comes from a tensor that reading shapes only does \
+                         not compute (over {} of computed constants); use a smaller --shape",
+                        crate::limits::fmt_bytes(super::SHAPES_ONLY_BUDGET)
+                    )));
+                }
                 if let Some(f) = self.specialization(*v, what, name) {
                     return Err(f);
                 }
@@ -1029,6 +1076,8 @@ fn import_specialized(
         model_dir,
         given: &given,
         folded_bytes: 0,
+        shapes_only: opts.shapes_only,
+        placeholders: Default::default(),
     };
     for (v, ty) in info.inputs.iter().zip(input_tys) {
         if let Some(t) = on.get(&v.name) {

@@ -966,12 +966,16 @@ fn profile(
     let row_tables: Vec<Option<RowTable>> = match &grads {
         Ok(gs) => {
             let users = p.users();
+            let mut times: HashMap<ValueId, usize> = HashMap::new();
+            for &g in gs {
+                *times.entry(g).or_default() += 1;
+            }
             params
                 .iter()
                 .zip(gs)
                 .map(|(&w, &gv)| {
                     // (a gradient value shared with another parameter stays dense)
-                    let once = gs.iter().filter(|&&x| x == gv).count() == 1;
+                    let once = times[&gv] == 1;
                     row_table(&p, &users, w, gv).filter(|_| once)
                 })
                 .collect()

@@ -126,22 +126,34 @@ pub(super) fn identity(_cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
 
 pub(super) fn dropout(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
     let x = n.req(0)?.clone();
-    if n.input(2).is_some() {
-        let t = cx.static_input(n, 2, "training_mode")?;
-        if int_scalar(t, "training_mode")? != 0 {
-            // Training mode with ratio 0 keeps every element (ONNX: the output is the input,
-            // the mask all true); any other ratio draws random numbers.
-            let ratio = match n.input(1) {
-                Some(_) => cx.static_input(n, 1, "the ratio")?.to_f64_vec(),
-                None => vec![0.5],
-            };
-            if ratio.len() != 1 || ratio[0] != 0.0 {
-                return unsupported(
-                    "Dropout in training mode with a non-zero ratio is not supported (it draws \
-                     random numbers; export the model in eval mode)",
-                );
+    let training = match n.input(2) {
+        Some(_) => int_scalar(cx.static_input(n, 2, "training_mode")?, "training_mode")? != 0,
+        None => false,
+    };
+    if training {
+        // ONNX's default ratio is 0.5; a given ratio is a float scalar in [0, 1).
+        let (ratio, ratio_f32) = match n.input(1) {
+            Some(_) => {
+                let t = cx.static_input(n, 1, "the ratio")?;
+                if t.numel() != 1 || !t.dtype().is_float() {
+                    return err(format!(
+                        "the ratio must be one float, got {}{:?}",
+                        t.dtype(),
+                        t.shape
+                    ));
+                }
+                (t.to_f64_vec()[0], t.dtype() == DType::F32)
             }
+            None => (0.5, true),
+        };
+        if !(0.0..1.0).contains(&ratio) {
+            return err(format!("the ratio must be in [0, 1), got {ratio}"));
         }
+        if ratio != 0.0 {
+            return dropout_training(cx, n, x, ratio, ratio_f32);
+        }
+        // Training mode with ratio 0 keeps every element (ONNX: the output is the input,
+        // the mask all true).
     }
     // Inference: the output is the input and the mask is all true.
     let mut outs = vec![Some(x.clone())];
@@ -149,6 +161,88 @@ pub(super) fn dropout(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         let shape = cx.shape(&x);
         let out = out_name(cx, n, 1);
         outs.push(Some(cx.fill(&n.ir_name, 1.0, DType::Bool, shape, out)?));
+    }
+    Ok(outs)
+}
+
+/// Training-mode Dropout with a non-zero `ratio`: the mask is drawn at import, as ONNX's
+/// reference implementation draws it,
+/// `numpy.random.RandomState(seed).uniform(0, 1, shape) >= ratio` (MT19937,
+/// [`super::mt19937`]), so a given `seed` attribute reproduces the
+/// reference's mask bit for bit. Without `seed` (ONNX: "auto generated"), the seed is the
+/// 32-bit FNV-1a hash of the node's first output name: deterministic (plans stay
+/// byte-identical) and different for each Dropout of a model. The mask is an import-time
+/// constant, so it is the same in every evaluation and every training step, and the gradient
+/// (through the product with the scaled mask) uses the same mask as the forward. The output
+/// is `x * (mask ? 1 / (1 - ratio) : 0)`, the scale computed in the ratio's precision as
+/// numpy does.
+pub(super) fn dropout_training(
+    cx: &mut Ctx,
+    n: &NodeCx,
+    x: Slot,
+    ratio: f64,
+    ratio_f32: bool,
+) -> FResult<Outs> {
+    let dtype = cx.dtype(&x);
+    if !dtype.is_float() {
+        return err(format!(
+            "Dropout's input must be a float tensor, got {dtype}"
+        ));
+    }
+    let seed = match n.attr("seed") {
+        Some(_) => {
+            let s = n.attr_i("seed", 0)?;
+            u32::try_from(s).map_err(|_| {
+                node_err(format!(
+                    "attribute `seed` must be in 0..=4294967295 (a numpy RandomState seed), \
+                     got {s}"
+                ))
+            })?
+        }
+        None => {
+            let name = n.p.output.first().map(String::as_str).unwrap_or("");
+            name.bytes().fold(0x811c_9dc5u32, |h, b| {
+                (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+            })
+        }
+    };
+    let shape = cx.shape(&x);
+    let numel = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| node_err(format!("Dropout's input shape {shape:?} is too large")))?;
+    if !cx.computes((numel as u64).saturating_mul(dtype.size_bytes() as u64 + 1)) {
+        let out = out_name(cx, n, 0);
+        let y = cx.placeholder(&n.ir_name, dtype, shape.clone(), out)?;
+        let mut outs = vec![Some(y)];
+        if n.n_outputs() > 1 && !n.p.output[1].is_empty() {
+            let out = out_name(cx, n, 1);
+            outs.push(Some(cx.placeholder(&n.ir_name, DType::Bool, shape, out)?));
+        }
+        return Ok(outs);
+    }
+    // the scaled mask in x's dtype and the bool mask
+    let bytes = (numel as u64).saturating_mul(dtype.size_bytes() as u64 + 1);
+    cx.check_fold_budget(&format!("Dropout's mask of {numel} elements"), bytes)?;
+    let scale = if ratio_f32 {
+        f64::from(1.0f32 / (1.0f32 - ratio as f32))
+    } else {
+        1.0 / (1.0 - ratio)
+    };
+    let mut rng = crate::onnx::mt19937::Mt19937::new(seed);
+    let mask: Vec<bool> = (0..numel).map(|_| rng.next_f64() >= ratio).collect();
+    let scaled: Vec<f64> = mask.iter().map(|&m| if m { scale } else { 0.0 }).collect();
+    let factor = cx.konst(
+        Tensor::from_f64(dtype, shape.clone(), &scaled),
+        &format!("{}/dropout_scale", n.ir_name),
+    );
+    let out = out_name(cx, n, 0);
+    let y = emit1(cx, &n.ir_name, Op::Binary(BinaryOp::Mul), &[x, factor], out)?;
+    let mut outs = vec![Some(y)];
+    if n.n_outputs() > 1 && !n.p.output[1].is_empty() {
+        let out = out_name(cx, n, 1);
+        let m = Tensor::new(shape, hzp_ir::Data::Bool(mask));
+        outs.push(Some(cx.named_const(m, out)));
     }
     Ok(outs)
 }

@@ -218,6 +218,9 @@ pub(super) fn range(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
         if count > MAX as i128 {
             return err(format!("Range would make {count} elements"));
         }
+        if !cx.computes(count as u64 * 8 * 2) {
+            return one(cx.placeholder(&n.ir_name, dtype, vec![count as usize], out)?);
+        }
         cx.check_fold_budget(&format!("Range of {count} elements"), count as u64 * 8 * 2)?;
         if dtype == DType::I64 {
             let v: Vec<i64> = (0..count).map(|i| (s + i * d) as i64).collect();
@@ -240,6 +243,9 @@ pub(super) fn range(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
             return err(format!("Range would make {count} elements"));
         }
         let count = count as usize;
+        if !cx.computes(count as u64 * 8 * 2) {
+            return one(cx.placeholder(&n.ir_name, dtype, vec![count], out)?);
+        }
         cx.check_fold_budget(&format!("Range of {count} elements"), count as u64 * 8 * 2)?;
         // Like ONNX's reference: start + i * delta, computed in the tensor's type.
         let v: Vec<f64> = (0..count).map(|i| s + i as f64 * d).collect();
