@@ -210,7 +210,7 @@ impl Definitions<'_> {
                 }
             }
             for (slot, &o) in n.outputs.iter().enumerate() {
-                self.define(o, &loc)?;
+                self.define(o, loc)?;
                 let want = ValueDef::Node {
                     node: NodeId(i as u32),
                     slot: slot as u32,
