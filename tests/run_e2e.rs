@@ -419,6 +419,13 @@ fn canzona_plan_orthogonalizes_only_owned_slots() {
         .filter(|n| n.role.unit == hzp_passes::train::CANZONA_UNIT)
         .count();
     assert!(canzona_nodes > 0);
+    // what inspect reports is the partition the builder ran
+    let ms = hzp_passes::train::muon_parameters(&fwd).unwrap();
+    assert_eq!(
+        hzp_passes::train::canzona::of_plan(&can),
+        Some(hzp_passes::train::canzona::partition(&ms, 4, 5))
+    );
+    assert_eq!(hzp_passes::train::canzona::of_plan(&rep), None);
     eprintln!("Newton-Schulz multiply-adds per rank: replicated {fr}, canzona {fc}");
     // the tiny model's buckets hold 2 matrices: over 4 ranks one slot each (half padding),
     // against both matrices on every rank

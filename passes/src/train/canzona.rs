@@ -181,6 +181,36 @@ pub fn partition(matrices: &BTreeMap<String, MuonMatrix>, o: usize, steps: usize
     Partition { o, buckets }
 }
 
+/// The partition a compiled plan runs, when it was compiled with Canzona placement (its
+/// program has nodes of role unit [`crate::train::CANZONA_UNIT`]): recomputed with
+/// [`partition`] from what the plan records, the layouts of the parameters that keep a
+/// Muon momentum (names and shapes) and the size of their optimizer group, the same inputs
+/// the builder partitioned (the builder's 5 Newton-Schulz steps). `None` otherwise.
+pub fn of_plan(plan: &hzp_ir::plan::Plan) -> Option<Partition> {
+    let unit = crate::train::CANZONA_UNIT;
+    if !plan.program.nodes.iter().any(|n| n.role.unit == unit) {
+        return None;
+    }
+    let mut o = None;
+    let mut ms = BTreeMap::new();
+    for l in &plan.layouts {
+        if l.shape.len() != 2 || !l.states.iter().any(|s| s.starts_with("muon.momentum/")) {
+            continue;
+        }
+        o = plan.mesh.group_size(&l.optim_group);
+        ms.insert(
+            l.name.clone(),
+            MuonMatrix {
+                rows: l.shape[0],
+                cols: l.shape[1],
+                out_features: l.shape[0],
+                in_features: l.shape[1],
+            },
+        );
+    }
+    Some(partition(&ms, o?, 5))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
