@@ -522,7 +522,10 @@ fn canzona_partition_of_gpt2_small_is_printed_and_balanced() {
         .unwrap();
     let bound = 4.0 / 3.0 - 1.0 / 24.0;
     assert!(imb <= bound, "{imb} > {bound}");
-    assert!(text.contains("bucket 768x3072: 12 matrices, 2 slots per rank"), "{text}");
+    assert!(
+        text.contains("bucket 768x3072: 12 matrices, 2 slots per rank"),
+        "{text}"
+    );
     let (code, json, err) = hzp(&["inspect", plan.to_str().unwrap(), "--format", "json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();

@@ -587,7 +587,12 @@ pub(crate) fn canzona_bucket(
                     }
                 },
             };
-            rows.push(e.op(Op::Reshape { shape: vec![1, per] }, &[v])?);
+            rows.push(e.op(
+                Op::Reshape {
+                    shape: vec![1, per],
+                },
+                &[v],
+            )?);
         }
     }
     let send = e.op(Op::Concat { axis: 0 }, &rows)?;
