@@ -567,6 +567,12 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
                     t.optimizer
                 ));
             }
+            if t.muon_placement != "replicated" {
+                return Err(miette!(
+                    "--muon-placement places Muon's Newton-Schulz work; it needs --optimizer muon (not {})",
+                    t.optimizer
+                ));
+            }
             if t.muon_ns_precision != "bf16" {
                 return Err(miette!(
                     "--muon-ns-precision needs --optimizer muon (not {})",
@@ -605,6 +611,8 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
                         ))
                     }
                 };
+                let placement = hzp_passes::train::muon::MuonPlacement::parse(&t.muon_placement)
+                    .map_err(|e| miette!("--muon-placement: {e}"))?;
                 Optimizer::Muon {
                     lr: t.lr,
                     beta1,
@@ -613,6 +621,7 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
                     weight_decay: t.weight_decay.unwrap_or(0.01),
                     muon: hzp_passes::train::muon::MuonSettings {
                         ns_bf16,
+                        placement,
                         ..hzp_passes::train::muon::MuonSettings::torch(t.muon_lr, adjust)
                     },
                 }

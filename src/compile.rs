@@ -638,6 +638,22 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 "bytes_per_rank_per_link": per_link.iter().map(|(l, b)| (l.clone(), b.round() as u64)).collect::<BTreeMap<_, _>>(),
                 "content_hash": plan.content_hash,
             });
+            let mut v = v;
+            if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
+                let owners: BTreeMap<String, usize> = part
+                    .owners()
+                    .into_iter()
+                    .map(|(name, (_, rank, _))| (name, rank))
+                    .collect();
+                v["muon_placement"] = serde_json::json!({
+                    "placement": "canzona",
+                    "ranks": part.o,
+                    "ns_flops_per_rank": part.useful_flops(),
+                    "ns_flops_executed_per_rank": part.executed_flops(),
+                    "imbalance_max_over_mean": part.imbalance(),
+                    "owners": owners,
+                });
+            }
             outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
         }
         Format::Text => {
@@ -659,6 +675,12 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 plan.grads_label(),
                 plan.groups.optim
             );
+            if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
+                outln!();
+                for l in part.describe() {
+                    outln!("{l}");
+                }
+            }
             outln!(
                 "\nmemory per rank: arena {}",
                 hzp_ir::plan::format_bytes(plan.arena_bytes)

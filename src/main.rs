@@ -95,6 +95,11 @@ pub struct TrainArgs {
     /// the same products without bf16 rounding, which the iteration amplifies).
     #[arg(long, default_value = "bf16")]
     pub muon_ns_precision: String,
+    /// Where a multi-rank plan runs Muon's Newton-Schulz: replicated (every optimizer rank
+    /// orthogonalizes every matrix) or canzona (one owner rank per matrix, balanced; needs
+    /// an optimizer group of several ranks).
+    #[arg(long, default_value = "replicated")]
+    pub muon_placement: String,
     /// AdamW betas, as B1,B2.
     #[arg(long, default_value = "0.9,0.999")]
     pub betas: String,

@@ -482,3 +482,69 @@ fn unit_buckets_fall_back_to_fixed_buckets_under_a_tight_budget() {
     assert!(err.contains("buckets of at most 64 MiB"), "{err}");
     assert!(tight <= budget && tight < roomy, "{tight} vs {roomy}");
 }
+
+/// `--muon-placement canzona` on GPT-2 small (`preset:gpt`) over 8 ranks: `hzp inspect`
+/// prints the partition, whose imbalance of owned Newton-Schulz FLOPs (max/mean) is within
+/// Graham's bound for greedy LPT, 4/3 - 1/(3m) with m = 8 (mean <= OPT, so this implies the
+/// LPT guarantee); a strategy whose optimizer group is one rank is refused.
+#[test]
+fn canzona_partition_of_gpt2_small_is_printed_and_balanced() {
+    let dir = tempdir();
+    let plan = dir.join("canzona.json");
+    let (code, out, err) = hzp(&[
+        "compile",
+        "preset:gpt",
+        "--mesh",
+        "gpu=8",
+        "--strategy",
+        "zero3",
+        "--optimizer",
+        "muon",
+        "--muon-placement",
+        "canzona",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, text, err) = hzp(&["inspect", plan.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("muon placement canzona over 8 ranks"))
+        .unwrap_or_else(|| panic!("{text}"));
+    println!("{line}");
+    let imb: f64 = line
+        .split("imbalance max/mean ")
+        .nth(1)
+        .and_then(|s| s.split(';').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let bound = 4.0 / 3.0 - 1.0 / 24.0;
+    assert!(imb <= bound, "{imb} > {bound}");
+    assert!(
+        text.contains("bucket 768x3072: 12 matrices, 2 slots per rank"),
+        "{text}"
+    );
+    let (code, json, err) = hzp(&["inspect", plan.to_str().unwrap(), "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["muon_placement"]["owners"].as_object().unwrap().len(), 48);
+    // ddp keeps the optimizer whole on every rank: no owners to choose among
+    let (code, out, err) = hzp(&[
+        "compile",
+        "preset:gpt,layers=2",
+        "--mesh",
+        "gpu=2",
+        "--strategy",
+        "ddp",
+        "--optimizer",
+        "muon",
+        "--muon-placement",
+        "canzona",
+        "-o",
+        dir.join("ddp.json").to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("optimizer group has several ranks"), "{err}");
+}

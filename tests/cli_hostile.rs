@@ -421,6 +421,19 @@ fn muon_flags_are_checked() {
             &["--optimizer", "muon", "--lr=0"],
             &["--lr must be above 0"],
         ),
+        (
+            &["--muon-placement", "canzona"],
+            &["--muon-placement", "needs --optimizer muon"],
+        ),
+        (
+            &["--optimizer", "muon", "--muon-placement", "sharded"],
+            &["`sharded`", "replicated or canzona"],
+        ),
+        // hzp train runs one rank: no owners to choose among
+        (
+            &["--optimizer", "muon", "--muon-placement", "canzona"],
+            &["--muon-placement canzona", "one-rank step"],
+        ),
         // fc2 makes the output (the head) and fc1 is frozen: no matrix left for Muon
         (
             &["--optimizer", "muon", "--freeze", "fc1.weight"],

@@ -607,3 +607,42 @@ fn out_of_vocabulary_tokens_name_the_file_and_offset() {
         "{err}"
     );
 }
+
+/// `hzp run` of a Canzona plan (`--muon-placement canzona`, Newton-Schulz in f32 so round-off
+/// is not amplified) trains as the replicated plan does (losses and parameters within 1e-5),
+/// compiles to the same bytes twice, and resumes the replicated plan's checkpoint (the
+/// momentum is cut the same way).
+#[test]
+fn canzona_plans_run_as_replicated_ones() {
+    let dir = tempdir("canzona");
+    let rep = ["--optimizer", "muon", "--muon-ns-precision", "fp32"];
+    let can = [
+        "--optimizer",
+        "muon",
+        "--muon-ns-precision",
+        "fp32",
+        "--muon-placement",
+        "canzona",
+    ];
+    let r = compile(&dir, "rep", "gpu=4", "zero3", &rep);
+    let c = compile(&dir, "can", "gpu=4", "zero3", &can);
+    let c2 = compile(&dir, "can2", "gpu=4", "zero3", &can);
+    assert_eq!(std::fs::read(&c).unwrap(), std::fs::read(&c2).unwrap());
+    assert_ne!(std::fs::read(&c).unwrap(), std::fs::read(&r).unwrap());
+    let (rp, cp) = (dir.join("rep.npz"), dir.join("can.npz"));
+    let lr = run_json(&r, "8", &["--save-params", s(&rp)]);
+    let lc = run_json(&c, "8", &["--save-params", s(&cp)]);
+    assert!(lc[7] < lc[0], "Canzona Muon does not train: {lc:?}");
+    for (g, w) in lc.iter().zip(&lr) {
+        assert!((g - w).abs() <= 1e-5 * w.abs(), "{g} vs {w}");
+    }
+    let rel = max_rel(&params(&rp), &params(&cp));
+    assert!(rel <= 1e-5, "parameters differ by {rel} relative");
+    let ck = dir.join("ck");
+    run_json(&r, "8", &["--stop-at", "5", "--checkpoint-dir", s(&ck)]);
+    let rest = run_json(&c, "8", &["--checkpoint-dir", s(&ck), "--resume"]);
+    assert_eq!(rest.len(), 3);
+    for (g, w) in rest.iter().zip(&lr[5..]) {
+        assert!((g - w).abs() <= 1e-5 * w.abs(), "resumed: {g} vs {w}");
+    }
+}

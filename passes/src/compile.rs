@@ -326,6 +326,8 @@ fn plan_groups(
                 .collect(),
             _ => Vec::new(),
         },
+        muon_canzona: matches!(&cfg.optimizer, Some(Optimizer::Muon { muon, .. })
+            if muon.placement == crate::train::muon::MuonPlacement::Canzona),
     };
     let mut planned = planner::plan_sharding(fwd, mesh, cluster, &shard_opts);
     if opts.recompute == Recompute::Auto {

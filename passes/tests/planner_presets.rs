@@ -337,3 +337,47 @@ fn muon_is_charged_its_newton_schulz_and_update_gather() {
         cb.step_s * 1e3
     );
 }
+
+/// With `--muon-placement canzona` the planner charges each rank's Newton-Schulz slots only
+/// (the partition's executed FLOPs: owned matrices plus padding slots) and two all-to-alls
+/// instead of the all-gather.
+#[test]
+fn canzona_is_charged_the_owners_slots() {
+    let p = preset("preset:gpt");
+    let ms = hzp_passes::train::muon_parameters(&p).unwrap();
+    let muon: Vec<_> = ms.values().cloned().collect();
+    let o = ShardOptions {
+        muon: muon.clone(),
+        ..opts(Strategy::Zero3, false)
+    };
+    let rep = plan(&p, &o);
+    let can = plan(
+        &p,
+        &ShardOptions {
+            muon_canzona: true,
+            ..o.clone()
+        },
+    );
+    let (cr, cc) = (&rep.chosen, &can.chosen);
+    assert_eq!((cr.p, cr.g, cr.o), (cc.p, cc.g, cc.o));
+    let d = &h100().device;
+    let all: u64 = muon.iter().map(|m| m.ns_flops(5)).sum();
+    let part = hzp_passes::train::canzona::partition(&ms, cc.o, 5);
+    let saved = (all - part.executed_flops()) as f64 / (d.peak_flops_fp32 * d.matmul_efficiency);
+    let got = cr.compute_s - cc.compute_s;
+    assert!(
+        (got - saved).abs() <= 1e-9 * saved,
+        "compute fell by {got} s, expected {saved} s"
+    );
+    assert!(cc.step_s < cr.step_s, "{} vs {}", cc.step_s, cr.step_s);
+    eprintln!(
+        "preset:gpt on {} (zero3, O={}): Newton-Schulz per rank replicated {:.3} ms, canzona {:.3} ms (imbalance {:.4}); step {:.3} -> {:.3} ms",
+        mesh(),
+        cc.o,
+        all as f64 / (d.peak_flops_fp32 * d.matmul_efficiency) * 1e3,
+        part.executed_flops() as f64 / (d.peak_flops_fp32 * d.matmul_efficiency) * 1e3,
+        part.imbalance(),
+        cr.step_s * 1e3,
+        cc.step_s * 1e3
+    );
+}

@@ -1601,7 +1601,33 @@ impl StepBuilder<'_> {
             train::Optimizer::Muon { .. } => Some(train::muon_parameters(self.fwd)?),
             _ => None,
         };
+        let canzona = match opt {
+            train::Optimizer::Muon { muon, .. } => {
+                muon.placement == crate::train::muon::MuonPlacement::Canzona
+            }
+            _ => false,
+        };
         let holding = match &muon_matrices {
+            Some(ms) if canzona => {
+                if gr.o < 2 {
+                    return Err(err(format!(
+                        "--muon-placement canzona gives each Muon matrix one owner in the \
+                         optimizer group, but this plan's optimizer group {} has {} rank; use \
+                         a strategy that shards the optimizer (asynchzp, zero1/2/3) on several \
+                         ranks, or --muon-placement replicated",
+                        gr.spec.optim, gr.o
+                    )));
+                }
+                let steps = match opt {
+                    train::Optimizer::Muon { muon, .. } => muon.ns_steps,
+                    _ => 0,
+                };
+                Holding::Canzona {
+                    group: gr.spec.optim.clone(),
+                    size: gr.o,
+                    partition: crate::train::canzona::partition(ms, gr.o, steps),
+                }
+            }
             Some(_) => {
                 // the optimizer group's member index, to take this rank's shard of a whole
                 // orthogonalized matrix

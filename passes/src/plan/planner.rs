@@ -215,6 +215,11 @@ pub struct ShardOptions {
     /// of them whole (Newton-Schulz in f32 products, as the step program computes it), and
     /// their Nesterov updates are all-gathered over O first.
     pub muon: Vec<crate::train::muon::MuonMatrix>,
+    /// `--muon-placement canzona`: each matrix is orthogonalized by one owner in O (the
+    /// uniform slots of [`crate::train::canzona`]) after an all-to-all of the Nesterov
+    /// updates to the owners, and a second all-to-all returns the results; only candidates
+    /// whose O has several ranks.
+    pub muon_canzona: bool,
 }
 
 impl Default for ShardOptions {
@@ -237,6 +242,7 @@ impl Default for ShardOptions {
                 sparse_grads: true,
             },
             muon: Vec::new(),
+            muon_canzona: false,
         }
     }
 }
@@ -1207,6 +1213,22 @@ fn simulate(tasks: &[Task], prefetch_depth: usize) -> f64 {
     comp_end.max(rs_free)
 }
 
+/// With `--muon-placement canzona` and several optimizer ranks: the partition of the Muon
+/// matrices over `o` ranks the step program runs (names stand in for the matrices: only the
+/// shapes and costs matter here).
+fn canzona_partition(opts: &ShardOptions, o: usize) -> Option<crate::train::canzona::Partition> {
+    if !opts.muon_canzona || o < 2 || opts.muon.is_empty() {
+        return None;
+    }
+    let ms: std::collections::BTreeMap<String, crate::train::muon::MuonMatrix> = opts
+        .muon
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (format!("m{i:08}"), m.clone()))
+        .collect();
+    Some(crate::train::canzona::partition(&ms, o, 5))
+}
+
 /// Elements per layer, each parameter padded to a multiple of `o` (as the layouts pad).
 fn layer_pad(prof: &Profile, o: u64) -> Vec<u64> {
     let mut pad = vec![0u64; prof.layers];
@@ -1591,8 +1613,12 @@ fn compute_times(ctx: &Ctx, z: &Sizes) -> (f64, f64) {
     let d = &ctx.model.spec().device;
     let mut opt_s =
         ((24 + z.r + z.c) * z.psi / z.o as u64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
-    // Muon: every member of O runs Newton-Schulz on every whole matrix (f32 products)
-    let muon_flops: u64 = opts.muon.iter().map(|m| m.ns_flops(5)).sum();
+    // Muon: every member of O runs Newton-Schulz on every whole matrix (f32 products), or
+    // with Canzona on its slots only
+    let muon_flops: u64 = match canzona_partition(opts, z.o) {
+        Some(part) => part.executed_flops(),
+        None => opts.muon.iter().map(|m| m.ns_flops(5)).sum(),
+    };
     if muon_flops > 0 {
         opt_s += muon_flops as f64 / (d.peak_flops_fp32 * d.matmul_efficiency);
     }
@@ -1632,8 +1658,20 @@ fn evaluate(
     let cross = step_collectives(&mut t, &z, (pg, gg, og))?;
     let (opt_s, compute_s) = compute_times(ctx, &z);
     let tasks = step_tasks(ctx, &z, &ag, &rs, &cross.narrow_cross);
-    // Muon: the Nesterov updates (f32) are all-gathered over O before Newton-Schulz
-    let ag_muon = if z.o > 1 && z.muon_numel > 0 {
+    // Muon: the Nesterov updates (f32) are all-gathered over O before Newton-Schulz, or
+    // with Canzona sent to their owners and the results back: two all-to-alls of every
+    // bucket's slots of flat shards
+    let ag_muon = if let Some(part) = canzona_partition(opts, z.o) {
+        let o = z.o;
+        let bytes: u64 = part
+            .buckets
+            .iter()
+            .map(|b| 4 * (b.slots * o * (b.rows * b.cols).div_ceil(o)) as u64)
+            .sum();
+        2.0 * t
+            .add(CollectiveKind::AllToAll, bytes, og, 1.0, &[])?
+            .seconds
+    } else if z.o > 1 && z.muon_numel > 0 {
         t.add(CollectiveKind::AllGather, 4 * z.muon_numel, og, 1.0, &[])?
             .seconds
     } else {
@@ -1903,7 +1941,19 @@ pub fn plan_sharding(
         .iter()
         .filter_map(|s| s.groups(mesh, cluster).map(|g| (*s, g)))
         .collect();
-    let triples = candidate_triples(mesh, cluster, opts)?;
+    let mut triples = candidate_triples(mesh, cluster, opts)?;
+    if opts.muon_canzona && !opts.muon.is_empty() {
+        triples.retain(|(_, _, og)| mesh.size_of(og) > 1);
+        if triples.is_empty() {
+            return Err(ShardPlanError::Options(format!(
+                "--muon-placement canzona gives each Muon matrix one owner among the optimizer \
+                 group's ranks, but strategy {} on mesh {mesh} has no candidate whose optimizer \
+                 group has several ranks; use asynchzp or zero1/2/3 on several ranks, or \
+                 --muon-placement replicated",
+                opts.strategy.name()
+            )));
+        }
+    }
     let prof = profile(fwd, cluster, opts)?;
     let ctx = Ctx {
         mesh,

@@ -8,6 +8,7 @@
 //! output, and one [`Update`] per parameter and state.
 
 pub mod autodiff;
+pub mod canzona;
 pub mod muon;
 pub mod simplify;
 pub mod ties;
@@ -566,7 +567,16 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     let m = cfg.micro_batches.max(1);
     let specialized = fwd.specialized.clone();
     let muon_matrices = match &cfg.optimizer {
-        Some(Optimizer::Muon { .. }) => Some(muon_parameters(fwd)?),
+        Some(Optimizer::Muon { muon, .. }) => {
+            if muon.placement == crate::train::muon::MuonPlacement::Canzona {
+                return Err(terr(
+                    "--muon-placement canzona gives each Muon matrix one owner among several \
+                     optimizer ranks; a one-rank step has one: use --muon-placement replicated \
+                     (the default) or a multi-rank plan",
+                ));
+            }
+            Some(muon_parameters(fwd)?)
+        }
         _ => None,
     };
     let fwd = lower_precision(fwd, cfg.compute)?;
@@ -823,6 +833,9 @@ pub fn with_lr(p: &Program, batch: &[(String, Tensor)], lr: f64) -> Vec<(String,
 /// the step program's input [`LR_INPUT`] (added here). Returns, per parameter, the states
 /// the optimizer keeps for it (AdamW's moments, SGD's momentum buffer): shaped like the
 /// parameter and cut the same way (see `ParamLayout::states`).
+/// The role unit of a Canzona bucket's nodes (what `hzp inspect` looks for).
+pub const CANZONA_UNIT: &str = "canzona";
+
 pub(crate) fn optimizer(
     e: &mut Emitter,
     opt: &Optimizer,
@@ -897,13 +910,29 @@ pub(crate) fn optimizer(
                 holding,
                 lr: mlr,
             };
+            let canzona = match holding {
+                Holding::Canzona {
+                    group,
+                    size,
+                    partition,
+                } => Some((group, *size, partition)),
+                _ => None,
+            };
+            // Canzona: each matrix's (master shard, Nesterov update shard) by name
+            let mut pending: BTreeMap<String, (ValueId, ValueId)> = BTreeMap::new();
             for (&w, &g) in params.iter().zip(grads) {
                 match is_matrix(w, e).cloned() {
                     Some(m) => {
                         let wname = e.p.value(w).name.clone();
                         e.enter(format!("step/muon/{wname}"), Role::of(RoleKind::Optimizer));
                         let g = to_f32(e, g)?;
-                        let buf = crate::train::muon::muon_step(e, &run, &m, (w, g), updates)?;
+                        let buf = if canzona.is_some() {
+                            let (buf, u) = crate::train::muon::momentum(e, &run, (w, g), updates)?;
+                            pending.insert(wname, (w, u));
+                            buf
+                        } else {
+                            crate::train::muon::muon_step(e, &run, &m, (w, g), updates)?
+                        };
                         states.push(vec![buf]);
                     }
                     None => states.push(
@@ -911,6 +940,23 @@ pub(crate) fn optimizer(
                             .next()
                             .ok_or("internal: AdamW states of a parameter missing")?,
                     ),
+                }
+            }
+            if let Some((group, size, partition)) = canzona {
+                for (k, bucket) in partition.buckets.iter().enumerate() {
+                    e.enter(
+                        format!("step/muon/canzona.{k}.{}x{}", bucket.rows, bucket.cols),
+                        Role::new(RoleKind::Optimizer, CANZONA_UNIT),
+                    );
+                    crate::train::muon::canzona_bucket(
+                        e,
+                        &run,
+                        (group, size),
+                        bucket,
+                        matrices,
+                        &pending,
+                        updates,
+                    )?;
                 }
             }
         }

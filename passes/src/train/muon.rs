@@ -81,6 +81,37 @@ pub struct MuonSettings {
     /// need round-off not to be amplified (bf16 rounding makes the iteration sensitive to
     /// the last bits of the gradient: see tests/run_e2e.rs).
     pub ns_bf16: bool,
+    /// Where the Newton-Schulz work runs in a multi-rank plan.
+    pub placement: MuonPlacement,
+}
+
+/// Where a multi-rank plan orthogonalizes each matrix (`--muon-placement`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MuonPlacement {
+    /// Every member of the optimizer group orthogonalizes every whole matrix and keeps its
+    /// shard.
+    Replicated,
+    /// One owner per matrix (see [`crate::train::canzona`]).
+    Canzona,
+}
+
+impl MuonPlacement {
+    pub fn parse(s: &str) -> Result<MuonPlacement, String> {
+        match s {
+            "replicated" => Ok(MuonPlacement::Replicated),
+            "canzona" => Ok(MuonPlacement::Canzona),
+            other => Err(format!(
+                "unknown Muon placement `{other}` (expected replicated or canzona)"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MuonPlacement::Replicated => "replicated",
+            MuonPlacement::Canzona => "canzona",
+        }
+    }
 }
 
 impl MuonSettings {
@@ -96,6 +127,7 @@ impl MuonSettings {
             coefficients: [3.4445, -4.7750, 2.0315],
             eps: 1e-7,
             ns_bf16: true,
+            placement: MuonPlacement::Replicated,
         }
     }
 }
@@ -260,6 +292,13 @@ pub(crate) enum Holding {
         size: usize,
         member: Option<ValueId>,
     },
+    /// Flat shards over `group` of `size > 1` ranks, each matrix orthogonalized by its owner
+    /// in `partition` ([`canzona_bucket`]).
+    Canzona {
+        group: Group,
+        size: usize,
+        partition: crate::train::canzona::Partition,
+    },
 }
 
 /// What every matrix's step shares: the settings, how parameters are held, and the Muon
@@ -287,12 +326,19 @@ fn bf16_round(x: f32) -> f32 {
     f32::from_bits(r & 0xffff_0000)
 }
 
+/// The transpose of the last two axes of a matrix or a batch of matrices.
 fn transpose(e: &mut Emitter, v: ValueId) -> Result<ValueId, String> {
-    e.op(Op::Transpose { perm: vec![1, 0] }, &[v])
+    let perm = if e.shape(v).len() == 3 {
+        vec![0, 2, 1]
+    } else {
+        vec![1, 0]
+    };
+    e.op(Op::Transpose { perm }, &[v])
 }
 
-/// torch's `_zeropower_via_newtonschulz` of the f32 matrix `u`: the result is f32 holding
-/// bf16 values.
+/// torch's `_zeropower_via_newtonschulz` of the f32 matrix `u` (`[rows, cols]`), or of each
+/// matrix of a batch `[k, rows, cols]` (each normalized by its own norm): the result is f32
+/// holding bf16 values.
 pub(crate) fn orthogonalize(
     e: &mut Emitter,
     u: ValueId,
@@ -300,7 +346,9 @@ pub(crate) fn orthogonalize(
 ) -> Result<ValueId, String> {
     let f = DType::F32;
     let shape = e.shape(u);
-    let tall = shape[0] > shape[1];
+    let batched = shape.len() == 3;
+    let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+    let tall = rows > cols;
     let round_bf16 = |e: &mut Emitter, v: ValueId| {
         if s.ns_bf16 {
             round_bf16(e, v)
@@ -316,8 +364,8 @@ pub(crate) fn orthogonalize(
     let sum = e.op(
         Op::Reduce {
             op: ReduceOp::Sum,
-            axes: vec![0, 1],
-            keep_dims: false,
+            axes: if batched { vec![1, 2] } else { vec![0, 1] },
+            keep_dims: batched,
         },
         &[sq],
     )?;
@@ -357,18 +405,15 @@ pub(crate) fn orthogonalize(
     Ok(x)
 }
 
-/// One Muon step of parameter `w` (whole `[rows, cols]`, or this rank's flat shard) with
-/// gradient `g` (same shape, f32) at Muon learning rate `lr` (an f32 scalar value). Pushes
-/// the updates of `w` and its momentum buffer; returns the buffer (a state shaped like
-/// `w`).
-pub(crate) fn muon_step(
+/// Muon's momentum of parameter `w` with gradient `g` (f32, shaped like `w`): pushes the
+/// buffer's update; returns the buffer (a state shaped like `w`) and the Nesterov update.
+pub(crate) fn momentum(
     e: &mut Emitter,
     run: &MuonRun,
-    m: &MuonMatrix,
     (w, g): (ValueId, ValueId),
     updates: &mut Vec<Update>,
-) -> Result<ValueId, String> {
-    let (s, holding, lr) = (run.settings, run.holding, run.lr);
+) -> Result<(ValueId, ValueId), String> {
+    let s = run.settings;
     let f = DType::F32;
     let wname = e.p.value(w).name.clone();
     let ty = e.ty(w).clone();
@@ -389,6 +434,24 @@ pub(crate) fn muon_step(
     let d = bin(e, BinaryOp::Sub, nb, g)?;
     let t = bin(e, BinaryOp::Mul, d, w2)?;
     let u = bin(e, BinaryOp::Sub, nb, t)?;
+    Ok((buf, u))
+}
+
+/// One Muon step of parameter `w` (whole `[rows, cols]`, or this rank's flat shard) with
+/// gradient `g` (same shape, f32) at Muon learning rate `lr` (an f32 scalar value). Pushes
+/// the updates of `w` and its momentum buffer; returns the buffer (a state shaped like
+/// `w`). Not for [`Holding::Canzona`] (see [`canzona_bucket`]).
+pub(crate) fn muon_step(
+    e: &mut Emitter,
+    run: &MuonRun,
+    m: &MuonMatrix,
+    (w, g): (ValueId, ValueId),
+    updates: &mut Vec<Update>,
+) -> Result<ValueId, String> {
+    let (buf, u) = momentum(e, run, (w, g), updates)?;
+    let (s, holding) = (run.settings, run.holding);
+    let ty = e.ty(w).clone();
+    let f = DType::F32;
     // the whole matrix
     let numel = m.rows * m.cols;
     let full = match holding {
@@ -422,6 +485,9 @@ pub(crate) fn muon_step(
                 &[v],
             )?
         }
+        Holding::Canzona { .. } => {
+            return Err("internal: a Canzona matrix stepped on its own".into());
+        }
     };
     let o = orthogonalize(e, full, s)?;
     // back to the holding's form
@@ -451,7 +517,198 @@ pub(crate) fn muon_step(
             }
             v
         }
+        Holding::Canzona { .. } => {
+            return Err("internal: a Canzona matrix stepped on its own".into());
+        }
     };
+    apply(e, run, m, w, o, updates)?;
+    Ok(buf)
+}
+
+/// The Newton-Schulz of one Canzona bucket and the update of its matrices. `steps` holds,
+/// per matrix name, its master shard `w` (flat, `[per]`) and its Nesterov update shard `u`.
+/// The shards of every matrix go to its owner with one all-to-all over the optimizer group
+/// (row `r * slots + t` of what a rank sends is its shard of the matrix rank `r` owns in
+/// slot `t`, zeros for padding); each rank stacks its slots' whole matrices, orthogonalizes
+/// them as one batch, and a second all-to-all returns each result's shards; every rank then
+/// applies its shard of every matrix of the bucket. No rank-dependent op: a rank's slots
+/// are whatever the others send it.
+pub(crate) fn canzona_bucket(
+    e: &mut Emitter,
+    run: &MuonRun,
+    (group, size): (&Group, usize),
+    bucket: &crate::train::canzona::Bucket,
+    matrices: &BTreeMap<String, MuonMatrix>,
+    steps: &BTreeMap<String, (ValueId, ValueId)>,
+    updates: &mut Vec<Update>,
+) -> Result<(), String> {
+    let f = DType::F32;
+    let (o, slots) = (size, bucket.slots);
+    let numel = bucket.rows * bucket.cols;
+    let get = |name: &str| {
+        steps
+            .get(name)
+            .copied()
+            .ok_or_else(|| format!("internal: Canzona matrix `{name}` has no step"))
+    };
+    let first = bucket
+        .grid
+        .iter()
+        .flatten()
+        .flatten()
+        .next()
+        .ok_or("internal: an empty Canzona bucket")?;
+    let per = e.shape(get(first)?.0)[0];
+    if per * o < numel {
+        return Err(format!(
+            "internal: Canzona shard of `{first}` ({per} x {o}) smaller than {numel}"
+        ));
+    }
+    let mut zero = None;
+    let mut rows = Vec::with_capacity(o * slots);
+    for row in &bucket.grid {
+        for m in row {
+            let v = match m {
+                Some(name) => {
+                    let (w, u) = get(name)?;
+                    if e.shape(w) != [per] {
+                        return Err(format!(
+                            "internal: Canzona shards of one bucket differ (`{name}`)"
+                        ));
+                    }
+                    u
+                }
+                None => match zero {
+                    Some(z) => z,
+                    None => {
+                        let z = e.zeros(&TensorType::new(f, vec![per]))?;
+                        zero = Some(z);
+                        z
+                    }
+                },
+            };
+            rows.push(e.op(
+                Op::Reshape {
+                    shape: vec![1, per],
+                },
+                &[v],
+            )?);
+        }
+    }
+    let send = e.op(Op::Concat { axis: 0 }, &rows)?;
+    let a2a = |e: &mut Emitter, v: ValueId| {
+        e.op(
+            Op::AllToAll {
+                group: group.clone(),
+                split_axis: 0,
+                concat_axis: 0,
+            },
+            &[v],
+        )
+    };
+    // row q * slots + t: member q's shard of this rank's slot t
+    let got = a2a(e, send)?;
+    let v = e.op(
+        Op::Reshape {
+            shape: vec![o, slots, per],
+        },
+        &[got],
+    )?;
+    let v = e.op(
+        Op::Transpose {
+            perm: vec![1, 0, 2],
+        },
+        &[v],
+    )?;
+    let mut v = e.op(
+        Op::Reshape {
+            shape: vec![slots, o * per],
+        },
+        &[v],
+    )?;
+    if o * per > numel {
+        v = e.op(
+            Op::Slice {
+                axes: vec![1],
+                starts: vec![0],
+                ends: vec![numel as i64],
+                steps: vec![1],
+            },
+            &[v],
+        )?;
+    }
+    let whole = e.op(
+        Op::Reshape {
+            shape: vec![slots, bucket.rows, bucket.cols],
+        },
+        &[v],
+    )?;
+    let ortho = orthogonalize(e, whole, run.settings)?;
+    let mut v = e.op(
+        Op::Reshape {
+            shape: vec![slots, numel],
+        },
+        &[ortho],
+    )?;
+    if o * per > numel {
+        let z = e.zeros(&TensorType::new(f, vec![slots, o * per - numel]))?;
+        v = e.op(Op::Concat { axis: 1 }, &[v, z])?;
+    }
+    let v = e.op(
+        Op::Reshape {
+            shape: vec![slots, o, per],
+        },
+        &[v],
+    )?;
+    let v = e.op(
+        Op::Transpose {
+            perm: vec![1, 0, 2],
+        },
+        &[v],
+    )?;
+    let v = e.op(
+        Op::Reshape {
+            shape: vec![o * slots, per],
+        },
+        &[v],
+    )?;
+    // row q * slots + t: this rank's shard of the matrix member q owns in slot t
+    let back = a2a(e, v)?;
+    for (q, row) in bucket.grid.iter().enumerate() {
+        for (t, m) in row.iter().enumerate() {
+            let Some(name) = m else { continue };
+            let (w, _) = get(name)?;
+            let k = (q * slots + t) as i64;
+            let mine = e.op(
+                Op::Slice {
+                    axes: vec![0],
+                    starts: vec![k],
+                    ends: vec![k + 1],
+                    steps: vec![1],
+                },
+                &[back],
+            )?;
+            let mine = e.op(Op::Reshape { shape: vec![per] }, &[mine])?;
+            let mm = matrices
+                .get(name)
+                .ok_or_else(|| format!("internal: `{name}` is no Muon matrix"))?;
+            apply(e, run, mm, w, mine, updates)?;
+        }
+    }
+    Ok(())
+}
+
+/// `W (1 - lr wd) - adjusted_lr O` for the orthogonalized update `o` (shaped like `w`).
+fn apply(
+    e: &mut Emitter,
+    run: &MuonRun,
+    m: &MuonMatrix,
+    w: ValueId,
+    o: ValueId,
+    updates: &mut Vec<Update>,
+) -> Result<(), String> {
+    let (s, lr) = (run.settings, run.lr);
+    let f = DType::F32;
     // W (1 - lr wd) - adjusted_lr O
     let wd = e.scalar(s.weight_decay, f);
     let one = e.scalar(1.0, f);
@@ -466,7 +723,7 @@ pub(crate) fn muon_step(
         target: w,
         value: nw,
     });
-    Ok(buf)
+    Ok(())
 }
 
 #[cfg(test)]
