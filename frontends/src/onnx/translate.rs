@@ -5,8 +5,8 @@ use super::error::{graph_err, node_err, FResult, Fail, ImportErrorKind};
 use super::graph::{classify_params, node_label, Def, GraphInfo, Signature};
 use super::ops;
 use super::proto::{
-    data_type as dt, tensor_shape_proto::dimension, type_proto, AttributeProto, ModelProto,
-    NodeProto, ValueInfoProto,
+    data_type as dt, tensor_shape_proto::dimension, type_proto, AttributeProto, GraphProto,
+    ModelProto, NodeProto, ValueInfoProto,
 };
 use super::tensor::{decode_tensor, dtype_of};
 use super::ImportOptions;
@@ -704,43 +704,7 @@ fn bind_inputs(
         let Some(b) = opts.shapes.get(*name) else {
             continue;
         };
-        if let Some(dims) = dims {
-            if dims.len() != b.len() {
-                return Err(shape_err(format!(
-                    "the shape given for input `{name}` ({}) has rank {}, but the model declares \
-                     `{name}` with rank {} {}",
-                    fmt_shape(b),
-                    b.len(),
-                    dims.len(),
-                    fmt_dims(dims)
-                )));
-            }
-            for (k, (d, &x)) in dims.iter().zip(b).enumerate() {
-                match d {
-                    Dim::Fixed(n) if *n != x => {
-                        return Err(shape_err(format!(
-                            "the shape given for input `{name}` ({}) has {x} in dim {k}, but the \
-                             model fixes that dim to {n} (declared {})",
-                            fmt_shape(b),
-                            fmt_dims(dims)
-                        )))
-                    }
-                    Dim::Sym(s) => match symbols.get(s) {
-                        Some((prev, from)) if *prev != x => {
-                            return Err(shape_err(format!(
-                                "symbolic dim `{s}` is {prev} in the shape given for input \
-                                 `{from}` but {x} in the one given for `{name}`"
-                            )))
-                        }
-                        Some(_) => {}
-                        None => {
-                            symbols.insert(s.clone(), (x, name.to_string()));
-                        }
-                    },
-                    _ => {}
-                }
-            }
-        }
+        check_binding(name, dims.as_deref(), b, &mut symbols)?;
         if !size_ok(b) {
             return Err(shape_err(format!(
                 "the shape given for input `{name}` ({}) has too many elements",
@@ -773,66 +737,7 @@ fn bind_inputs(
         }
     }
     if !missing.is_empty() {
-        let example = decls
-            .iter()
-            .zip(&shapes)
-            .find(|(_, s)| s.is_none())
-            .map(|((n, _, d), _)| {
-                let ex: Vec<String> = match d {
-                    Some(d) => d
-                        .iter()
-                        .enumerate()
-                        .map(|(k, d)| match d {
-                            Dim::Fixed(x) => x.to_string(),
-                            _ if k == 0 => "2".to_string(),
-                            _ => "16".to_string(),
-                        })
-                        .collect(),
-                    None => vec!["2".into(), "16".into()],
-                };
-                format!("{n}={}", ex.join("x"))
-            })
-            .unwrap_or_default();
-        let unknown: Vec<&str> = opts
-            .shapes
-            .keys()
-            .filter(|k| !decls.iter().any(|(n, _, _)| n == k))
-            .map(|k| k.as_str())
-            .collect();
-        let hint = if unknown.is_empty() {
-            String::new()
-        } else {
-            format!(
-                " (shapes were given for {}, which {} not a graph input; the inputs are {})",
-                {
-                    // name a few; an inputs file for another model can hold hundreds
-                    let mut shown: Vec<String> =
-                        unknown.iter().take(6).map(|u| format!("`{u}`")).collect();
-                    if unknown.len() > 6 {
-                        shown.push(format!("and {} more", unknown.len() - 6));
-                    }
-                    shown.join(", ")
-                },
-                if unknown.len() == 1 { "is" } else { "are" },
-                decls
-                    .iter()
-                    .map(|(n, _, _)| format!("`{n}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        };
-        return Err(shape_err(format!(
-            "hzp needs static shapes, and {} with symbolic dims {} no shape: {}. Pass one \
-             `--shape NAME=AxB` per input (e.g. `--shape {example}`), or `--inputs FILE.npz` with \
-             example inputs{hint}",
-            if missing.len() == 1 {
-                "this input"
-            } else {
-                "these inputs"
-            },
-            if missing.len() == 1 { "has" } else { "have" },
-            missing.join(", ")
-        )));
+        return Err(missing_shapes(&decls, &shapes, &missing, opts));
     }
     let tys = decls
         .iter()
@@ -840,6 +745,127 @@ fn bind_inputs(
         .map(|((_, d, _), s)| TensorType::new(*d, s.unwrap_or_default()))
         .collect();
     Ok((tys, symbols.into_iter().map(|(k, (v, _))| (k, v)).collect()))
+}
+
+/// A `--shape` binding `b` of input `name` against its declared `dims`: the same rank,
+/// fixed dims kept, each symbolic dim one size across the bindings (recorded in `symbols`
+/// with the input that gave it).
+fn check_binding(
+    name: &str,
+    dims: Option<&[Dim]>,
+    b: &[usize],
+    symbols: &mut BTreeMap<String, (usize, String)>,
+) -> FResult<()> {
+    let shape_err = |m: String| Fail::new(ImportErrorKind::Shapes, m);
+    if let Some(dims) = dims {
+        if dims.len() != b.len() {
+            return Err(shape_err(format!(
+                "the shape given for input `{name}` ({}) has rank {}, but the model declares \
+                 `{name}` with rank {} {}",
+                fmt_shape(b),
+                b.len(),
+                dims.len(),
+                fmt_dims(dims)
+            )));
+        }
+        for (k, (d, &x)) in dims.iter().zip(b).enumerate() {
+            match d {
+                Dim::Fixed(n) if *n != x => {
+                    return Err(shape_err(format!(
+                        "the shape given for input `{name}` ({}) has {x} in dim {k}, but the \
+                         model fixes that dim to {n} (declared {})",
+                        fmt_shape(b),
+                        fmt_dims(dims)
+                    )))
+                }
+                Dim::Sym(s) => match symbols.get(s) {
+                    Some((prev, from)) if *prev != x => {
+                        return Err(shape_err(format!(
+                            "symbolic dim `{s}` is {prev} in the shape given for input \
+                             `{from}` but {x} in the one given for `{name}`"
+                        )))
+                    }
+                    Some(_) => {}
+                    None => {
+                        symbols.insert(s.clone(), (x, name.to_string()));
+                    }
+                },
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The error for inputs whose shapes are not known (`missing`, described), with an example
+/// `--shape` and the names given that are not inputs.
+fn missing_shapes(
+    decls: &[(&str, DType, Option<Vec<Dim>>)],
+    shapes: &[Option<Vec<usize>>],
+    missing: &[String],
+    opts: &ImportOptions,
+) -> Fail {
+    let shape_err = |m: String| Fail::new(ImportErrorKind::Shapes, m);
+    let example = decls
+        .iter()
+        .zip(shapes)
+        .find(|(_, s)| s.is_none())
+        .map(|((n, _, d), _)| {
+            let ex: Vec<String> = match d {
+                Some(d) => d
+                    .iter()
+                    .enumerate()
+                    .map(|(k, d)| match d {
+                        Dim::Fixed(x) => x.to_string(),
+                        _ if k == 0 => "2".to_string(),
+                        _ => "16".to_string(),
+                    })
+                    .collect(),
+                None => vec!["2".into(), "16".into()],
+            };
+            format!("{n}={}", ex.join("x"))
+        })
+        .unwrap_or_default();
+    let unknown: Vec<&str> = opts
+        .shapes
+        .keys()
+        .filter(|k| !decls.iter().any(|(n, _, _)| n == k))
+        .map(|k| k.as_str())
+        .collect();
+    let hint = if unknown.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " (shapes were given for {}, which {} not a graph input; the inputs are {})",
+            {
+                // name a few; an inputs file for another model can hold hundreds
+                let mut shown: Vec<String> =
+                    unknown.iter().take(6).map(|u| format!("`{u}`")).collect();
+                if unknown.len() > 6 {
+                    shown.push(format!("and {} more", unknown.len() - 6));
+                }
+                shown.join(", ")
+            },
+            if unknown.len() == 1 { "is" } else { "are" },
+            decls
+                .iter()
+                .map(|(n, _, _)| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    shape_err(format!(
+        "hzp needs static shapes, and {} with symbolic dims {} no shape: {}. Pass one \
+         `--shape NAME=AxB` per input (e.g. `--shape {example}`), or `--inputs FILE.npz` with \
+         example inputs{hint}",
+        if missing.len() == 1 {
+            "this input"
+        } else {
+            "these inputs"
+        },
+        if missing.len() == 1 { "has" } else { "have" },
+        missing.join(", ")
+    ))
 }
 
 fn fmt_shape(s: &[usize]) -> String {
@@ -994,55 +1020,17 @@ fn import_specialized(
     opts: &ImportOptions,
     on: &BTreeMap<String, Tensor>,
 ) -> FResult<Program> {
-    let decode = |m: String| Fail::new(ImportErrorKind::Decode, m);
-    if bytes.is_empty() {
-        return Err(decode(
-            "the file is empty (0 bytes), not an ONNX model".into(),
-        ));
-    }
-    let model = ModelProto::decode(bytes).map_err(|e| {
-        decode(format!(
-            "the file is not a valid ONNX model: protobuf decoding failed ({e}); is it truncated \
-             or another kind of file?"
-        ))
-    })?;
-    let g = model.graph.as_ref().ok_or_else(|| {
-        decode("the file decodes as protobuf but holds no ONNX graph; is it an ONNX model?".into())
-    })?;
+    let model = decode_model(bytes)?;
+    let g = model
+        .graph
+        .as_ref()
+        .ok_or_else(|| Fail::new(ImportErrorKind::Decode, "the model holds no graph"))?;
     check_opsets(&model)?;
     let info = GraphInfo::new(g)?;
     check_supported(&info, &model)?;
     let sig = signature(&model);
     let is_param = classify_params(&info, &sig);
-    // `--bind` values of inputs without a shape binding give their shapes.
-    // (the shapes only: `values` may hold large arrays)
-    let mut bound = ImportOptions {
-        shapes: opts.shapes.clone(),
-        ..Default::default()
-    };
-    for (name, nums) in &opts.bind {
-        if !info.inputs.iter().any(|v| v.name == *name) {
-            return Err(Fail::new(
-                ImportErrorKind::Shapes,
-                format!(
-                    "--bind gives a value for `{name}`, which is not a graph input (the inputs \
-                     are {})",
-                    info.inputs
-                        .iter()
-                        .map(|v| format!("`{}`", v.name))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            ));
-        }
-        if let Some(v) = info.inputs.iter().find(|v| v.name == *name) {
-            if !bound.shapes.contains_key(name) {
-                let (_, dims) = declared(v, "graph input")?;
-                let shape = bind_shape(opts, name, dims.as_deref(), nums.len())?;
-                bound.shapes.insert(name.clone(), shape);
-            }
-        }
-    }
+    let bound = bound_shapes(&info, opts)?;
     let (input_tys, symbols) = bind_inputs(&info, &bound)?;
     let given: std::collections::BTreeSet<String> = opts
         .values
@@ -1051,23 +1039,7 @@ fn import_specialized(
         .cloned()
         .collect();
 
-    let mut names = NameSet::default();
-    for v in &info.inputs {
-        names.insert(&v.name);
-    }
-    for t in &g.initializer {
-        names.insert(&t.name);
-    }
-    for n in &g.node {
-        for o in &n.output {
-            if !o.is_empty() {
-                names.insert(o);
-            }
-        }
-    }
-    for o in &g.output {
-        names.insert(&o.name);
-    }
+    let names = graph_names(g, &info);
     let mut cx = Ctx {
         prog: Program::new(name),
         names,
@@ -1112,6 +1084,105 @@ fn import_specialized(
         cx.env.insert(t.name.clone(), Slot::Val(id));
     }
 
+    translate_nodes(&mut cx, g, &info)?;
+
+    let outputs = graph_outputs(&mut cx, g, &symbols)?;
+    let mut prog = cx.prog;
+    prog.outputs = outputs;
+    prog.eliminate_dead_code();
+    hzp_ir::verify(&prog).map_err(|e| {
+        Fail::new(
+            ImportErrorKind::Verify,
+            format!(
+                "internal error: the imported program does not verify ({e}); please report this \
+                 with the model"
+            ),
+        )
+    })?;
+    Ok(prog)
+}
+
+/// The model in `bytes`, with a graph; errors say what the bytes are instead.
+fn decode_model(bytes: &[u8]) -> FResult<ModelProto> {
+    let decode = |m: String| Fail::new(ImportErrorKind::Decode, m);
+    if bytes.is_empty() {
+        return Err(decode(
+            "the file is empty (0 bytes), not an ONNX model".into(),
+        ));
+    }
+    let model = ModelProto::decode(bytes).map_err(|e| {
+        decode(format!(
+            "the file is not a valid ONNX model: protobuf decoding failed ({e}); is it truncated \
+             or another kind of file?"
+        ))
+    })?;
+    if model.graph.is_none() {
+        return Err(decode(
+            "the file decodes as protobuf but holds no ONNX graph; is it an ONNX model?".into(),
+        ));
+    }
+    Ok(model)
+}
+
+/// The shape bindings to import with: `--shape`'s, plus the shapes of `--bind` values of
+/// inputs without one (only the shapes: `values` may hold large arrays).
+fn bound_shapes(info: &GraphInfo, opts: &ImportOptions) -> FResult<ImportOptions> {
+    let mut bound = ImportOptions {
+        shapes: opts.shapes.clone(),
+        ..Default::default()
+    };
+    for (name, nums) in &opts.bind {
+        if !info.inputs.iter().any(|v| v.name == *name) {
+            return Err(Fail::new(
+                ImportErrorKind::Shapes,
+                format!(
+                    "--bind gives a value for `{name}`, which is not a graph input (the inputs \
+                     are {})",
+                    info.inputs
+                        .iter()
+                        .map(|v| format!("`{}`", v.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        if let Some(v) = info.inputs.iter().find(|v| v.name == *name) {
+            if !bound.shapes.contains_key(name) {
+                let (_, dims) = declared(v, "graph input")?;
+                let shape = bind_shape(opts, name, dims.as_deref(), nums.len())?;
+                bound.shapes.insert(name.clone(), shape);
+            }
+        }
+    }
+    Ok(bound)
+}
+
+/// Every name the graph already uses (inputs, initializers, node outputs, graph outputs),
+/// so that fresh names never collide with them.
+fn graph_names(g: &GraphProto, info: &GraphInfo) -> NameSet {
+    let mut names = NameSet::default();
+    for v in &info.inputs {
+        names.insert(&v.name);
+    }
+    for t in &g.initializer {
+        names.insert(&t.name);
+    }
+    for n in &g.node {
+        for o in &n.output {
+            if !o.is_empty() {
+                names.insert(o);
+            }
+        }
+    }
+    for o in &g.output {
+        names.insert(&o.name);
+    }
+    names
+}
+
+/// Translates the live nodes in order, binding each ONNX output to its slot; an output
+/// something reads but hzp does not compute is an error.
+fn translate_nodes(cx: &mut Ctx, g: &GraphProto, info: &GraphInfo) -> FResult<()> {
     for ni in info.live_order() {
         let p = &g.node[ni];
         let label = node_label(p);
@@ -1138,7 +1209,7 @@ fn import_specialized(
                 .unwrap_or_else(|| p.op_type.clone())
         };
         let n = NodeCx { p, ir_name, ins };
-        let outs = ops::translate(&mut cx, &n).map_err(prefix)?;
+        let outs = ops::translate(cx, &n).map_err(prefix)?;
         for (k, o) in p.output.iter().enumerate() {
             if o.is_empty() {
                 continue;
@@ -1157,7 +1228,16 @@ fn import_specialized(
             }
         }
     }
+    Ok(())
+}
 
+/// The graph outputs as IR values under their ONNX names (an alias gets an Identity node),
+/// checked against their declared types.
+fn graph_outputs(
+    cx: &mut Ctx,
+    g: &GraphProto,
+    symbols: &BTreeMap<String, usize>,
+) -> FResult<Vec<ValueId>> {
     let mut outputs = Vec::new();
     for o in &g.output {
         let s = cx.lookup(&o.name)?;
@@ -1181,20 +1261,8 @@ fn import_specialized(
                 r[0]
             }
         };
-        check_output(o, cx.prog.ty(id), &symbols)?;
+        check_output(o, cx.prog.ty(id), symbols)?;
         outputs.push(id);
     }
-    let mut prog = cx.prog;
-    prog.outputs = outputs;
-    prog.eliminate_dead_code();
-    hzp_ir::verify(&prog).map_err(|e| {
-        Fail::new(
-            ImportErrorKind::Verify,
-            format!(
-                "internal error: the imported program does not verify ({e}); please report this \
-                 with the model"
-            ),
-        )
-    })?;
-    Ok(prog)
+    Ok(outputs)
 }

@@ -689,8 +689,18 @@ pub fn shard_training_step_rewritten(
     }
     q.eliminate_dead_code();
     // Then the pipeline's stages: streams, rewriting, schedule and events.
+    // Each pipeline stage's program is verified before it is traced or used.
+    let mut stage_done = |stage: &str, q: &Program| -> Result<(), TrainError> {
+        hzp_ir::verify(q).map_err(|e| {
+            err(format!(
+                "the sharded step failed verification after stage `{stage}`: {e}"
+            ))
+        })?;
+        trace(stage, q);
+        Ok(())
+    };
     assign_streams(&mut q);
-    trace(STAGES[0], &q);
+    stage_done(STAGES[0], &q)?;
     let mut rewrite_report = None;
     if let Some(rw) = rewrite {
         let (r, rep) =
@@ -698,14 +708,13 @@ pub fn shard_training_step_rewritten(
                 .map_err(|e| err(format!("collective rewriting: {e}")))?;
         q = r;
         drop_redundant_copies(&mut q);
-        trace(STAGES[1], &q);
+        stage_done(STAGES[1], &q)?;
         rewrite_report = Some(rep.to_string());
     }
     let (order, waits) = prefetch_schedule(&q, &units, sched);
     let order = defer_reduce_consumers(&q, &order, &waits);
     let q = insert_events_with(&q, &order, &waits);
-    hzp_ir::verify(&q).map_err(|e| err(format!("the sharded step failed verification: {e}")))?;
-    trace(STAGES[2], &q);
+    stage_done(STAGES[2], &q)?;
     let mut layouts = decls.layouts;
     for (l, names) in layouts.iter_mut().zip(state_names) {
         l.states = names;

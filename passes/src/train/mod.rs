@@ -829,13 +829,13 @@ pub fn with_lr(p: &Program, batch: &[(String, Tensor)], lr: f64) -> Vec<(String,
     out
 }
 
+/// The role unit of a Canzona bucket's nodes (what `hzp inspect` looks for).
+pub const CANZONA_UNIT: &str = "canzona";
+
 /// The optimizer update of `params` by `grads` (pushed to `updates`). The learning rate is
 /// the step program's input [`LR_INPUT`] (added here). Returns, per parameter, the states
 /// the optimizer keeps for it (AdamW's moments, SGD's momentum buffer): shaped like the
 /// parameter and cut the same way (see `ParamLayout::states`).
-/// The role unit of a Canzona bucket's nodes (what `hzp inspect` looks for).
-pub const CANZONA_UNIT: &str = "canzona";
-
 pub(crate) fn optimizer(
     e: &mut Emitter,
     opt: &Optimizer,
@@ -845,15 +845,13 @@ pub(crate) fn optimizer(
     muon: Option<(&BTreeMap<String, MuonMatrix>, &Holding)>,
 ) -> Result<Vec<Vec<ValueId>>, String> {
     let f = DType::F32;
-    let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
     if e.p.find_value(LR_INPUT).is_some() {
         return Err(format!(
             "the model already has a value named `{LR_INPUT}`, the name of the optimizer's learning-rate input"
         ));
     }
     let lrv = e.p.add_input(LR_INPUT, TensorType::scalar(f));
-    let mut states = Vec::with_capacity(params.len());
-    match opt {
+    let states = match opt {
         &Optimizer::AdamW {
             lr: _,
             beta1,
@@ -869,7 +867,7 @@ pub(crate) fn optimizer(
                 eps,
                 weight_decay,
             };
-            states = adamw(e, &fused, lrv, &pairs, updates)?;
+            adamw(e, &fused, lrv, &pairs, updates)?
         }
         Optimizer::Muon {
             lr,
@@ -881,124 +879,164 @@ pub(crate) fn optimizer(
         } => {
             let (matrices, holding) =
                 muon.ok_or("internal: a Muon step built without its matrices")?;
-            let is_matrix = |w: ValueId, e: &Emitter| matrices.get(&e.p.value(w).name);
-            let pairs: Vec<(ValueId, ValueId)> = params
-                .iter()
-                .copied()
-                .zip(grads.iter().copied())
-                .filter(|&(w, _)| is_matrix(w, e).is_none())
-                .collect();
             let fused = Op::AdamW {
                 beta1: *beta1,
                 beta2: *beta2,
                 eps: *eps,
                 weight_decay: *weight_decay,
             };
-            let mut adamw_states = adamw(e, &fused, lrv, &pairs, updates)?.into_iter();
-            // Muon's rate follows the step's rate input: muon.lr * rate / lr
-            if *lr <= 0.0 {
-                return Err(format!(
-                    "--optimizer muon: Muon's learning rate follows --lr's schedule (muon-lr x \
-                     rate / lr), so --lr must be above 0, not {lr}"
-                ));
-            }
-            e.enter("step/muon", Role::of(RoleKind::Optimizer));
-            let ratio = e.scalar(settings.lr / lr, f);
-            let mlr = b(e, BinaryOp::Mul, lrv, ratio)?;
-            let run = crate::train::muon::MuonRun {
-                settings,
-                holding,
-                lr: mlr,
-            };
-            let canzona = match holding {
-                Holding::Canzona {
-                    group,
-                    size,
-                    partition,
-                } => Some((group, *size, partition)),
-                _ => None,
-            };
-            // Canzona: each matrix's (master shard, Nesterov update shard) by name
-            let mut pending: BTreeMap<String, (ValueId, ValueId)> = BTreeMap::new();
-            for (&w, &g) in params.iter().zip(grads) {
-                match is_matrix(w, e).cloned() {
-                    Some(m) => {
-                        let wname = e.p.value(w).name.clone();
-                        e.enter(format!("step/muon/{wname}"), Role::of(RoleKind::Optimizer));
-                        let g = to_f32(e, g)?;
-                        let buf = if canzona.is_some() {
-                            let (buf, u) = crate::train::muon::momentum(e, &run, (w, g), updates)?;
-                            pending.insert(wname, (w, u));
-                            buf
-                        } else {
-                            crate::train::muon::muon_step(e, &run, &m, (w, g), updates)?
-                        };
-                        states.push(vec![buf]);
-                    }
-                    None => states.push(
-                        adamw_states
-                            .next()
-                            .ok_or("internal: AdamW states of a parameter missing")?,
-                    ),
-                }
-            }
-            if let Some((group, size, partition)) = canzona {
-                for (k, bucket) in partition.buckets.iter().enumerate() {
-                    e.enter(
-                        format!("step/muon/canzona.{k}.{}x{}", bucket.rows, bucket.cols),
-                        Role::new(RoleKind::Optimizer, CANZONA_UNIT),
-                    );
-                    crate::train::muon::canzona_bucket(
-                        e,
-                        &run,
-                        (group, size),
-                        bucket,
-                        matrices,
-                        &pending,
-                        updates,
-                    )?;
-                }
-            }
+            muon_optimizer(
+                e,
+                (*lr, settings, &fused),
+                lrv,
+                (params, grads),
+                (matrices, holding),
+                updates,
+            )?
         }
         &Optimizer::Sgd {
             lr: _,
             momentum,
             weight_decay,
-        } => {
-            let mom = e.scalar(momentum, f);
-            let wdv = e.scalar(weight_decay, f);
-            for (&w, &g) in params.iter().zip(grads) {
+        } => sgd(e, (momentum, weight_decay), lrv, (params, grads), updates)?,
+    };
+    Ok(states)
+}
+
+/// Muon on the matrices (`matrices`, held as `holding` says), the fused AdamW `fused` on
+/// every other parameter; Muon's rate is the step's rate input times `settings.lr / lr`.
+/// Returns each parameter's states.
+#[allow(clippy::type_complexity)]
+fn muon_optimizer(
+    e: &mut Emitter,
+    (lr, settings, fused): (f64, &MuonSettings, &Op),
+    lrv: ValueId,
+    (params, grads): (&[ValueId], &[ValueId]),
+    (matrices, holding): (&BTreeMap<String, MuonMatrix>, &Holding),
+    updates: &mut Vec<Update>,
+) -> Result<Vec<Vec<ValueId>>, String> {
+    let f = DType::F32;
+    let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
+    let mut states = Vec::with_capacity(params.len());
+    let is_matrix = |w: ValueId, e: &Emitter| matrices.get(&e.p.value(w).name);
+    let pairs: Vec<(ValueId, ValueId)> = params
+        .iter()
+        .copied()
+        .zip(grads.iter().copied())
+        .filter(|&(w, _)| is_matrix(w, e).is_none())
+        .collect();
+    let mut adamw_states = adamw(e, fused, lrv, &pairs, updates)?.into_iter();
+    // Muon's rate follows the step's rate input: muon.lr * rate / lr
+    if lr <= 0.0 {
+        return Err(format!(
+            "--optimizer muon: Muon's learning rate follows --lr's schedule (muon-lr x \
+             rate / lr), so --lr must be above 0, not {lr}"
+        ));
+    }
+    e.enter("step/muon", Role::of(RoleKind::Optimizer));
+    let ratio = e.scalar(settings.lr / lr, f);
+    let mlr = b(e, BinaryOp::Mul, lrv, ratio)?;
+    let run = crate::train::muon::MuonRun {
+        settings,
+        holding,
+        lr: mlr,
+    };
+    let canzona = match holding {
+        Holding::Canzona {
+            group,
+            size,
+            partition,
+        } => Some((group, *size, partition)),
+        _ => None,
+    };
+    // Canzona: each matrix's (master shard, Nesterov update shard) by name
+    let mut pending: BTreeMap<String, (ValueId, ValueId)> = BTreeMap::new();
+    for (&w, &g) in params.iter().zip(grads) {
+        match is_matrix(w, e).cloned() {
+            Some(m) => {
                 let wname = e.p.value(w).name.clone();
-                e.enter(format!("step/sgd/{wname}"), Role::of(RoleKind::Optimizer));
-                let mut d = g;
-                let mut kept = Vec::new();
-                if weight_decay != 0.0 {
-                    let t = b(e, BinaryOp::Mul, w, wdv)?;
-                    d = b(e, BinaryOp::Add, d, t)?;
-                }
-                if momentum != 0.0 {
-                    // buf = momentum * buf + d (the first step's buf is d: buf starts at 0)
-                    let ty = e.ty(w).clone();
-                    let bn = e.fresh(&format!("sgd.momentum/{wname}"));
-                    let buf = e.p.add_state(bn, ty, None);
-                    let t = b(e, BinaryOp::Mul, buf, mom)?;
-                    let nb = b(e, BinaryOp::Add, t, d)?;
-                    updates.push(Update {
-                        target: buf,
-                        value: nb,
-                    });
-                    d = nb;
-                    kept.push(buf);
-                }
-                let s = b(e, BinaryOp::Mul, d, lrv)?;
-                let w2 = b(e, BinaryOp::Sub, w, s)?;
-                updates.push(Update {
-                    target: w,
-                    value: w2,
-                });
-                states.push(kept);
+                e.enter(format!("step/muon/{wname}"), Role::of(RoleKind::Optimizer));
+                let g = to_f32(e, g)?;
+                let buf = if canzona.is_some() {
+                    let (buf, u) = crate::train::muon::momentum(e, &run, (w, g), updates)?;
+                    pending.insert(wname, (w, u));
+                    buf
+                } else {
+                    crate::train::muon::muon_step(e, &run, &m, (w, g), updates)?
+                };
+                states.push(vec![buf]);
             }
+            None => states.push(
+                adamw_states
+                    .next()
+                    .ok_or("internal: AdamW states of a parameter missing")?,
+            ),
         }
+    }
+    if let Some((group, size, partition)) = canzona {
+        for (k, bucket) in partition.buckets.iter().enumerate() {
+            e.enter(
+                format!("step/muon/canzona.{k}.{}x{}", bucket.rows, bucket.cols),
+                Role::new(RoleKind::Optimizer, CANZONA_UNIT),
+            );
+            crate::train::muon::canzona_bucket(
+                e,
+                &run,
+                (group, size),
+                bucket,
+                matrices,
+                &pending,
+                updates,
+            )?;
+        }
+    }
+    Ok(states)
+}
+
+/// SGD with `momentum` and `weight_decay` as `torch.optim.SGD`; returns each parameter's
+/// states (its momentum buffer, when there is one).
+fn sgd(
+    e: &mut Emitter,
+    (momentum, weight_decay): (f64, f64),
+    lrv: ValueId,
+    (params, grads): (&[ValueId], &[ValueId]),
+    updates: &mut Vec<Update>,
+) -> Result<Vec<Vec<ValueId>>, String> {
+    let f = DType::F32;
+    let b = |e: &mut Emitter, op: BinaryOp, x: ValueId, y: ValueId| e.op(Op::Binary(op), &[x, y]);
+    let mut states = Vec::with_capacity(params.len());
+    let mom = e.scalar(momentum, f);
+    let wdv = e.scalar(weight_decay, f);
+    for (&w, &g) in params.iter().zip(grads) {
+        let wname = e.p.value(w).name.clone();
+        e.enter(format!("step/sgd/{wname}"), Role::of(RoleKind::Optimizer));
+        let mut d = g;
+        let mut kept = Vec::new();
+        if weight_decay != 0.0 {
+            let t = b(e, BinaryOp::Mul, w, wdv)?;
+            d = b(e, BinaryOp::Add, d, t)?;
+        }
+        if momentum != 0.0 {
+            // buf = momentum * buf + d (the first step's buf is d: buf starts at 0)
+            let ty = e.ty(w).clone();
+            let bn = e.fresh(&format!("sgd.momentum/{wname}"));
+            let buf = e.p.add_state(bn, ty, None);
+            let t = b(e, BinaryOp::Mul, buf, mom)?;
+            let nb = b(e, BinaryOp::Add, t, d)?;
+            updates.push(Update {
+                target: buf,
+                value: nb,
+            });
+            d = nb;
+            kept.push(buf);
+        }
+        let s = b(e, BinaryOp::Mul, d, lrv)?;
+        let w2 = b(e, BinaryOp::Sub, w, s)?;
+        updates.push(Update {
+            target: w,
+            value: w2,
+        });
+        states.push(kept);
     }
     Ok(states)
 }

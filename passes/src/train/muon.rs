@@ -542,7 +542,6 @@ pub(crate) fn canzona_bucket(
     steps: &BTreeMap<String, (ValueId, ValueId)>,
     updates: &mut Vec<Update>,
 ) -> Result<(), String> {
-    let f = DType::F32;
     let (o, slots) = (size, bucket.slots);
     let numel = bucket.rows * bucket.cols;
     let get = |name: &str| {
@@ -564,8 +563,65 @@ pub(crate) fn canzona_bucket(
             "internal: Canzona shard of `{first}` ({per} x {o}) smaller than {numel}"
         ));
     }
+    let rows = slot_rows(e, bucket, &get, per, o * slots)?;
+    let send = e.op(Op::Concat { axis: 0 }, &rows)?;
+    let a2a = |e: &mut Emitter, v: ValueId| {
+        e.op(
+            Op::AllToAll {
+                group: group.clone(),
+                split_axis: 0,
+                concat_axis: 0,
+            },
+            &[v],
+        )
+    };
+    // row q * slots + t: member q's shard of this rank's slot t
+    let got = a2a(e, send)?;
+    let whole = owned_matrices(e, got, (o, slots, per), bucket)?;
+    let ortho = orthogonalize(e, whole, run.settings)?;
+    let v = matrix_shards(e, ortho, (o, slots, per), numel)?;
+    // row q * slots + t: this rank's shard of the matrix member q owns in slot t
+    let back = a2a(e, v)?;
+    for (q, row) in bucket.grid.iter().enumerate() {
+        for (t, m) in row.iter().enumerate() {
+            let Some(name) = m else { continue };
+            let (w, _) = get(name)?;
+            let k = (q * slots + t) as i64;
+            let mine = e.op(
+                Op::Slice {
+                    axes: vec![0],
+                    starts: vec![k],
+                    ends: vec![k + 1],
+                    steps: vec![1],
+                },
+                &[back],
+            )?;
+            let mine = e.op(Op::Reshape { shape: vec![per] }, &[mine])?;
+            let mm = matrices
+                .get(name)
+                .ok_or_else(|| format!("internal: `{name}` is no Muon matrix"))?;
+            apply(e, run, mm, w, mine, updates)?;
+        }
+    }
+    Ok(())
+}
+
+/// A Canzona matrix's (master shard, Nesterov update shard), by name.
+type StepOf<'a> = dyn Fn(&str) -> Result<(ValueId, ValueId), String> + 'a;
+
+/// Each member's shard of every slot of `bucket`, in grid order (member q's slot t at row
+/// q * slots + t), each `[1, per]`: a matrix's Nesterov update shard, or zeros for an empty
+/// slot.
+fn slot_rows(
+    e: &mut Emitter,
+    bucket: &crate::train::canzona::Bucket,
+    get: &StepOf,
+    per: usize,
+    capacity: usize,
+) -> Result<Vec<ValueId>, String> {
+    let f = DType::F32;
     let mut zero = None;
-    let mut rows = Vec::with_capacity(o * slots);
+    let mut rows = Vec::with_capacity(capacity);
     for row in &bucket.grid {
         for m in row {
             let v = match m {
@@ -595,19 +651,18 @@ pub(crate) fn canzona_bucket(
             )?);
         }
     }
-    let send = e.op(Op::Concat { axis: 0 }, &rows)?;
-    let a2a = |e: &mut Emitter, v: ValueId| {
-        e.op(
-            Op::AllToAll {
-                group: group.clone(),
-                split_axis: 0,
-                concat_axis: 0,
-            },
-            &[v],
-        )
-    };
-    // row q * slots + t: member q's shard of this rank's slot t
-    let got = a2a(e, send)?;
+    Ok(rows)
+}
+
+/// The whole matrices of this rank's slots, `[slots, rows, cols]`, from the all-to-all's
+/// `got` (row q * slots + t: member q's shard of slot t, `per` elements each).
+fn owned_matrices(
+    e: &mut Emitter,
+    got: ValueId,
+    (o, slots, per): (usize, usize, usize),
+    bucket: &crate::train::canzona::Bucket,
+) -> Result<ValueId, String> {
+    let numel = bucket.rows * bucket.cols;
     let v = e.op(
         Op::Reshape {
             shape: vec![o, slots, per],
@@ -637,13 +692,23 @@ pub(crate) fn canzona_bucket(
             &[v],
         )?;
     }
-    let whole = e.op(
+    e.op(
         Op::Reshape {
             shape: vec![slots, bucket.rows, bucket.cols],
         },
         &[v],
-    )?;
-    let ortho = orthogonalize(e, whole, run.settings)?;
+    )
+}
+
+/// The orthogonalized matrices `[slots, rows, cols]` cut back into every member's shards,
+/// in the all-to-all's order (row q * slots + t: member q's shard of slot t).
+fn matrix_shards(
+    e: &mut Emitter,
+    ortho: ValueId,
+    (o, slots, per): (usize, usize, usize),
+    numel: usize,
+) -> Result<ValueId, String> {
+    let f = DType::F32;
     let mut v = e.op(
         Op::Reshape {
             shape: vec![slots, numel],
@@ -666,36 +731,12 @@ pub(crate) fn canzona_bucket(
         },
         &[v],
     )?;
-    let v = e.op(
+    e.op(
         Op::Reshape {
             shape: vec![o * slots, per],
         },
         &[v],
-    )?;
-    // row q * slots + t: this rank's shard of the matrix member q owns in slot t
-    let back = a2a(e, v)?;
-    for (q, row) in bucket.grid.iter().enumerate() {
-        for (t, m) in row.iter().enumerate() {
-            let Some(name) = m else { continue };
-            let (w, _) = get(name)?;
-            let k = (q * slots + t) as i64;
-            let mine = e.op(
-                Op::Slice {
-                    axes: vec![0],
-                    starts: vec![k],
-                    ends: vec![k + 1],
-                    steps: vec![1],
-                },
-                &[back],
-            )?;
-            let mine = e.op(Op::Reshape { shape: vec![per] }, &[mine])?;
-            let mm = matrices
-                .get(name)
-                .ok_or_else(|| format!("internal: `{name}` is no Muon matrix"))?;
-            apply(e, run, mm, w, mine, updates)?;
-        }
-    }
-    Ok(())
+    )
 }
 
 /// `W (1 - lr wd) - adjusted_lr O` for the orthogonalized update `o` (shaped like `w`).
