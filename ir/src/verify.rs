@@ -225,7 +225,7 @@ impl Definitions<'_> {
                     ));
                 }
             }
-            check_node_types(p, n, &loc())?;
+            check_node_types(p, n, &loc)?;
         }
         Ok(())
     }
@@ -241,13 +241,16 @@ impl Definitions<'_> {
     }
 }
 
-/// The node's output types are what its op's rule makes of its input types.
-fn check_node_types(p: &Program, n: &Node, loc: &str) -> Result<(), VerifyError> {
+/// The node's output types are what its op's rule makes of its input types (`loc` names the
+/// node, formatted only for an error).
+fn check_node_types(p: &Program, n: &Node, loc: &dyn Fn() -> String) -> Result<(), VerifyError> {
     let tys: Vec<_> = n.inputs.iter().map(|&v| p.ty(v)).collect();
-    let out = n.op.infer(&tys, p.mesh.as_ref()).map_err(|e| err(loc, e))?;
+    let out =
+        n.op.infer(&tys, p.mesh.as_ref())
+            .map_err(|e| err(loc(), e))?;
     if out.len() != n.outputs.len() {
         return Err(err(
-            loc,
+            loc(),
             format!(
                 "has {} outputs, the op makes {}",
                 n.outputs.len(),
@@ -258,7 +261,7 @@ fn check_node_types(p: &Program, n: &Node, loc: &str) -> Result<(), VerifyError>
     for (t, &o) in out.iter().zip(&n.outputs) {
         if *t != p.value(o).ty {
             return Err(err(
-                loc,
+                loc(),
                 format!(
                     "output `{}` is declared {} but the op makes {}",
                     p.value(o).name,
