@@ -126,15 +126,7 @@ impl Backend for CudaOneGpu {
         if !crate::cuda::BUILT {
             return Err("this build has no CUDA backend (build with --features cuda)".into());
         }
-        crate::cuda::probe::probe().require(
-            &[
-                crate::cuda::probe::Lib::Driver,
-                crate::cuda::probe::Lib::Nvrtc,
-                crate::cuda::probe::Lib::Cublas,
-                crate::cuda::probe::Lib::CublasLt,
-            ],
-            "the CUDA backend",
-        )?;
+        crate::cuda::probe::probe().require(&crate::cuda::COMPUTE_LIBS, "the CUDA backend")?;
         crate::cuda::gpu_count().and_then(|n| match n {
             0 => Err("the CUDA driver is installed but sees no GPU".to_string()),
             _ => Ok(()),

@@ -862,20 +862,7 @@ impl Declarations {
                 reduce: gdt,
             });
         }
-        let mut globals = Vec::new();
-        for &i in &micro.inputs {
-            let mut ty = micro.ty(i).clone();
-            if m > 1 {
-                if ty.rank() == 0 {
-                    return Err(err(format!(
-                        "input `{}` is a scalar; it cannot be split into {m} micro-batches",
-                        micro.value(i).name
-                    )));
-                }
-                ty.shape[0] *= m;
-            }
-            globals.push((i, q.add_input(micro.value(i).name.clone(), ty)));
-        }
+        let globals = train::declare_batch_inputs(q, micro, m)?;
         let (mut layouts, mut masters, mut shards) = (Vec::new(), Vec::new(), Vec::new());
         let (p, o) = (gr.p, gr.o);
         for prm in &micro.params {

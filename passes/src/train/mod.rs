@@ -693,13 +693,12 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
     Ok(p)
 }
 
-/// The training step's inputs (the micro-batch inputs with axis 0 scaled by `m`; the values
-/// the model was specialized on, which the step checks too) and parameters (in the model's
-/// order); returns (input of `micro`, input of the step) pairs.
-fn declare_step_inputs(
+/// Declares in `p` the inputs of `m` micro-batches of `micro`'s inputs (concatenated on axis
+/// 0, so axis 0 is scaled by `m`); returns (input of `micro`, input of `p`) pairs. A scalar
+/// input cannot be split into several micro-batches.
+pub(crate) fn declare_batch_inputs(
     p: &mut Program,
     micro: &Program,
-    specialized: BTreeMap<String, Tensor>,
     m: usize,
 ) -> Result<Vec<(ValueId, ValueId)>, TrainError> {
     let mut globals = Vec::new();
@@ -716,6 +715,19 @@ fn declare_step_inputs(
         }
         globals.push((i, p.add_input(micro.value(i).name.clone(), ty)));
     }
+    Ok(globals)
+}
+
+/// The training step's inputs (the micro-batch inputs with axis 0 scaled by `m`; the values
+/// the model was specialized on, which the step checks too) and parameters (in the model's
+/// order); returns (input of `micro`, input of the step) pairs.
+fn declare_step_inputs(
+    p: &mut Program,
+    micro: &Program,
+    specialized: BTreeMap<String, Tensor>,
+    m: usize,
+) -> Result<Vec<(ValueId, ValueId)>, TrainError> {
+    let globals = declare_batch_inputs(p, micro, m)?;
     // Inputs the model was specialized on keep their values: the step checks them too.
     for (name, t) in specialized {
         let same = p

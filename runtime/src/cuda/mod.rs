@@ -45,6 +45,14 @@ use std::time::Duration;
 /// Whether this build has the CUDA executor.
 pub const BUILT: bool = cfg!(feature = "cuda");
 
+/// The libraries every CUDA run needs (NCCL too when ranks are in several processes).
+pub const COMPUTE_LIBS: [probe::Lib; 4] = [
+    probe::Lib::Driver,
+    probe::Lib::Nvrtc,
+    probe::Lib::Cublas,
+    probe::Lib::CublasLt,
+];
+
 /// The number of CUDA devices the driver sees (after probing that the driver library
 /// loads). An error says why none can be counted: a build without `cuda`, a missing driver,
 /// or a driver that fails to initialize.
@@ -110,12 +118,7 @@ pub fn run_plan_one_gpu(
     want_params: bool,
     on_step: &mut dyn FnMut(usize, &StepStats),
 ) -> Result<OneGpuResult, ExecError> {
-    let need = [
-        probe::Lib::Driver,
-        probe::Lib::Nvrtc,
-        probe::Lib::Cublas,
-        probe::Lib::CublasLt,
-    ];
+    let need = COMPUTE_LIBS;
     probe::probe()
         .require(&need, "hzp run --backend cuda --ranks-on-one-gpu")
         .map_err(ExecError::Run)?;
@@ -135,12 +138,7 @@ fn one_gpu_built(
     use cudarc::driver::{result as drv, CudaContext};
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
-    let need = [
-        probe::Lib::Driver,
-        probe::Lib::Nvrtc,
-        probe::Lib::Cublas,
-        probe::Lib::CublasLt,
-    ];
+    let need = COMPUTE_LIBS;
     probe::probe().preload(&need).map_err(ExecError::Run)?;
     let world = plan.mesh.world_size();
     // every rank's lowering first: refuse what the backend cannot run before the device
@@ -292,12 +290,7 @@ pub fn run_plan(
     on_step: &mut dyn FnMut(usize, &StepStats),
 ) -> Result<CudaRunResult, ExecError> {
     let world = plan.mesh.world_size();
-    let mut need = vec![
-        probe::Lib::Driver,
-        probe::Lib::Nvrtc,
-        probe::Lib::Cublas,
-        probe::Lib::CublasLt,
-    ];
+    let mut need = COMPUTE_LIBS.to_vec();
     if world > 1 {
         need.push(probe::Lib::Nccl);
     }
