@@ -234,6 +234,15 @@ pub fn request(
             c.prefetch_depth
         ));
     }
+    let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
+    if strategy == Strategy::Acco {
+        // ACCO splits each rank's batch into two halves of --micro-batches each; the plan
+        // holds both halves' micro-batches.
+        cfg.micro_batches = cfg
+            .micro_batches
+            .checked_mul(2)
+            .ok_or_else(|| miette!("--micro-batches {} is too many", cfg.micro_batches))?;
+    }
     // Both factors are bounded (Mesh::MAX_RANKS, MAX_MICRO_BATCHES), so this cannot wrap.
     let divisor = mesh
         .world_size()
@@ -251,7 +260,6 @@ pub fn request(
     crate::commands::apply_freeze_and_ties(&mut fwd, t)?;
     crate::commands::note_muon_split(&fwd, &cfg)?;
     show_stage(&stages, "import", || hzp_ir::text::print(&fwd))?;
-    let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
     let overrides = match &c.shard {
         Some(s) => ShardOverride::parse(s, &mesh).map_err(|e| miette!("--shard: {e}"))?,
         None => ShardOverride::default(),

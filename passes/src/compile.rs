@@ -410,6 +410,17 @@ fn build_step(
         },
     });
     let mut shown: Result<(), String> = Ok(());
+    if opts.strategy == Strategy::Acco {
+        let step = crate::dist::acco::acco_step(fwd, &opts.train, &opts.mesh, sched.grad_dtype)
+            .map_err(|e| CompileError::Other(e.to_string()))?;
+        on(CompileEvent::Stage("schedule", &step.program))?;
+        let mem = {
+            let kinds = |v: ValueId| buffer_kind(&step.program, v);
+            let persistent = memory::default_persistent(&step.program);
+            memory::plan_memory(&step.program, &kinds, &persistent)
+        };
+        return Ok((step, mem));
+    }
     let step = spmd::shard_training_step_rewritten(
         fwd,
         &opts.train,

@@ -5,11 +5,14 @@
 //!   training step, micro-batches, recompute) and the prefetch schedule;
 //! - [`rewrite`]: collective rewriting and bucketing by equality saturation, costed by
 //!   [`crate::cost`];
-//! - [`streams`]: stream assignment and cross-stream events, shared by both.
+//! - [`streams`]: stream assignment and cross-stream events, shared by both;
+//! - [`acco`]: the ACCO step (ZeRO-1 layout, half-batch phases whose reduction and
+//!   optimizer overlap the other half's compute), built beside `spmd` from the same pieces.
 //!
 //! Dependencies run one way: `spmd` -> `rewrite` -> `streams`; the sharding planner
 //! ([`crate::plan::planner`]) calls into `spmd`, never the reverse.
 
+pub mod acco;
 pub mod rewrite;
 pub mod spmd;
 pub mod streams;

@@ -114,19 +114,23 @@ pub enum Strategy {
     Hsdp,
     /// Nothing sharded; gradients all-reduced over the world: (none, none, none).
     Ddp,
+    /// ZeRO-1's layout with ACCO's schedule (`dist::acco`): each half-batch's gradient
+    /// reduction and optimizer step overlap the other half's compute.
+    Acco,
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 6] = [
+    pub const ALL: [Strategy; 7] = [
         Strategy::AsyncHzp,
         Strategy::Zero1,
         Strategy::Zero2,
         Strategy::Zero3,
         Strategy::Hsdp,
         Strategy::Ddp,
+        Strategy::Acco,
     ];
 
-    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`.
+    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`, `acco`.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::AsyncHzp => "asynchzp",
@@ -135,6 +139,7 @@ impl Strategy {
             Strategy::Zero3 => "zero3",
             Strategy::Hsdp => "hsdp",
             Strategy::Ddp => "ddp",
+            Strategy::Acco => "acco",
         }
     }
 
@@ -164,7 +169,7 @@ impl Strategy {
         let (p, g, o) = match self {
             Strategy::AsyncHzp => return None,
             Strategy::Ddp => (none.clone(), none.clone(), none),
-            Strategy::Zero1 => (none.clone(), none, world),
+            Strategy::Zero1 | Strategy::Acco => (none.clone(), none, world),
             Strategy::Zero2 => (none, world.clone(), world),
             Strategy::Zero3 => (world.clone(), world.clone(), world),
             Strategy::Hsdp => {
@@ -1937,8 +1942,10 @@ pub fn plan_sharding(
             }
         }
     }
+    // (ACCO has ZeRO-1's groups; its schedule is not a layout of its own)
     let baselines: Vec<(Strategy, ShardGroups)> = Strategy::ALL
         .iter()
+        .filter(|s| **s != Strategy::Acco)
         .filter_map(|s| s.groups(mesh, cluster).map(|g| (*s, g)))
         .collect();
     let mut triples = candidate_triples(mesh, cluster, opts)?;
