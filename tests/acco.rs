@@ -315,3 +315,33 @@ fn what_is_not_built_is_refused_with_the_reason() {
         assert!(!out.exists());
     }
 }
+
+/// A checkpoint moves between ACCO and another strategy: the committed parameters and
+/// moments carry over, ACCO's own states start again (the next ACCO step primes).
+#[test]
+fn checkpoints_move_between_acco_and_other_plans() {
+    let dir = tempdir("move");
+    let acco = compile(&dir, "gpu=2", 4, "acco", &[]);
+    let zero1 = compile(&dir, "gpu=2", 4, "zero1", &[]);
+    let ck = dir.join("ck");
+    let ck_s = s(&ck).to_string();
+    let every = ["--checkpoint-dir", &ck_s, "--checkpoint-every", "2"];
+    let first = run(&acco, &[&["--stop-at", "4"][..], &every[..]].concat());
+    assert_eq!(first.len(), 4);
+    // ACCO -> zero1: steps 5..8 continue from the committed parameters
+    let moved = run(
+        &zero1,
+        &[&["--resume", "--stop-at", "6"][..], &every[..]].concat(),
+    );
+    assert_eq!(moved.len(), 2);
+    // a fresh zero1 run from step 0 would start at the initial loss, not below it
+    assert!(moved[0] < first[0] - 0.1, "{moved:?} vs {first:?}");
+    // zero1 -> ACCO on another rank count: its first step primes, then it trains on
+    let back = compile(&dir, "node=2,gpu=2", 8, "acco", &[]);
+    let again = run(&back, &[&["--resume"][..], &every[..]].concat());
+    assert_eq!(again.len(), 2);
+    assert!(
+        again.iter().all(|l| l.is_finite() && *l < first[0]),
+        "{again:?}"
+    );
+}

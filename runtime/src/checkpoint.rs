@@ -20,6 +20,9 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// Names of the states an ACCO plan adds (`hzp_passes::dist::acco`).
+const ACCO_PREFIX: &str = "acco.";
+
 /// The manifest's format version.
 pub const FORMAT: u32 = 1;
 /// The manifest's file name.
@@ -494,7 +497,10 @@ impl Checkpoint {
     /// than the writer's) whose persistent values are `want` (name and type per rank, as
     /// the plan declares them; compute shards are named by the layouts): parameters and
     /// optimizer states put back together and cut for it; compute shards cut from the
-    /// parameters in their dtype; other states (the step counter) taken from rank 0.
+    /// parameters in their dtype; other states (the step counter) taken from rank 0. ACCO's
+    /// states (named `acco.*`: half-batch gradients, the estimate, the primed flag) start
+    /// from zero, so an ACCO plan resumed from another plan's checkpoint spends its first
+    /// step priming (no update), and another plan drops them.
     pub fn reshard(
         &self,
         mesh: &Mesh,
@@ -533,7 +539,9 @@ impl Checkpoint {
                     l.name, old.shape, l.shape
                 )));
             }
-            if old.states.len() != l.states.len() {
+            // ACCO's own states (`acco.*`) are not carried to another plan (see below)
+            let kept = |v: &[String]| v.iter().filter(|s| !s.starts_with(ACCO_PREFIX)).count();
+            if kept(&old.states) != kept(&l.states) {
                 return Err(mismatch(format!(
                     "parameter `{}` has optimizer states {:?} in the checkpoint and {:?} in this plan (another optimizer?)",
                     l.name, old.states, l.states
@@ -564,7 +572,11 @@ impl Checkpoint {
         for (r, names) in want.iter().enumerate() {
             let mut vals = Vec::with_capacity(names.len());
             for (name, ty) in names {
-                let t = if let Some(l) = sharded_like.get(name.as_str()) {
+                let t = if name.starts_with(ACCO_PREFIX) {
+                    // the half-batch gradients and estimate belong to the writer's ranks and
+                    // batch halves: the run primes again (its next step commits no update)
+                    Tensor::zeros(ty)
+                } else if let Some(l) = sharded_like.get(name.as_str()) {
                     let f = full
                         .get(name.as_str())
                         .ok_or_else(|| mismatch(format!("the checkpoint has no `{name}`")))?;
