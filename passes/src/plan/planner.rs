@@ -1321,13 +1321,16 @@ impl Sizes {
 fn candidate_memory(ctx: &Ctx, z: &Sizes) -> MemoryBreakdown {
     let (opts, prof) = (ctx.opts, ctx.prof);
     let (c, r, psi, o64) = (z.c, z.r, z.psi, z.o as u64);
-    let params = c * psi / z.p as u64;
+    // ACCO keeps a whole estimate of the parameters, a second whole gradient (one half's
+    // while the other's accumulates) and the reduced half-gradient on the O-shard
+    let acco = opts.strategy == Strategy::Acco;
+    let params = c * psi / z.p as u64 + if acco { c * psi } else { 0 };
     let master = 4 * psi / o64;
     let grads = if z.sharded_grads {
         r * (psi - z.narrow_pad) / z.g as u64 + r * z.narrow_pad / z.n_size as u64
     } else {
         r * psi
-    };
+    } + if acco { r * psi + 4 * psi / o64 } else { 0 };
     // Muon's matrices keep one momentum (4 bytes), every other parameter AdamW's two
     let optim_states = 8 * (psi - z.muon_numel) / o64 + 4 * z.muon_numel / o64;
     let activations = if opts.schedule.recompute {
