@@ -5,7 +5,7 @@
 # path at world size 1. Made from ../shared/device/gpu_check.sh; payload in .device/ (made
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
-# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1|attn (all by default; gpt2s alone takes the longest;
+# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1|acco|attn (all by default; gpt2s alone takes the longest;
 # attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend),
 # MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
 # Every run has its own timeout and the script goes on after a failure; `RESULT` lines are the
@@ -124,6 +124,22 @@ if [ $PART = all ] || [ $PART = nccl1 ]; then
   el "== two processes on one GPU through hzp launch (NCCL refuses two ranks on one device: expect a clear error naming --ranks-on-one-gpu)"
   $H compile --no-fuse-attention $M/llama_tiny.legacy.op17.onnx --inputs $W/llama_tiny.io4.npz --loss lm --mesh gpu=2 --strategy zero3 -o $W/l2.json >/dev/null 2>&1
   timeout 60 $H launch --nproc-per-node 2 -- run $W/l2.json --inputs $W/llama_tiny.io4.npz --steps 2 --backend cuda --collective-timeout 20 2>&1 | tail -15
+fi
+if [ $PART = all ] || [ $PART = acco ]; then
+  # ACCO's halves depend on the rank count, so the reference is the same plan on the CPU
+  el "== ACCO (issue 22): one gpu=2 and one node=2,gpu=2 plan, CUDA (all ranks on one GPU) vs the CPU backend"
+  [ -f $W/gpt2_tiny.io4.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io4.npz 2
+  for mesh in gpu=2 node=2,gpu=2; do
+    tag=acco.$(echo $mesh | tr ',=' '_-')
+    $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie \
+      --mesh $mesh --strategy acco -o $W/$tag.json >/dev/null 2>$W/$tag.cerr || { el "RESULT $tag: FAIL compile"; tail -5 $W/$tag.cerr; continue; }
+    timeout $T $H run $W/$tag.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --format json --save-params $W/$tag.cpu.npz >$W/$tag.cpu.out 2>$W/$tag.cpu.err \
+      || { el "RESULT $tag cpu: FAIL"; tail -10 $W/$tag.cpu.err; continue; }
+    timeout $T $H run $W/$tag.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --backend cuda --ranks-on-one-gpu --format json \
+      --save-params $W/$tag.cuda.npz --collective-timeout 60 >$W/$tag.cuda.out 2>$W/$tag.cuda.err \
+      || { el "RESULT $tag cuda: FAIL"; tail -20 $W/$tag.cuda.err; continue; }
+    python3 $D/compare_ranks.py $tag $W/$tag.cpu.out $W/$tag.cuda.out $W/$tag.cpu.npz $W/$tag.cuda.npz
+  done
 fi
 if [ $PART = all ] || [ $PART = attn ]; then
   el "== fused attention on CUDA (HZP_CUDA_ATTENTION=1): 5 steps of the gpu=1 plan with the Attention op vs the CPU backend (1e-4), and step time vs explicit attention"
