@@ -345,3 +345,18 @@ fn checkpoints_move_between_acco_and_other_plans() {
         "{again:?}"
     );
 }
+
+/// The ACCO step's ops all lower for the CUDA backend (what a machine without a GPU can
+/// check; examples/device/multi_rank_check.sh PART=acco runs it on one).
+#[test]
+fn the_acco_step_lowers_for_cuda() {
+    let dir = tempdir("cuda");
+    for mesh in ["gpu=1", "gpu=2", "node=2,gpu=2"] {
+        let plan = compile(&dir, mesh, 8, "acco", &["--no-fuse-attention"]);
+        let plan = Plan::from_json(&std::fs::read_to_string(&plan).unwrap(), "plan.json").unwrap();
+        for rank in 0..plan.mesh.world_size() {
+            hzp_runtime::cuda::lower::lower_program(&plan, rank)
+                .unwrap_or_else(|e| panic!("{mesh} rank {rank}: {e}"));
+        }
+    }
+}
