@@ -610,6 +610,46 @@ pub fn bytes_per_link(
     Ok(out)
 }
 
+/// Bytes per rank of an ACCO plan's own states, by kind: `est` (the estimate), `grad` (the
+/// kept half-batch gradient), `gest` (the reduced half-gradient shard).
+fn acco_state_bytes(p: &hzp_ir::Program) -> BTreeMap<&'static str, u64> {
+    let mut out: BTreeMap<&'static str, u64> = BTreeMap::new();
+    for st in &p.states {
+        let v = p.value(st.value);
+        let kind = [
+            ("acco.est/", "est"),
+            ("acco.grad/", "grad"),
+            ("acco.gest/", "gest"),
+        ]
+        .into_iter()
+        .find(|(pre, _)| v.name.starts_with(pre));
+        if let Some((_, k)) = kind {
+            *out.entry(k).or_default() += (v.ty.numel() * v.ty.dtype.size_bytes()) as u64;
+        }
+    }
+    out
+}
+
+/// `hzp inspect`'s lines for an ACCO plan.
+fn acco_summary(plan: &hzp_ir::Plan) -> Vec<String> {
+    let b = acco_state_bytes(&plan.program);
+    let get = |k: &str| hzp_ir::plan::format_bytes(b.get(k).copied().unwrap_or(0));
+    vec![
+        format!(
+            "acco: each step is two halves of {} micro-batch(es); each half's reduce-scatter, \
+             AdamW and all-gather overlap the other half's compute",
+            plan.micro_batches / 2
+        ),
+        format!(
+            "  extra state per rank: estimate {}, kept half-batch gradient {}, reduced \
+             half-gradient {}",
+            get("est"),
+            get("grad"),
+            get("gest")
+        ),
+    ]
+}
+
 pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()> {
     let plan = crate::run::read_plan(path)?;
     let p = &plan.program;
@@ -647,6 +687,12 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 "content_hash": plan.content_hash,
             });
             let mut v = v;
+            if plan.strategy == "acco" {
+                v["acco"] = serde_json::json!({
+                    "micro_batches_per_phase": plan.micro_batches / 2,
+                    "state_bytes_per_rank": acco_state_bytes(p),
+                });
+            }
             if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
                 let owners: BTreeMap<String, usize> = part
                     .owners()
@@ -686,6 +732,12 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
             if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
                 outln!();
                 for l in part.describe() {
+                    outln!("{l}");
+                }
+            }
+            if plan.strategy == "acco" {
+                outln!();
+                for l in acco_summary(&plan) {
                     outln!("{l}");
                 }
             }

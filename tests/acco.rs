@@ -152,8 +152,14 @@ fn nodes(p: &Program, kind: RoleKind, unit: &str, is: impl Fn(&Op) -> bool) -> V
 #[test]
 fn each_phase_communicates_beside_the_other_halfs_compute() {
     let dir = tempdir("order");
-    let plan = compile(&dir, "gpu=2", 4, "acco", &[]);
-    let plan = Plan::from_json(&std::fs::read_to_string(&plan).unwrap(), "plan.json").unwrap();
+    let path = compile(&dir, "gpu=2", 4, "acco", &[]);
+    let shown = ok(&["inspect", s(&path)]);
+    assert!(
+        shown.contains("acco: each step is two halves of 1 micro-batch")
+            && shown.contains("extra state per rank: estimate"),
+        "{shown}"
+    );
+    let plan = Plan::from_json(&std::fs::read_to_string(&path).unwrap(), "plan.json").unwrap();
     let p = &plan.program;
     assert_eq!(plan.micro_batches, 2, "two halves of one micro-batch each");
     let any = |_: &Op| true;
