@@ -343,36 +343,8 @@ impl Builder<'_> {
                 }
                 // The committed step, after the phase's last forward (the reduce-scatter has
                 // had the forwards to finish in); its all-gather overlaps the last backward.
-                e.enter("acco.commit", Role::new(RoleKind::Reduce, "acco.commit"));
-                let g = self.rs_unpack(e, g_pending.take().ok_or("internal: unpacked twice")?)?;
-                e.enter("acco.commit", Role::new(RoleKind::Optimizer, "acco.commit"));
-                let mut mean = Vec::with_capacity(n);
-                let halfc = e.scalar(0.5, f);
-                for (j, p) in self.params.iter().enumerate() {
-                    let s = e.op(Op::Binary(BinaryOp::Add), &[p.gest, g[j]])?;
-                    mean.push(e.op(Op::Binary(BinaryOp::Mul), &[s, halfc])?);
-                }
-                let masters: Vec<ValueId> = self.params.iter().map(|p| p.master).collect();
-                let ms: Vec<ValueId> = self.params.iter().map(|p| p.m).collect();
-                let vs: Vec<ValueId> = self.params.iter().map(|p| p.v).collect();
-                let t = e.op(Op::Binary(BinaryOp::Add), &[step, one])?;
-                let new = self.adamw_all(e, &masters, &mean, &ms, &vs, t)?;
-                // the first step keeps everything
-                let keep = |e: &mut Emitter, new: &[ValueId], old: &[ValueId]| {
-                    new.iter()
-                        .zip(old)
-                        .map(|(&a, &b)| e.op(Op::Where, &[is_primed, a, b]))
-                        .collect::<Result<Vec<_>, String>>()
-                };
-                let kept = Stepped {
-                    param: keep(e, &new.param, &masters)?,
-                    m: keep(e, &new.m, &ms)?,
-                    v: keep(e, &new.v, &vs)?,
-                };
-                let step2 = e.op(Op::Binary(BinaryOp::Add), &[step, primed])?;
-                e.enter("acco.commit", Role::new(RoleKind::Regather, "acco.commit"));
-                let full = self.all_gather(e, &kept.param)?;
-                commit = Some((kept, step2, full));
+                let pending = g_pending.take().ok_or("internal: unpacked twice")?;
+                commit = Some(self.commit(e, pending, step, primed, is_primed)?);
                 Ok(())
             })?;
             losses.push(loss);
@@ -467,6 +439,51 @@ impl Builder<'_> {
             }
         }
         Ok(Built { loss, updates })
+    }
+
+    /// The committed step: AdamW on the mean of the kept and the just reduced half-batch
+    /// gradients (the first step keeps everything), then the all-gather of the new
+    /// parameters. Returns the new master shards and moments, the step count, the gather.
+    fn commit(
+        &self,
+        e: &mut Emitter,
+        pending: Pending,
+        step: ValueId,
+        primed: ValueId,
+        is_primed: ValueId,
+    ) -> Result<(Stepped, ValueId, Pending), String> {
+        let f = DType::F32;
+        e.enter("acco.commit", Role::new(RoleKind::Reduce, "acco.commit"));
+        let g = self.rs_unpack(e, pending)?;
+        e.enter("acco.commit", Role::new(RoleKind::Optimizer, "acco.commit"));
+        let mut mean = Vec::with_capacity(g.len());
+        let half = e.scalar(0.5, f);
+        for (j, p) in self.params.iter().enumerate() {
+            let s = e.op(Op::Binary(BinaryOp::Add), &[p.gest, g[j]])?;
+            mean.push(e.op(Op::Binary(BinaryOp::Mul), &[s, half])?);
+        }
+        let masters: Vec<ValueId> = self.params.iter().map(|p| p.master).collect();
+        let ms: Vec<ValueId> = self.params.iter().map(|p| p.m).collect();
+        let vs: Vec<ValueId> = self.params.iter().map(|p| p.v).collect();
+        let one = e.scalar(1.0, f);
+        let t = e.op(Op::Binary(BinaryOp::Add), &[step, one])?;
+        let new = self.adamw_all(e, &masters, &mean, &ms, &vs, t)?;
+        // the first step keeps everything
+        let keep = |e: &mut Emitter, new: &[ValueId], old: &[ValueId]| {
+            new.iter()
+                .zip(old)
+                .map(|(&a, &b)| e.op(Op::Where, &[is_primed, a, b]))
+                .collect::<Result<Vec<_>, String>>()
+        };
+        let kept = Stepped {
+            param: keep(e, &new.param, &masters)?,
+            m: keep(e, &new.m, &ms)?,
+            v: keep(e, &new.v, &vs)?,
+        };
+        let step2 = e.op(Op::Binary(BinaryOp::Add), &[step, primed])?;
+        e.enter("acco.commit", Role::new(RoleKind::Regather, "acco.commit"));
+        let full = self.all_gather(e, &kept.param)?;
+        Ok((kept, step2, full))
     }
 
     /// A whole padded parameter `[padded]` as the model reads it.
