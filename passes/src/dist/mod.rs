@@ -5,11 +5,14 @@
 //!   training step, micro-batches, recompute) and the prefetch schedule;
 //! - [`rewrite`]: collective rewriting and bucketing by equality saturation, costed by
 //!   [`crate::cost`];
-//! - [`streams`]: stream assignment and cross-stream events, shared by both.
+//! - [`streams`]: stream assignment and cross-stream events, shared by both;
+//! - [`asyncmesh`]: sparse asynchronous parameter averaging across a slow axis, added to a
+//!   per-replica step `spmd` built on the other axes.
 //!
 //! Dependencies run one way: `spmd` -> `rewrite` -> `streams`; the sharding planner
 //! ([`crate::plan::planner`]) calls into `spmd`, never the reverse.
 
+pub mod asyncmesh;
 pub mod rewrite;
 pub mod spmd;
 pub mod streams;

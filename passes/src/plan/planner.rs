@@ -114,19 +114,24 @@ pub enum Strategy {
     Hsdp,
     /// Nothing sharded; gradients all-reduced over the world: (none, none, none).
     Ddp,
+    /// Replicas along a slow axis step locally and average a sparse chunk of their
+    /// parameters asynchronously ([`crate::dist::asyncmesh`]); inside a replica the groups
+    /// are searched over the other axes as for AsyncHzp.
+    AsyncMesh,
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 6] = [
+    pub const ALL: [Strategy; 7] = [
         Strategy::AsyncHzp,
         Strategy::Zero1,
         Strategy::Zero2,
         Strategy::Zero3,
         Strategy::Hsdp,
         Strategy::Ddp,
+        Strategy::AsyncMesh,
     ];
 
-    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`.
+    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`, `asyncmesh`.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::AsyncHzp => "asynchzp",
@@ -135,6 +140,7 @@ impl Strategy {
             Strategy::Zero3 => "zero3",
             Strategy::Hsdp => "hsdp",
             Strategy::Ddp => "ddp",
+            Strategy::AsyncMesh => "asyncmesh",
         }
     }
 
@@ -146,6 +152,7 @@ impl Strategy {
             "fsdp" | "zero-3" => Some(Strategy::Zero3),
             "zero-1" => Some(Strategy::Zero1),
             "zero-2" => Some(Strategy::Zero2),
+            "async-mesh" | "async_mesh" => Some(Strategy::AsyncMesh),
             _ => Strategy::ALL.into_iter().find(|st| st.name() == l),
         };
         found.ok_or_else(|| {
@@ -156,13 +163,14 @@ impl Strategy {
         })
     }
 
-    /// The fixed groups of a baseline; `None` for [`Strategy::AsyncHzp`], which searches.
+    /// The fixed groups of a baseline; `None` for [`Strategy::AsyncHzp`] and
+    /// [`Strategy::AsyncMesh`], which search.
     /// HSDP shards over the node-local axes ([`node_local_group`]).
     pub fn groups(self, mesh: &Mesh, cluster: &ClusterSpec) -> Option<ShardGroups> {
         let none = Group::new(Vec::<String>::new());
         let world = world_group(mesh);
         let (p, g, o) = match self {
-            Strategy::AsyncHzp => return None,
+            Strategy::AsyncHzp | Strategy::AsyncMesh => return None,
             Strategy::Ddp => (none.clone(), none.clone(), none),
             Strategy::Zero1 => (none.clone(), none, world),
             Strategy::Zero2 => (none, world.clone(), world),
