@@ -745,7 +745,15 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
             );
             if let Some(am) = &plan.asyncmesh {
                 let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
-                let master: u64 = plan.layouts.iter().map(|l| 4 * l.numel as u64).sum();
+                // this rank's fp32 master shards: what the replicas' averaging is a part of
+                let master: u64 = plan
+                    .layouts
+                    .iter()
+                    .map(|l| {
+                        let o = plan.mesh.group_size(&l.optim_group).unwrap_or(1).max(1);
+                        4 * (l.padded / o) as u64
+                    })
+                    .sum();
                 outln!(
                     "  asyncmesh: replicas along `{}`, sparsity {} per {} step(s), EMA beta {}",
                     am.slow_axis,
@@ -755,8 +763,8 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 );
                 outln!(
                     "  communication per step (collective payload per rank): over the slow \
-                 axis `{}` {} ({:.2}% of the {} fp32 parameters; sparse averaging and the \
-                 reported loss), over the fast axes {}",
+                 axis `{}` {} ({:.2}% of the rank's {} of fp32 master shards; sparse \
+                 averaging and the reported loss), over the fast axes {}",
                     am.slow_axis,
                     hzp_ir::plan::format_bytes(slow),
                     100.0 * slow as f64 / master.max(1) as f64,
