@@ -233,7 +233,7 @@ fn average_overlaps_forward_and_backward() {
     // inspect reports the slow axis's bytes apart from the fast axes'
     let text = ok(&["inspect", s(&out.join("plan.json"))]);
     assert!(
-        text.contains("over the slow axis `node` 68 B (),
+        text.contains("over the slow axis `node` 68 B ("),
         "inspect: {text}"
     );
 }
