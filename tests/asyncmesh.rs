@@ -296,3 +296,40 @@ fn flags_are_checked() {
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
     fails_with(&a, &["asyncmesh only", "zero3"]);
 }
+
+/// The step counter and the EMA states are checkpointed: 4 steps, then `--resume` to 8,
+/// end bitwise where 8 uninterrupted steps do (losses and replica 0's parameters), and the
+/// run says whose parameters it saves.
+#[test]
+fn resume_continues_the_averaging() {
+    let out = tempdir("resume");
+    let plan = compile(&out, &[]);
+    let io = dir().join("io.npz");
+    let run = |tag: &str, extra: &[&str]| -> (String, Vec<(String, Tensor)>) {
+        let params = out.join(format!("{tag}.npz"));
+        let mut args = vec![
+            "run",
+            s(&plan),
+            "--inputs",
+            s(&io),
+            "--steps",
+            "8",
+            "--save-params",
+            s(&params),
+        ];
+        args.extend_from_slice(extra);
+        let text = ok(&args);
+        (text, read_npz(&params))
+    };
+    let (text, whole) = run("whole", &[]);
+    assert!(text.contains("replicas along node"), "{text}");
+    assert!(text.contains("replica 0's"), "{text}");
+    let ck = out.join("ck");
+    run("first", &["--checkpoint-dir", s(&ck), "--stop-at", "4"]);
+    let (_, resumed) = run("second", &["--checkpoint-dir", s(&ck), "--resume"]);
+    assert_eq!(whole.len(), resumed.len());
+    for ((k, a), (k2, b)) in whole.iter().zip(&resumed) {
+        assert_eq!(k, k2);
+        assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "{k} after resuming");
+    }
+}
