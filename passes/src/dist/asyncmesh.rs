@@ -36,6 +36,10 @@
 //!
 //! # Interpretation (where this is ours, not the paper's)
 //!
+//! Only the paper's abstract and reviews were reachable (they say: replicas average a sparse
+//! subset of parameters asynchronously, and an EMA-based mechanism approximates the average's
+//! staleness); the rules below are the specification of that, not the paper's text.
+//!
 //! - The contiguous cycling chunk (instead of a random subset) keeps the program static and
 //!   the selection identical on every replica without communicating indices.
 //! - The staleness correction `avg + τ·u` with u the EMA of the replica's own step is the
