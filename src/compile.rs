@@ -32,9 +32,25 @@ pub struct CompileArgs {
     /// Memory budget per rank, e.g. 80GiB. Default: the cluster's device memory.
     #[arg(long)]
     pub memory: Option<String>,
-    /// asynchzp (search over hierarchical groups), zero1, zero2, zero3, hsdp or ddp.
+    /// asynchzp (search over hierarchical groups), zero1, zero2, zero3, hsdp, ddp, or
+    /// asyncmesh (replicas along --slow-axis step locally and average a sparse chunk of
+    /// their parameters asynchronously).
     #[arg(long, default_value = "asynchzp")]
     pub strategy: String,
+    /// asyncmesh: the mesh axis whose ranks are the replicas (e.g. node).
+    #[arg(long, value_name = "AXIS")]
+    pub slow_axis: Option<String>,
+    /// asyncmesh: spread the averaging budget over H steps (each step averages
+    /// ceil(S n / H) elements of an n-element shard). Default 1.
+    #[arg(long, value_name = "H")]
+    pub sync_every: Option<usize>,
+    /// asyncmesh: the fraction S of the parameters averaged across the slow axis per H
+    /// steps, 0 < S <= 1. Default 0.05.
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    pub sparsity: Option<f64>,
+    /// asyncmesh: the EMA factor B of the staleness correction, 0 <= B < 1. Default 0.9.
+    #[arg(long, value_name = "B", allow_negative_numbers = true)]
+    pub ema_beta: Option<f64>,
     /// Override the groups: params=gpu,grads=gpu,optim=node.gpu (axes joined by `.`).
     #[arg(long)]
     pub shard: Option<String>,
@@ -260,6 +276,7 @@ pub fn request(
     crate::commands::apply_freeze_and_ties(&mut fwd, t)?;
     crate::commands::note_muon_split(&fwd, &cfg)?;
     show_stage(&stages, "import", || hzp_ir::text::print(&fwd))?;
+    let asyncmesh = asyncmesh_options(c, strategy, &mesh)?;
     let overrides = match &c.shard {
         Some(s) => ShardOverride::parse(s, &mesh).map_err(|e| miette!("--shard: {e}"))?,
         None => ShardOverride::default(),
@@ -318,6 +335,7 @@ pub fn request(
         buckets,
         sparse_grads: !c.dense_embedding_grads,
         grad_dtype,
+        asyncmesh,
         ..CompileOptions::new(model.model.clone(), mesh, cluster)
     };
     Ok(Request {
@@ -381,6 +399,38 @@ pub fn run_request(r: &Request) -> std::result::Result<Built, CompileError> {
     })
 }
 
+/// Whether any of asyncmesh's flags was given.
+pub fn asyncmesh_flags_given(c: &CompileArgs) -> bool {
+    c.slow_axis.is_some() || c.sync_every.is_some() || c.sparsity.is_some() || c.ema_beta.is_some()
+}
+
+/// The asyncmesh knobs from the flags, checked, for `--strategy asyncmesh`; `None` for the
+/// other strategies (`hzp compile` refuses the flags with them, see [`build_plan`]).
+fn asyncmesh_options(
+    c: &CompileArgs,
+    strategy: Strategy,
+    mesh: &Mesh,
+) -> Result<Option<hzp_passes::dist::asyncmesh::AsyncMeshOptions>> {
+    use hzp_passes::dist::asyncmesh::AsyncMeshOptions;
+    if strategy != Strategy::AsyncMesh {
+        return Ok(None);
+    }
+    let Some(axis) = &c.slow_axis else {
+        return Err(miette!(
+            "--strategy asyncmesh needs --slow-axis AXIS (the mesh axis whose ranks are the \
+                 replicas, e.g. node for --mesh {mesh})"
+        ));
+    };
+    let o = AsyncMeshOptions {
+        slow_axis: axis.trim().to_string(),
+        sync_every: c.sync_every.unwrap_or(AsyncMeshOptions::DEFAULT_SYNC_EVERY),
+        sparsity: c.sparsity.unwrap_or(AsyncMeshOptions::DEFAULT_SPARSITY),
+        ema_beta: c.ema_beta.unwrap_or(AsyncMeshOptions::DEFAULT_EMA_BETA),
+    };
+    o.validate(mesh).map_err(|e| miette!("{e}"))?;
+    Ok(Some(o))
+}
+
 /// The passes of `hzp compile` up to a verified plan. `verify_budget`: the verifier also
 /// rejects an arena over `--memory`.
 pub fn build_plan(
@@ -391,6 +441,13 @@ pub fn build_plan(
     verify_budget: bool,
     want_json: bool,
 ) -> Result<Built> {
+    if asyncmesh_flags_given(c) && Strategy::parse(&c.strategy).ok() != Some(Strategy::AsyncMesh) {
+        return Err(miette!(
+            "--slow-axis, --sync-every, --sparsity and --ema-beta apply to --strategy \
+                 asyncmesh only, not {}",
+            c.strategy
+        ));
+    }
     let mut r = request(model, inputs, t, c)?;
     r.opts.verify_budget = verify_budget;
     r.opts.want_json = want_json;
@@ -693,6 +750,17 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                     "state_bytes_per_rank": acco_state_bytes(p),
                 });
             }
+            if let Some(am) = &plan.asyncmesh {
+                let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
+                v["asyncmesh"] = serde_json::json!({
+                    "slow_axis": am.slow_axis,
+                    "sync_every": am.sync_every,
+                    "sparsity": am.sparsity,
+                    "ema_beta": am.ema_beta,
+                    "slow_axis_bytes_per_step": slow,
+                    "fast_axes_bytes_per_step": fast,
+                });
+            }
             if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
                 let owners: BTreeMap<String, usize> = part
                     .owners()
@@ -729,6 +797,35 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
                 plan.grads_label(),
                 plan.groups.optim
             );
+            if let Some(am) = &plan.asyncmesh {
+                let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
+                // this rank's fp32 master shards: what the replicas' averaging is a part of
+                let master: u64 = plan
+                    .layouts
+                    .iter()
+                    .map(|l| {
+                        let o = plan.mesh.group_size(&l.optim_group).unwrap_or(1).max(1);
+                        4 * (l.padded / o) as u64
+                    })
+                    .sum();
+                outln!(
+                    "  asyncmesh: replicas along `{}`, sparsity {} per {} step(s), EMA beta {}",
+                    am.slow_axis,
+                    am.sparsity,
+                    am.sync_every,
+                    am.ema_beta
+                );
+                outln!(
+                    "  communication per step (collective payload per rank): over the slow \
+                 axis `{}` {} ({:.2}% of the rank's {} of fp32 master shards; sparse \
+                 averaging and the reported loss), over the fast axes {}",
+                    am.slow_axis,
+                    hzp_ir::plan::format_bytes(slow),
+                    100.0 * slow as f64 / master.max(1) as f64,
+                    hzp_ir::plan::format_bytes(master),
+                    hzp_ir::plan::format_bytes(fast)
+                );
+            }
             if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
                 outln!();
                 for l in part.describe() {

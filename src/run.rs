@@ -539,12 +539,20 @@ fn exec_options(
 fn run_header(args: &RunArgs, plan: &Plan, verb: &str) -> String {
     let w = plan.mesh.world_size();
     format!(
-        "{verb} {} ({} on {}, {w} rank{}, strategy {}) on the CPU, communication {}{}",
+        "{verb} {} ({} on {}, {w} rank{}, strategy {}{}) on the CPU, communication {}{}",
         args.plan.display(),
         plan.model,
         plan.mesh,
         if w == 1 { "" } else { "s" },
         plan.strategy,
+        match &plan.asyncmesh {
+            Some(a) => format!(
+                ": replicas along {}, sparsity {} per {} step(s), EMA beta {}; the \
+                 parameters saved and evaluated are replica 0's",
+                a.slow_axis, a.sparsity, a.sync_every, a.ema_beta
+            ),
+            None => String::new(),
+        },
         args.comm,
         match (&args.emulate_links, &args.link) {
             (Some(p), _) => format!(", links emulated from {}", p.display()),

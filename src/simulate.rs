@@ -705,6 +705,16 @@ pub fn compare(
         ));
     }
     let strategies = parse_strategies(&a.strategies)?;
+    if crate::compile::asyncmesh_flags_given(c)
+        && !strategies
+            .iter()
+            .any(|s| Strategy::parse(s).ok() == Some(Strategy::AsyncMesh))
+    {
+        return Err(miette!(
+            "--slow-axis, --sync-every, --sparsity and --ema-beta apply to asyncmesh, which \
+             --strategies does not list"
+        ));
+    }
     let sim = a.sim.options()?;
     let pb = progress(strategies.len(), a.quiet);
     pb.set_message("compiling and simulating");

@@ -123,6 +123,21 @@ impl Buffer {
     }
 }
 
+/// The sparse asynchronous averaging of an `asyncmesh` plan (`hzp compile --strategy
+/// asyncmesh`): the replicas are the ranks along `slow_axis`; every step each parameter
+/// shard averages a cycling chunk of about `sparsity / sync_every` of its elements over that
+/// axis, and keeps an EMA (factor `ema_beta`) of its own per-step change to correct the
+/// average's staleness. The program holds the nodes; this records the knobs for people and
+/// for `hzp inspect`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AsyncMeshSpec {
+    pub slow_axis: String,
+    pub sync_every: usize,
+    pub sparsity: f64,
+    pub ema_beta: f64,
+}
+
 /// A compiled training plan (see the [module docs](self)).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
@@ -153,6 +168,9 @@ pub struct Plan {
     /// `mse target=NAME`, `mean`): what an evaluation of the forward computes. `None` when
     /// unknown.
     pub loss: Option<String>,
+    /// The sparse asynchronous averaging of an `asyncmesh` plan (see [`AsyncMeshSpec`]);
+    /// `None` for every other strategy (and then absent from the JSON).
+    pub asyncmesh: Option<AsyncMeshSpec>,
     /// Hex SHA-256 of the canonical JSON of everything else (see [`Plan::compute_hash`]).
     pub content_hash: String,
 }
@@ -209,6 +227,7 @@ impl Plan {
             model_fingerprint: String::new(),
             lr: None,
             loss: None,
+            asyncmesh: None,
             content_hash: String::new(),
         };
         plan.content_hash = plan.compute_hash();
@@ -245,6 +264,7 @@ impl Plan {
             model_fingerprint,
             lr: None,
             loss: None,
+            asyncmesh: None,
             content_hash: String::new(),
         }
     }
@@ -431,6 +451,7 @@ impl Plan {
             model_fingerprint: repr.model_fingerprint.into_owned(),
             lr: repr.lr,
             loss: repr.loss.map(Cow::into_owned),
+            asyncmesh: repr.asyncmesh,
             content_hash: recorded,
         })
     }
@@ -511,6 +532,7 @@ impl Plan {
             model_fingerprint: Cow::Borrowed(&self.model_fingerprint),
             lr: self.lr,
             loss: self.loss.as_deref().map(Cow::Borrowed),
+            asyncmesh: self.asyncmesh.clone(),
             program: printed.lines().map(Cow::Borrowed).collect(),
             data,
         }
@@ -688,6 +710,8 @@ struct PlanRepr<'a> {
     lr: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none", borrow)]
     loss: Option<Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    asyncmesh: Option<AsyncMeshSpec>,
     #[serde(borrow)]
     program: Vec<Cow<'a, str>>,
     #[serde(default, borrow)]

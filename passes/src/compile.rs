@@ -89,6 +89,9 @@ pub struct CompileOptions {
     pub grad_dtype: DType,
     /// Also produce the plan's JSON (hashing it in the same pass).
     pub want_json: bool,
+    /// The sparse averaging of `--strategy asyncmesh` (required by it, refused by the
+    /// others).
+    pub asyncmesh: Option<crate::dist::asyncmesh::AsyncMeshOptions>,
 }
 
 impl CompileOptions {
@@ -117,6 +120,7 @@ impl CompileOptions {
             sparse_grads: true,
             grad_dtype: DType::F32,
             want_json: false,
+            asyncmesh: None,
         }
     }
 }
@@ -231,6 +235,37 @@ pub fn compile_plan(
         )
         .into());
     }
+    // asyncmesh: the step of one replica is planned and built on the mesh without the slow
+    // axis; the sparse averaging across it is added after (see `dist::asyncmesh`)
+    let replica_opts;
+    let whole = opts;
+    let opts = match (&opts.asyncmesh, opts.strategy) {
+        (Some(am), Strategy::AsyncMesh) => {
+            am.validate(&opts.mesh)?;
+            replica_opts = CompileOptions {
+                mesh: crate::dist::asyncmesh::fast_mesh(&opts.mesh, &am.slow_axis),
+                ..opts.clone()
+            };
+            &replica_opts
+        }
+        (None, Strategy::AsyncMesh) => {
+            return Err(
+                "--strategy asyncmesh needs --slow-axis (the mesh axis whose ranks \
+                 are the replicas)"
+                    .to_string()
+                    .into(),
+            )
+        }
+        (Some(_), _) => {
+            return Err(format!(
+                "--slow-axis, --sync-every, --sparsity and --ema-beta apply to --strategy \
+                 asyncmesh only, not {}",
+                opts.strategy
+            )
+            .into())
+        }
+        (None, _) => opts,
+    };
     let (report, shard_opts) = plan_groups(fwd, opts, on)?;
     let groups = report.chosen.groups();
     let sched = ScheduleOptions {
@@ -244,7 +279,7 @@ pub fn compile_plan(
 
     let bucket_bytes = first_bucket_bytes(opts, &report, on)?;
     let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
-    let (mut step, mut mem) = build_step(fwd, opts, &groups, &sched, bucket_bytes, on)?;
+    let (mut step, mut mem) = build_step(fwd, opts, whole, &groups, &sched, bucket_bytes, on)?;
     // Where whole-unit buckets still break the budget, buckets of the fallback size are used
     // instead, and the compile says so.
     if let Some(b) = opts.budget {
@@ -252,6 +287,7 @@ pub fn compile_plan(
             let (s2, m2) = build_step(
                 fwd,
                 opts,
+                whole,
                 &groups,
                 &sched,
                 FALLBACK_BUCKET_BYTES,
@@ -280,10 +316,10 @@ pub fn compile_plan(
         on(CompileEvent::Rewritten(r))?;
     }
     on(CompileEvent::Phase("build per-rank step + memory plan"))?;
-    let mut plan = assemble(opts, shard_opts.strategy.name(), &mut step, &mem);
+    let mut plan = assemble(whole, shard_opts.strategy.name(), &mut step, &mem);
     on(CompileEvent::Assembled(&plan))?;
     on(CompileEvent::Phase("assemble plan"))?;
-    let json = verify_and_hash(&mut plan, opts)?;
+    let json = verify_and_hash(&mut plan, whole)?;
     on(CompileEvent::Phase("verify + hash + JSON"))?;
     Ok(Compiled {
         plan,
@@ -393,10 +429,13 @@ fn first_bucket_bytes(
 
 /// Stage 2: the per-rank step (collectives, rewriting with buckets of at most
 /// `bucket_bytes`, schedule) and its memory plan; each pipeline stage's program goes to
-/// `on` as a [`CompileEvent::Stage`].
+/// `on` as a [`CompileEvent::Stage`]. `opts` is what the step is built with (for asyncmesh,
+/// one replica's mesh), `whole` what the user asked for (the asyncmesh averaging is added
+/// to the step on its whole mesh).
 fn build_step(
     fwd: &Program,
     opts: &CompileOptions,
+    whole: &CompileOptions,
     groups: &ShardGroups,
     sched: &ScheduleOptions,
     bucket_bytes: u64,
@@ -436,6 +475,12 @@ fn build_step(
     )
     .map_err(|e| CompileError::Other(e.to_string()))?;
     shown?;
+    let mut step = step;
+    if let (Some(am), Strategy::AsyncMesh) = (&whole.asyncmesh, whole.strategy) {
+        let names: Vec<String> = step.layouts.iter().map(|l| l.name.clone()).collect();
+        step.program =
+            crate::dist::asyncmesh::add_sparse_averaging(&step.program, &names, &whole.mesh, am)?;
+    }
     let mem = {
         let kinds = |v: ValueId| buffer_kind(&step.program, v);
         let persistent = memory::default_persistent(&step.program);
@@ -472,6 +517,9 @@ fn assemble(
         None => None,
     };
     plan.loss = opts.loss_spec.clone();
+    if opts.strategy == Strategy::AsyncMesh {
+        plan.asyncmesh = opts.asyncmesh.as_ref().map(|a| a.spec());
+    }
     plan
 }
 

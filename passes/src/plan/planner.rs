@@ -117,10 +117,14 @@ pub enum Strategy {
     /// ZeRO-1's layout with ACCO's schedule (`dist::acco`): each half-batch's gradient
     /// reduction and optimizer step overlap the other half's compute.
     Acco,
+    /// Replicas along a slow axis step locally and average a sparse chunk of their
+    /// parameters asynchronously ([`crate::dist::asyncmesh`]); inside a replica the groups
+    /// are searched over the other axes as for AsyncHzp.
+    AsyncMesh,
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 7] = [
+    pub const ALL: [Strategy; 8] = [
         Strategy::AsyncHzp,
         Strategy::Zero1,
         Strategy::Zero2,
@@ -128,9 +132,10 @@ impl Strategy {
         Strategy::Hsdp,
         Strategy::Ddp,
         Strategy::Acco,
+        Strategy::AsyncMesh,
     ];
 
-    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`, `acco`.
+    /// `asynchzp`, `zero1`, `zero2`, `zero3`, `hsdp`, `ddp`, `acco`, `asyncmesh`.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::AsyncHzp => "asynchzp",
@@ -140,6 +145,7 @@ impl Strategy {
             Strategy::Hsdp => "hsdp",
             Strategy::Ddp => "ddp",
             Strategy::Acco => "acco",
+            Strategy::AsyncMesh => "asyncmesh",
         }
     }
 
@@ -151,6 +157,7 @@ impl Strategy {
             "fsdp" | "zero-3" => Some(Strategy::Zero3),
             "zero-1" => Some(Strategy::Zero1),
             "zero-2" => Some(Strategy::Zero2),
+            "async-mesh" | "async_mesh" => Some(Strategy::AsyncMesh),
             _ => Strategy::ALL.into_iter().find(|st| st.name() == l),
         };
         found.ok_or_else(|| {
@@ -161,13 +168,14 @@ impl Strategy {
         })
     }
 
-    /// The fixed groups of a baseline; `None` for [`Strategy::AsyncHzp`], which searches.
+    /// The fixed groups of a baseline; `None` for [`Strategy::AsyncHzp`] and
+    /// [`Strategy::AsyncMesh`], which search.
     /// HSDP shards over the node-local axes ([`node_local_group`]).
     pub fn groups(self, mesh: &Mesh, cluster: &ClusterSpec) -> Option<ShardGroups> {
         let none = Group::new(Vec::<String>::new());
         let world = world_group(mesh);
         let (p, g, o) = match self {
-            Strategy::AsyncHzp => return None,
+            Strategy::AsyncHzp | Strategy::AsyncMesh => return None,
             Strategy::Ddp => (none.clone(), none.clone(), none),
             Strategy::Zero1 | Strategy::Acco => (none.clone(), none, world),
             Strategy::Zero2 => (none, world.clone(), world),
