@@ -263,3 +263,22 @@ fn masks_and_bad_shapes() {
     assert!(pasa_fp16(&bad, 16, 1.0, true).is_err());
     assert!(flash_fp16(&c.head(), 0).is_err());
 }
+
+#[test]
+fn beta_zero_is_plain_fp16_flash_attention() {
+    // no shift: the same roundings as the plain algorithm, bit for bit (the CUDA check runs
+    // the PASA kernel with beta = 0 as its plain fp16 baseline)
+    for (name, c) in overflow_cases().into_iter().take(2) {
+        let h = c.head();
+        let plain = flash_fp16(&h, PASA_BLOCK).unwrap();
+        let zero = pasa_fp16(&h, PASA_BLOCK, 0.0, true).unwrap();
+        let b = |x: &[f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(b(&plain.out), b(&zero.out), "{name}");
+    }
+    let c = Case::new(51, 50, 32, true, 0.0, |_| 0.0, 1.0);
+    let h = c.head();
+    let plain = flash_fp16(&h, PASA_BLOCK).unwrap();
+    let zero = pasa_fp16(&h, PASA_BLOCK, 0.0, true).unwrap();
+    assert_eq!(plain.out, zero.out);
+    assert_eq!(plain.lse, zero.lse);
+}
