@@ -41,13 +41,17 @@
 //! computed in f32: the true row log-sum-exp, so the existing gradient kernels (which
 //! recompute `P = exp(S - lse)` in f32) serve PASA's backward unchanged.
 //!
-//! Interpretations (the paper's text was read for its method, not its code): (1) hzp takes
-//! the shift's size from `q·h_j` directly rather than recovering it from the shifted
-//! scores, so it does not need `M` invertible and allows `β = 1` ([`PASA_BETA`]); the
-//! paper keeps `β` just below 1. (2) The frame change between blocks (the paper's "global
-//! recovering") is done on the running maximum as above; the paper states the recovery as
-//! a correction of the accumulated statistics, which is the same algebra. (3) The block of
-//! keys a pseudo-average is taken over is the kernel's key tile ([`PASA_BLOCK`] on CUDA).
+//! Interpretations (only the paper's abstract and summaries of its method could be read
+//! here, not its algorithm listing): (1) the paper tunes `β` by a nonlinear condition and
+//! its shifting matrix `M` is singular at `β = 1`; hzp takes the shift's size from `q·h_j`
+//! directly rather than recovering it from the shifted scores, so it needs no inverse of
+//! `M` and uses `β = 1` ([`PASA_BETA`]), which removes the whole common part (a `β` below 1
+//! leaves `(1 - β) D bias_q bias_k scale` in every score, where fp16 has fewer bits for the
+//! differences that matter: `runtime/tests/pasa.rs` measures it). (2) "Global recovering"
+//! is read as the reconciliation of the blocks' shifted frames in the online softmax, done
+//! on the running maximum as above, plus the absolute shift added back to the saved
+//! log-sum-exp. (3) The block of keys a pseudo-average is taken over is the kernel's key
+//! tile ([`PASA_BLOCK`] on CUDA).
 //! Limits: a shifted score or a frame change beyond 65504 still overflows (scores whose
 //! spread within one row exceeds fp16's range have no fp16 representation at all).
 
