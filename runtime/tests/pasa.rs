@@ -231,7 +231,7 @@ fn global_recovering_is_needed_when_the_bias_moves_along_the_sequence() {
     eprintln!("moving bias: PASA {with:.3?}; without recovering {without:.3?}");
     assert!(within(with), "PASA {with:?}");
     assert!(
-        !(without.0 <= RMSE_BOUND) && !(without.1 <= MAX_BOUND),
+        without.0 > RMSE_BOUND && without.1 > MAX_BOUND,
         "without the recovery the result should be wrong: {without:?}"
     );
 }
