@@ -641,9 +641,10 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
     let compute = match t.precision.as_str() {
         "fp32" | "f32" => hzp_ir::DType::F32,
         "bf16" => hzp_ir::DType::BF16,
+        "fp16" | "f16" => hzp_ir::DType::F16,
         other => {
             return Err(miette!(
-                "unknown precision `{other}` (expected fp32 or bf16)"
+                "unknown precision `{other}` (expected fp32, bf16 or fp16)"
             ))
         }
     };

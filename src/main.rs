@@ -118,7 +118,8 @@ pub struct TrainArgs {
     /// Split the batch (axis 0 of every input) into this many micro-batches and accumulate.
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
-    /// fp32, or bf16 (bf16 compute, fp32 master weights, states and loss).
+    /// fp32, bf16 (bf16 compute, fp32 master weights, states and loss) or fp16 (the same
+    /// with fp16 compute, no loss scaling; what `hzp run --attention pasa` needs).
     #[arg(long, default_value = "fp32")]
     pub precision: String,
     /// Tie parameters whose values are equal up to a transpose (undoes an exporter's

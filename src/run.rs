@@ -87,6 +87,12 @@ pub struct RunArgs {
     /// (checks a multi-rank plan on a machine with one GPU).
     #[arg(long)]
     pub ranks_on_one_gpu: bool,
+    /// With --backend cuda, the kernels of a plan's fused attention: flash (FlashAttention-2
+    /// style, f32 arithmetic; the same as HZP_CUDA_ATTENTION=1) or pasa (PASA's forward
+    /// fully in fp16, for plans compiled with --precision fp16). Without it the CUDA backend
+    /// refuses fused attention (not yet checked on a GPU).
+    #[arg(long, value_name = "flash|pasa")]
+    pub attention: Option<String>,
     /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
     #[arg(long, value_name = "P.npz")]
     pub params: Option<PathBuf>,
@@ -367,6 +373,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "cuda" => true,
         other => return Err(miette!("unknown backend `{other}` (expected cpu or cuda)")),
     };
+    if args.attention.is_some() && !cuda {
+        return Err(miette!(
+            "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"
+        ));
+    }
     let comm = match args.comm.as_str() {
         "async" => CommMode::Async,
         "sync" => CommMode::Sync,
@@ -713,6 +724,24 @@ fn flight_on_error<T>(r: Result<T>, ex: &Executor, args: &RunArgs) -> Result<T> 
     r
 }
 
+/// The CUDA lowering `--attention` asks for (none: [`LowerOptions::from_env`], which
+/// reads `HZP_CUDA_ATTENTION`).
+///
+/// [`LowerOptions::from_env`]: hzp_runtime::cuda::lower::LowerOptions::from_env
+pub(crate) fn cuda_lower_options(
+    attention: Option<&str>,
+) -> Result<hzp_runtime::cuda::lower::LowerOptions> {
+    use hzp_runtime::cuda::lower::{CudaAttention, LowerOptions};
+    let mut o = LowerOptions::from_env();
+    match attention {
+        None => {}
+        Some("flash") => o.attention = CudaAttention::Flash,
+        Some("pasa") => o.attention = CudaAttention::Pasa,
+        Some(other) => return Err(miette!("--attention `{other}`: expected flash or pasa")),
+    }
+    Ok(o)
+}
+
 /// `--backend cuda`: this process's rank of the plan on its GPU (see `hzp launch`). Without
 /// the libraries, or in a build without the `cuda` feature, the runtime says which.
 fn run_cuda(
@@ -744,7 +773,9 @@ fn run_cuda(
     let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
     let mut feed = |_step: usize| Ok(batch.clone());
     let dir = args.flight_recorder.clone();
+    let lower = cuda_lower_options(args.attention.as_deref())?;
     let ropts = hzp_runtime::cuda::RunOptions {
+        lower,
         comm,
         timeout,
         on_failure: Some(Arc::new(move |report: &FlightReport| {

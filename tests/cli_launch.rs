@@ -256,3 +256,46 @@ fn compiled_plans_lower_to_kernels_that_exist() {
         assert!(n_transposed > 0 && n_trans_gemms > 0, "{model}");
     }
 }
+
+#[test]
+fn attention_kernel_choice_is_checked() {
+    let out = tempdir().join("attn-choice.json");
+    let (code, _, err) = hzp(&[
+        "compile",
+        "tests/models/gpt2_tiny.dynamo.op18.onnx",
+        "--inputs",
+        "tests/models/gpt2_tiny.io.npz",
+        "--mesh",
+        "gpu=1",
+        "--precision",
+        "fp16",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let plan = out.to_str().unwrap();
+    let inputs = "tests/models/gpt2_tiny.io.npz";
+    // the CPU backend has its own kernels
+    let (code, _, err) = hzp(&["run", plan, "--inputs", inputs, "--attention", "pasa"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--attention chooses the CUDA backend"),
+        "{err}"
+    );
+    // an unknown choice, named
+    let (code, _, err) = hzp(&[
+        "run",
+        plan,
+        "--inputs",
+        inputs,
+        "--backend",
+        "cuda",
+        "--attention",
+        "fast",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--attention `fast`: expected flash or pasa"),
+        "{err}"
+    );
+}

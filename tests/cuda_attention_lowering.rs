@@ -6,7 +6,10 @@
 //! compile with NVRTC in `runtime/tests/cuda_kernels.rs`; their numbers are checked on a GPU
 //! by `examples/device/multi_rank_check.sh` (PART=attn). Without the variable the lowering
 //! refuses such plans (`tests/cli_launch.rs`). This file is its own test binary, so setting
-//! the variable here affects no other test.
+//! the variable here affects no other test. With `--attention pasa` (an explicit
+//! `LowerOptions`, independent of the variable) an fp16 plan's forward attention lowers to
+//! PASA's `attn_fwd_pasa_f16` and its gradient to the f16 `attn_dq` / `attn_dkv`; a plan
+//! whose attention is not fp16 is refused naming `--precision fp16`.
 
 mod common;
 use common::*;
@@ -17,15 +20,24 @@ use hzp_runtime::cuda::lower::{self, Arg, Work};
 const DIM_ARGS: usize = 13;
 
 fn compile(model: &str, shape: &str, mesh: &str) -> Plan {
+    compile_with(model, shape, mesh, &[])
+}
+
+fn compile_with(model: &str, shape: &str, mesh: &str, extra: &[&str]) -> Plan {
     let dir = std::env::temp_dir().join(format!("hzp-cuda-attn-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join(format!("{}.json", model.replace('/', "_")));
+    let out = dir.join(format!(
+        "{}{}.json",
+        model.replace('/', "_"),
+        extra.join("")
+    ));
     let o = std::process::Command::new(hzp_bin())
         .current_dir(repo())
         .args([
             "compile", model, "--shape", shape, "--mesh", mesh, "--memory", "1GiB", "-o",
         ])
         .arg(&out)
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -123,4 +135,76 @@ fn fused_attention_lowers_to_the_attention_kernels() {
         "forward / gradient nodes lowered: {seen:?}"
     );
     assert!(seen[2] >= 1, "no masked attention was lowered: {seen:?}");
+}
+
+#[test]
+fn pasa_lowers_fp16_attention_and_refuses_other_precisions() {
+    use lower::{CudaAttention, LowerOptions};
+    let names = hzp_runtime::cuda::kernels::kernel_names();
+    assert!(names.iter().any(|k| k == "attn_fwd_pasa_f16"));
+    let pasa = LowerOptions {
+        attention: CudaAttention::Pasa,
+    };
+    let model = "tests/models/gpt2_tiny.dynamo.op18.onnx";
+    let plan = compile_with(model, "input_ids=4x16", "gpu=1", &["--precision", "fp16"]);
+    let low = lower::lower_program_with(&plan, 0, pasa).unwrap_or_else(|e| panic!("{e}"));
+    let (mut fwd, mut grad) = (0, 0);
+    for (nw, node) in low.nodes.iter().zip(&plan.program.nodes) {
+        let is_grad = match node.op {
+            Op::Attention { .. } => false,
+            Op::AttentionGrad { .. } => true,
+            _ => continue,
+        };
+        assert_eq!(plan.program.ty(node.inputs[0]).dtype, hzp_ir::DType::F16);
+        let kernels: Vec<(&str, &[Arg])> = nw
+            .work
+            .iter()
+            .map(|w| match w {
+                Work::Kernel(l) => (l.kernel.as_str(), l.args.as_slice()),
+                other => panic!("`{}` lowers to {other:?}", node.name),
+            })
+            .collect();
+        for (k, _) in &kernels {
+            assert!(names.iter().any(|n| n == k), "no kernel {k}");
+        }
+        if is_grad {
+            let ks: Vec<&str> = kernels.iter().map(|k| k.0).collect();
+            assert_eq!(ks, ["attn_dq_f16", "attn_dkv_f16"], "`{}`", node.name);
+            grad += 1;
+        } else {
+            assert_eq!(kernels.len(), 1);
+            let (k, args) = kernels[0];
+            assert_eq!(k, "attn_fwd_pasa_f16");
+            // the dimensions, beta, then q, k, v, mask, o, lse
+            assert_eq!(args.len(), DIM_ARGS + 1 + 6);
+            assert_eq!(args[DIM_ARGS], Arg::F32(lower::PASA_BETA));
+            assert!(matches!(args[DIM_ARGS + 1], Arg::Ptr(_)));
+            fwd += 1;
+        }
+    }
+    assert!(fwd >= 2 && grad >= 2, "forward {fwd}, gradient {grad}");
+    // the same model in fp32 and bf16: refused, naming the flag
+    for precision in ["fp32", "bf16"] {
+        let plan = compile_with(
+            model,
+            "input_ids=4x16",
+            "gpu=1",
+            &["--precision", precision],
+        );
+        match lower::lower_program_with(&plan, 0, pasa) {
+            Ok(_) => panic!("--attention pasa lowered a {precision} plan"),
+            Err(e) => assert!(e.contains("--precision fp16"), "{e}"),
+        }
+    }
+    // and no choice: refused, naming the options
+    let off = LowerOptions {
+        attention: CudaAttention::Off,
+    };
+    match lower::lower_program_with(&plan, 0, off) {
+        Ok(_) => panic!("fused attention lowered without --attention"),
+        Err(e) => assert!(
+            e.contains("--attention pasa") && e.contains("--no-fuse-attention"),
+            "{e}"
+        ),
+    }
 }

@@ -5,8 +5,11 @@
 # path at world size 1. Made from ../shared/device/gpu_check.sh; payload in .device/ (made
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
-# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1|acco|attn (all by default; gpt2s alone takes the longest;
-# attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend),
+# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1|acco|attn|pasa (all by default; gpt2s alone takes the longest;
+# acco: issue 22's ACCO plans on CUDA against the CPU backend;
+# attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
+# pasa: the PASA fp16 kernel against exact attention (.device/cuda_pasa, the test binary of
+# runtime/tests/cuda_pasa.rs) and an fp16 plan trained with --attention pasa vs flash),
 # MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
 # Every run has its own timeout and the script goes on after a failure; `RESULT` lines are the
 # verdicts; everything (logs, JSON, flight records of failures) lands in $OUT.
@@ -173,6 +176,37 @@ print(f"RESULT attn perf gpt2s gpu=1: fused {f:.1f} ms, explicit {e:.1f} ms, exp
 PY
   else
     el "attn perf: no GPT-2 small export (run PART=gpt2s first)"
+  fi
+fi
+if [ $PART = all ] || [ $PART = pasa ]; then
+  el "== PASA (issue 16): attn_fwd_pasa_f16 vs exact f64 attention and its CPU emulation on overflow-prone inputs; beta=0 (plain fp16) must overflow"
+  if [ -x $D/cuda_pasa ]; then
+    HZP_REQUIRE_GPU=1 timeout $T $D/cuda_pasa --nocapture --test-threads 1 >$W/cuda_pasa.out 2>&1
+    rc=$?
+    grep '^RESULT' $W/cuda_pasa.out
+    if [ $rc = 0 ]; then el "RESULT pasa kernel: PASS"; else el "RESULT pasa kernel: FAIL rc=$rc"; tail -30 $W/cuda_pasa.out; fi
+  else
+    el "RESULT pasa kernel: FAIL no .device/cuda_pasa (run examples/device/prepare.sh)"
+  fi
+  el "== PASA end to end: gpt2_tiny compiled with --precision fp16, 5 steps on CUDA with --attention pasa vs --attention flash (losses within 1e-2)"
+  [ -f $W/gpt2_tiny.io4.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io4.npz 2
+  f=$W/gpt2_tiny.fp16
+  if $H compile $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie --precision fp16 --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr; then
+    for a in flash pasa; do
+      timeout $T $H run $f.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --backend cuda --attention $a --format json >$f.$a.out 2>$f.$a.err || { el "pasa e2e $a: FAIL rc=$?"; tail -10 $f.$a.err; }
+    done
+    python3 - $f.flash.out $f.pasa.out <<'PY'
+import json, sys
+try:
+    a, b = (json.load(open(x))["losses"] for x in sys.argv[1:3])
+    d = max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
+    ok = len(a) == len(b) and len(a) > 0 and all(y == y for y in b) and d <= 1e-2
+    print(f"RESULT pasa e2e gpt2_tiny fp16: {'PASS' if ok else 'FAIL'} losses flash {a} pasa {b} (largest relative difference {d:.2e})")
+except Exception as e:
+    print(f"RESULT pasa e2e gpt2_tiny fp16: FAIL ({e})")
+PY
+  else
+    el "RESULT pasa e2e: FAIL compile"; tail -5 $f.cerr
   fi
 fi
 (cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)

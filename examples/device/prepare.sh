@@ -1,7 +1,8 @@
 #!/bin/bash
 # Run in the project's root. Fills .device/ (git-ignored through .git/info/exclude) with what
 # multi_rank_check.sh needs on the device machine: a stripped release hzp built with
-# --features cuda, examples/bench/train_vs_torch.py (GPT-2 small's model and export) and the
+# --features cuda, the PASA kernel check (runtime/tests/cuda_pasa.rs) as a test binary,
+# examples/bench/train_vs_torch.py (GPT-2 small's model and export) and the
 # scripts beside this one. Then: device run, carry [".device"], command
 # `bash .device/multi_rank_check.sh`.
 set -eu
@@ -10,5 +11,12 @@ grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/i
 cargo build --release --features cuda --bin hzp
 rm -rf .device; mkdir -p .device
 cp "${CARGO_TARGET_DIR:-target}/release/hzp" .device/hzp; strip .device/hzp || true
+# the PASA kernel check (runtime/tests/cuda_pasa.rs) as a test binary
+pasa=$(cargo test --release -p hzp-runtime --features cuda --test cuda_pasa --no-run --message-format=json \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_pasa": print(m["executable"])')
+cp "$pasa" .device/cuda_pasa; strip .device/cuda_pasa || true
 cp examples/bench/train_vs_torch.py "$here"/multi_rank_check.sh "$here"/compare_ranks.py "$here"/make_gpt2s.py .device/
 du -sh .device

@@ -112,6 +112,7 @@ impl Default for CudaOneGpu {
                 comm: Default::default(),
                 timeout: crate::watchdog::DEFAULT_TIMEOUT,
                 on_failure: None,
+                lower: crate::cuda::lower::LowerOptions::from_env(),
             },
         }
     }

@@ -18,6 +18,7 @@ pub mod matmul;
 pub mod movement;
 pub mod norm;
 pub mod optim;
+pub mod pasa;
 pub mod reduce;
 pub mod threads;
 

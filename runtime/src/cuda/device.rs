@@ -43,6 +43,8 @@ pub struct CudaOptions {
     /// collectives may take (`--collective-timeout`): past it, NCCL communicators are aborted
     /// and the step fails naming what it waited for.
     pub timeout: Duration,
+    /// How the plan is lowered (`--attention`).
+    pub lower: super::lower::LowerOptions,
 }
 
 impl Default for CudaOptions {
@@ -50,6 +52,7 @@ impl Default for CudaOptions {
         CudaOptions {
             comm: CommMode::Async,
             timeout: Duration::from_secs(300),
+            lower: super::lower::LowerOptions::from_env(),
         }
     }
 }
@@ -318,7 +321,8 @@ impl CudaExecutor {
             .map_err(run_err)?;
         pr.preload(&need).map_err(run_err)?;
         // Refuse what the backend cannot run before touching the device.
-        let low = super::lower::lower_program(plan, dist.rank).map_err(ExecError::Plan)?;
+        let low = super::lower::lower_program_with(plan, dist.rank, opts.lower)
+            .map_err(ExecError::Plan)?;
         let shards = cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
         let rank = dist.rank;
         Self::open(plan, low, &shards[rank], opts, dist, None)
@@ -337,7 +341,8 @@ impl CudaExecutor {
         image: &[u8],
     ) -> Result<CudaExecutor, ExecError> {
         let world = plan.mesh.world_size();
-        let low = super::lower::lower_program(plan, rank).map_err(ExecError::Plan)?;
+        let low =
+            super::lower::lower_program_with(plan, rank, opts.lower).map_err(ExecError::Plan)?;
         let dist = DistEnv {
             rank,
             world_size: world,

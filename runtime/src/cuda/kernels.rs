@@ -10,7 +10,7 @@ pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 /// Copies through n-d walks, Trilu, Gather*, Scatter*, OneHot, TopK.
 pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
 /// Fused attention: the forward (`attn_fwd`) and the gradient's two kernels (`attn_dq`,
-/// `attn_dkv`), tiled with an online softmax.
+/// `attn_dkv`), tiled with an online softmax; PASA's fp16 forward (`attn_fwd_pasa_f16`).
 pub const ATTENTION: &str = include_str!("kernels/attention.cu");
 /// The local device communicator's reductions (`coll_acc_*`, `coll_scale_*`).
 pub const COLLECTIVE: &str = include_str!("kernels/collective.cu");
@@ -97,6 +97,8 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.push("adamw_f32".into());
+    // PASA's fp16 forward exists for f16 only
+    v.push("attn_fwd_pasa_f16".into());
     // the local device communicator's reductions (see `transport`)
     v.extend(super::local_kernel_names());
     v

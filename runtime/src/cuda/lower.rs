@@ -294,9 +294,57 @@ pub fn fill_bits(dtype: DType, value: f64) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// Which CUDA kernels run a plan's fused attention (`Attention`, `AttentionGrad`): the
+/// choice of `hzp run --attention`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CudaAttention {
+    /// Refused, naming the options (the default: the kernels have not run on a GPU yet).
+    #[default]
+    Off,
+    /// `attn_fwd`, then `attn_dq` and `attn_dkv` (`--attention flash`, or
+    /// `HZP_CUDA_ATTENTION=1`): f32/bf16/f16 operands, f32 arithmetic.
+    Flash,
+    /// PASA (`--attention pasa`): the forward `attn_fwd_pasa_f16` in fp16 throughout (see
+    /// `cpu::pasa`), the gradient by the f16 `attn_dq` and `attn_dkv`, which recompute the
+    /// probabilities in f32 from the true log-sum-exp PASA saves. f16 attention only.
+    Pasa,
+}
+
+/// How to lower a plan (the choices `hzp run` passes down).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    pub attention: CudaAttention,
+}
+
+impl LowerOptions {
+    /// The defaults, with `HZP_CUDA_ATTENTION=1` read as [`CudaAttention::Flash`].
+    pub fn from_env() -> LowerOptions {
+        let flash = std::env::var("HZP_CUDA_ATTENTION").is_ok_and(|v| v == "1");
+        LowerOptions {
+            attention: if flash {
+                CudaAttention::Flash
+            } else {
+                CudaAttention::Off
+            },
+        }
+    }
+}
+
+/// The `β` of PASA's pseudo-average shift (see `cpu::pasa`).
+pub const PASA_BETA: f32 = crate::cpu::pasa::PASA_BETA;
+
+/// Lowers `plan` for `rank` with [`LowerOptions::from_env`].
+pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
+    lower_program_with(plan, rank, LowerOptions::from_env())
+}
+
 /// Lowers `plan` for `rank`. Every node is checked here: a plan using an op (or a form of
 /// an op) the backend does not run is refused with the node's name, before any device work.
-pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
+pub fn lower_program_with(
+    plan: &Plan,
+    rank: usize,
+    opts: LowerOptions,
+) -> Result<LoweredPlan, String> {
     let p: &Program = &plan.program;
     let mesh: &Mesh = &plan.mesh;
     if rank >= mesh.world_size() {
@@ -315,6 +363,7 @@ pub fn lower_program(plan: &Plan, rank: usize) -> Result<LoweredPlan, String> {
         loc: &loc,
         events,
         comm_list: Vec::new(),
+        opts,
     };
     let mut nodes = Vec::with_capacity(p.nodes.len());
     for (ni, n) in p.nodes.iter().enumerate() {
@@ -410,6 +459,7 @@ struct Lowering<'a> {
     stored_transposed: Vec<bool>,
     /// Communicators in first-use order (renumbered in sorted order at the end).
     comm_list: Vec<CommKey>,
+    opts: LowerOptions,
 }
 
 impl Lowering<'_> {
@@ -438,6 +488,7 @@ impl Lowering<'_> {
             ins,
             outs,
             trans: [trans(0), trans(1)],
+            attention: self.opts.attention,
         };
         let work = match &n.op {
             Op::Transpose { .. } if n.outputs.iter().any(|y| self.stored_transposed[y.index()]) => {
@@ -553,6 +604,8 @@ struct NodeCtx<'a> {
     outs: Vec<(u64, &'a TensorType)>,
     /// MatMul operands stored transposed (see [`Gemm::trans_a`]).
     trans: [bool; 2],
+    /// The kernels fused attention runs with.
+    attention: CudaAttention,
 }
 
 fn check_rank(shape: &[usize]) -> Result<(), String> {
@@ -1273,28 +1326,30 @@ fn lower_matmul(c: &NodeCtx) -> Result<Gemm, String> {
     })
 }
 
-/// Element strides (matrix size `mat`) of batch dims `x` broadcast to `batch`.
-/// Whether plans with fused attention may run on the CUDA backend: its kernels compile with
-/// NVRTC in CI but have not been checked on a GPU yet, so they run only when
-/// `HZP_CUDA_ATTENTION=1` asks for them.
-fn cuda_attention_enabled() -> bool {
-    std::env::var("HZP_CUDA_ATTENTION").is_ok_and(|v| v == "1")
-}
-
-/// The launches of a fused attention (`attn_fwd`) or of its gradient (`attn_dq`, then
-/// `attn_dkv`). Operands: q, k, v (and o, lse, do for the gradient), then the optional
-/// additive mask, read through its broadcast strides over [B, HQ, T, S].
+/// The launches of a fused attention (`attn_fwd`, or `attn_fwd_pasa_f16` with
+/// [`CudaAttention::Pasa`]) or of its gradient (`attn_dq`, then `attn_dkv`). Operands: q, k,
+/// v (and o, lse, do for the gradient), then the optional additive mask, read through its
+/// broadcast strides over [B, HQ, T, S].
 fn lower_attention(op: &Op, c: &NodeCtx, scale: f64, causal: bool) -> Result<Vec<Work>, String> {
-    if !cuda_attention_enabled() {
+    if c.attention == CudaAttention::Off {
         return Err(format!(
             "{} (fused attention) on the CUDA backend is not verified on a GPU yet: compile \
              the model with --no-fuse-attention to keep attention as explicit products and \
-             softmax, or set HZP_CUDA_ATTENTION=1 to run the experimental kernels",
+             softmax, or run with --attention flash (or HZP_CUDA_ATTENTION=1) for the \
+             experimental kernels, --attention pasa for PASA in fp16",
             op.name()
         ));
     }
     let grad = matches!(op, Op::AttentionGrad { .. });
     let ((q, qt), (k, kt), (v, vt)) = (c.ins[0], c.ins[1], c.ins[2]);
+    let pasa = c.attention == CudaAttention::Pasa;
+    if pasa && qt.dtype != DType::F16 {
+        return Err(format!(
+            "--attention pasa computes attention in fp16, but this plan's attention is {}: \
+             compile the model with --precision fp16",
+            qt.dtype
+        ));
+    }
     let (b, hq, t, d) = (qt.shape[0], qt.shape[1], qt.shape[2], qt.shape[3]);
     let (hkv, s, dv) = (kt.shape[1], kt.shape[2], vt.shape[3]);
     if d > ATTENTION_MAX_HEAD || dv > ATTENTION_MAX_HEAD {
@@ -1333,6 +1388,25 @@ fn lower_attention(op: &Op, c: &NodeCtx, scale: f64, causal: bool) -> Result<Vec
     let query_blocks = b * hq * t.div_ceil(ATTENTION_ROWS);
     if !grad {
         let ((o, _), (lse, _)) = (c.outs[0], c.outs[1]);
+        if pasa {
+            // (the kernel exists for f16 only: its name has no dtype to add)
+            let mut args = dims.clone();
+            args.push(Arg::F32(PASA_BETA));
+            args.extend([
+                Arg::Ptr(q),
+                Arg::Ptr(k),
+                Arg::Ptr(v),
+                mask,
+                Arg::Ptr(o),
+                Arg::Ptr(lse),
+            ]);
+            return Ok(vec![Work::Kernel(Launch {
+                kernel: "attn_fwd_pasa_f16".into(),
+                grid: lane_grid(query_blocks),
+                block: ATTENTION_THREADS,
+                args,
+            })]);
+        }
         let ptrs = vec![
             Arg::Ptr(q),
             Arg::Ptr(k),

@@ -93,6 +93,8 @@ pub struct RunOptions {
     /// Gets the flight report of a failed step (this process's ranks) before the error is
     /// returned.
     pub on_failure: Option<crate::watchdog::StuckHook>,
+    /// How the plan is lowered (`--attention`).
+    pub lower: lower::LowerOptions,
 }
 
 /// What [`run_plan_one_gpu`] gives back.
@@ -143,7 +145,7 @@ fn one_gpu_built(
     let world = plan.mesh.world_size();
     // every rank's lowering first: refuse what the backend cannot run before the device
     for r in 0..world {
-        lower::lower_program(plan, r).map_err(ExecError::Plan)?;
+        lower::lower_program_with(plan, r, opts.lower).map_err(ExecError::Plan)?;
     }
     let shards =
         crate::exec::cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
@@ -162,6 +164,7 @@ fn one_gpu_built(
     let copts = CudaOptions {
         comm: opts.comm,
         timeout: opts.timeout,
+        lower: opts.lower,
     };
     let mut exs = Vec::with_capacity(world);
     for (r, sh) in shards.iter().enumerate() {
@@ -314,6 +317,7 @@ fn run_built(
     let opts = CudaOptions {
         comm: opts.comm,
         timeout: opts.timeout,
+        lower: opts.lower,
     };
     let mut ex = CudaExecutor::new(plan, full_params, opts)?;
     let mut out = Vec::with_capacity(steps);

@@ -290,3 +290,128 @@ __device__ void attn_dkv_k(AtDims a, const T* q, const T* k, const T* v, const T
     extern "C" __global__ void attn_dq_##N(AT_DIM_PARAMS, const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, const T* mask, T* dq) { attn_dq_k<T>(AT_DIMS, q, k, v, o, lse, dout, mask, dq); } \
     extern "C" __global__ void attn_dkv_##N(AT_DIM_PARAMS, const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, const T* mask, T* dk, T* dv_) { attn_dkv_k<T>(AT_DIMS, q, k, v, o, lse, dout, mask, dk, dv_); }
 FLOAT_TYPES(ATTENTION_FLOAT)
+
+// PASA (Pseudo-Average Shifting Attention, arXiv 2503.01873): the forward in fp16 for f16
+// operands, every kept value rounded to fp16 as `runtime/src/cpu/pasa.rs` describes and
+// emulates step by step (its module comment is the specification; this kernel runs the same
+// roundings, with dot products summed by the lanes' butterfly instead of in order). Per key
+// tile of AT_BC keys: the tile's pseudo-average h = fp16(beta fp16(mean of its key rows))
+// (one thread per head-dimension column, keys summed in order), the keys shifted in shared
+// memory, K' = fp16(K - h); per query row the running maximum moves into the tile's frame,
+// m = fp16(m - fp16(fp16(q . fp16(h - h_prev)) scale)) (global recovering), then the online
+// softmax over the tile's shifted scores S' = fp16(fp16(q . K') scale) (+ mask), with
+// fp16 probabilities, row sum, rescaling and accumulator. The output is fp16(acc / l); the
+// saved lse = m + log l + scale q . h_last is the true row log-sum-exp (f32), so the f16
+// gradient kernels above serve PASA's backward. Threads, tiles and causal skipping as in
+// attn_fwd.
+
+__device__ __forceinline__ float pa_r16(float x) { return to_f(from_f<f16>(x)); }
+
+__device__ void attn_fwd_pasa_k(AtDims a, float beta, const f16* q, const f16* k, const f16* v,
+                                const f16* mask, f16* o, float* lse) {
+    __shared__ float ks[AT_BC][AT_DMAX];   // the tile's shifted keys K'
+    __shared__ float vs[AT_BC][AT_DMAX];
+    __shared__ float sh[2][AT_DMAX];       // this tile's shift h and the previous tile's
+    __shared__ float dsh[AT_DMAX];         // fp16(h - h_prev)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const i64 tiles = (a.t + AT_BR - 1) / AT_BR;
+    const i64 group = a.hq / a.hkv;
+    for (i64 blk = blockIdx.x; blk < a.b * a.hq * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles, bh = blk / tiles, h = bh % a.hq, b = bh / a.hq;
+        const i64 hk = h / group;
+        const f16* kb = k + (b * a.hkv + hk) * a.s * a.d;
+        const f16* vb = v + (b * a.hkv + hk) * a.s * a.dv;
+        const i64 i0 = tile * AT_BR;
+        float qr[AT_RPW][AT_EPL], acc[AT_RPW][AT_EPL], m[AT_RPW], l[AT_RPW];
+        for (int r = 0; r < AT_RPW; ++r) {
+            const i64 i = i0 + warp + (i64)r * AT_WARPS;
+            m[r] = at_neg_inf();
+            l[r] = 0.0f;
+            for (int e = 0; e < AT_EPL; ++e) {
+                const i64 c = lane + 32 * e;
+                qr[r][e] = (i < a.t && c < a.d) ? to_f(q[((bh * a.t) + i) * a.d + c]) : 0.0f;
+                acc[r][e] = 0.0f;
+            }
+        }
+        const i64 last = (i0 + AT_BR < a.t ? i0 + AT_BR : a.t) - 1;
+        const i64 s_end = (a.causal && last + 1 < a.s) ? last + 1 : a.s;
+        int cur = 0;
+        i64 jt = 0;
+        for (i64 j0 = 0; j0 < s_end; j0 += AT_BC, ++jt) {
+            const i64 jn = (a.s - j0 < AT_BC) ? a.s - j0 : AT_BC;
+            __syncthreads();
+            at_load(ks, AT_BC, kb, j0, jn, a.d);
+            at_load(vs, AT_BC, vb, j0, jn, a.dv);
+            __syncthreads();
+            // the tile's pseudo-average and shifted keys, one thread per column
+            for (int c = threadIdx.x; c < AT_DMAX; c += blockDim.x) {
+                float sum = 0.0f;
+                for (i64 jj = 0; jj < jn; ++jj) sum += ks[jj][c];
+                const float hc = c < a.d ? pa_r16(beta * pa_r16(sum / (float)jn)) : 0.0f;
+                dsh[c] = jt > 0 ? pa_r16(hc - sh[cur][c]) : 0.0f;
+                sh[cur ^ 1][c] = hc;
+                for (i64 jj = 0; jj < jn; ++jj) ks[jj][c] = pa_r16(ks[jj][c] - hc);
+            }
+            cur ^= 1;
+            __syncthreads();
+            for (int r = 0; r < AT_RPW; ++r) {
+                const i64 i = i0 + warp + (i64)r * AT_WARPS;
+                if (i >= a.t) continue;
+                // global recovering: the running maximum into this tile's frame
+                if (jt > 0 && m[r] != at_neg_inf()) {
+                    float part = 0.0f;
+                    for (int e = 0; e < AT_EPL; ++e) part += qr[r][e] * dsh[lane + 32 * e];
+                    const float delta = pa_r16(pa_r16(at_warp_sum(part)) * a.scale);
+                    m[r] = pa_r16(m[r] - delta);
+                }
+                float p[AT_BC];
+                float bmax = at_neg_inf();
+#pragma unroll
+                for (int jj = 0; jj < AT_BC; ++jj) {
+                    p[jj] = at_neg_inf();
+                    const i64 j = j0 + jj;
+                    if (jj >= jn || (a.causal && j > i)) continue;
+                    float part = 0.0f;
+                    for (int e = 0; e < AT_EPL; ++e) part += qr[r][e] * ks[jj][lane + 32 * e];
+                    float sc = pa_r16(pa_r16(at_warp_sum(part)) * a.scale);
+                    if (mask) sc = pa_r16(sc + at_mask(mask, a, b, h, i, j));
+                    p[jj] = sc;
+                    bmax = fmaxf(bmax, sc);
+                }
+                const float mn = fmaxf(m[r], bmax);
+                if (mn == at_neg_inf()) continue;
+                const float corr = m[r] == at_neg_inf() ? 0.0f : pa_r16(expf(pa_r16(m[r] - mn)));
+                float psum = 0.0f;
+#pragma unroll
+                for (int jj = 0; jj < AT_BC; ++jj) {
+                    p[jj] = p[jj] == at_neg_inf() ? 0.0f : pa_r16(expf(pa_r16(p[jj] - mn)));
+                    psum += p[jj];
+                }
+                l[r] = pa_r16(pa_r16(l[r] * corr) + pa_r16(psum));
+                for (int e = 0; e < AT_EPL; ++e) {
+                    float pv = 0.0f;
+#pragma unroll
+                    for (int jj = 0; jj < AT_BC; ++jj) pv += p[jj] * vs[jj][lane + 32 * e];
+                    acc[r][e] = pa_r16(pa_r16(acc[r][e] * corr) + pa_r16(pv));
+                }
+                m[r] = mn;
+            }
+        }
+        for (int r = 0; r < AT_RPW; ++r) {
+            const i64 i = i0 + warp + (i64)r * AT_WARPS;
+            if (i >= a.t) continue;
+            for (int e = 0; e < AT_EPL; ++e) {
+                const i64 c = lane + 32 * e;
+                if (c < a.dv) o[((bh * a.t) + i) * a.dv + c] = from_f<f16>(l[r] != 0.0f ? acc[r][e] / l[r] : 0.0f);
+            }
+            float part = 0.0f;
+            for (int e = 0; e < AT_EPL; ++e) part += jt > 0 ? qr[r][e] * sh[cur][lane + 32 * e] : 0.0f;
+            const float shift = at_warp_sum(part) * a.scale;
+            if (lane == 0) lse[bh * a.t + i] = l[r] != 0.0f ? m[r] + logf(l[r]) + shift : at_neg_inf();
+        }
+    }
+}
+
+extern "C" __global__ void attn_fwd_pasa_f16(AT_DIM_PARAMS, float beta, const f16* q, const f16* k, const f16* v, const f16* mask, f16* o, float* lse) {
+    attn_fwd_pasa_k(AT_DIMS, beta, q, k, v, mask, o, lse);
+}
