@@ -376,6 +376,7 @@ fn process_setup() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
+    keep_freed_memory();
     install_panic_hook();
     // Errors read in a log or by a script must keep each message on one line: wrap them
     // to the terminal's width only when stderr is a terminal (a long path would otherwise
@@ -384,6 +385,29 @@ fn process_setup() {
         let _ = miette::set_hook(Box::new(|_| {
             Box::new(miette::MietteHandlerOpts::new().wrap_lines(false).build())
         }));
+    }
+}
+
+// mimalloc's option setter (in the linked C library; the `mimalloc` crate declares it only
+// with its `extended` feature).
+extern "C" {
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+}
+/// `mi_option_purge_delay` in mimalloc v3's `mi_option_t`.
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+/// Tells mimalloc to keep freed memory for reuse instead of returning it to the OS 10 ms
+/// after it is freed (unless `MIMALLOC_PURGE_DELAY` is set). The compiler's passes each build
+/// a new program and free the last one; with purging, every pass that outlived the delay
+/// got fresh pages the kernel had to zero again, so the time spent zeroing pages grew faster
+/// than the program (issue 19: at 768 GPT layers 34k-54k page faults and over a second of
+/// system time, against about 540 faults without purging; the peak resident memory is about
+/// a tenth higher than with purging).
+fn keep_freed_memory() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: mi_option_set stores one integer in mimalloc's option table; the option is
+        // read when memory is freed, and any value is valid (-1: never purge).
+        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     }
 }
 

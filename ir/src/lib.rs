@@ -28,8 +28,8 @@ pub use plan::{
     content_hash_of, format_bytes, Buffer, BufferKind, Plan, PlanError, ShardGroups, PLAN_VERSION,
 };
 pub use program::{
-    Const, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value, ValueDef,
-    ValueId,
+    Const, FreshNames, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value,
+    ValueDef, ValueId,
 };
 pub use role::{Role, RoleKind};
 pub use tensor::{Data, Tensor};

@@ -316,7 +316,7 @@ impl Plan {
     /// [`content_hash_of`]).
     pub fn compute_hash(&self) -> String {
         let printed = text::print(&self.program);
-        hash_repr(&self.repr(&printed, None))
+        hash_repr(&mut self.repr(&printed, None))
     }
 
     /// The JSON form, pretty-printed, ending in a newline. Deterministic: the same plan gives
@@ -330,11 +330,17 @@ impl Plan {
     pub fn to_json_and_hash(&self) -> (String, String) {
         let printed = text::print(&self.program);
         let mut repr = self.repr(&printed, None);
-        let hash = hash_repr(&repr);
+        let hash = hash_repr(&mut repr);
         repr.content_hash = Some(Cow::Borrowed(&hash));
-        let mut s = serde_json::to_string_pretty(&repr)
+        // Sized up front (the indented program lines and the buffer and layout objects,
+        // generously): grown by doubling, the tens of MiB of a large plan were copied
+        // several times into fresh pages.
+        let cap = printed.len() * 2 + (self.buffers.len() + self.layouts.len()) * 512 + 4096;
+        let mut out = Vec::with_capacity(cap);
+        serde_json::to_writer_pretty(&mut out, &repr)
             .expect("serializing strings, numbers and lists to JSON cannot fail");
-        s.push('\n');
+        out.push(b'\n');
+        let s = String::from_utf8(out).expect("serde_json writes UTF-8");
         (s, hash)
     }
 
@@ -384,7 +390,7 @@ impl Plan {
                 })
             }
         };
-        let computed = hash_repr(&repr);
+        let computed = hash_repr(&mut repr);
         if recorded != computed {
             return Err(PlanError::Modified {
                 file: file_name.to_string(),
@@ -585,11 +591,27 @@ fn check_mesh(m: &Mesh) -> Result<(), String> {
     Ok(())
 }
 
-fn hash_repr(repr: &PlanRepr<'_>) -> String {
+fn hash_repr(repr: &mut PlanRepr<'_>) -> String {
     debug_assert!(repr.content_hash.is_none());
-    let v = serde_json::to_value(repr)
-        .expect("serializing strings, numbers and lists to JSON cannot fail");
-    content_hash_of(&v)
+    // The program's lines (most of a large plan) are hashed as they are; the rest goes
+    // through a JSON value, which sorts the keys. (A value tree of every line was the
+    // largest allocation of the plan's last phase.)
+    let program = std::mem::take(&mut repr.program);
+    let v = serde_json::to_value(&*repr);
+    repr.program = program;
+    let v = v.expect("serializing strings, numbers and lists to JSON cannot fail");
+    let serde_json::Value::Object(m) = &v else {
+        unreachable!("a plan serializes to a JSON object")
+    };
+    let mut h = Sha256::new();
+    // (`to_value` wrote the emptied program as `[]`: left out, and the lines written instead)
+    write_object(
+        &mut h,
+        m,
+        &["content_hash", "program"],
+        Some(("program", &repr.program)),
+    );
+    hex(&h.finish())
 }
 
 /// The content hash of a plan's JSON object: the hex SHA-256 of its canonical form, which is
@@ -598,14 +620,57 @@ fn hash_repr(repr: &PlanRepr<'_>) -> String {
 pub fn content_hash_of(v: &serde_json::Value) -> String {
     let mut h = Sha256::new();
     match v {
-        serde_json::Value::Object(m) => {
-            let mut m = m.clone();
-            m.remove("content_hash");
-            write_canonical(&mut h, &serde_json::Value::Object(m));
-        }
+        // The object without its `content_hash` entry, written in place (a clone of the
+        // plan's whole JSON tree to drop one key was a visible share of the compile time).
+        serde_json::Value::Object(m) => write_object(&mut h, m, &["content_hash"], None),
         other => write_canonical(&mut h, other),
     }
     hex(&h.finish())
+}
+
+/// Writes a JSON object in canonical form (keys sorted), leaving out the keys in `skip`;
+/// `lines` is one more entry, a list of strings.
+fn write_object(
+    h: &mut Sha256,
+    m: &serde_json::Map<String, serde_json::Value>,
+    skip: &[&str],
+    lines: Option<(&str, &[Cow<'_, str>])>,
+) {
+    enum Entry<'v, 'l> {
+        Json(&'v serde_json::Value),
+        Lines(&'l [Cow<'l, str>]),
+    }
+    let mut entries: Vec<(&str, Entry)> = m
+        .iter()
+        .filter(|&(k, _)| !skip.contains(&k.as_str()))
+        .map(|(k, x)| (k.as_str(), Entry::Json(x)))
+        .collect();
+    if let Some((k, l)) = lines {
+        entries.push((k, Entry::Lines(l)));
+    }
+    entries.sort_by_key(|&(k, _)| k);
+    h.update(b"{");
+    for (i, (k, x)) in entries.into_iter().enumerate() {
+        if i > 0 {
+            h.update(b",");
+        }
+        write_string(h, k);
+        h.update(b":");
+        match x {
+            Entry::Json(x) => write_canonical(h, x),
+            Entry::Lines(l) => {
+                h.update(b"[");
+                for (j, s) in l.iter().enumerate() {
+                    if j > 0 {
+                        h.update(b",");
+                    }
+                    write_string(h, s);
+                }
+                h.update(b"]");
+            }
+        }
+    }
+    h.update(b"}");
 }
 
 fn write_canonical(h: &mut Sha256, v: &serde_json::Value) {
@@ -625,20 +690,7 @@ fn write_canonical(h: &mut Sha256, v: &serde_json::Value) {
             }
             h.update(b"]");
         }
-        Value::Object(m) => {
-            let mut entries: Vec<(&String, &Value)> = m.iter().collect();
-            entries.sort_by_key(|&(k, _)| k);
-            h.update(b"{");
-            for (i, (k, x)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    h.update(b",");
-                }
-                write_string(h, k);
-                h.update(b":");
-                write_canonical(h, x);
-            }
-            h.update(b"}");
-        }
+        Value::Object(m) => write_object(h, m, &[], None),
     }
 }
 

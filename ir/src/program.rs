@@ -436,71 +436,51 @@ impl Program {
         self.retain(&live_v, &live_n);
     }
 
-    /// Keeps the marked values and nodes, renumbering densely in order.
+    /// Keeps the marked values and nodes, renumbering densely in order. Compacts the arenas
+    /// in place (moves, no clones): on a large program this pass runs many times, and copying
+    /// every name and node into fresh vectors was a large share of the compile's memory
+    /// traffic.
     fn retain(&mut self, live_v: &[bool], live_n: &[bool]) {
         let mut vmap = vec![u32::MAX; self.values.len()];
-        let mut values = Vec::new();
-        for (i, v) in self.values.iter().enumerate() {
+        let mut kept = 0u32;
+        for (i, m) in vmap.iter_mut().enumerate() {
             if live_v[i] {
-                vmap[i] = values.len() as u32;
-                values.push(v.clone());
+                *m = kept;
+                kept += 1;
             }
         }
-        let mut nodes = Vec::new();
-        for (i, n) in self.nodes.iter().enumerate() {
-            if live_n[i] {
-                let id = NodeId(nodes.len() as u32);
-                let mut n = n.clone();
-                for v in n.inputs.iter_mut().chain(n.outputs.iter_mut()) {
-                    *v = ValueId(vmap[v.index()]);
-                }
-                for (slot, o) in n.outputs.iter().enumerate() {
-                    values[o.index()].def = ValueDef::Node {
-                        node: id,
-                        slot: slot as u32,
-                    };
-                }
-                nodes.push(n);
+        let mut i = 0;
+        self.values.retain(|_| {
+            i += 1;
+            live_v[i - 1]
+        });
+        let mut i = 0;
+        self.nodes.retain(|_| {
+            i += 1;
+            live_n[i - 1]
+        });
+        for (id, n) in self.nodes.iter_mut().enumerate() {
+            for v in n.inputs.iter_mut().chain(n.outputs.iter_mut()) {
+                *v = ValueId(vmap[v.index()]);
+            }
+            for (slot, o) in n.outputs.iter().enumerate() {
+                self.values[o.index()].def = ValueDef::Node {
+                    node: NodeId(id as u32),
+                    slot: slot as u32,
+                };
             }
         }
-        let remap = |v: &ValueId| ValueId(vmap[v.index()]);
-        self.inputs = self.inputs.iter().map(remap).collect();
-        self.outputs = self.outputs.iter().map(remap).collect();
-        self.params = self
-            .params
-            .iter()
-            .map(|p| Param {
-                value: remap(&p.value),
-                data: p.data.clone(),
-            })
-            .collect();
-        self.consts = self
-            .consts
-            .iter()
-            .filter(|c| live_v[c.value.index()])
-            .map(|c| Const {
-                value: remap(&c.value),
-                data: c.data.clone(),
-            })
-            .collect();
-        self.states = self
-            .states
-            .iter()
-            .map(|s| State {
-                value: remap(&s.value),
-                init: s.init.clone(),
-            })
-            .collect();
-        self.updates = self
-            .updates
-            .iter()
-            .map(|u| Update {
-                target: remap(&u.target),
-                value: remap(&u.value),
-            })
-            .collect();
-        self.values = values;
-        self.nodes = nodes;
+        let remap = |v: &mut ValueId| *v = ValueId(vmap[v.index()]);
+        self.inputs.iter_mut().for_each(remap);
+        self.outputs.iter_mut().for_each(remap);
+        self.params.iter_mut().for_each(|p| remap(&mut p.value));
+        self.consts.retain(|c| live_v[c.value.index()]);
+        self.consts.iter_mut().for_each(|c| remap(&mut c.value));
+        self.states.iter_mut().for_each(|s| remap(&mut s.value));
+        for u in &mut self.updates {
+            remap(&mut u.target);
+            remap(&mut u.value);
+        }
     }
 }
 
@@ -552,6 +532,47 @@ impl NameSet {
     }
 }
 
+/// A [`NameSet`] over the names of a program it borrows: a pass that builds a new program
+/// from `p` hands out names that collide with none of `p`'s, without copying them all.
+#[derive(Debug)]
+pub struct FreshNames<'a> {
+    program: foldhash::HashSet<&'a str>,
+    added: NameSet,
+}
+
+impl<'a> FreshNames<'a> {
+    pub fn over(p: &'a Program) -> FreshNames<'a> {
+        let mut program =
+            foldhash::HashSet::with_capacity_and_hasher(p.values.len(), Default::default());
+        program.extend(p.values.iter().map(|v| v.name.as_str()));
+        FreshNames {
+            program,
+            added: NameSet::default(),
+        }
+    }
+
+    /// Marks `name` used; returns false if it already was.
+    fn insert(&mut self, name: &str) -> bool {
+        !self.program.contains(name) && self.added.insert(name)
+    }
+
+    /// As [`NameSet::fresh`], over the program's names and those handed out.
+    pub fn fresh(&mut self, base: &str) -> String {
+        if self.insert(base) {
+            return base.to_string();
+        }
+        let mut i = self.added.next.get(base).copied().unwrap_or(1);
+        loop {
+            let cand = format!("{base}.{i}");
+            i += 1;
+            if self.insert(&cand) {
+                self.added.next.insert(base.to_string(), i);
+                return cand;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -596,5 +617,17 @@ mod tests {
         assert_eq!(n.fresh("a"), "a");
         assert_eq!(n.fresh("a"), "a.1");
         assert_eq!(n.fresh("a"), "a.2");
+    }
+
+    #[test]
+    fn fresh_names_over_a_program_avoid_its_names() {
+        let mut p = Program::new("t");
+        p.add_input("a", TensorType::new(DType::F32, vec![2]));
+        p.add_input("a.1", TensorType::new(DType::F32, vec![2]));
+        let mut n = FreshNames::over(&p);
+        assert_eq!(n.fresh("a"), "a.2");
+        assert_eq!(n.fresh("a"), "a.3");
+        assert_eq!(n.fresh("b"), "b");
+        assert_eq!(n.fresh("b"), "b.1");
     }
 }

@@ -60,8 +60,8 @@ use crate::cost::{Algorithm, CollectiveKind, CostModel};
 use crate::dist::streams::stream_for;
 use egg::{Analysis, CostFunction, DidMerge, EGraph, Extractor, Id, Language};
 use hzp_ir::{
-    DType, Group, Mesh, NameSet, Node, Op, Param, Program, ReduceOp, Role, StreamKind, TensorType,
-    ValueDef, ValueId,
+    DType, Group, Mesh, Node, Op, Param, Program, ReduceOp, Role, StreamKind, TensorType, ValueDef,
+    ValueId,
 };
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
@@ -337,9 +337,9 @@ struct Edit<'a> {
     new: Vec<NewNode>,
     /// The role of nodes added by [`Edit::push`]: that of the node(s) they stand for.
     role: Role,
-    names: NameSet,
-    /// Next suffix to try per base name (so n fresh names of one base cost O(n)).
-    next_suffix: HashMap<String, usize>,
+    /// The names in use: `p`'s (borrowed) and those [`Edit::fresh`] handed out; built at
+    /// the first `fresh` (an edit that only removes nodes needs none).
+    names: Option<hzp_ir::FreshNames<'a>>,
 }
 
 impl<'a> Edit<'a> {
@@ -350,8 +350,7 @@ impl<'a> Edit<'a> {
             subst: HashMap::new(),
             new: Vec::new(),
             role: Role::default(),
-            names: NameSet::from_program(p),
-            next_suffix: HashMap::new(),
+            names: None,
         }
     }
 
@@ -369,19 +368,12 @@ impl<'a> Edit<'a> {
         VRef::New(self.new.len() - 1)
     }
 
-    /// `base` if free, else `base.1`, `base.2`, ... (as [`NameSet::fresh`]).
+    /// `base` if free, else `base.1`, `base.2`, ... (as [`hzp_ir::NameSet::fresh`]).
     fn fresh(&mut self, base: &str) -> String {
-        if self.names.insert(base) {
-            return base.to_string();
-        }
-        let next = self.next_suffix.entry(base.to_string()).or_insert(1);
-        loop {
-            let cand = format!("{base}.{next}");
-            *next += 1;
-            if self.names.insert(&cand) {
-                return cand;
-            }
-        }
+        let p = self.p;
+        self.names
+            .get_or_insert_with(|| hzp_ir::FreshNames::over(p))
+            .fresh(base)
     }
 
     fn resolve(&self, mut r: VRef) -> Result<VRef, String> {
@@ -545,6 +537,10 @@ fn declarations_of(p: &Program) -> (Program, Vec<Option<ValueId>>) {
     let mut q = Program::new(p.name.clone());
     q.mesh = p.mesh.clone();
     q.precision = p.precision;
+    // The rewritten program is about the size of `p`: sized up front, its arenas are not
+    // regrown (and copied) while it is rebuilt.
+    q.values.reserve(p.values.len() + p.values.len() / 8);
+    q.nodes.reserve(p.nodes.len() + p.nodes.len() / 8);
     let mut vmap: Vec<Option<ValueId>> = vec![None; p.values.len()];
     for (i, v) in p.values.iter().enumerate() {
         if !matches!(v.def, ValueDef::Node { .. }) {

@@ -898,8 +898,9 @@ impl Declarations {
             });
         }
         let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
+        // (one name set for all constants: `fresh` marks each name it hands out)
+        let mut names = hzp_ir::NameSet::from_program(q);
         for c in &micro.consts {
-            let mut names = hzp_ir::NameSet::from_program(q);
             let name = names.fresh(&micro.value(c.value).name);
             consts.insert(c.value, q.add_const(name, c.data.clone()));
         }

@@ -41,6 +41,9 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
     let mut out = Program::new(p.name.clone());
     out.mesh = p.mesh.clone();
     out.precision = p.precision;
+    // Sized up front for `p` and its events (not regrown and copied while built).
+    out.values.reserve(p.values.len() + p.values.len() / 4);
+    out.nodes.reserve(p.nodes.len() + p.nodes.len() / 4);
     // Values are copied in order; nodes are re-added with events interleaved.
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     // each parameter's data, constant's data and state's initial value (the first entry of
@@ -103,7 +106,7 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
     let mut event_of: HashMap<usize, u32> = HashMap::new(); // producer node -> event
     let mut waited: HashMap<StreamKind, HashSet<u32>> = HashMap::new();
     let mut next_event = 0u32;
-    let mut names = hzp_ir::NameSet::from_program(p);
+    let mut names = hzp_ir::FreshNames::over(p);
     for &nid in order {
         let ni = nid.index();
         let n = &p.nodes[ni];

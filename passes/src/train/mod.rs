@@ -483,8 +483,12 @@ pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainEr
     }
     let mut p = Program::new(fwd.name.clone());
     p.mesh = fwd.mesh.clone();
+    // `fwd` and a cast per parameter and input, sized up front (not regrown and copied)
+    let casts = fwd.params.len() + fwd.inputs.len();
+    p.values.reserve(fwd.values.len() + casts);
+    p.nodes.reserve(fwd.nodes.len() + casts);
     let mut map = HashMap::new();
-    let mut names = hzp_ir::NameSet::from_program(fwd);
+    let mut names = hzp_ir::FreshNames::over(fwd);
     for &i in &fwd.inputs {
         map.insert(i, p.add_input(fwd.value(i).name.clone(), fwd.ty(i).clone()));
     }
