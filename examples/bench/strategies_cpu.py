@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--shape", default="input_ids=16x64")
     ap.add_argument("--link", default="intra=100MB/s,inter=10MB/s")
     ap.add_argument("--workdir", default="/tmp/hzp-strategies")
+    ap.add_argument("--shuffle", type=int, default=1, help="the sampling seed (hzp run --shuffle)")
     ap.add_argument("--extra", default="", help="extra compile flags per strategy: "
                     "name:flag flag;name:flag (e.g. 'asyncmesh:--slow-axis node')")
     a = ap.parse_args()
@@ -76,7 +77,7 @@ def main() -> int:
         links = inspect["bytes_per_rank_per_link"]
         log = wd / f"{strategy}.jsonl"
         log.unlink(missing_ok=True)
-        out = json.loads(sh([hzp, "run", str(plan), "--data", str(train), "--shuffle", "1",
+        out = json.loads(sh([hzp, "run", str(plan), "--data", str(train), "--shuffle", str(a.shuffle),
                              "--val-data", str(val), "--eval-every", str(a.steps),
                              "--eval-batches", "16", "--steps", str(a.steps),
                              "--lr-schedule", "cosine", "--warmup", "20",
@@ -96,7 +97,8 @@ def main() -> int:
             "fast_bytes": links.get("nvlink", 0),
         })
     base = next((r for r in rows if r["strategy"] == "asynchzp"), rows[0])
-    print(f"\ntiny GPT-2 on {a.mesh}, {a.shape}, {a.steps} steps, --link {a.link}")
+    print(f"\ntiny GPT-2 on {a.mesh}, {a.shape}, {a.steps} steps, --link {a.link}, "
+          f"--shuffle {a.shuffle}")
     print(f"{'strategy':<10} {'val loss':>9} {'vs sync':>8} {'last-20 loss':>12} "
           f"{'step ms':>8} {'exposed ms':>10} {'slow-axis KiB/step':>18} "
           f"{'fast-axis KiB/step':>18}")
