@@ -559,7 +559,7 @@ fn run_header(args: &RunArgs, plan: &Plan, verb: &str) -> String {
         match &plan.asyncmesh {
             Some(a) => format!(
                 ": replicas along {}, sparsity {} per {} step(s), EMA beta {}; the \
-                 parameters saved and evaluated are replica 0's",
+                 parameters saved and evaluated are the replicas' mean",
                 a.slow_axis, a.sparsity, a.sync_every, a.ema_beta
             ),
             None => String::new(),

@@ -48,8 +48,8 @@
 //! - The average is of master (fp32) shards; padding elements (zeros) take part harmlessly.
 //! - The collective shares the reduce-scatter stream, where it is first: it delays the fast
 //!   axes' gradient reductions only when it outlasts the forward (there is no fourth stream).
-//! - `hzp run --save-params` and checkpoints export replica 0's parameters (the replicas
-//!   differ by design).
+//! - `hzp run --save-params` and evaluation use the replicas' mean (the replicas differ by
+//!   design); `hzp checkpoint export` writes replica 0's parameters.
 
 use crate::dist::streams::insert_events_with;
 use hzp_ir::plan::AsyncMeshSpec;

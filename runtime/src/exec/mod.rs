@@ -191,6 +191,9 @@ pub struct Executor {
     program: Program,
     mesh: Mesh,
     layouts: Vec<ParamLayout>,
+    /// The replicas of each parameter differ by design (an asyncmesh plan): the model is
+    /// their mean (see [`Executor::parameters`]).
+    replicas_differ: bool,
     world: usize,
     nodes: Vec<NodeRt>,
     loc: Vec<Loc>,
@@ -691,6 +694,7 @@ impl Executor {
             program: p.clone(),
             mesh,
             layouts: plan.layouts.clone(),
+            replicas_differ: plan.asyncmesh.is_some(),
             world,
             nodes,
             loc,
@@ -1000,18 +1004,43 @@ impl Executor {
     }
 
     /// The full parameters, put back together from the master shards of rank 0's optimizer
-    /// group, by name, in layout order.
+    /// group, by name, in layout order. In an asyncmesh plan, whose replicas differ by design,
+    /// the mean over the replicas (every instance of the optimizer group), as decentralized
+    /// training reports its model.
     pub fn parameters(&self) -> Vec<(String, Tensor)> {
         self.layouts
             .iter()
             .filter_map(|l| {
                 let v = self.program.find_value(&l.name)?;
-                let members = self.mesh.group_members(&l.optim_group, 0)?;
-                let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
-                for m in members {
-                    flat.extend(self.read(m, v).to_f32_vec());
-                }
-                flat.truncate(l.numel);
+                let whole = |first: usize| -> Option<Vec<f32>> {
+                    let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
+                    for m in self.mesh.group_members(&l.optim_group, first)? {
+                        flat.extend(self.read(m, v).to_f32_vec());
+                    }
+                    flat.truncate(l.numel);
+                    Some(flat)
+                };
+                let flat = if self.replicas_differ {
+                    // every instance of the optimizer group holds one replica's parameter:
+                    // the model is their mean
+                    let mut firsts: Vec<usize> = (0..self.world)
+                        .filter_map(|r| {
+                            self.mesh.group_members(&l.optim_group, r)?.first().copied()
+                        })
+                        .collect();
+                    firsts.sort_unstable();
+                    firsts.dedup();
+                    let mut sum = vec![0f64; l.numel];
+                    for &f in &firsts {
+                        for (acc, x) in sum.iter_mut().zip(whole(f)?) {
+                            *acc += x as f64;
+                        }
+                    }
+                    let n = firsts.len().max(1) as f64;
+                    sum.into_iter().map(|x| (x / n) as f32).collect()
+                } else {
+                    whole(0)?
+                };
                 Some((l.name.clone(), Tensor::f32(l.shape.clone(), flat)))
             })
             .collect()
