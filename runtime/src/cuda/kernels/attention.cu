@@ -57,19 +57,44 @@ __device__ __forceinline__ void at_load(float (*dst)[AT_DMAX], int rows, const T
     }
 }
 
+// One query-row tile of one (batch, query head), as attn_fwd, attn_dq and attn_fwd_pasa walk
+// them: block `blk` of `b * hq * tiles`. `kb`, `vb`: the K/V rows of the head's K/V head
+// (grouped-query: hq / hkv query heads share one); `s_end`: the keys the tile sees (causal:
+// none past its last row).
+template <typename T>
+struct AtRowTile {
+    i64 b, h, bh, i0, s_end;
+    const T* kb;
+    const T* vb;
+};
+
+template <typename T>
+__device__ __forceinline__ AtRowTile<T> at_row_tile(const AtDims& a, i64 blk, i64 tiles, const T* k, const T* v) {
+    AtRowTile<T> t;
+    const i64 tile = blk % tiles;
+    t.bh = blk / tiles;
+    t.h = t.bh % a.hq;
+    t.b = t.bh / a.hq;
+    const i64 hk = t.h / (a.hq / a.hkv);
+    t.kb = k + (t.b * a.hkv + hk) * a.s * a.d;
+    t.vb = v + (t.b * a.hkv + hk) * a.s * a.dv;
+    t.i0 = tile * AT_BR;
+    const i64 last = (t.i0 + AT_BR < a.t ? t.i0 + AT_BR : a.t) - 1;
+    t.s_end = (a.causal && last + 1 < a.s) ? last + 1 : a.s;
+    return t;
+}
+
 template <typename T>
 __device__ void attn_fwd_k(AtDims a, const T* q, const T* k, const T* v, const T* mask, T* o, float* lse) {
     __shared__ float ks[AT_BC][AT_DMAX];
     __shared__ float vs[AT_BC][AT_DMAX];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 tiles = (a.t + AT_BR - 1) / AT_BR;
-    const i64 group = a.hq / a.hkv;
     for (i64 blk = blockIdx.x; blk < a.b * a.hq * tiles; blk += gridDim.x) {
-        const i64 tile = blk % tiles, bh = blk / tiles, h = bh % a.hq, b = bh / a.hq;
-        const i64 hk = h / group;
-        const T* kb = k + (b * a.hkv + hk) * a.s * a.d;
-        const T* vb = v + (b * a.hkv + hk) * a.s * a.dv;
-        const i64 i0 = tile * AT_BR;
+        const AtRowTile<T> rt = at_row_tile(a, blk, tiles, k, v);
+        const i64 b = rt.b, h = rt.h, bh = rt.bh, i0 = rt.i0, s_end = rt.s_end;
+        const T* kb = rt.kb;
+        const T* vb = rt.vb;
         float qr[AT_RPW][AT_EPL], acc[AT_RPW][AT_EPL], m[AT_RPW], l[AT_RPW];
         for (int r = 0; r < AT_RPW; ++r) {
             const i64 i = i0 + warp + (i64)r * AT_WARPS;
@@ -81,8 +106,6 @@ __device__ void attn_fwd_k(AtDims a, const T* q, const T* k, const T* v, const T
                 acc[r][e] = 0.0f;
             }
         }
-        const i64 last = (i0 + AT_BR < a.t ? i0 + AT_BR : a.t) - 1;
-        const i64 s_end = (a.causal && last + 1 < a.s) ? last + 1 : a.s;
         for (i64 j0 = 0; j0 < s_end; j0 += AT_BC) {
             const i64 jn = (a.s - j0 < AT_BC) ? a.s - j0 : AT_BC;
             __syncthreads();
@@ -130,13 +153,11 @@ __device__ void attn_dq_k(AtDims a, const T* q, const T* k, const T* v, const T*
     __shared__ float vs[AT_BC][AT_DMAX];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 tiles = (a.t + AT_BR - 1) / AT_BR;
-    const i64 group = a.hq / a.hkv;
     for (i64 blk = blockIdx.x; blk < a.b * a.hq * tiles; blk += gridDim.x) {
-        const i64 tile = blk % tiles, bh = blk / tiles, h = bh % a.hq, b = bh / a.hq;
-        const i64 hk = h / group;
-        const T* kb = k + (b * a.hkv + hk) * a.s * a.d;
-        const T* vb = v + (b * a.hkv + hk) * a.s * a.dv;
-        const i64 i0 = tile * AT_BR;
+        const AtRowTile<T> rt = at_row_tile(a, blk, tiles, k, v);
+        const i64 b = rt.b, h = rt.h, bh = rt.bh, i0 = rt.i0, s_end = rt.s_end;
+        const T* kb = rt.kb;
+        const T* vb = rt.vb;
         float qr[AT_RPW][AT_EPL], dor[AT_RPW][AT_EPL], acc[AT_RPW][AT_EPL], di[AT_RPW], ls[AT_RPW];
         for (int r = 0; r < AT_RPW; ++r) {
             const i64 i = i0 + warp + (i64)r * AT_WARPS;
@@ -153,8 +174,6 @@ __device__ void attn_dq_k(AtDims a, const T* q, const T* k, const T* v, const T*
             di[r] = at_warp_sum(part);
             ls[r] = in ? lse[bh * a.t + i] : at_neg_inf();
         }
-        const i64 last = (i0 + AT_BR < a.t ? i0 + AT_BR : a.t) - 1;
-        const i64 s_end = (a.causal && last + 1 < a.s) ? last + 1 : a.s;
         for (i64 j0 = 0; j0 < s_end; j0 += AT_BC) {
             const i64 jn = (a.s - j0 < AT_BC) ? a.s - j0 : AT_BC;
             __syncthreads();
@@ -315,13 +334,11 @@ __device__ void attn_fwd_pasa_k(AtDims a, float beta, const f16* q, const f16* k
     __shared__ float dsh[AT_DMAX];         // fp16(h - h_prev)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 tiles = (a.t + AT_BR - 1) / AT_BR;
-    const i64 group = a.hq / a.hkv;
     for (i64 blk = blockIdx.x; blk < a.b * a.hq * tiles; blk += gridDim.x) {
-        const i64 tile = blk % tiles, bh = blk / tiles, h = bh % a.hq, b = bh / a.hq;
-        const i64 hk = h / group;
-        const f16* kb = k + (b * a.hkv + hk) * a.s * a.d;
-        const f16* vb = v + (b * a.hkv + hk) * a.s * a.dv;
-        const i64 i0 = tile * AT_BR;
+        const AtRowTile<f16> rt = at_row_tile(a, blk, tiles, k, v);
+        const i64 b = rt.b, h = rt.h, bh = rt.bh, i0 = rt.i0, s_end = rt.s_end;
+        const f16* kb = rt.kb;
+        const f16* vb = rt.vb;
         float qr[AT_RPW][AT_EPL], acc[AT_RPW][AT_EPL], m[AT_RPW], l[AT_RPW];
         for (int r = 0; r < AT_RPW; ++r) {
             const i64 i = i0 + warp + (i64)r * AT_WARPS;
@@ -333,8 +350,6 @@ __device__ void attn_fwd_pasa_k(AtDims a, float beta, const f16* q, const f16* k
                 acc[r][e] = 0.0f;
             }
         }
-        const i64 last = (i0 + AT_BR < a.t ? i0 + AT_BR : a.t) - 1;
-        const i64 s_end = (a.causal && last + 1 < a.s) ? last + 1 : a.s;
         int cur = 0;
         i64 jt = 0;
         for (i64 j0 = 0; j0 < s_end; j0 += AT_BC, ++jt) {
