@@ -330,7 +330,7 @@ impl Builder<'_> {
         let mut p1 = Vec::with_capacity(n);
         for p in self.params {
             let v = e.op(Op::Where, &[is_primed, p.est, p.shard])?;
-            p1.push(self.unpad(e, v, p)?);
+            p1.push(crate::dist::unpad(e, v, p.numel, p.padded, &p.shape)?);
         }
         let mut losses = Vec::with_capacity(self.m);
         let mut commit: Option<(Stepped, ValueId, Pending)> = None;
@@ -368,7 +368,7 @@ impl Builder<'_> {
         let w_full = self.ag_unpack(e, w_pending)?;
         let mut p2 = Vec::with_capacity(n);
         for (p, &v) in self.params.iter().zip(&w_full) {
-            p2.push(self.unpad(e, v, p)?);
+            p2.push(crate::dist::unpad(e, v, p.numel, p.padded, &p.shape)?);
         }
         let mut est_full: Option<Pending> = None;
         let mut grads2: Vec<Option<ValueId>> = vec![None; n];
@@ -486,28 +486,6 @@ impl Builder<'_> {
         Ok((kept, step2, full))
     }
 
-    /// A whole padded parameter `[padded]` as the model reads it.
-    fn unpad(&self, e: &mut Emitter, v: ValueId, p: &Param) -> Result<ValueId, String> {
-        let mut v = v;
-        if p.padded > p.numel {
-            v = e.op(
-                Op::Slice {
-                    axes: vec![0],
-                    starts: vec![0],
-                    ends: vec![p.numel as i64],
-                    steps: vec![1],
-                },
-                &[v],
-            )?;
-        }
-        e.op(
-            Op::Reshape {
-                shape: p.shape.clone(),
-            },
-            &[v],
-        )
-    }
-
     /// Copies the micro program for micro-batch `mb` reading parameters `params`; `mid` runs
     /// after its forward (the loss). Returns the loss and each parameter's flat padded
     /// gradient in the gradient dtype.
@@ -587,26 +565,14 @@ impl Builder<'_> {
         let mut grads = Vec::with_capacity(self.params.len());
         for (j, gv) in micro.outputs[1..].iter().enumerate() {
             let p = &self.params[j];
-            let mut v = get(gv)?;
-            if e.ty(v).dtype != self.grad_dtype {
-                v = e.op(
-                    Op::Cast {
-                        to: self.grad_dtype,
-                    },
-                    &[v],
-                )?;
-            }
-            v = e.op(
-                Op::Reshape {
-                    shape: vec![p.numel],
-                },
-                &[v],
-            )?;
-            if p.padded > p.numel {
-                let z = e.zeros(&TensorType::new(self.grad_dtype, vec![p.padded - p.numel]))?;
-                v = e.op(Op::Concat { axis: 0 }, &[v, z])?;
-            }
-            grads.push(v);
+            let v = get(gv)?;
+            grads.push(crate::dist::flat_padded(
+                e,
+                v,
+                p.numel,
+                p.padded,
+                self.grad_dtype,
+            )?);
         }
         Ok((loss, grads))
     }

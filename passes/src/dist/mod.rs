@@ -19,3 +19,55 @@ pub mod asyncmesh;
 pub mod rewrite;
 pub mod spmd;
 pub mod streams;
+
+use crate::emit::Emitter;
+use hzp_ir::{DType, Op, TensorType, ValueId};
+
+/// A parameter held flat and zero-padded (`[padded]`) as the model reads it: the padding
+/// dropped, reshaped to `shape` (`numel` elements).
+pub(crate) fn unpad(
+    e: &mut Emitter,
+    v: ValueId,
+    numel: usize,
+    padded: usize,
+    shape: &[usize],
+) -> Result<ValueId, String> {
+    let mut v = v;
+    if padded > numel {
+        v = e.op(
+            Op::Slice {
+                axes: vec![0],
+                starts: vec![0],
+                ends: vec![numel as i64],
+                steps: vec![1],
+            },
+            &[v],
+        )?;
+    }
+    e.op(
+        Op::Reshape {
+            shape: shape.to_vec(),
+        },
+        &[v],
+    )
+}
+
+/// A gradient as the flat, zero-padded `[padded]` tensor its reduction cuts, in `dtype`.
+pub(crate) fn flat_padded(
+    e: &mut Emitter,
+    v: ValueId,
+    numel: usize,
+    padded: usize,
+    dtype: DType,
+) -> Result<ValueId, String> {
+    let mut v = v;
+    if e.ty(v).dtype != dtype {
+        v = e.op(Op::Cast { to: dtype }, &[v])?;
+    }
+    v = e.op(Op::Reshape { shape: vec![numel] }, &[v])?;
+    if padded > numel {
+        let z = e.zeros(&TensorType::new(dtype, vec![padded - numel]))?;
+        v = e.op(Op::Concat { axis: 0 }, &[v, z])?;
+    }
+    Ok(v)
+}

@@ -1043,43 +1043,13 @@ impl StepBuilder<'_> {
                 &[v],
             )?;
         }
-        if l.padded > l.numel {
-            v = e.op(
-                Op::Slice {
-                    axes: vec![0],
-                    starts: vec![0],
-                    ends: vec![l.numel as i64],
-                    steps: vec![1],
-                },
-                &[v],
-            )?;
-        }
-        e.op(
-            Op::Reshape {
-                shape: l.shape.clone(),
-            },
-            &[v],
-        )
+        crate::dist::unpad(e, v, l.numel, l.padded, &l.shape)
     }
 
     /// Parameter j's gradient as a flat, padded vector in the gradient dtype.
     fn flat_grad(&self, e: &mut Emitter, v: ValueId, j: usize) -> Result<ValueId, String> {
-        let (l, gdt) = (&self.d.layouts[j], self.gdt);
-        let mut v = v;
-        if e.ty(v).dtype != gdt {
-            v = e.op(Op::Cast { to: gdt }, &[v])?;
-        }
-        v = e.op(
-            Op::Reshape {
-                shape: vec![l.numel],
-            },
-            &[v],
-        )?;
-        if l.padded > l.numel {
-            let z = e.zeros(&TensorType::new(gdt, vec![l.padded - l.numel]))?;
-            v = e.op(Op::Concat { axis: 0 }, &[v, z])?;
-        }
-        Ok(v)
+        let l = &self.d.layouts[j];
+        crate::dist::flat_padded(e, v, l.numel, l.padded, self.gdt)
     }
 
     /// Reduce-scatters parameter j's flat gradient over G (or its narrow group).
