@@ -898,7 +898,8 @@ fn report_one_gpu(
         let mut read: Vec<&Path> = vec![args.plan.as_path()];
         read.extend(args.inputs.as_deref());
         read.extend(args.params.as_deref());
-        crate::files::write_npz(out, &read, p)?;
+        let p = saved_parameters(args, plan, p.clone())?;
+        crate::files::write_npz(out, &read, &p)?;
         if text {
             outln!("saved {} parameters to {}", p.len(), out.display());
         }

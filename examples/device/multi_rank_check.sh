@@ -5,7 +5,10 @@
 # path at world size 1. Made from ../shared/device/gpu_check.sh; payload in .device/ (made
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
-# Knobs (env): PART=all|tiny|gpt2s|perf|nccl1|acco|attn|pasa (all by default; gpt2s alone takes the longest;
+# Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
+# explicit profile (explicit: every tiny model with attention written out, CUDA vs CPU;
+# profile: GPT-2 small's GPU time per op kind, HZP_CUDA_PROFILE=1)
+# (all by default; gpt2s alone takes the longest;
 # acco: issue 22's ACCO plans on CUDA against the CPU backend;
 # attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
 # pasa: the PASA fp16 kernel against exact attention (.device/cuda_pasa, the test binary of
@@ -19,9 +22,12 @@ exec > >(tee "$O/multi_rank.txt") 2>&1
 H=$D/hzp; chmod +x $H
 M=${MODELS:-$PWD/tests/models}
 PART=${PART:-all}
+# want P: P is among the space-separated parts asked for (or all)
+want() { [[ " $PART " == *" all "* || " $PART " == *" $1 "* ]]; }
 MESHES=${MESHES:-"gpu=2 gpu=4 node=2,gpu=2"}
 STRATS=${STRATS:-"asynchzp zero3 hsdp ddp"}
 TINY=${TINY:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm bert_tiny.legacy.op17:mean"}
+EXPLICIT=${EXPLICIT:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm bert_tiny.legacy.op17:mean gpt2_tiny.dynamo.op18:lm:--retie llama_tiny.dynamo.op18:lm moe_tiny.dynamo.op18:lm bert_tiny.dynamo.op18:mean"}
 STEPS=${STEPS:-5}; GSTEPS=${GSTEPS:-3}; T=${RUN_S:-150}
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 el "== gpu"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -65,7 +71,7 @@ check() {
   done
 }
 
-if [ $PART = all ] || [ $PART = tiny ]; then
+if want tiny; then
   el "== tiny models: every mesh x strategy, all ranks on one GPU, vs the gpu=1 plan on CUDA"
   for spec in $TINY; do
     IFS=: read -r stem loss extra <<<"$spec"
@@ -75,7 +81,7 @@ if [ $PART = all ] || [ $PART = tiny ]; then
   done
 fi
 
-if [ $PART = all ] || [ $PART = gpt2s ]; then
+if want gpt2s; then
   el "== GPT-2 small (124M, seq 1024, batch 8): every mesh x strategy, all ranks on one GPU"
   mkdir -p $W/gpt2s
   if timeout 300 python3 $D/make_gpt2s.py $W/gpt2s; then
@@ -85,7 +91,7 @@ if [ $PART = all ] || [ $PART = gpt2s ]; then
   fi
 fi
 
-if [ $PART = all ] || [ $PART = perf ]; then
+if want perf; then
   el "== async vs --comm sync (median step of 6, the first left out)"
   for spec in "gpt2s:$W/gpt2s/model.onnx:$W/gpt2s/batch.npz:gpu=4:asynchzp" "gpt2s:$W/gpt2s/model.onnx:$W/gpt2s/batch.npz:gpu=4:zero3" "llama:$M/llama_tiny.legacy.op17.onnx:$W/llama_tiny.io4.npz:gpu=4:zero3"; do
     IFS=: read -r name onnx io mesh strat <<<"$spec"
@@ -112,7 +118,7 @@ PY
   done
 fi
 
-if [ $PART = all ] || [ $PART = nccl1 ]; then
+if want nccl1; then
   el "== NCCL at world size 1 (HZP_NCCL_GROUPS_OF_ONE=1: NCCL communicators for groups of one, through hzp launch)"
   g1=$W/gpt2_tiny.legacy.op17.g1
   [ -f $g1.json ] || $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie --mesh gpu=1 -o $g1.json >/dev/null 2>&1
@@ -128,23 +134,24 @@ if [ $PART = all ] || [ $PART = nccl1 ]; then
   $H compile --no-fuse-attention $M/llama_tiny.legacy.op17.onnx --inputs $W/llama_tiny.io4.npz --loss lm --mesh gpu=2 --strategy zero3 -o $W/l2.json >/dev/null 2>&1
   timeout 60 $H launch --nproc-per-node 2 -- run $W/l2.json --inputs $W/llama_tiny.io4.npz --steps 2 --backend cuda --collective-timeout 20 2>&1 | tail -15
 fi
-if [ $PART = all ] || [ $PART = acco ]; then
+if want acco; then
   # ACCO's halves depend on the rank count, so the reference is the same plan on the CPU
   el "== ACCO (issue 22): one gpu=2 and one node=2,gpu=2 plan, CUDA (all ranks on one GPU) vs the CPU backend"
-  [ -f $W/gpt2_tiny.io4.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io4.npz 2
+  # ACCO splits each rank's batch into twice the micro-batches: 8 rows for node=2,gpu=2
+  [ -f $W/gpt2_tiny.io8.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io8.npz 4
   for mesh in gpu=2 node=2,gpu=2; do
     tag=acco.$(echo $mesh | tr ',=' '_-')
-    $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io4.npz --loss lm --retie \
+    $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --inputs $W/gpt2_tiny.io8.npz --loss lm --retie \
       --mesh $mesh --strategy acco -o $W/$tag.json >/dev/null 2>$W/$tag.cerr || { el "RESULT $tag: FAIL compile"; tail -5 $W/$tag.cerr; continue; }
-    timeout $T $H run $W/$tag.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --format json --save-params $W/$tag.cpu.npz >$W/$tag.cpu.out 2>$W/$tag.cpu.err \
+    timeout $T $H run $W/$tag.json --inputs $W/gpt2_tiny.io8.npz --steps $STEPS --format json --save-params $W/$tag.cpu.npz >$W/$tag.cpu.out 2>$W/$tag.cpu.err \
       || { el "RESULT $tag cpu: FAIL"; tail -10 $W/$tag.cpu.err; continue; }
-    timeout $T $H run $W/$tag.json --inputs $W/gpt2_tiny.io4.npz --steps $STEPS --backend cuda --ranks-on-one-gpu --format json \
+    timeout $T $H run $W/$tag.json --inputs $W/gpt2_tiny.io8.npz --steps $STEPS --backend cuda --ranks-on-one-gpu --format json \
       --save-params $W/$tag.cuda.npz --collective-timeout 60 >$W/$tag.cuda.out 2>$W/$tag.cuda.err \
       || { el "RESULT $tag cuda: FAIL"; tail -20 $W/$tag.cuda.err; continue; }
     python3 $D/compare_ranks.py $tag $W/$tag.cpu.out $W/$tag.cuda.out $W/$tag.cpu.npz $W/$tag.cuda.npz
   done
 fi
-if [ $PART = all ] || [ $PART = attn ]; then
+if want attn; then
   el "== fused attention on CUDA (HZP_CUDA_ATTENTION=1): 5 steps of the gpu=1 plan with the Attention op vs the CPU backend (1e-4), and step time vs explicit attention"
   for spec in $TINY; do
     IFS=: read -r stem loss extra <<<"$spec"
@@ -178,7 +185,7 @@ PY
     el "attn perf: no GPT-2 small export (run PART=gpt2s first)"
   fi
 fi
-if [ $PART = all ] || [ $PART = pasa ]; then
+if want pasa; then
   el "== PASA (issue 16): attn_fwd_pasa_f16 vs exact f64 attention and its CPU emulation on overflow-prone inputs; beta=0 (plain fp16) must overflow"
   if [ -x $D/cuda_pasa ]; then
     HZP_REQUIRE_GPU=1 timeout $T $D/cuda_pasa --nocapture --test-threads 1 >$W/cuda_pasa.out 2>&1
@@ -208,6 +215,33 @@ PY
   else
     el "RESULT pasa e2e: FAIL compile"; tail -5 $f.cerr
   fi
+fi
+if want explicit; then
+  el "== every tiny model (both exporters), attention written out: 5 steps of the gpu=1 plan on CUDA vs the CPU backend (1e-4)"
+  for spec in $EXPLICIT; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    f=$W/$stem.explicit
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT explicit $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --format json --save-params $f.cpu.npz >$f.cpu.out 2>$f.cpu.err || { el "RESULT explicit $stem cpu: FAIL"; tail -10 $f.cpu.err; continue; }
+    timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.cuda.npz >$f.cuda.out 2>$f.cuda.err || { el "RESULT explicit $stem cuda: FAIL rc=$?"; tail -20 $f.cuda.err; continue; }
+    TOL=1e-4 python3 $D/compare_ranks.py explicit-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
+  done
+fi
+if want profile; then
+  el "== GPT-2 small on one GPU, HZP_CUDA_PROFILE=1: GPU time per op kind (fp32 explicit, fp32 fused, bf16 explicit)"
+  mkdir -p $W/gpt2s
+  [ -f $W/gpt2s/model.onnx ] || timeout 300 python3 $D/make_gpt2s.py $W/gpt2s >/dev/null 2>&1 || el "profile: GPT-2 small export failed"
+  for mode in ${PROFILE_MODES:-explicit fused bf16}; do
+    x=""; [ $mode != fused ] && x=--no-fuse-attention; [[ $mode == bf16* ]] && x="$x --precision bf16"
+    p=$W/profile.$mode
+    # explicit-nc / bf16-nc: the same with HZP_CUDA_NO_COALESCE=1 (elementwise walks as written)
+    [[ $mode == *-nc ]] && export HZP_CUDA_NO_COALESCE=1 || unset HZP_CUDA_NO_COALESCE
+    $H compile $x $W/gpt2s/model.onnx --inputs $W/gpt2s/batch.npz --loss lm --retie --mesh gpu=1 --memory 80GiB -o $p.json >/dev/null 2>$p.cerr || { el "profile $mode: compile failed"; tail -3 $p.cerr; continue; }
+    HZP_CUDA_PROFILE=1 HZP_CUDA_ATTENTION=1 timeout $T $H run $p.json --inputs $W/gpt2s/batch.npz --steps 4 --backend cuda >$p.out 2>$p.err
+    el "RESULT profile gpt2s $mode: rc=$? $(grep -o '([0-9.]* ms)' $p.out | tail -1)"
+    grep -v '^note' $p.err | head -45
+  done
 fi
 (cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)
 grep '^\[.*RESULT\|^RESULT' "$O/multi_rank.txt" | sed -E 's/^\[[0-9]+s\] //' > "$O/results.txt"
