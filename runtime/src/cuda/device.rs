@@ -18,7 +18,7 @@
 
 use super::kernels;
 use super::local::{coll_bytes, describe, LocalComm, LocalGroup};
-use super::lower::{Arg, CollKind, Collective, Gemm, LoweredPlan, Work};
+use super::lower::{Arg, CollKind, Collective, Gemm, LoweredPlan, NodeWork, Work};
 use super::probe::{self, Lib};
 use super::rendezvous::{DistEnv, Rendezvous};
 use crate::exec::arena::{scalar_f64, tensor_from_bytes, write_tensor};
@@ -143,6 +143,9 @@ pub struct CudaExecutor {
     failed: bool,
     /// Calls issued per communicator key (the flight recorder's `comm_seq`).
     calls: Vec<AtomicU64>,
+    /// `HZP_CUDA_PROFILE=1`: GPU time per node summed over the steps after the first,
+    /// printed to stderr when the executor is dropped.
+    profile: Option<OpProfile>,
     /// Token ids and labels are range-checked in every batch (see `set_inputs`).
     index_check: crate::index_check::IndexChecker,
 }
@@ -404,6 +407,9 @@ impl CudaExecutor {
             born: Instant::now(),
             failed: false,
             calls: Vec::new(),
+            profile: std::env::var("HZP_CUDA_PROFILE")
+                .is_ok_and(|v| v == "1")
+                .then(OpProfile::default),
         };
         ex.calls = (0..ex.low.comms.len()).map(|_| AtomicU64::new(0)).collect();
         if ex.rdv.is_some() {
@@ -707,6 +713,9 @@ impl CudaExecutor {
         let mut exposed = Duration::ZERO;
         for (i, nw) in self.low.nodes.iter().enumerate() {
             let ms = self.elapsed(2 * i, 2 * i + 1)?;
+            if let (Some(p), true) = (self.profile.as_mut(), step > 1) {
+                p.add(i, ms as f64, self.low.nodes.len());
+            }
             let d = Duration::from_secs_f64(ms as f64 / 1e3);
             let is_coll = nw.work.iter().any(|w| matches!(w, Work::Collective(_)));
             busy[nw.stream] += d;
@@ -718,6 +727,9 @@ impl CudaExecutor {
             }
         }
         self.steps_run = step;
+        if let (Some(p), true) = (self.profile.as_mut(), step > 1) {
+            p.steps += 1;
+        }
         Ok(StepStats {
             step,
             loss,
@@ -1322,8 +1334,81 @@ pub fn assemble_parameters(
     }
 }
 
+/// GPU time per node of the lowered plan (`HZP_CUDA_PROFILE=1`), from the per-node timing
+/// events every step records anyway: the steps after the first, summed.
+#[derive(Default)]
+struct OpProfile {
+    steps: usize,
+    node_ms: Vec<f64>,
+}
+
+impl OpProfile {
+    fn add(&mut self, node: usize, ms: f64, nodes: usize) {
+        self.node_ms.resize(nodes, 0.0);
+        self.node_ms[node] += ms;
+    }
+
+    /// The report: per stream, the time per op kind (largest first), then the costliest nodes.
+    fn report(&self, rank: usize, nodes: &[NodeWork]) -> String {
+        use std::fmt::Write;
+        let per_step = |ms: f64| ms / self.steps.max(1) as f64;
+        let mut out = format!(
+            "CUDA time per step by op (rank {rank}, mean of {} step{} after the first; \
+             per-node timing events, so a node's time includes waiting on its stream):\n",
+            self.steps,
+            if self.steps == 1 { "" } else { "s" }
+        );
+        for (si, stream) in ["compute", "all-gather", "reduce-scatter"]
+            .iter()
+            .enumerate()
+        {
+            let mut by_op: std::collections::BTreeMap<&str, (f64, usize)> = Default::default();
+            for (nw, ms) in nodes.iter().zip(&self.node_ms) {
+                if nw.stream == si {
+                    let e = by_op.entry(nw.op).or_default();
+                    e.0 += ms;
+                    e.1 += 1;
+                }
+            }
+            let total: f64 = by_op.values().map(|v| v.0).sum();
+            if by_op.is_empty() {
+                continue;
+            }
+            let _ = writeln!(out, "  {stream} stream: {:.2} ms", per_step(total));
+            let mut rows: Vec<_> = by_op.into_iter().collect();
+            rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0).then(a.0.cmp(b.0)));
+            for (op, (ms, n)) in rows {
+                let _ = writeln!(
+                    out,
+                    "    {op:<22} {:>10.3} ms {:>5.1}%  ({n} node{})",
+                    per_step(ms),
+                    100.0 * ms / total.max(1e-12),
+                    if n == 1 { "" } else { "s" }
+                );
+            }
+        }
+        let mut idx: Vec<usize> = (0..self.node_ms.len().min(nodes.len())).collect();
+        idx.sort_by(|&a, &b| self.node_ms[b].total_cmp(&self.node_ms[a]).then(a.cmp(&b)));
+        let _ = writeln!(out, "  costliest nodes:");
+        for &i in idx.iter().take(12) {
+            let _ = writeln!(
+                out,
+                "    {:>10.3} ms  {} ({}, stream {})",
+                per_step(self.node_ms[i]),
+                nodes[i].name,
+                nodes[i].op,
+                nodes[i].stream
+            );
+        }
+        out
+    }
+}
+
 impl Drop for CudaExecutor {
     fn drop(&mut self) {
+        if let Some(p) = self.profile.as_ref().filter(|p| p.steps > 0) {
+            eprint!("{}", p.report(self.dist.rank, &self.low.nodes));
+        }
         let _ = self.ctx.bind_to_thread();
         // SAFETY: tear-down of handles this executor created; errors are ignored on the way out.
         unsafe {

@@ -34,6 +34,53 @@ impl Nd {
         }
     }
 
+    /// The same walk over fewer dims: dims of size 1 dropped, and each pair of neighbouring
+    /// dims merged where every stride array steps through both as through one (the outer
+    /// stride is the inner one times the inner size), so the kernels divide the linear index
+    /// fewer times. `modulo`: a stride array read as per-dim moduli (copy_nd's Tile), which
+    /// must be 0 on both dims of a merge. Every element keeps its offsets: the walk visits
+    /// the same (offset, offset, ..) tuples in the same order.
+    /// `HZP_CUDA_NO_COALESCE=1` keeps the walk as it is (to measure what merging saves).
+    fn coalesced(&self, modulo: Option<usize>) -> Nd {
+        if std::env::var_os("HZP_CUDA_NO_COALESCE").is_some_and(|v| v == "1") {
+            return self.clone();
+        }
+        let mut out = Nd::new(&[]);
+        for k in 0..self.shape.len() {
+            let size = self.shape[k];
+            if size == 1 {
+                continue;
+            }
+            if let Some(last) = out.shape.len().checked_sub(1) {
+                let merges = (0..4).all(|a| {
+                    if Some(a) == modulo {
+                        out.s[a][last] == 0 && self.s[a][k] == 0
+                    } else {
+                        out.s[a][last] == self.s[a][k] * size
+                    }
+                });
+                if merges {
+                    out.shape[last] *= size;
+                    for a in 0..4 {
+                        out.s[a][last] = self.s[a][k];
+                    }
+                    continue;
+                }
+            }
+            out.shape.push(size);
+            for a in 0..4 {
+                out.s[a].push(self.s[a][k]);
+            }
+        }
+        if out.shape.is_empty() {
+            out.shape.push(1);
+            for a in 0..4 {
+                out.s[a].push(0);
+            }
+        }
+        out
+    }
+
     /// The struct's bytes as the kernel takes it by value: `int rank` (padded to 8), then
     /// five arrays of `MAXD` i64.
     pub fn to_bytes(&self) -> Vec<u8> {
@@ -636,6 +683,7 @@ fn copy_nd(
     nd.s[0] = s_in;
     nd.s[1] = s_out;
     nd.s[2] = modulo;
+    let nd = nd.coalesced(Some(2));
     Ok(Some(elementwise(
         format!("copy_nd_{}", bsz(ty)),
         n,
@@ -705,7 +753,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
             let mut args = vec![
                 Arg::I32(code),
                 Arg::I64(n as i64),
-                Arg::Nd(nd),
+                Arg::Nd(nd.coalesced(None)),
                 Arg::Ptr(x),
                 Arg::Ptr(bo),
                 Arg::Ptr(y),
@@ -729,7 +777,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 n,
                 vec![
                     Arg::I64(n as i64),
-                    Arg::Nd(nd),
+                    Arg::Nd(nd.coalesced(None)),
                     Arg::Ptr(c.ins[0].0),
                     Arg::Ptr(c.ins[1].0),
                     Arg::Ptr(c.ins[2].0),
@@ -1500,4 +1548,104 @@ fn lower_collective(op: &Op, c: &NodeCtx, comm: usize, size: usize) -> Result<Ve
         return Err("a mean of bools".into());
     }
     Ok(vec![Work::Collective(c)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element's offsets in the four stride arrays, the kernels' way (copy_nd's
+    /// modulo on array `modulo`): the walk as the kernels see it.
+    fn walk(nd: &Nd, modulo: Option<usize>) -> Vec<[i64; 4]> {
+        let n: i64 = nd.shape.iter().product();
+        (0..n)
+            .map(|i| {
+                let mut r = i;
+                let mut o = [0i64; 4];
+                for k in (0..nd.shape.len()).rev() {
+                    let c = r % nd.shape[k];
+                    r /= nd.shape[k];
+                    for (a, oa) in o.iter_mut().enumerate() {
+                        *oa += if Some(a) == modulo {
+                            // the modulo array reduces the coordinate of operand 0
+                            0
+                        } else if a == 0 && modulo.is_some_and(|m| nd.s[m][k] > 0) {
+                            (c % nd.s[modulo.unwrap()][k]) * nd.s[0][k]
+                        } else {
+                            c * nd.s[a][k]
+                        };
+                    }
+                }
+                o
+            })
+            .collect()
+    }
+
+    #[test]
+    fn coalescing_keeps_every_offset_and_merges_what_it_can() {
+        // a small deterministic generator (no test-only dependency)
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        let mut merged_some = 0;
+        for case in 0..400 {
+            let rank = 1 + next(5) as usize;
+            let shape: Vec<usize> = (0..rank).map(|_| 1 + next(4) as usize).collect();
+            let mut nd = Nd::new(&shape);
+            // operand 0, 1: broadcast views of random sub-shapes or permuted contiguous strides
+            for a in 0..2 {
+                let sub: Vec<usize> = shape
+                    .iter()
+                    .map(|&d| if next(3) == 0 { 1 } else { d })
+                    .collect();
+                nd.s[a] = if next(2) == 0 {
+                    bcast(&sub, &shape)
+                } else {
+                    let mut perm: Vec<usize> = (0..rank).collect();
+                    for k in (1..rank).rev() {
+                        perm.swap(k, next(k as u64 + 1) as usize);
+                    }
+                    let cs = contiguous(&perm.iter().map(|&p| shape[p]).collect::<Vec<_>>());
+                    let mut st = vec![0; rank];
+                    for (k, &p) in perm.iter().enumerate() {
+                        st[p] = cs[k];
+                    }
+                    st
+                };
+            }
+            let modulo = (case % 3 == 0).then_some(2);
+            if modulo.is_some() {
+                nd.s[2] = shape
+                    .iter()
+                    .map(|&d| if next(3) == 0 { d as i64 } else { 0 })
+                    .collect();
+            }
+            let c = nd.coalesced(modulo);
+            assert_eq!(
+                walk(&nd, modulo),
+                walk(&c, modulo),
+                "case {case}: {nd:?} coalesced to {c:?}"
+            );
+            assert!(c.shape.len() <= nd.shape.len().max(1));
+            if c.shape.len() < shape.iter().filter(|&&d| d > 1).count() {
+                merged_some += 1;
+            }
+        }
+        assert!(merged_some > 50, "only {merged_some} cases merged dims");
+        // same-shape contiguous operands become one dim
+        let shape = [8, 12, 64, 64];
+        let mut nd = Nd::new(&shape);
+        nd.s[0] = bcast(&shape, &shape);
+        nd.s[1] = bcast(&shape, &shape);
+        assert_eq!(nd.coalesced(None).shape, vec![8 * 12 * 64 * 64]);
+        // a [1, 1, T, T] mask against [B, H, T, T]: two dims
+        let mut nd = Nd::new(&shape);
+        nd.s[0] = bcast(&[1, 1, 64, 64], &shape);
+        nd.s[1] = bcast(&shape, &shape);
+        assert_eq!(nd.coalesced(None).shape, vec![8 * 12, 64 * 64]);
+    }
 }

@@ -54,14 +54,25 @@ template <> __device__ __forceinline__ f16 from_f<f16>(float v) {
 
 __device__ __forceinline__ bool is_nan(float v) { return v != v; }
 
+// i / n (non-negative operands), with the remainder: in 32 bits when both fit, which is
+// several times cheaper than the 64-bit division the GPU emulates.
+__device__ __forceinline__ i64 div_rem(i64 i, i64 n, i64* rem) {
+    if (((u64)i | (u64)n) <= 0xffffffffull) {
+        const u32 q = (u32)i / (u32)n;
+        *rem = (i64)((u32)i - q * (u32)n);
+        return (i64)q;
+    }
+    const i64 q = i / n;
+    *rem = i - q * n;
+    return q;
+}
+
 // Offsets of linear index i of the walk's shape in operands 0..3.
 __device__ __forceinline__ void nd_offsets(const Nd& d, i64 i, i64* o0, i64* o1, i64* o2, i64* o3) {
     i64 a = 0, b = 0, c = 0, e = 0;
     for (int k = d.rank - 1; k >= 0; --k) {
-        i64 n = d.shape[k];
-        i64 q = i / n;
-        i64 ck = i - q * n;
-        i = q;
+        i64 ck;
+        i = div_rem(i, d.shape[k], &ck);
         a += ck * d.s0[k];
         b += ck * d.s1[k];
         c += ck * d.s2[k];

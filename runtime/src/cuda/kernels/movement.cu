@@ -9,10 +9,8 @@ __device__ void copy_nd_k(i64 n, Nd d, i64 in_base, i64 out_base, const E* x, E*
     GRID_LOOP(i, n) {
         i64 r = i, oi = in_base, oo = out_base;
         for (int k = d.rank - 1; k >= 0; --k) {
-            i64 dim = d.shape[k];
-            i64 q = r / dim;
-            i64 c = r - q * dim;
-            r = q;
+            i64 c;
+            r = div_rem(r, d.shape[k], &c);
             i64 ci = d.s2[k] > 0 ? c % d.s2[k] : c;
             oi += ci * d.s0[k];
             oo += c * d.s1[k];
