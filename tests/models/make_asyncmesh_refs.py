@@ -6,10 +6,11 @@ batch of 8 and trains on them with ordinary (synchronous) AdamW; its parameters'
 copies are sharded over `gpu` (o = 2: each parameter flattened, padded to a multiple of 2,
 halved). Every step t, per shard of n elements, k = min(n, ceil(S n / H)):
   idx = (t k + arange(k)) mod n
-  chunk_r = theta_r[idx]                      (taken before the local step)
+  send_r = theta_r[idx] + u_r[idx]            (taken before the local step)
   theta_r' = AdamW step of replica r
-  u_r = B u_r + (1 - B) (theta_r' - theta_r)
-  theta_r'[idx] = mean_r(chunk_r) + u_r[idx]  (tau = 1)
+  d_r = theta_r' - theta_r
+  theta_r'[idx] = mean_r(send_r) + d_r[idx] - u_r[idx]   (u_r as sent)
+  u_r = B u_r + (1 - B) d_r
 The reported loss is the mean of the replicas' losses (MSE, mean over elements).
 
 Writes tests/models/asyncmesh/: mlp.hzp (examples/models/mlp.hzp with 2 rows per rank),
@@ -89,11 +90,14 @@ for t in range(STEPS):
         step_losses.append(loss.item())
     losses.append(float(np.mean(np.array(step_losses, np.float32))))
     for k in names:
-        avg = np.mean([before[r][k][idx[k]] for r in range(REPLICAS)], axis=0, dtype=np.float32)
+        sent = [before[r][k][idx[k]] + us[r][k][idx[k]] for r in range(REPLICAS)]
+        avg = np.mean(sent, axis=0, dtype=np.float32)
         for r in range(REPLICAS):
             after = flat(params[r][k])
-            us[r][k] = np.float32(B) * us[r][k] + np.float32(1 - B) * (after - before[r][k])
-            after[idx[k]] = avg + us[r][k][idx[k]]
+            d = after - before[r][k]
+            u_sent = us[r][k][idx[k]]
+            us[r][k] = np.float32(B) * us[r][k] + np.float32(1 - B) * d
+            after[idx[k]] = (avg + d[idx[k]]) - u_sent
             n = params[r][k].numel()
             with torch.no_grad():
                 params[r][k].copy_(torch.tensor(after[:n]).reshape(params[r][k].shape))
