@@ -8,38 +8,6 @@ mod common;
 use common::*;
 use hzp_ir::{Op, Plan, Program, RoleKind};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin()).args(args).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_ne!(out.status.code(), Some(101), "hzp {args:?} panicked: {err}");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        err.split_whitespace()
-            .filter(|w| *w != "│")
-            .collect::<Vec<_>>()
-            .join(" "),
-    )
-}
-
-fn ok(args: &[&str]) -> String {
-    let (code, out, err) = hzp(args);
-    assert_eq!(code, 0, "hzp {}: {err}", args.join(" "));
-    out
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hzp-acco-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn model() -> PathBuf {
     own_models_dir().join("gpt2_tiny.legacy.op17.onnx")

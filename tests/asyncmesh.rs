@@ -9,50 +9,6 @@ mod common;
 use common::*;
 use hzp_ir::{Op, RoleKind, StreamKind, Tensor};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
-    let code = out.status.code().unwrap_or(-1);
-    assert_ne!(code, 101, "hzp {args:?} panicked:\n{err}");
-    (
-        code,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        flat.join(" "),
-    )
-}
-
-fn ok(args: &[&str]) -> String {
-    let (code, out, err) = hzp(args);
-    assert_eq!(code, 0, "hzp {}: {err}", args.join(" "));
-    out
-}
-
-#[track_caller]
-fn fails_with(args: &[&str], needles: &[&str]) {
-    let (code, out, err) = hzp(args);
-    assert_eq!(code, 1, "hzp {args:?}\nstdout: {out}\nstderr: {err}");
-    for n in needles {
-        assert!(err.contains(n), "hzp {args:?}: stderr lacks `{n}`:\n{err}");
-    }
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hzp-asyncmesh-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn dir() -> PathBuf {
     own_models_dir().join("asyncmesh")

@@ -4,23 +4,6 @@ mod common;
 use common::*;
 use hzp_frontends::npz;
 use hzp_ir::Tensor;
-use std::process::Command;
-
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin()).args(args).output().unwrap();
-    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
-    assert_ne!(
-        out.status.code(),
-        Some(101),
-        "hzp {args:?} panicked: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 fn params_of(spec: &str) -> u64 {
     let (code, out, err) = hzp(&["show", spec, "--format", "json"]);
@@ -44,7 +27,7 @@ fn preset_parameter_counts() {
 
 #[test]
 fn eval_matches_torch_and_writes_outputs() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let out = dir.join("out.npz");
     let model = own_models_dir().join("gpt2_tiny.legacy.op17.onnx");
     let io = own_models_dir().join("gpt2_tiny.io.npz");
@@ -67,7 +50,7 @@ fn eval_matches_torch_and_writes_outputs() {
 
 #[test]
 fn import_writes_hzp_that_loads_back_and_evaluates_the_same() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let hzp_path = dir.join("llama.hzp");
     let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
     let io = own_models_dir().join("llama_tiny.io.npz");
@@ -116,7 +99,7 @@ fn show_json_has_stable_keys() {
 
 #[test]
 fn bad_inputs_fail_with_a_message_and_no_panic() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let empty = dir.join("empty.onnx");
     std::fs::write(&empty, b"").unwrap();
     let junk = dir.join("junk.onnx");
@@ -169,7 +152,7 @@ fn bad_inputs_fail_with_a_message_and_no_panic() {
 
 #[test]
 fn refuses_to_overwrite_its_input() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let io = dir.join("io.npz");
     std::fs::copy(own_models_dir().join("gpt2_tiny.io.npz"), &io).unwrap();
     let before = std::fs::read(&io).unwrap();
@@ -239,7 +222,7 @@ fn reshape_by_input_model() -> Vec<u8> {
 
 #[test]
 fn shapes_fed_as_inputs_are_bound_by_value_and_checked() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let model = dir.join("reshape.onnx");
     std::fs::write(&model, reshape_by_input_model()).unwrap();
     let x = Tensor::f32(vec![2, 3], (0..6).map(|v| v as f32).collect());
@@ -328,21 +311,9 @@ fn shapes_fed_as_inputs_are_bound_by_value_and_checked() {
     assert!(err.contains("input `s` is [1, 6]"), "{err}");
 }
 
-fn tempdir() -> std::path::PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "hzp-cli-test-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 #[test]
 fn compile_writes_a_verified_deterministic_plan_that_inspect_reads() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
     let io = own_models_dir().join("llama_tiny.io.npz");
     let mut plans = Vec::new();
@@ -407,7 +378,7 @@ fn compile_writes_a_verified_deterministic_plan_that_inspect_reads() {
 /// ../shared/onnx when present) on meshes of 1, 2, 4 and 8 ranks.
 #[test]
 fn every_model_compiles_on_1_2_4_and_8_ranks() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     for (model, io) in all_models() {
         // the model's batch repeated to 8 rows, so that 8 ranks each get one
         let rows: Vec<(String, hzp_ir::Tensor)> = read_npz(&io)
@@ -447,7 +418,7 @@ fn every_model_compiles_on_1_2_4_and_8_ranks() {
 /// and uses 64 MiB buckets, and the plan it writes fits.
 #[test]
 fn unit_buckets_fall_back_to_fixed_buckets_under_a_tight_budget() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let plan = dir.join("plan.json");
     let args = |budget: &str| {
         vec![
@@ -489,7 +460,7 @@ fn unit_buckets_fall_back_to_fixed_buckets_under_a_tight_budget() {
 /// LPT guarantee); a strategy whose optimizer group is one rank is refused.
 #[test]
 fn canzona_partition_of_gpt2_small_is_printed_and_balanced() {
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let plan = dir.join("canzona.json");
     let (code, out, err) = hzp(&[
         "compile",

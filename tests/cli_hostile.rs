@@ -8,51 +8,6 @@ use hzp_ir::{Data, Tensor};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Runs hzp; (exit code, stdout, stderr with miette's wrapping undone).
-fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin())
-        .args(args)
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
-    let code = out.status.code().unwrap_or(-1);
-    assert_ne!(code, 101, "hzp {args:?} panicked:\n{err}");
-    (
-        code,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        flat.join(" "),
-    )
-}
-
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    hzp_env(args, &[])
-}
-
-/// Asserts exit code 1 and that stderr contains every needle.
-#[track_caller]
-fn fails_with(args: &[&str], needles: &[&str]) -> String {
-    let (code, out, err) = hzp(args);
-    assert_eq!(code, 1, "hzp {args:?}\nstdout: {out}\nstderr: {err}");
-    for n in needles {
-        assert!(err.contains(n), "hzp {args:?}: stderr lacks `{n}`:\n{err}");
-    }
-    err
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hzp-hostile-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 fn gpt2() -> PathBuf {
     own_models_dir().join("gpt2_tiny.legacy.op17.onnx")
 }

@@ -5,37 +5,6 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin()).args(args).output().unwrap();
-    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
-    assert_ne!(
-        out.status.code(),
-        Some(101),
-        "hzp {args:?} panicked: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // miette wraps long messages at the terminal width behind a `│` gutter: join the lines
-    // back into single spaces so the tests can look for phrases
-    let err = String::from_utf8_lossy(&out.stderr);
-    let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        flat.join(" "),
-    )
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hzp-cli-run-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn model() -> PathBuf {
     own_models_dir().join("gpt2_tiny.legacy.op17.onnx")

@@ -4,41 +4,6 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-/// Exit code, stdout, and stderr with miette's line wrapping undone (one space between words).
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin()).args(args).output().unwrap();
-    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
-    assert_ne!(
-        out.status.code(),
-        Some(101),
-        "hzp {args:?} panicked: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let err = String::from_utf8_lossy(&out.stderr).replace('│', " ");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        err.split_whitespace().collect::<Vec<_>>().join(" "),
-    )
-}
-
-fn tempdir() -> PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "hzp-cli-sim-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 const TINY: &str = "preset:gpt,layers=2,hidden=64,heads=4,vocab=128,seq=16,batch=2";
 
@@ -62,7 +27,7 @@ fn compile_plan(dir: &Path) -> PathBuf {
 
 #[test]
 fn simulate_writes_summary_trace_and_pictures() {
-    let dir = tempdir();
+    let dir = tempdir("sim");
     let plan = compile_plan(&dir);
     let (trace, gantt, mem) = (dir.join("sim.json"), dir.join("t.svg"), dir.join("mem.svg"));
     let (code, out, err) = hzp(&[
@@ -133,7 +98,7 @@ fn simulate_writes_summary_trace_and_pictures() {
 
 #[test]
 fn simulate_errors_say_what_is_wrong() {
-    let dir = tempdir();
+    let dir = tempdir("sim");
     let (code, _, err) = hzp(&["simulate", s(&dir.join("missing.json"))]);
     assert_eq!(code, 1);
     assert!(

@@ -9,38 +9,7 @@ use common::*;
 use hzp_frontends::npz;
 use hzp_ir::Tensor;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::LazyLock;
-
-fn hzp(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(hzp_bin()).args(args).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    // a failure is reported, never a panic (Rust's exit code 101; issue 19)
-    assert_ne!(out.status.code(), Some(101), "hzp {args:?} panicked: {err}");
-    let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        flat.join(" "),
-    )
-}
-
-fn ok(args: &[&str]) -> String {
-    let (code, out, err) = hzp(args);
-    assert_eq!(code, 0, "hzp {}: {err}", args.join(" "));
-    out
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hzp-training-runs-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 static MODEL: LazyLock<PathBuf> =
     LazyLock::new(|| own_models_dir().join("gpt2_tiny.legacy.op17.onnx"));

@@ -121,3 +121,77 @@ pub fn json_losses(stdout: &str) -> Vec<f64> {
         .map(|x| x.as_f64().unwrap())
         .collect()
 }
+
+// ---- the CLI as a user runs it (every CLI test file uses these) ----
+
+/// Runs the `hzp` binary with `args` and extra environment `env`, stdin closed. Returns the
+/// exit code, stdout, and stderr with miette's wrapping undone (its `│` gutter dropped and
+/// every run of whitespace one space), so tests can look for phrases. No CLI run may end in
+/// a panic (Rust's exit code 101; issue 19): asserted here, for every test that runs hzp.
+pub fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = std::process::Command::new(hzp_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let code = out.status.code().unwrap_or(-1);
+    assert_ne!(code, 101, "hzp {args:?} panicked:\n{err}");
+    let flat: Vec<&str> = err.split_whitespace().filter(|w| *w != "│").collect();
+    (
+        code,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        flat.join(" "),
+    )
+}
+
+/// [`hzp_env`] without extra environment.
+pub fn hzp(args: &[&str]) -> (i32, String, String) {
+    hzp_env(args, &[])
+}
+
+/// Runs hzp, asserts success, returns stdout.
+#[track_caller]
+pub fn ok(args: &[&str]) -> String {
+    let (code, out, err) = hzp(args);
+    assert_eq!(code, 0, "hzp {}: {err}", args.join(" "));
+    out
+}
+
+/// Runs hzp, asserts exit code 1 (a user error) and that stderr holds every needle; returns
+/// stderr.
+#[track_caller]
+pub fn fails_with(args: &[&str], needles: &[&str]) -> String {
+    let (code, out, err) = hzp(args);
+    assert_eq!(code, 1, "hzp {args:?}\nstdout: {out}\nstderr: {err}");
+    for n in needles {
+        assert!(err.contains(n), "hzp {args:?}: stderr lacks `{n}`:\n{err}");
+    }
+    err
+}
+
+/// A fresh, empty directory for one test: named by the test binary, the process, `tag` and
+/// a counter, so tests running in parallel never share one.
+pub fn tempdir(tag: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let exe = std::env::current_exe().ok();
+    let bin = exe
+        .as_ref()
+        .and_then(|p| p.file_stem())
+        .map_or("test".into(), |s| s.to_string_lossy().into_owned());
+    let d = std::env::temp_dir().join(format!(
+        "hzp-{bin}-{}-{tag}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A path as the `&str` an argument list takes.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
