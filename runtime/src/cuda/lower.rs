@@ -307,6 +307,18 @@ fn lane_grid(lanes: usize) -> u32 {
     lanes.clamp(1, 1 << 20) as u32
 }
 
+/// A kernel over an n-d walk whose float kernels take `walk_runs`' warp tiles of 4 elements
+/// per lane (`common.cuh`): a quarter of `elementwise`'s blocks. Blocks of 256 threads (a
+/// whole number of warps, which the tiles need); any grid is correct.
+fn walk_kernel(kernel: String, n: usize, args: Vec<Arg>) -> Work {
+    Work::Kernel(Launch {
+        kernel,
+        grid: flat_grid(n.div_ceil(4)),
+        block: 256,
+        args,
+    })
+}
+
 fn elementwise(kernel: String, n: usize, args: Vec<Arg>) -> Work {
     Work::Kernel(Launch {
         kernel,
@@ -764,7 +776,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 args.extend(err());
                 format!("binary_{}", dt(xt.dtype))
             };
-            w.push(elementwise(kernel, n, args));
+            w.push(walk_kernel(kernel, n, args));
         }
         Op::Where => {
             check_rank(&yt.shape)?;
@@ -772,7 +784,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
             for k in 0..3 {
                 nd.s[k] = bcast(&c.ins[k].1.shape, &yt.shape);
             }
-            w.push(elementwise(
+            w.push(walk_kernel(
                 format!("where_{}", dt(yt.dtype)),
                 n,
                 vec![
@@ -939,8 +951,10 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
                 Arg::I32(code),
                 Arg::I64(nout as i64),
                 Arg::I64(nred as i64),
-                Arg::Nd(kn),
-                Arg::Nd(rn),
+                // (merging keeps every output's and every reduced element's offset, and the
+                // order a thread visits the reduced elements in: the same sums, bit for bit)
+                Arg::Nd(kn.coalesced(None)),
+                Arg::Nd(rn.coalesced(None)),
                 Arg::Ptr(x),
                 Arg::Ptr(y),
             ];

@@ -81,6 +81,65 @@ __device__ __forceinline__ void nd_offsets(const Nd& d, i64 i, i64* o0, i64* o1,
     *o0 = a; *o1 = b; *o2 = c; *o3 = e;
 }
 
+// A cursor on an n-d walk: the four offsets of the current element and its coordinate in
+// the innermost dim, so the next element WARP_RUN_STEP further on costs additions instead of
+// divisions while it stays in the same innermost row.
+struct NdCursor { i64 o0, o1, o2, o3, c; };
+
+__device__ __forceinline__ void nd_seek(const Nd& d, i64 i, NdCursor* k) {
+    i64 a = 0, b = 0, c = 0, e = 0, inner = 0;
+    for (int q = d.rank - 1; q >= 0; --q) {
+        i64 cq;
+        i = div_rem(i, d.shape[q], &cq);
+        if (q == d.rank - 1) inner = cq;
+        a += cq * d.s0[q];
+        b += cq * d.s1[q];
+        c += cq * d.s2[q];
+        e += cq * d.s3[q];
+    }
+    k->o0 = a; k->o1 = b; k->o2 = c; k->o3 = e; k->c = inner;
+}
+
+// Elementwise kernels over a walk take the elements in warp tiles: warp w of the grid owns
+// tiles of 32 * WARP_RUN consecutive elements, lane l the elements tile + l + 32 e (e <
+// WARP_RUN), so every load and store of a warp is one contiguous run and each lane divides
+// once per tile. Correct for any grid (the tiles stride over the whole range).
+#define WARP_RUN 4
+#define WARP_RUN_STEP 32
+
+// Moves the cursor from element i - 32 to element i.
+__device__ __forceinline__ void nd_step(const Nd& d, i64 i, NdCursor* k) {
+    const int l = d.rank - 1;
+    if (l >= 0 && k->c + WARP_RUN_STEP < d.shape[l]) {
+        k->c += WARP_RUN_STEP;
+        k->o0 += WARP_RUN_STEP * d.s0[l];
+        k->o1 += WARP_RUN_STEP * d.s1[l];
+        k->o2 += WARP_RUN_STEP * d.s2[l];
+        k->o3 += WARP_RUN_STEP * d.s3[l];
+    } else {
+        nd_seek(d, i, k);
+    }
+}
+
+// Calls body(i, cursor) for every element i < n of the walk, in warp tiles (above).
+template <typename F>
+__device__ __forceinline__ void walk_runs(const Nd& d, i64 n, F body) {
+    const i64 stride = (i64)blockDim.x * gridDim.x * WARP_RUN;
+    // (blockDim.x is a whole number of warps: the launch's 256)
+    const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 first = g / 32 * (32 * WARP_RUN) + g % 32;
+    for (i64 t = first; t < n; t += stride) {
+        NdCursor k;
+        nd_seek(d, t, &k);
+        for (int e = 0; e < WARP_RUN; ++e) {
+            const i64 i = t + (i64)WARP_RUN_STEP * e;
+            if (i >= n) break;
+            if (e > 0) nd_step(d, i, &k);
+            body(i, k);
+        }
+    }
+}
+
 #define GRID_LOOP(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
 

@@ -82,20 +82,16 @@ __device__ __forceinline__ bool compare(int op, C a, C b) {
 
 template <typename T>
 __device__ void binary_float(int op, i64 n, Nd d, const T* a, const T* b, T* y) {
-    GRID_LOOP(i, n) {
-        i64 oa, ob, o2, o3;
-        nd_offsets(d, i, &oa, &ob, &o2, &o3);
-        y[i] = from_f<T>(binary_f(op, to_f(a[oa]), to_f(b[ob])));
-    }
+    walk_runs(d, n, [&](i64 i, const NdCursor& k) {
+        y[i] = from_f<T>(binary_f(op, to_f(a[k.o0]), to_f(b[k.o1])));
+    });
 }
 
 template <typename T>
 __device__ void compare_float(int op, i64 n, Nd d, const T* a, const T* b, u8* y) {
-    GRID_LOOP(i, n) {
-        i64 oa, ob, o2, o3;
-        nd_offsets(d, i, &oa, &ob, &o2, &o3);
-        y[i] = compare<float>(op, to_f(a[oa]), to_f(b[ob])) ? 1 : 0;
-    }
+    walk_runs(d, n, [&](i64 i, const NdCursor& k) {
+        y[i] = compare<float>(op, to_f(a[k.o0]), to_f(b[k.o1])) ? 1 : 0;
+    });
 }
 
 template <typename T>
@@ -182,11 +178,7 @@ __device__ void binary_bool(int op, i64 n, Nd d, const u8* a, const u8* b, u8* y
 
 template <typename T>
 __device__ void where_k(i64 n, Nd d, const u8* c, const T* x, const T* y, T* out) {
-    GRID_LOOP(i, n) {
-        i64 oc, ox, oy, o3;
-        nd_offsets(d, i, &oc, &ox, &oy, &o3);
-        out[i] = c[oc] ? x[ox] : y[oy];
-    }
+    walk_runs(d, n, [&](i64 i, const NdCursor& k) { out[i] = c[k.o0] ? x[k.o1] : y[k.o2]; });
 }
 
 // ---- cast: float -> int truncates toward zero, saturating, NaN -> 0; numbers -> bool test
