@@ -19,4 +19,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_pasa": print(m["executable"])')
 cp "$pasa" .device/cuda_pasa; strip .device/cuda_pasa || true
 cp examples/bench/train_vs_torch.py "$here"/multi_rank_check.sh "$here"/compare_ranks.py "$here"/make_gpt2s.py .device/
+# the PyTorch-vs-hzp speed bench of ../shared/device (GPT-2 configs), when it is beside us:
+# python3 .device/gpu_bench.py --hzp .device/hzp --work /tmp/bench --out $OUT --configs gpt2s
+shared=$(cd "$here/../.." && pwd)/../shared/device/gpu_bench.py
+[ -f "$shared" ] && cp "$shared" .device/ || echo "note: $shared not found: .device/ has no gpu_bench.py"
 du -sh .device
