@@ -425,9 +425,9 @@ fn keep_freed_memory() {
 /// a compile touches hundreds of MiB of fresh heap, and each first touch of a huge page made
 /// the kernel find and zero 2 MiB at once, most of the compile's system time, growing faster
 /// than the layers (issue 19: `hzp bench compile preset:gpt --layers 96,192,384,768
-/// --recompute false --repeat 3`, system time 1.8-2.1 s -> 0.6-0.7 s for the whole bench,
-/// 768 layers 4.35-4.45 s -> 3.51-3.61 s). Only for the compiling commands: `hzp run`'s
-/// large tensors keep huge pages.
+/// --recompute false --repeat 3`, system time 1.1-2.1 s -> 0.4-0.85 s for the whole bench;
+/// one `hzp compile` of 768 layers 1.63 -> 0.36 s). Only for the compiling commands: `hzp
+/// run`'s large tensors keep huge pages.
 fn compile_without_huge_pages() {
     #[cfg(target_os = "linux")]
     if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
