@@ -316,7 +316,7 @@ pub fn compile_plan(
         on(CompileEvent::Rewritten(r))?;
     }
     on(CompileEvent::Phase("build per-rank step + memory plan"))?;
-    let mut plan = assemble(whole, shard_opts.strategy.name(), &mut step, &mem);
+    let mut plan = assemble(whole, shard_opts.strategy.name(), &mut step, &mut mem);
     on(CompileEvent::Assembled(&plan))?;
     on(CompileEvent::Phase("assemble plan"))?;
     let json = verify_and_hash(&mut plan, whole)?;
@@ -489,12 +489,13 @@ fn build_step(
     Ok((step, mem))
 }
 
-/// Stage 3: the plan from the step (whose program it takes) and its memory plan.
+/// Stage 3: the plan from the step (whose program and layouts it takes) and its memory plan
+/// (whose buffers it takes).
 fn assemble(
     opts: &CompileOptions,
     strategy: &str,
     step: &mut spmd::ShardedStep,
-    mem: &memory::MemoryPlan,
+    mem: &mut memory::MemoryPlan,
 ) -> Plan {
     let cfg = &opts.train;
     let prog = std::mem::take(&mut step.program);
@@ -505,8 +506,8 @@ fn assemble(
         step.groups.clone(),
         prog,
         mem.arena_bytes,
-        mem.buffers.clone(),
-        step.layouts.clone(),
+        std::mem::take(&mut mem.buffers),
+        std::mem::take(&mut step.layouts),
         cfg.micro_batches,
         opts.fingerprint.clone(),
     );

@@ -4,7 +4,9 @@
 
 mod sharded_common;
 use hzp_ir::{DType, Group, Mesh, Op, Program, ReduceOp, Tensor, TensorType};
-use hzp_passes::dist::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport};
+use hzp_passes::dist::rewrite::{
+    rewrite_collectives, rewrite_collectives_owned, RewriteOptions, RewriteReport,
+};
 use hzp_runtime::reference::ReferenceRunner;
 use sharded_common::{g, slow_cluster};
 
@@ -69,9 +71,10 @@ fn run(p: &Program) -> Vec<f64> {
 fn rewrite(p: &Program, opts: &RewriteOptions) -> (Program, RewriteReport) {
     let (q, rep) = rewrite_collectives(p, &mesh(), &slow_cluster(), opts).unwrap();
     hzp_ir::verify(&q).unwrap();
-    // deterministic
-    let (q2, _) = rewrite_collectives(p, &mesh(), &slow_cluster(), opts).unwrap();
+    // deterministic, and the same when the pass is handed the program to consume
+    let (q2, rep2) = rewrite_collectives_owned(p.clone(), &mesh(), &slow_cluster(), opts).unwrap();
     assert_eq!(hzp_ir::text::print(&q), hzp_ir::text::print(&q2));
+    assert_eq!(rep.to_string(), rep2.to_string());
     (q, rep)
 }
 

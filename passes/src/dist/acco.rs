@@ -142,7 +142,7 @@ pub fn acco_step(
     let m = cfg.micro_batches;
     let half = m / 2;
     let compute = cfg.compute;
-    let fwd_lp = train::lower_precision(fwd, compute)?;
+    let fwd_lp = train::lower_precision_cow(fwd, compute)?;
     // gradients of loss / (W * half): their sum over ranks and a phase's micro-batches is the
     // mean over that half-batch
     let micro = train::gradient_program_scaled(&fwd_lp, &cfg.loss, 1.0 / (w * half) as f64)?;

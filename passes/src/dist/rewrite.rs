@@ -185,6 +185,27 @@ pub fn rewrite_collectives(
     cluster: &ClusterSpec,
     opts: &RewriteOptions,
 ) -> Result<(Program, RewriteReport), String> {
+    rewrite(std::borrow::Cow::Borrowed(p), mesh, cluster, opts)
+}
+
+/// [`rewrite_collectives`] that takes the program: it is freed as soon as the first stage
+/// has rebuilt it, so that a large step is not held three times over (the input, the
+/// bucketed program and the one the regions are rewritten into).
+pub fn rewrite_collectives_owned(
+    p: Program,
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+    opts: &RewriteOptions,
+) -> Result<(Program, RewriteReport), String> {
+    rewrite(std::borrow::Cow::Owned(p), mesh, cluster, opts)
+}
+
+fn rewrite(
+    p: std::borrow::Cow<'_, Program>,
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+    opts: &RewriteOptions,
+) -> Result<(Program, RewriteReport), String> {
     if let Some(pm) = &p.mesh {
         if pm != mesh {
             return Err(format!(
@@ -199,7 +220,7 @@ pub fn rewrite_collectives(
             ));
         }
     }
-    hzp_ir::verify(p).map_err(|e| format!("collective rewriting: the input program: {e}"))?;
+    hzp_ir::verify(&p).map_err(|e| format!("collective rewriting: the input program: {e}"))?;
     let cm = CostModel::new(cluster.clone(), mesh.clone())
         .map_err(|e| format!("collective rewriting: {e}"))?;
     let coster = Coster { cm, mesh };
@@ -209,13 +230,17 @@ pub fn rewrite_collectives(
         .iter()
         .any(|n| matches!(n.op, Op::RecordEvent { .. } | Op::WaitEvent { .. }));
     report.events_reinserted = had_events;
-    report.before = coster.traffic(p);
-    let mut q = if opts.bucket_bytes > 0 {
-        bucket(p, &coster, opts, had_events, &mut report)?
-    } else if had_events {
-        strip_events(p)?
+    report.before = coster.traffic(&p);
+    let mut q = if opts.bucket_bytes > 0 || had_events {
+        let q = if opts.bucket_bytes > 0 {
+            bucket(&p, &coster, opts, had_events, &mut report)?
+        } else {
+            strip_events(&p)?
+        };
+        drop(p);
+        q
     } else {
-        p.clone()
+        p.into_owned()
     };
     q = saturate_regions(&q, &coster, opts, &mut report)?;
     if had_events {

@@ -639,11 +639,14 @@ pub fn shard_training_step_rewritten(
     // Stage 2, group sizes: the nested groups and what each reduction covers.
     let groups = StepGroups::new(fwd, mesh, spec, sched)?;
     let m = cfg.micro_batches.max(1);
-    let fwd_lp = train::lower_precision(fwd, cfg.compute)?;
-    let with_loss = train::attach_loss(&fwd_lp, &cfg.loss)?;
+    let fwd_lp = train::lower_precision_cow(fwd, cfg.compute)?;
     // gradients of loss / (W * M): their sum over ranks and micro-batches is the mean
     let micro = train::gradient_program_scaled(&fwd_lp, &cfg.loss, 1.0 / (groups.w * m) as f64)?;
-    let an = Analysis::new(&micro, &with_loss, sched)?;
+    let an = {
+        let with_loss = train::attach_loss(&fwd_lp, &cfg.loss)?;
+        Analysis::new(&micro, &with_loss, sched)?
+    };
+    drop(fwd_lp);
 
     // Stage 3, per-rank declarations: inputs, master and compute shards, constants.
     let mut q = Program::new(format!("{}.rank", fwd.name));
@@ -680,6 +683,12 @@ pub fn shard_training_step_rewritten(
         ..
     } = b;
     drop(e);
+    // The gradient program and what was derived from it are not needed any more: freed
+    // before the step is rewritten and scheduled (two more programs of its size), they do
+    // not add to the compile's peak memory.
+    drop(an);
+    drop(micro);
+    let Declarations { layouts, .. } = decls;
     q.outputs = outputs;
     q.updates = updates;
     if let Some(v) = q.outputs.first().copied() {
@@ -703,9 +712,13 @@ pub fn shard_training_step_rewritten(
     stage_done(STAGES[0], &q)?;
     let mut rewrite_report = None;
     if let Some(rw) = rewrite {
-        let (r, rep) =
-            crate::dist::rewrite::rewrite_collectives(&q, mesh, &rw.cluster, &rw.options)
-                .map_err(|e| err(format!("collective rewriting: {e}")))?;
+        let (r, rep) = crate::dist::rewrite::rewrite_collectives_owned(
+            std::mem::take(&mut q),
+            mesh,
+            &rw.cluster,
+            &rw.options,
+        )
+        .map_err(|e| err(format!("collective rewriting: {e}")))?;
         q = r;
         drop_redundant_copies(&mut q);
         stage_done(STAGES[1], &q)?;
@@ -713,9 +726,12 @@ pub fn shard_training_step_rewritten(
     }
     let (order, waits) = prefetch_schedule(&q, &units, sched);
     let order = defer_reduce_consumers(&q, &order, &waits);
-    let q = insert_events_with(&q, &order, &waits);
+    let scheduled = insert_events_with(&q, &order, &waits);
+    // (the unscheduled program is freed now, not when the step is returned)
+    drop(q);
+    let q = scheduled;
     stage_done(STAGES[2], &q)?;
-    let mut layouts = decls.layouts;
+    let mut layouts = layouts;
     for (l, names) in layouts.iter_mut().zip(state_names) {
         l.states = names;
     }

@@ -45,7 +45,11 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
     out.values.reserve(p.values.len() + p.values.len() / 4);
     out.nodes.reserve(p.nodes.len() + p.nodes.len() / 4);
     // Values are copied in order; nodes are re-added with events interleaved.
-    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
+    // (a vector by value index, not a hash map: this runs over every value of a large step)
+    let mut map: Vec<Option<ValueId>> = vec![None; p.values.len()];
+    let at = |map: &[Option<ValueId>], v: ValueId| {
+        map[v.index()].expect("a value is defined before it is read")
+    };
     // each parameter's data, constant's data and state's initial value (the first entry of
     // one listed twice, as `Program::param` finds it)
     let mut param_data: HashMap<ValueId, &Option<hzp_ir::Tensor>> = HashMap::new();
@@ -64,19 +68,19 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
         let id = ValueId(i as u32);
         match v.def {
             ValueDef::Input => {
-                map.insert(id, out.add_input(v.name.clone(), v.ty.clone()));
+                map[id.index()] = Some(out.add_input(v.name.clone(), v.ty.clone()));
             }
             ValueDef::Param => {
                 let data = param_data.get(&id).and_then(|&d| d.clone());
-                map.insert(id, out.add_param(v.name.clone(), v.ty.clone(), data));
+                map[id.index()] = Some(out.add_param(v.name.clone(), v.ty.clone(), data));
             }
             ValueDef::Const => {
                 let data = (*const_data.get(&id).expect("const has data")).clone();
-                map.insert(id, out.add_const(v.name.clone(), data));
+                map[id.index()] = Some(out.add_const(v.name.clone(), data));
             }
             ValueDef::State => {
                 let init = state_init.get(&id).and_then(|&s| s.clone());
-                map.insert(id, out.add_state(v.name.clone(), v.ty.clone(), init));
+                map[id.index()] = Some(out.add_state(v.name.clone(), v.ty.clone(), init));
             }
             ValueDef::Node { .. } => {}
         }
@@ -121,7 +125,7 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
                 out.nodes.last_mut().expect("just added").stream = n.stream;
             }
         }
-        let ins = n.inputs.iter().map(|v| map[v]).collect();
+        let ins = n.inputs.iter().map(|&v| at(&map, v)).collect();
         let outs = n.outputs.iter().map(|&o| p.value(o).name.clone()).collect();
         let new = out
             .add_node(n.name.clone(), n.op.clone(), ins, outs)
@@ -130,7 +134,7 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
         added.stream = n.stream;
         added.role = n.role.clone();
         for (&o, nv) in n.outputs.iter().zip(new) {
-            map.insert(o, nv);
+            map[o.index()] = Some(nv);
         }
         if recorded_for_other[ni] {
             let ev = next_event;
@@ -142,13 +146,13 @@ pub fn insert_events_with(p: &Program, order: &[NodeId], extra: &[(NodeId, NodeI
             out.nodes.last_mut().expect("just added").stream = n.stream;
         }
     }
-    out.outputs = p.outputs.iter().map(|v| map[v]).collect();
+    out.outputs = p.outputs.iter().map(|&v| at(&map, v)).collect();
     out.updates = p
         .updates
         .iter()
         .map(|u| Update {
-            target: map[&u.target],
-            value: map[&u.value],
+            target: at(&map, u.target),
+            value: at(&map, u.value),
         })
         .collect();
     out

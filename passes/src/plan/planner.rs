@@ -90,7 +90,7 @@ use crate::cost::{roofline, CollectiveCost, CollectiveKind, CostError, CostModel
 use crate::dist::spmd::ReduceGrads;
 use crate::report::{human_bytes, human_count, layer_of_params, LayerGrouping};
 use crate::train::autodiff::differentiate;
-use crate::train::{attach_loss, lower_precision, LossKind};
+use crate::train::{attach_loss, lower_precision_cow, LossKind};
 use hzp_ir::{BinaryOp, DType, Group, Mesh, Op, Program, ShardGroups, ValueDef, ValueId};
 use serde::{Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};
@@ -968,13 +968,14 @@ fn profile(
     cluster: &ClusterSpec,
     opts: &ShardOptions,
 ) -> Result<Profile, ShardPlanError> {
-    let low = lower_precision(fwd, opts.compute).map_err(|e| model_err(fwd, e.0))?;
+    let low = lower_precision_cow(fwd, opts.compute).map_err(|e| model_err(fwd, e.0))?;
     let mut p = match &opts.loss {
         Some(k) => attach_loss(&low, k),
         None => attach_loss(&low, &LossKind::Lm { labels: None })
             .or_else(|_| attach_loss(&low, &LossKind::Mean)),
     }
     .map_err(|e| model_err(fwd, e.0))?;
+    drop(low);
     let n_fwd = p.nodes.len();
     let n_fwd_values = p.values.len();
     let grouping = layer_of_params(&p);
@@ -1030,6 +1031,19 @@ fn profile(
     let (mut act_bytes, mut act_recompute_bytes) = (act_bytes, act_recompute_bytes);
     let budget = opts.memory_budget.unwrap_or(cluster.device.memory_bytes);
     let hopeless = !opts.schedule.recompute && act_bytes > budget;
+    // What the profile keeps of the training program, taken before it is freed: the probe
+    // below builds a whole step of its own, which need not sit on top of this one.
+    let param_names: Vec<String> = p
+        .params
+        .iter()
+        .map(|q| p.value(q.value).name.clone())
+        .collect();
+    let param_numel: Vec<u64> = p
+        .params
+        .iter()
+        .map(|q| p.ty(q.value).numel() as u64)
+        .collect();
+    drop(p);
     if fallback.is_none() && !hopeless {
         if let Some(measured) = probe_activations(fwd, opts) {
             if opts.schedule.recompute {
@@ -1041,16 +1055,8 @@ fn profile(
     }
     Ok(Profile {
         notes: fallback.into_iter().collect(),
-        param_names: p
-            .params
-            .iter()
-            .map(|q| p.value(q.value).name.clone())
-            .collect(),
-        param_numel: p
-            .params
-            .iter()
-            .map(|q| p.ty(q.value).numel() as u64)
-            .collect(),
+        param_names,
+        param_numel,
         param_layer: grouping.of_param.clone(),
         layers: grouping.names.len(),
         row_tables,

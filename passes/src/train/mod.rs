@@ -478,9 +478,23 @@ pub(crate) fn inline(
 /// (the master weights) and are cast at their uses; float constants, inputs, casts and
 /// fills produce the compute dtype.
 pub fn lower_precision(fwd: &Program, compute: DType) -> Result<Program, TrainError> {
+    lower_precision_cow(fwd, compute).map(std::borrow::Cow::into_owned)
+}
+
+/// [`lower_precision`] that borrows `fwd` itself where there is nothing to lower (f32): the
+/// compiler only reads the lowered program, and a copy of a large program is a large share
+/// of its memory traffic.
+pub fn lower_precision_cow(
+    fwd: &Program,
+    compute: DType,
+) -> Result<std::borrow::Cow<'_, Program>, TrainError> {
     if compute == DType::F32 {
-        return Ok(fwd.clone());
+        return Ok(std::borrow::Cow::Borrowed(fwd));
     }
+    lower_precision_owned(fwd, compute).map(std::borrow::Cow::Owned)
+}
+
+fn lower_precision_owned(fwd: &Program, compute: DType) -> Result<Program, TrainError> {
     let mut p = Program::new(fwd.name.clone());
     p.mesh = fwd.mesh.clone();
     // `fwd` and a cast per parameter and input, sized up front (not regrown and copied)
@@ -583,7 +597,7 @@ pub fn training_step(fwd: &Program, cfg: &TrainConfig) -> Result<Program, TrainE
         }
         _ => None,
     };
-    let fwd = lower_precision(fwd, cfg.compute)?;
+    let fwd = lower_precision_cow(fwd, cfg.compute)?;
     let micro = gradient_program(&fwd, &cfg.loss)?;
     let mut p = Program::new(format!("{}.train", fwd.name));
     p.mesh = fwd.mesh.clone();
@@ -1181,5 +1195,18 @@ mod tests {
             a.is_finite() && (a - b).abs() <= 1e-6 * b.abs(),
             "{a} vs {b}"
         );
+    }
+
+    #[test]
+    fn lowering_to_f32_borrows_and_lowering_to_bf16_matches_the_owned_pass() {
+        let p = head(true);
+        let f32 = lower_precision_cow(&p, DType::F32).unwrap();
+        assert!(matches!(f32, std::borrow::Cow::Borrowed(q) if std::ptr::eq(q, &p)));
+        assert_eq!(lower_precision(&p, DType::F32).unwrap(), p);
+        let bf16 = lower_precision_cow(&p, DType::BF16).unwrap();
+        assert!(matches!(bf16, std::borrow::Cow::Owned(_)));
+        let owned = lower_precision(&p, DType::BF16).unwrap();
+        assert_ne!(owned, p);
+        assert_eq!(*bf16, owned);
     }
 }
