@@ -169,71 +169,95 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
     let repeat = a.repeat.max(1);
     let c = compile_args(a, &mesh)?;
     let resets = reset_peak_rss();
-    let mut rows = Vec::new();
-    for &n in &a.layers {
-        let model = ModelArgs {
+    let models: Vec<ModelArgs> = a
+        .layers
+        .iter()
+        .map(|&n| ModelArgs {
             model: format!("{},layers={n}", a.model),
             shapes: a.shapes.clone(),
             bind: Vec::new(),
             no_fuse_attention: false,
-        };
-        if resets {
-            reset_peak_rss();
-        }
-        let (mut wall, mut cpu) = (Vec::new(), Vec::new());
-        let mut nodes = 0;
-        for _ in 0..repeat {
-            let (start, cpu0) = (Instant::now(), cpu_seconds());
-            let built = build_plan(&model, None, &a.train, &c, false, true)
-                .map_err(|e| e.wrap_err(format!("compiling {} for {mesh}", model.model)))?;
-            wall.push(start.elapsed().as_secs_f64());
-            if let (Some(x), Some(y)) = (cpu0, cpu_seconds()) {
-                cpu.push(y - x);
-            }
-            nodes = built.plan.program.nodes.len();
-        }
-        wall.sort_by(f64::total_cmp);
-        cpu.sort_by(f64::total_cmp);
-        rows.push(LayersRow {
+        })
+        .collect();
+    let mut rows: Vec<LayersRow> = a
+        .layers
+        .iter()
+        .map(|&n| LayersRow {
             layers: n,
-            wall,
-            cpu,
-            peak_rss: peak_rss_bytes(),
-            nodes,
-        });
+            wall: Vec::new(),
+            cpu: Vec::new(),
+            peak_rss: None,
+            nodes: 0,
+        })
+        .collect();
+    // Rounds: each compiles every count once, in order, so a change in the machine's speed
+    // while the bench runs (a shared or throttled VM) touches every count alike rather than
+    // whichever count was running then.
+    for round in 0..repeat {
+        for (model, row) in models.iter().zip(rows.iter_mut()) {
+            if resets {
+                reset_peak_rss();
+            }
+            let (start, cpu0) = (Instant::now(), cpu_seconds());
+            let built = build_plan(model, None, &a.train, &c, false, true)
+                .map_err(|e| e.wrap_err(format!("compiling {} for {mesh}", model.model)))?;
+            row.wall.push(start.elapsed().as_secs_f64());
+            if let (Some(x), Some(y)) = (cpu0, cpu_seconds()) {
+                row.cpu.push(y - x);
+            }
+            row.nodes = built.plan.program.nodes.len();
+            drop(built);
+            // peak RSS from the first round only: freed memory stays with the allocator, so a
+            // later round's small count would report the large count's leftovers
+            if round == 0 {
+                row.peak_rss = peak_rss_bytes();
+            }
+        }
+    }
+    for r in &mut rows {
+        r.wall.sort_by(f64::total_cmp);
+        r.cpu.sort_by(f64::total_cmp);
     }
     outln!(
-        "compile {},layers=N on {mesh} (strategy {}, budget {}{}{}), {} compile(s) per count \
-         (median), plan JSON made (not written)",
+        "compile {},layers=N on {mesh} (strategy {}, budget {}{}{}), {repeat} round(s) over the \
+         counts (each compiles every count once), plan JSON made (not written)",
         a.model,
         a.strategy,
         a.memory,
         if a.recompute { ", recompute" } else { "" },
         if a.no_rewrite { ", no rewrite" } else { "" },
-        repeat
     );
     let median = |v: &[f64]| v.get(v.len() / 2).copied();
+    let least = |v: &[f64]| v.first().copied();
     let cell = |x: Option<f64>| x.map_or("n/a".to_string(), secs);
     outln!(
-        "  {:>7}  {:>9}  {:>9}  {:>10}  {:>8}",
+        "  {:>7}  {:>11}  {:>9}  {:>10}  {:>9}  {:>10}  {:>8}",
         "layers",
-        "wall",
-        "CPU",
+        "wall median",
+        "wall min",
+        "CPU median",
+        "CPU min",
         "peak RSS",
         "nodes"
     );
     for r in &rows {
         outln!(
-            "  {:>7}  {:>9}  {:>9}  {:>10}  {:>8}",
+            "  {:>7}  {:>11}  {:>9}  {:>10}  {:>9}  {:>10}  {:>8}",
             r.layers,
             cell(median(&r.wall)),
+            cell(least(&r.wall)),
             cell(median(&r.cpu)),
+            cell(least(&r.cpu)),
             r.peak_rss
                 .map_or("n/a".to_string(), hzp_ir::plan::format_bytes),
             r.nodes
         );
     }
-    if !resets {
+    if resets {
+        outln!(
+            "  peak RSS: of each count's compile in the first round (counts in the order given)"
+        );
+    } else {
         outln!("  peak RSS: the peak of the process so far (it could not be reset per count)");
     }
     let ratio = |x: Option<f64>, y: Option<f64>| match (x, y) {
@@ -243,12 +267,14 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
     for w in rows.windows(2) {
         let (p, r) = (&w[0], &w[1]);
         outln!(
-            "layers {} / {} (x{:.2}): wall {}, CPU {}, peak RSS {}",
+            "layers {} / {} (x{:.2}): wall {} (min {}), CPU {} (min {}), peak RSS {}",
             r.layers,
             p.layers,
             r.layers as f64 / p.layers as f64,
             ratio(median(&r.wall), median(&p.wall)),
+            ratio(least(&r.wall), least(&p.wall)),
             ratio(median(&r.cpu), median(&p.cpu)),
+            ratio(least(&r.cpu), least(&p.cpu)),
             ratio(r.peak_rss.map(|b| b as f64), p.peak_rss.map(|b| b as f64)),
         );
     }
