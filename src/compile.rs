@@ -525,13 +525,7 @@ fn collectives(p: &Program) -> Vec<CollectiveRow> {
     let mut rows: BTreeMap<(String, String, String), (usize, u64)> = BTreeMap::new();
     for n in &p.nodes {
         if let Some(g) = n.op.group() {
-            let bytes = n
-                .inputs
-                .iter()
-                .chain(&n.outputs)
-                .map(|&v| p.ty(v).size_bytes() as u64)
-                .max()
-                .unwrap_or(0);
+            let bytes = hzp_passes::dist::collective_bytes(p, n);
             let e = rows
                 .entry((
                     n.op.name().to_string(),

@@ -533,18 +533,10 @@ impl Builder<'_> {
                     })
                 })
                 .collect::<Result<_, _>>()?;
-            let outs: Vec<String> = node
-                .outputs
-                .iter()
-                .map(|&o| e.fresh(&format!("{}{tag}", micro.value(o).name)))
-                .collect();
-            let name = e.fresh(&format!("{}{tag}", node.name));
-            let got = e.p.add_node(name, node.op.clone(), ins, outs)?;
-            if let Some(added) = e.p.nodes.last_mut() {
-                // the model's kind (compute or loss), with this micro-batch's unit
-                let phase = if i <= self.loss_node { "fwd" } else { "bwd" };
-                added.role = Role::new(node.role.kind, format!("mb{mb}.{phase}"));
-            }
+            // the model's kind (compute or loss), with this micro-batch's unit
+            let phase = if i <= self.loss_node { "fwd" } else { "bwd" };
+            let role = Role::new(node.role.kind, format!("mb{mb}.{phase}"));
+            let got = crate::dist::copy_node(e, micro, node, ins, &tag, role)?;
             for (&o, g) in node.outputs.iter().zip(got) {
                 vmap.insert(o, g);
             }

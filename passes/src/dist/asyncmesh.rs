@@ -499,13 +499,7 @@ pub fn traffic(p: &Program, slow_axis: &str) -> (u64, u64) {
     let (mut slow, mut fast) = (0u64, 0u64);
     for n in &p.nodes {
         if let Some(g) = n.op.group() {
-            let bytes = n
-                .inputs
-                .iter()
-                .chain(&n.outputs)
-                .map(|&v| p.ty(v).size_bytes() as u64)
-                .max()
-                .unwrap_or(0);
+            let bytes = crate::dist::collective_bytes(p, n);
             if g.axes.iter().any(|a| a == slow_axis) {
                 slow += bytes;
             } else {

@@ -21,7 +21,42 @@ pub mod spmd;
 pub mod streams;
 
 use crate::emit::Emitter;
-use hzp_ir::{DType, Op, TensorType, ValueId};
+use hzp_ir::{DType, Node, Op, Program, Role, TensorType, ValueId};
+
+/// The payload bytes of a collective node as the reports count them (per rank, per call):
+/// its largest operand (an all-gather's output, a reduce-scatter's input, an all-reduce's
+/// buffer).
+pub fn collective_bytes(p: &Program, n: &Node) -> u64 {
+    n.inputs
+        .iter()
+        .chain(&n.outputs)
+        .map(|&v| p.ty(v).size_bytes() as u64)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Adds a copy of `node` (a node of `from`) reading `ins`, its own and its outputs' names
+/// suffixed by `tag` (made unique), with `role`; returns the copy's outputs.
+pub(crate) fn copy_node(
+    e: &mut Emitter,
+    from: &Program,
+    node: &Node,
+    ins: Vec<ValueId>,
+    tag: &str,
+    role: Role,
+) -> Result<Vec<ValueId>, String> {
+    let outs: Vec<String> = node
+        .outputs
+        .iter()
+        .map(|&o| e.fresh(&format!("{}{tag}", from.value(o).name)))
+        .collect();
+    let name = e.fresh(&format!("{}{tag}", node.name));
+    let got = e.p.add_node(name, node.op.clone(), ins, outs)?;
+    if let Some(added) = e.p.nodes.last_mut() {
+        added.role = role;
+    }
+    Ok(got)
+}
 
 /// A parameter held flat and zero-padded (`[padded]`) as the model reads it: the padding
 /// dropped, reshaped to `shape` (`numel` elements).

@@ -1309,23 +1309,13 @@ impl StepBuilder<'_> {
         tag: &str,
         recompute: bool,
     ) -> Result<Vec<ValueId>, String> {
-        let micro = self.micro;
-        let node = &micro.nodes[i];
-        let outs: Vec<String> = node
-            .outputs
-            .iter()
-            .map(|&o| e.fresh(&format!("{}{tag}", micro.value(o).name)))
-            .collect();
-        let name = e.fresh(&format!("{}{tag}", node.name));
-        let outs = e.p.add_node(name, node.op.clone(), ins, outs)?;
-        if let Some(added) = e.p.nodes.last_mut() {
-            added.role = if recompute {
-                Role::of(RoleKind::Recompute)
-            } else {
-                node.role.clone()
-            };
-        }
-        Ok(outs)
+        let node = &self.micro.nodes[i];
+        let role = if recompute {
+            Role::of(RoleKind::Recompute)
+        } else {
+            node.role.clone()
+        };
+        crate::dist::copy_node(e, self.micro, node, ins, tag, role)
     }
 
     /// Adds the reduced gradients of two backward layers back to their accumulators (by

@@ -467,23 +467,8 @@ pub(crate) fn muon_step(
                     &[v],
                 )?;
             }
-            if e.ty(v).shape[0] > numel {
-                v = e.op(
-                    Op::Slice {
-                        axes: vec![0],
-                        starts: vec![0],
-                        ends: vec![numel as i64],
-                        steps: vec![1],
-                    },
-                    &[v],
-                )?;
-            }
-            e.op(
-                Op::Reshape {
-                    shape: vec![m.rows, m.cols],
-                },
-                &[v],
-            )?
+            let padded = e.ty(v).shape[0];
+            crate::dist::unpad(e, v, numel, padded, &[m.rows, m.cols])?
         }
         Holding::Canzona { .. } => {
             return Err("internal: a Canzona matrix stepped on its own".into());
