@@ -67,25 +67,12 @@ __device__ __forceinline__ i64 div_rem(i64 i, i64 n, i64* rem) {
     return q;
 }
 
-// Offsets of linear index i of the walk's shape in operands 0..3.
-__device__ __forceinline__ void nd_offsets(const Nd& d, i64 i, i64* o0, i64* o1, i64* o2, i64* o3) {
-    i64 a = 0, b = 0, c = 0, e = 0;
-    for (int k = d.rank - 1; k >= 0; --k) {
-        i64 ck;
-        i = div_rem(i, d.shape[k], &ck);
-        a += ck * d.s0[k];
-        b += ck * d.s1[k];
-        c += ck * d.s2[k];
-        e += ck * d.s3[k];
-    }
-    *o0 = a; *o1 = b; *o2 = c; *o3 = e;
-}
-
 // A cursor on an n-d walk: the four offsets of the current element and its coordinate in
 // the innermost dim, so the next element WARP_RUN_STEP further on costs additions instead of
 // divisions while it stays in the same innermost row.
 struct NdCursor { i64 o0, o1, o2, o3, c; };
 
+// The cursor at linear index i of the walk's shape.
 __device__ __forceinline__ void nd_seek(const Nd& d, i64 i, NdCursor* k) {
     i64 a = 0, b = 0, c = 0, e = 0, inner = 0;
     for (int q = d.rank - 1; q >= 0; --q) {
@@ -98,6 +85,13 @@ __device__ __forceinline__ void nd_seek(const Nd& d, i64 i, NdCursor* k) {
         e += cq * d.s3[q];
     }
     k->o0 = a; k->o1 = b; k->o2 = c; k->o3 = e; k->c = inner;
+}
+
+// Offsets of linear index i of the walk's shape in operands 0..3.
+__device__ __forceinline__ void nd_offsets(const Nd& d, i64 i, i64* o0, i64* o1, i64* o2, i64* o3) {
+    NdCursor k;
+    nd_seek(d, i, &k);
+    *o0 = k.o0; *o1 = k.o1; *o2 = k.o2; *o3 = k.o3;
 }
 
 // Elementwise kernels over a walk take the elements in warp tiles: warp w of the grid owns
