@@ -42,6 +42,15 @@ def sh(args: list[str], quiet: bool = True) -> str:
     return out.stdout
 
 
+def per_strategy(spec: str) -> dict[str, list[str]]:
+    """'name:flag flag;name:flag' -> {name: [flag, flag]}."""
+    out: dict[str, list[str]] = {}
+    for part in filter(None, spec.split(";")):
+        name, flags = part.split(":", 1)
+        out[name.strip()] = flags.split()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hzp", default=str(ROOT / "target/release/hzp"))
@@ -54,6 +63,8 @@ def main() -> int:
     ap.add_argument("--shuffle", type=int, default=1, help="the sampling seed (hzp run --shuffle)")
     ap.add_argument("--extra", default="", help="extra compile flags per strategy: "
                     "name:flag flag;name:flag (e.g. 'asyncmesh:--slow-axis node')")
+    ap.add_argument("--run-extra", default="", help="extra `hzp run` flags per strategy, "
+                    "same form (e.g. 'asyncmesh:--lr 4.2e-3')")
     a = ap.parse_args()
     hzp = a.hzp
     wd = Path(a.workdir)
@@ -63,10 +74,8 @@ def main() -> int:
         stdlib = sysconfig.get_paths()["stdlib"]
         sh([hzp, "data", "prepare", stdlib, "--suffix", ".py", "-o", str(train),
             "--val-output", str(val), "--val-fraction", "0.05"], quiet=False)
-    extra: dict[str, list[str]] = {}
-    for part in filter(None, a.extra.split(";")):
-        name, flags = part.split(":", 1)
-        extra[name.strip()] = flags.split()
+    extra = per_strategy(a.extra)
+    run_extra = per_strategy(a.run_extra)
     rows = []
     for strategy in a.strategies.split(","):
         plan = wd / f"{strategy}.json"
@@ -81,7 +90,8 @@ def main() -> int:
                              "--val-data", str(val), "--eval-every", str(a.steps),
                              "--eval-batches", "16", "--steps", str(a.steps),
                              "--lr-schedule", "cosine", "--warmup", "20",
-                             "--link", a.link, "--log", str(log), "--format", "json"],
+                             "--link", a.link, "--log", str(log), "--format", "json"]
+                            + run_extra.get(strategy, []),
                             quiet=False))
         vals = [json.loads(l) for l in log.read_text().splitlines()]
         val_loss = [v["val_loss"] for v in vals if "val_loss" in v][-1]
