@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--sparsity", type=float, default=0.05)
     ap.add_argument("--ema-beta", type=float, default=0.9)
+    ap.add_argument("--constant", action="store_true", help="a constant rate (no schedule)")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--workdir", default="/tmp/hzp-strategies")
     a = ap.parse_args()
@@ -66,6 +67,8 @@ def main() -> int:
 
     def lr_at(it: int) -> float:
         warmup, lo = 20, a.lr / 10
+        if a.constant:
+            return a.lr
         if it < warmup:
             return a.lr * (it + 1) / (warmup + 1)
         ratio = (it - warmup) / (a.steps - warmup)
@@ -120,7 +123,8 @@ def main() -> int:
 
     for seed in (int(s) for s in a.seeds.split(",")):
         loss = run(seed)
-        print(f"{a.variant} rows {a.rows} replicas {a.replicas} lr {a.lr:g} S {a.sparsity:g} "
+        print(f"{a.variant} rows {a.rows} replicas {a.replicas} lr {a.lr:g}"
+              f"{' constant' if a.constant else ''} S {a.sparsity:g} "
               f"B {a.ema_beta:g} seed {seed}: val loss {loss:.4f}", flush=True)
     return 0
 
