@@ -494,7 +494,7 @@ fn canzona_partition_of_gpt2_small_is_printed_and_balanced() {
     let bound = 4.0 / 3.0 - 1.0 / 24.0;
     assert!(imb <= bound, "{imb} > {bound}");
     assert!(
-        text.contains("bucket 768x3072: 12 matrices, 2 slots per rank"),
+        text.contains("bucket 768x3072: 24 matrices (12 stored 3072x768), 3 slots per rank"),
         "{text}"
     );
     let (code, json, err) = hzp(&["inspect", plan.to_str().unwrap(), "--format", "json"]);

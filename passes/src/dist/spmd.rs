@@ -1595,10 +1595,23 @@ impl StepBuilder<'_> {
                     train::Optimizer::Muon { muon, .. } => muon.ns_steps,
                     _ => 0,
                 };
+                let partition = crate::train::canzona::partition(ms, gr.o, steps);
+                // which slots a rank transposes depends on the rank: its member index
+                let member = if partition.buckets.iter().any(|b| !b.flipped.is_empty()) {
+                    e.enter("optimizer/member", Role::of(RoleKind::Optimizer));
+                    let m = e
+                        .member_index("muon.member/ranks", &gr.spec.optim, gr.o)
+                        .map_err(err)?;
+                    e.enter("optimizer", Role::of(RoleKind::Optimizer));
+                    Some(m)
+                } else {
+                    None
+                };
                 Holding::Canzona {
                     group: gr.spec.optim.clone(),
                     size: gr.o,
-                    partition: crate::train::canzona::partition(ms, gr.o, steps),
+                    member,
+                    partition,
                 }
             }
             Some(_) => {

@@ -5,9 +5,14 @@
 //! 2026: whole matrices, owners chosen so every rank's optimizer work is even).
 //!
 //! A plan is one program every rank runs with the same shapes, so hzp uses the
-//! *uniform-slot* form: the matrices are grouped into buckets of identical stored shape;
-//! a bucket of `L` matrices over `o` ranks has `ceil(L / o)` slots on every rank and each
-//! rank orthogonalizes its slots as one batched Newton-Schulz (`[slots, rows, cols]`).
+//! *uniform-slot* form: the matrices are grouped into buckets of one shape up to a
+//! transpose (GPT-2's `c_fc` `[768, 3072]` and `c_proj` `[3072, 768]` share one: the
+//! Newton-Schulz of `Xᵀ` is that of `X` transposed, and Muon orthogonalizes a tall matrix
+//! as its transpose anyway); a bucket of `L` matrices over `o` ranks has `ceil(L / o)` slots
+//! on every rank and each rank orthogonalizes its slots as one batched Newton-Schulz
+//! (`[slots, rows, cols]`). A bucket takes the orientation most of its matrices are stored
+//! in (the wide one on a tie); the others are [`Bucket::flipped`]: their owner transposes
+//! them on arrival and back before returning the shards.
 //! Every rank owns `floor(L / o)` matrices of the bucket; the `L mod o` remaining ones go,
 //! over all buckets together, by greedy LPT (largest Newton-Schulz cost first, to the rank
 //! with the least assigned cost so far; ties to the lowest rank): the rank loads of useful
@@ -16,13 +21,16 @@
 //! [`Partition::useful_flops`] what its owned matrices need.
 
 use crate::train::muon::MuonMatrix;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-/// One bucket: matrices of one stored shape.
+/// One bucket: matrices of one shape up to a transpose.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
+    /// The shape the bucket's Newton-Schulz runs on.
     pub rows: usize,
     pub cols: usize,
+    /// The matrices stored as `[cols, rows]` (transposed on their owner).
+    pub flipped: BTreeSet<String>,
     /// Slots per rank: `ceil(len / o)`.
     pub slots: usize,
     /// `grid[r][t]`: the matrix rank `r` orthogonalizes in slot `t` (None: padding).
@@ -35,7 +43,7 @@ pub struct Bucket {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Partition {
     pub o: usize,
-    /// Buckets by (rows, cols), ascending.
+    /// Buckets by shape (the shorter side, then the longer), ascending.
     pub buckets: Vec<Bucket>,
 }
 
@@ -108,8 +116,13 @@ impl Partition {
         )];
         for b in &self.buckets {
             let n = b.grid.iter().flatten().filter(|m| m.is_some()).count();
+            let flipped = if b.flipped.is_empty() {
+                String::new()
+            } else {
+                format!(" ({} stored {}x{})", b.flipped.len(), b.cols, b.rows)
+            };
             out.push(format!(
-                "  bucket {}x{}: {} matrices, {} slots per rank, {} FLOPs each",
+                "  bucket {}x{}: {} matrices{flipped}, {} slots per rank, {} FLOPs each",
                 b.rows, b.cols, n, b.slots, b.flops_each
             ));
         }
@@ -129,17 +142,28 @@ impl Partition {
 /// ranks, with `steps` Newton-Schulz steps. Deterministic: same input, same partition.
 pub fn partition(matrices: &BTreeMap<String, MuonMatrix>, o: usize, steps: usize) -> Partition {
     let o = o.max(1);
-    let mut by_shape: BTreeMap<(usize, usize), Vec<(String, u64)>> = BTreeMap::new();
+    // by (shorter side, longer side): (name, cost, stored tall)
+    type Members = Vec<(String, u64, bool)>;
+    let mut by_shape: BTreeMap<(usize, usize), Members> = BTreeMap::new();
     for (name, m) in matrices {
         by_shape
-            .entry((m.rows, m.cols))
+            .entry((m.rows.min(m.cols), m.rows.max(m.cols)))
             .or_default()
-            .push((name.clone(), m.ns_flops(steps)));
+            .push((name.clone(), m.ns_flops(steps), m.rows > m.cols));
     }
     let mut buckets: Vec<Bucket> = Vec::new();
     // the remainder matrices of every bucket: (cost, bucket, name)
     let mut rest: Vec<(u64, usize, String)> = Vec::new();
-    for (b, ((rows, cols), ms)) in by_shape.into_iter().enumerate() {
+    for (b, ((short, long), ms)) in by_shape.into_iter().enumerate() {
+        // the orientation most members are stored in (wide on a tie); the rest flip
+        let tall = 2 * ms.iter().filter(|m| m.2).count() > ms.len();
+        let (rows, cols) = if tall { (long, short) } else { (short, long) };
+        let flipped: BTreeSet<String> = ms
+            .iter()
+            .filter(|m| short != long && m.2 != tall)
+            .map(|m| m.0.clone())
+            .collect();
+        let ms: Vec<(String, u64)> = ms.into_iter().map(|(n, c, _)| (n, c)).collect();
         let flops_each = ms.first().map(|m| m.1).unwrap_or(0);
         let slots = ms.len().div_ceil(o);
         let full = ms.len() / o;
@@ -155,6 +179,7 @@ pub fn partition(matrices: &BTreeMap<String, MuonMatrix>, o: usize, steps: usize
         buckets.push(Bucket {
             rows,
             cols,
+            flipped,
             slots,
             grid,
             flops_each,
@@ -257,6 +282,49 @@ mod tests {
             let total: u64 = ms.values().map(|m| m.ns_flops(5)).sum();
             assert_eq!(p.useful_flops().iter().sum::<u64>(), total);
         }
+    }
+
+    /// A shape and its transpose share a bucket in the orientation most of them are stored
+    /// in; GPT-2 small's c_fc and mlp.c_proj fill 3 slots over 8 ranks with no padding.
+    #[test]
+    fn a_shape_and_its_transpose_share_a_bucket() {
+        let p = partition(&gpt2_small(), 8, 5);
+        let shapes: Vec<(usize, usize, usize, usize)> = p
+            .buckets
+            .iter()
+            .map(|b| (b.rows, b.cols, b.slots, b.flipped.len()))
+            .collect();
+        assert_eq!(
+            shapes,
+            vec![(768, 768, 2, 0), (768, 2304, 2, 0), (768, 3072, 3, 12)]
+        );
+        let mixed = &p.buckets[2];
+        assert!(mixed
+            .flipped
+            .iter()
+            .all(|n| n.ends_with("mlp.c_proj.weight")));
+        assert!(
+            mixed.grid.iter().flatten().all(|m| m.is_some()),
+            "padding left"
+        );
+        // 2 tall and 1 wide: the bucket is tall, the wide one flips; a square never flips
+        let mut ms = BTreeMap::new();
+        ms.insert("a".to_string(), mat(6, 4));
+        ms.insert("b".to_string(), mat(6, 4));
+        ms.insert("c".to_string(), mat(4, 6));
+        ms.insert("d".to_string(), mat(5, 5));
+        let p = partition(&ms, 2, 5);
+        let b = p.buckets.iter().find(|b| b.rows * b.cols == 24).unwrap();
+        assert_eq!((b.rows, b.cols), (6, 4));
+        assert_eq!(b.flipped.iter().collect::<Vec<_>>(), vec!["c"]);
+        assert!(p
+            .buckets
+            .iter()
+            .all(|b| b.rows != 5 || b.flipped.is_empty()));
+        assert!(p
+            .describe()
+            .iter()
+            .any(|l| l.contains("3 matrices (1 stored 4x6)")));
     }
 
     #[test]

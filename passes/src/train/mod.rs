@@ -975,8 +975,9 @@ fn muon_optimizer(
         Holding::Canzona {
             group,
             size,
+            member,
             partition,
-        } => Some((group, *size, partition)),
+        } => Some((group, *size, *member, partition)),
         _ => None,
     };
     // Canzona: each matrix's (master shard, Nesterov update shard) by name
@@ -1003,7 +1004,7 @@ fn muon_optimizer(
             ),
         }
     }
-    if let Some((group, size, partition)) = canzona {
+    if let Some((group, size, member, partition)) = canzona {
         for (k, bucket) in partition.buckets.iter().enumerate() {
             e.enter(
                 format!("step/muon/canzona.{k}.{}x{}", bucket.rows, bucket.cols),
@@ -1012,7 +1013,7 @@ fn muon_optimizer(
             crate::train::muon::canzona_bucket(
                 e,
                 &run,
-                (group, size),
+                (group, size, member),
                 bucket,
                 matrices,
                 &pending,

@@ -23,7 +23,8 @@
 
 use crate::emit::Emitter;
 use hzp_ir::{
-    BinaryOp, DType, Group, Op, Program, ReduceOp, TensorType, UnaryOp, Update, ValueDef, ValueId,
+    BinaryOp, DType, Group, Op, Program, ReduceOp, Tensor, TensorType, UnaryOp, Update, ValueDef,
+    ValueId,
 };
 use std::collections::{BTreeMap, HashSet};
 
@@ -293,10 +294,12 @@ pub(crate) enum Holding {
         member: Option<ValueId>,
     },
     /// Flat shards over `group` of `size > 1` ranks, each matrix orthogonalized by its owner
-    /// in `partition` ([`canzona_bucket`]).
+    /// in `partition` ([`canzona_bucket`]); `member` as above, needed when a bucket has
+    /// flipped matrices.
     Canzona {
         group: Group,
         size: usize,
+        member: Option<ValueId>,
         partition: crate::train::canzona::Partition,
     },
 }
@@ -517,11 +520,15 @@ pub(crate) fn muon_step(
 /// slot `t`, zeros for padding); each rank stacks its slots' whole matrices, orthogonalizes
 /// them as one batch, and a second all-to-all returns each result's shards; every rank then
 /// applies its shard of every matrix of the bucket. No rank-dependent op: a rank's slots
-/// are whatever the others send it.
+/// are whatever the others send it; where the bucket has [flipped] matrices, which of its
+/// slots to transpose is a row of a constant `[o, slots]` table taken at `member` (this
+/// rank's index in the group).
+///
+/// [flipped]: crate::train::canzona::Bucket::flipped
 pub(crate) fn canzona_bucket(
     e: &mut Emitter,
     run: &MuonRun,
-    (group, size): (&Group, usize),
+    (group, size, member): (&Group, usize, Option<ValueId>),
     bucket: &crate::train::canzona::Bucket,
     matrices: &BTreeMap<String, MuonMatrix>,
     steps: &BTreeMap<String, (ValueId, ValueId)>,
@@ -560,11 +567,28 @@ pub(crate) fn canzona_bucket(
             &[v],
         )
     };
+    // this rank's slots stored transposed: bool [slots]
+    let flips = if bucket.flipped.is_empty() {
+        None
+    } else {
+        let me = member.ok_or("internal: no optimizer-group member index for Canzona")?;
+        let table: Vec<i64> = bucket
+            .grid
+            .iter()
+            .flatten()
+            .map(|m| m.as_ref().is_some_and(|n| bucket.flipped.contains(n)) as i64)
+            .collect();
+        let name = e.fresh("muon.canzona.flipped");
+        let table = e.p.add_const(name, Tensor::i64(vec![o, slots], table));
+        let mine = e.op(Op::Gather { axis: 0 }, &[table, me])?;
+        let one = e.scalar(1.0, DType::I64);
+        Some(bin(e, BinaryOp::Equal, mine, one)?)
+    };
     // row q * slots + t: member q's shard of this rank's slot t
     let got = a2a(e, send)?;
-    let whole = owned_matrices(e, got, (o, slots, per), bucket)?;
+    let whole = owned_matrices(e, got, (o, slots, per), bucket, flips)?;
     let ortho = orthogonalize(e, whole, run.settings)?;
-    let v = matrix_shards(e, ortho, (o, slots, per), numel)?;
+    let v = matrix_shards(e, ortho, (o, slots, per), numel, flips)?;
     // row q * slots + t: this rank's shard of the matrix member q owns in slot t
     let back = a2a(e, v)?;
     for (q, row) in bucket.grid.iter().enumerate() {
@@ -639,13 +663,29 @@ fn slot_rows(
     Ok(rows)
 }
 
+/// `x` where `cond` (bool `[slots]`) is false, `flipped` where it is true; both
+/// `[slots, ...]`.
+fn select_slots(
+    e: &mut Emitter,
+    cond: ValueId,
+    flipped: ValueId,
+    x: ValueId,
+) -> Result<ValueId, String> {
+    let mut shape = e.shape(x);
+    shape[1..].iter_mut().for_each(|d| *d = 1);
+    let c = e.op(Op::Reshape { shape }, &[cond])?;
+    e.op(Op::Where, &[c, flipped, x])
+}
+
 /// The whole matrices of this rank's slots, `[slots, rows, cols]`, from the all-to-all's
-/// `got` (row q * slots + t: member q's shard of slot t, `per` elements each).
+/// `got` (row q * slots + t: member q's shard of slot t, `per` elements each); the slots
+/// `flips` marks arrive as `[cols, rows]` and are transposed.
 fn owned_matrices(
     e: &mut Emitter,
     got: ValueId,
     (o, slots, per): (usize, usize, usize),
     bucket: &crate::train::canzona::Bucket,
+    flips: Option<ValueId>,
 ) -> Result<ValueId, String> {
     let numel = bucket.rows * bucket.cols;
     let v = e.op(
@@ -677,29 +717,55 @@ fn owned_matrices(
             &[v],
         )?;
     }
-    e.op(
+    let straight = e.op(
         Op::Reshape {
             shape: vec![slots, bucket.rows, bucket.cols],
         },
         &[v],
-    )
+    )?;
+    let Some(flips) = flips else {
+        return Ok(straight);
+    };
+    let t = e.op(
+        Op::Reshape {
+            shape: vec![slots, bucket.cols, bucket.rows],
+        },
+        &[v],
+    )?;
+    let t = e.op(
+        Op::Transpose {
+            perm: vec![0, 2, 1],
+        },
+        &[t],
+    )?;
+    select_slots(e, flips, t, straight)
 }
 
 /// The orthogonalized matrices `[slots, rows, cols]` cut back into every member's shards,
-/// in the all-to-all's order (row q * slots + t: member q's shard of slot t).
+/// in the all-to-all's order (row q * slots + t: member q's shard of slot t); the slots
+/// `flips` marks go back transposed, as their matrices are stored.
 fn matrix_shards(
     e: &mut Emitter,
     ortho: ValueId,
     (o, slots, per): (usize, usize, usize),
     numel: usize,
+    flips: Option<ValueId>,
 ) -> Result<ValueId, String> {
     let f = DType::F32;
-    let mut v = e.op(
-        Op::Reshape {
-            shape: vec![slots, numel],
-        },
-        &[ortho],
-    )?;
+    let flat = Op::Reshape {
+        shape: vec![slots, numel],
+    };
+    let mut v = e.op(flat.clone(), &[ortho])?;
+    if let Some(flips) = flips {
+        let t = e.op(
+            Op::Transpose {
+                perm: vec![0, 2, 1],
+            },
+            &[ortho],
+        )?;
+        let t = e.op(flat, &[t])?;
+        v = select_slots(e, flips, t, v)?;
+    }
     if o * per > numel {
         let z = e.zeros(&TensorType::new(f, vec![slots, o * per - numel]))?;
         v = e.op(Op::Concat { axis: 1 }, &[v, z])?;
