@@ -638,7 +638,7 @@ pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainC
             }
         })
     };
-    let compute = match t.precision.as_str() {
+    let compute = match t.precision.as_deref().unwrap_or("fp32") {
         "fp32" | "f32" => hzp_ir::DType::F32,
         "bf16" => hzp_ir::DType::BF16,
         "fp16" | "f16" => hzp_ir::DType::F16,

@@ -310,8 +310,9 @@ pub fn request(
                 .ok_or_else(|| miette!("--bucket-mb {n}: expected a number of MiB or `unit`"))?,
         ),
     };
-    // Presets are shapes of large models: planned in bf16 unless a precision was asked for.
-    if cfg.compute == hzp_ir::DType::F32 && model.model.starts_with("preset:") {
+    // Presets are shapes of large models: planned in bf16 unless a precision was asked for
+    // (`--precision fp32` keeps fp32).
+    if t.precision.is_none() && model.model.starts_with("preset:") {
         cfg.compute = hzp_ir::DType::BF16;
     }
     if stages.contains("training") {

@@ -119,9 +119,10 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
     /// fp32, bf16 (bf16 compute, fp32 master weights, states and loss) or fp16 (the same
-    /// with fp16 compute, no loss scaling; what `hzp run --attention pasa` needs).
-    #[arg(long, default_value = "fp32")]
-    pub precision: String,
+    /// with fp16 compute, no loss scaling; what `hzp run --attention pasa` needs). Default
+    /// fp32; bf16 for a preset (`hzp compile preset:...`).
+    #[arg(long)]
+    pub precision: Option<String>,
     /// Tie parameters whose values are equal up to a transpose (undoes an exporter's
     /// untying of tied weights, e.g. GPT-2's embedding and LM head).
     #[arg(long)]

@@ -519,3 +519,22 @@ fn canzona_partition_of_gpt2_small_is_printed_and_balanced() {
     assert_ne!(code, 0, "{out}");
     assert!(err.contains("optimizer group has several ranks"), "{err}");
 }
+
+/// A preset is planned in bf16 unless a precision is asked for: `--precision fp32` is kept
+/// (it was once indistinguishable from the default and silently became bf16).
+#[test]
+fn preset_precision_fp32_is_kept() {
+    let dir = tempdir("cli");
+    let plan = |name: &str, extra: &[&str]| -> Vec<u8> {
+        let out = dir.join(name);
+        let mut args = vec!["compile", "preset:gpt,layers=2", "--mesh", "gpu=1", "-o"];
+        args.push(out.to_str().unwrap());
+        args.extend(extra);
+        let (code, o, e) = hzp(&args);
+        assert_eq!(code, 0, "{o}{e}");
+        std::fs::read(&out).unwrap()
+    };
+    let default = plan("default.json", &[]);
+    assert_eq!(default, plan("bf16.json", &["--precision", "bf16"]));
+    assert_ne!(default, plan("fp32.json", &["--precision", "fp32"]));
+}

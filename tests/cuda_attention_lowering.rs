@@ -144,6 +144,7 @@ fn pasa_lowers_fp16_attention_and_refuses_other_precisions() {
     assert!(names.iter().any(|k| k == "attn_fwd_pasa_f16"));
     let pasa = LowerOptions {
         attention: CudaAttention::Pasa,
+        ..LowerOptions::default()
     };
     let model = "tests/models/gpt2_tiny.dynamo.op18.onnx";
     let plan = compile_with(model, "input_ids=4x16", "gpu=1", &["--precision", "fp16"]);
@@ -199,6 +200,7 @@ fn pasa_lowers_fp16_attention_and_refuses_other_precisions() {
     // and no choice: refused, naming the options
     let off = LowerOptions {
         attention: CudaAttention::Off,
+        ..LowerOptions::default()
     };
     match lower::lower_program_with(&plan, 0, off) {
         Ok(_) => panic!("fused attention lowered without --attention"),

@@ -6,8 +6,10 @@
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit profile (explicit: every tiny model with attention written out, CUDA vs CPU;
-# profile: GPT-2 small's GPU time per op kind, HZP_CUDA_PROFILE=1)
+# explicit explicit-fuse profile (explicit: every tiny model with attention written out, CUDA
+# vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; profile: GPT-2 small's GPU time per
+# op kind, HZP_CUDA_PROFILE=1, modes PROFILE_MODES, e.g. "explicit explicit-fuse bf16
+# bf16-fuse")
 # (all by default; gpt2s alone takes the longest;
 # acco: issue 22's ACCO plans on CUDA against the CPU backend;
 # attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
@@ -216,17 +218,25 @@ PY
     el "RESULT pasa e2e: FAIL compile"; tail -5 $f.cerr
   fi
 fi
-if want explicit; then
-  el "== every tiny model (both exporters), attention written out: 5 steps of the gpu=1 plan on CUDA vs the CPU backend (1e-4)"
+# explicit_models TAG: every EXPLICIT model on CUDA (with the environment as it is) vs CPU
+explicit_models() {
   for spec in $EXPLICIT; do
     IFS=: read -r stem loss extra <<<"$spec"
     base=${stem%%.*}
-    f=$W/$stem.explicit
+    f=$W/$stem.$1
     $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT explicit $stem: FAIL compile"; tail -5 $f.cerr; continue; }
     timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --format json --save-params $f.cpu.npz >$f.cpu.out 2>$f.cpu.err || { el "RESULT explicit $stem cpu: FAIL"; tail -10 $f.cpu.err; continue; }
     timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.cuda.npz >$f.cuda.out 2>$f.cuda.err || { el "RESULT explicit $stem cuda: FAIL rc=$?"; tail -20 $f.cuda.err; continue; }
-    TOL=1e-4 python3 $D/compare_ranks.py explicit-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
+    TOL=1e-4 python3 $D/compare_ranks.py $1-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
   done
+}
+if want explicit; then
+  el "== every tiny model (both exporters), attention written out: 5 steps of the gpu=1 plan on CUDA vs the CPU backend (1e-4)"
+  explicit_models explicit
+fi
+if want explicit-fuse; then
+  el "== the same with HZP_CUDA_FUSE=1 (elementwise runs fused into generated kernels)"
+  (export HZP_CUDA_FUSE=1; explicit_models explicit-fuse)
 fi
 if want profile; then
   el "== GPT-2 small on one GPU, HZP_CUDA_PROFILE=1: GPU time per op kind (fp32 explicit, fp32 fused, bf16 explicit)"
@@ -235,8 +245,10 @@ if want profile; then
   for mode in ${PROFILE_MODES:-explicit fused bf16}; do
     x=""; [ $mode != fused ] && x=--no-fuse-attention; [[ $mode == bf16* ]] && x="$x --precision bf16"
     p=$W/profile.$mode
-    # explicit-nc / bf16-nc: the same with HZP_CUDA_NO_COALESCE=1 (elementwise walks as written)
+    # explicit-nc / bf16-nc: the same with HZP_CUDA_NO_COALESCE=1 (elementwise walks as written);
+    # explicit-fuse / bf16-fuse: with HZP_CUDA_FUSE=1 (elementwise runs fused)
     [[ $mode == *-nc ]] && export HZP_CUDA_NO_COALESCE=1 || unset HZP_CUDA_NO_COALESCE
+    [[ $mode == *-fuse ]] && export HZP_CUDA_FUSE=1 || unset HZP_CUDA_FUSE
     $H compile $x $W/gpt2s/model.onnx --inputs $W/gpt2s/batch.npz --loss lm --retie --mesh gpu=1 --memory 80GiB -o $p.json >/dev/null 2>$p.cerr || { el "profile $mode: compile failed"; tail -3 $p.cerr; continue; }
     HZP_CUDA_PROFILE=1 HZP_CUDA_ATTENTION=1 timeout $T $H run $p.json --inputs $W/gpt2s/batch.npz --steps 4 --backend cuda >$p.out 2>$p.err
     el "RESULT profile gpt2s $mode: rc=$? $(grep -o '([0-9.]* ms)' $p.out | tail -1)"

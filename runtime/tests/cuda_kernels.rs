@@ -24,7 +24,7 @@ fn every_kernel_compiles_with_nvrtc() {
     p.preload(&[Lib::Nvrtc]).unwrap();
     // Ampere and Hopper, to PTX (no driver needed to compile)
     for arch in ["compute_80", "compute_90"] {
-        let ptx = hzp_runtime::cuda::compile(&format!("--gpu-architecture={arch}"), false)
+        let ptx = hzp_runtime::cuda::compile(&format!("--gpu-architecture={arch}"), false, "")
             .unwrap_or_else(|e| panic!("{arch}: {e}"));
         let text = String::from_utf8_lossy(&ptx);
         let names = hzp_runtime::cuda::kernels::kernel_names();

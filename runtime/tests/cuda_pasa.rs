@@ -115,7 +115,7 @@ fn gpu() -> Result<Gpu, String> {
     let ctx = CudaContext::new(0).map_err(|e| format!("no usable GPU: {e:?}"))?;
     ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
     let (major, minor) = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
-    let image = hzp_runtime::cuda::compile_kernels(major, minor).map_err(|e| e.to_string())?;
+    let image = hzp_runtime::cuda::compile_kernels(major, minor, "").map_err(|e| e.to_string())?;
     // SAFETY: a complete cubin from NVRTC, the context current on this thread.
     let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
         .map_err(|e| format!("loading the kernels: {e:?}"))?;

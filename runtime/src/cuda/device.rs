@@ -179,7 +179,11 @@ fn open_device(dist: &DistEnv) -> Result<Arc<CudaContext>, ExecError> {
 
 /// Loads the kernels: `image` when given (compiled once for every rank of this process),
 /// else compiled here for the device's compute capability.
-fn load_module(ctx: &CudaContext, image: Option<&[u8]>) -> Result<sys::CUmodule, ExecError> {
+fn load_module(
+    ctx: &CudaContext,
+    image: Option<&[u8]>,
+    extra: &str,
+) -> Result<sys::CUmodule, ExecError> {
     let (major, minor) = ctx
         .compute_capability()
         .map_err(|e| drv_err("reading the compute capability", e))?;
@@ -187,7 +191,7 @@ fn load_module(ctx: &CudaContext, image: Option<&[u8]>) -> Result<sys::CUmodule,
     let image: &[u8] = match image {
         Some(image) => image,
         None => {
-            compiled = compile_kernels(major, minor)?;
+            compiled = compile_kernels(major, minor, extra)?;
             &compiled
         }
     };
@@ -366,7 +370,11 @@ impl CudaExecutor {
         local: Option<(Arc<LocalGroup>, &[u8])>,
     ) -> Result<CudaExecutor, ExecError> {
         let ctx = open_device(&dist)?;
-        let module = load_module(&ctx, local.as_ref().map(|(_, image)| *image))?;
+        let module = load_module(
+            &ctx,
+            local.as_ref().map(|(_, image)| *image),
+            &low.fused_source,
+        )?;
         let functions = kernel_functions(module, &low, local.is_some())?;
         let h = allocate(&low)?;
         let (events, timing, wait_timing) = create_events(&low)?;
@@ -1441,17 +1449,24 @@ impl Drop for CudaExecutor {
     }
 }
 
-/// Compiles the kernel sources for compute capability `major.minor` to a cubin (no PTX JIT,
-/// so a driver older than the NVRTC is fine).
-pub fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, ExecError> {
-    compile(&format!("--gpu-architecture=sm_{major}{minor}"), true)
-        .map_err(|e| run_err(format!("NVRTC: {e}")))
+/// Compiles the kernel sources, and `extra` (a lowering's generated kernels,
+/// [`super::lower::LoweredPlan::fused_source`]), for compute capability `major.minor` to a
+/// cubin (no PTX JIT, so a driver older than the NVRTC is fine).
+pub fn compile_kernels(major: i32, minor: i32, extra: &str) -> Result<Vec<u8>, ExecError> {
+    compile(
+        &format!("--gpu-architecture=sm_{major}{minor}"),
+        true,
+        extra,
+    )
+    .map_err(|e| run_err(format!("NVRTC: {e}")))
 }
 
-/// Compiles the kernel sources with NVRTC for `arch` (e.g. `--gpu-architecture=compute_80`);
-/// returns the cubin (`cubin`) or the PTX. Errors carry NVRTC's log.
-pub fn compile(arch: &str, cubin: bool) -> Result<Vec<u8>, String> {
-    let src = CString::new(kernels::source()).map_err(|_| "the kernel source holds a NUL byte")?;
+/// Compiles the kernel sources followed by `extra` with NVRTC for `arch` (e.g.
+/// `--gpu-architecture=compute_80`); returns the cubin (`cubin`) or the PTX. Errors carry
+/// NVRTC's log.
+pub fn compile(arch: &str, cubin: bool, extra: &str) -> Result<Vec<u8>, String> {
+    let src = CString::new(format!("{}\n{extra}", kernels::source()))
+        .map_err(|_| "the kernel source holds a NUL byte")?;
     let name = CString::new("hzp_kernels.cu").expect("no NUL");
     let opts: Vec<CString> = [arch, "--std=c++17", "--use_fast_math=false"]
         .iter()

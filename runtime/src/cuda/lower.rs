@@ -233,6 +233,9 @@ pub struct LoweredPlan {
     pub updates: Vec<(u64, u64, u64)>,
     /// Buffer of each value: (offset, bytes); bytes 0 for empty values.
     pub loc: Vec<(u64, u64)>,
+    /// The generated kernels of the fused runs ([`super::fuse`]), compiled with the fixed
+    /// sources; empty without fusion. The same for every rank of a plan.
+    pub fused_source: String,
 }
 
 /// Stream index of a node.
@@ -373,10 +376,14 @@ pub enum CudaAttention {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LowerOptions {
     pub attention: CudaAttention,
+    /// Fuse runs of elementwise nodes into generated kernels ([`super::fuse`];
+    /// `HZP_CUDA_FUSE=1`).
+    pub fuse: bool,
 }
 
 impl LowerOptions {
-    /// The defaults, with `HZP_CUDA_ATTENTION=1` read as [`CudaAttention::Flash`].
+    /// The defaults, with `HZP_CUDA_ATTENTION=1` read as [`CudaAttention::Flash`] and
+    /// `HZP_CUDA_FUSE=1` as `fuse`.
     pub fn from_env() -> LowerOptions {
         let flash = std::env::var("HZP_CUDA_ATTENTION").is_ok_and(|v| v == "1");
         LowerOptions {
@@ -385,6 +392,7 @@ impl LowerOptions {
             } else {
                 CudaAttention::Off
             },
+            fuse: std::env::var("HZP_CUDA_FUSE").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -424,9 +432,19 @@ pub fn lower_program_with(
         comm_list: Vec::new(),
         opts,
     };
+    let runs = if opts.fuse {
+        super::fuse::runs(p, &loc)
+    } else {
+        Vec::new()
+    };
+    let mut fused = super::fuse::work_of(&runs);
     let mut nodes = Vec::with_capacity(p.nodes.len());
     for (ni, n) in p.nodes.iter().enumerate() {
-        nodes.push(lowering.node(ni, n)?);
+        let mut nw = lowering.node(ni, n)?;
+        if let Some(work) = fused.remove(&ni) {
+            nw.work = work;
+        }
+        nodes.push(nw);
     }
     let comms = renumber_comms(&lowering.comm_list, &mut nodes);
     let updates = update_copies(p, &loc)?;
@@ -441,6 +459,7 @@ pub fn lower_program_with(
         err_offset,
         updates,
         loc,
+        fused_source: runs.iter().map(|r| r.source.as_str()).collect(),
     })
 }
 

@@ -12,6 +12,7 @@
 //! runs its rank of the plan ([`run_plan`]); rank 0 creates the NCCL ids and sends them to the
 //! others over TCP.
 
+pub mod fuse;
 pub mod kernels;
 pub mod lower;
 pub mod probe;
@@ -144,8 +145,13 @@ fn one_gpu_built(
     probe::probe().preload(&need).map_err(ExecError::Run)?;
     let world = plan.mesh.world_size();
     // every rank's lowering first: refuse what the backend cannot run before the device
+    // (the generated kernels are the same for every rank: one image serves them all)
+    let mut fused_source = String::new();
     for r in 0..world {
-        lower::lower_program_with(plan, r, opts.lower).map_err(ExecError::Plan)?;
+        let low = lower::lower_program_with(plan, r, opts.lower).map_err(ExecError::Plan)?;
+        if r == 0 {
+            fused_source = low.fused_source;
+        }
     }
     let shards =
         crate::exec::cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
@@ -159,7 +165,7 @@ fn one_gpu_built(
     let (major, minor) = ctx
         .compute_capability()
         .map_err(|e| ExecError::Run(format!("CUDA: reading the compute capability: {e:?}")))?;
-    let image = compile_kernels(major, minor)?;
+    let image = compile_kernels(major, minor, &fused_source)?;
     let group = Arc::new(local::LocalGroup::new(ctx.clone(), opts.timeout));
     let copts = CudaOptions {
         comm: opts.comm,
