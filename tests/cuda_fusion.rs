@@ -479,10 +479,11 @@ fn gpt2_small_fusion_counts() {
         let members: usize = runs.iter().map(|r| r.nodes.len()).sum();
         let (before, after) = fuse::traffic(p, &runs);
         eprintln!(
-            "preset:gpt {extra:?}: {} runs replace {members} of {} nodes ({} launches fewer); \
-             their memory traffic {:.2} GB -> {:.2} GB per step",
+            "preset:gpt {extra:?}: {} runs replace {members} of {} nodes ({} fusible; {} \
+             launches fewer); their memory traffic {:.2} GB -> {:.2} GB per step",
             runs.len(),
             p.nodes.len(),
+            fuse::fusible_nodes(p),
             members - runs.len(),
             before as f64 / 1e9,
             after as f64 / 1e9

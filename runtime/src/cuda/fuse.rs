@@ -76,6 +76,11 @@ fn fusible(p: &Program, n: &Node) -> bool {
     }
 }
 
+/// How many nodes of `p` could join a run (fusible ones, whether or not a neighbour is).
+pub fn fusible_nodes(p: &Program) -> usize {
+    p.nodes.iter().filter(|n| fusible(p, n)).count()
+}
+
 /// `binary_f`'s code of a float arithmetic op (its position in `BinaryOp::ALL`, below 8).
 fn binary_code(b: BinaryOp) -> Option<usize> {
     BinaryOp::ALL
