@@ -63,6 +63,15 @@ fn compile(dir: &Path, k: usize, model: &str, shape: &str, extra: &[&str]) -> Pl
     Plan::from_json(&std::fs::read_to_string(&out).unwrap(), "plan.json").unwrap()
 }
 
+/// Rank 0's lowering of `plan` with fusion on.
+fn fused_lowering(plan: &Plan) -> lower::LoweredPlan {
+    let opts = LowerOptions {
+        fuse: true,
+        ..LowerOptions::default()
+    };
+    lower::lower_program_with(plan, 0, opts).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// The CPU stand-ins for what the generated kernels use from the CUDA sources: the real
 /// `unary_f` / `binary_f` (and the helpers they call), cut out of the sources; bf16
 /// conversions written out (round to nearest even, as `common.cuh`'s).
@@ -257,11 +266,7 @@ fn fused_kernels_equal_the_nodes_they_replace() {
     let (mut worst, mut worst_approx) = (0u32, 0u32);
     for (k, (model, shape, extra)) in PLANS.iter().enumerate() {
         let plan = compile(&dir, k, model, shape, extra);
-        let opts = LowerOptions {
-            fuse: true,
-            ..LowerOptions::default()
-        };
-        let low = lower::lower_program_with(&plan, 0, opts).unwrap();
+        let low = fused_lowering(&plan);
         let p = &plan.program;
         let runs: Vec<Run> = fuse::runs(p, &low.loc);
         assert!(!runs.is_empty(), "{model}: nothing fused");
@@ -420,11 +425,7 @@ fn fused_kernels_compile_with_nvrtc() {
     let mut kernels = 0;
     for (k, (model, shape, extra)) in PLANS.iter().enumerate() {
         let plan = compile(&dir, k, model, shape, extra);
-        let opts = LowerOptions {
-            fuse: true,
-            ..LowerOptions::default()
-        };
-        let low = lower::lower_program_with(&plan, 0, opts).unwrap();
+        let low = fused_lowering(&plan);
         let names: Vec<&str> = low
             .nodes
             .iter()
@@ -465,15 +466,7 @@ fn gpt2_small_fusion_counts() {
         .enumerate()
     {
         let plan = compile(&dir, 100 + k, "preset:gpt", "", extra);
-        let low = lower::lower_program_with(
-            &plan,
-            0,
-            LowerOptions {
-                fuse: true,
-                ..LowerOptions::default()
-            },
-        )
-        .unwrap();
+        let low = fused_lowering(&plan);
         let p = &plan.program;
         let runs = fuse::runs(p, &low.loc);
         let members: usize = runs.iter().map(|r| r.nodes.len()).sum();
