@@ -93,6 +93,10 @@ pub struct RunArgs {
     /// refuses fused attention (not yet checked on a GPU).
     #[arg(long, value_name = "flash|pasa")]
     pub attention: Option<String>,
+    /// With --backend cuda, fuse runs of elementwise nodes into kernels generated for the
+    /// plan (the same as HZP_CUDA_FUSE=1; off by default until it has run on a GPU).
+    #[arg(long)]
+    pub fuse_elementwise: bool,
     /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
     #[arg(long, value_name = "P.npz")]
     pub params: Option<PathBuf>,
@@ -376,6 +380,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if args.attention.is_some() && !cuda {
         return Err(miette!(
             "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"
+        ));
+    }
+    if args.fuse_elementwise && !cuda {
+        return Err(miette!(
+            "--fuse-elementwise fuses the CUDA backend's kernels; the CPU backend runs each node with its own kernel (drop it or use --backend cuda)"
         ));
     }
     let comm = match args.comm.as_str() {
@@ -724,15 +733,17 @@ fn flight_on_error<T>(r: Result<T>, ex: &Executor, args: &RunArgs) -> Result<T> 
     r
 }
 
-/// The CUDA lowering `--attention` asks for (none: [`LowerOptions::from_env`], which
-/// reads `HZP_CUDA_ATTENTION`).
+/// The CUDA lowering `--attention` and `--fuse-elementwise` ask for (otherwise
+/// [`LowerOptions::from_env`], which reads `HZP_CUDA_ATTENTION` and `HZP_CUDA_FUSE`).
 ///
 /// [`LowerOptions::from_env`]: hzp_runtime::cuda::lower::LowerOptions::from_env
 pub(crate) fn cuda_lower_options(
     attention: Option<&str>,
+    fuse: bool,
 ) -> Result<hzp_runtime::cuda::lower::LowerOptions> {
     use hzp_runtime::cuda::lower::{CudaAttention, LowerOptions};
     let mut o = LowerOptions::from_env();
+    o.fuse |= fuse;
     match attention {
         None => {}
         Some("flash") => o.attention = CudaAttention::Flash,
@@ -773,7 +784,7 @@ fn run_cuda(
     let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
     let mut feed = |_step: usize| Ok(batch.clone());
     let dir = args.flight_recorder.clone();
-    let lower = cuda_lower_options(args.attention.as_deref())?;
+    let lower = cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?;
     let ropts = hzp_runtime::cuda::RunOptions {
         lower,
         comm,

@@ -282,6 +282,10 @@ fn attention_kernel_choice_is_checked() {
         err.contains("--attention chooses the CUDA backend"),
         "{err}"
     );
+    // and so is fusing elementwise kernels a CUDA choice
+    let (code, _, err) = hzp(&["run", plan, "--inputs", inputs, "--fuse-elementwise"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--fuse-elementwise fuses the CUDA"), "{err}");
     // an unknown choice, named
     let (code, _, err) = hzp(&[
         "run",
