@@ -1,8 +1,8 @@
 //! The CUDA backend's elementwise fusion (`runtime/src/cuda/fuse.rs`, `HZP_CUDA_FUSE=1`), as
 //! far as a machine without a GPU can check it: every generated kernel of the training plans
 //! of the tiny GPT-2 and Llama (f32 and bf16) is compiled as C++ for the CPU (the kernels'
-//! own `unary_f` / `binary_f` taken from `elementwise.cu`, a one-thread `GRID_LOOP`), run on
-//! random operands at the lowering's arena offsets, and its stored outputs must equal hzp's
+//! own `unary_f` / `binary_f` and `GRID_LOOP` taken from the sources), run on random
+//! operands at the lowering's arena offsets, every thread of the launch's grid in turn, and its stored outputs must equal hzp's
 //! CPU evaluator running the run's nodes one by one, bit for bit (NaN where it gives NaN).
 //! That checks the fusion's choice of members, operands and stored values, the index
 //! arithmetic of broadcast operands and the roundings; what it cannot check (the launch on a
@@ -115,9 +115,15 @@ template <> bf16 from_f<bf16>(float v) {
     else { u += 0x7fffu + ((u >> 16) & 1u); r.x = (u16)(u >> 16); }
     return r;
 }
-#define GRID_LOOP(i, n) for (i64 i = 0; i < (n); ++i)
+struct Dim { unsigned x; };
+static Dim blockIdx, threadIdx, blockDim, gridDim;
 "#,
     );
+    // GRID_LOOP as the kernels have it (the #define and its continuation line)
+    let i = common.find("#define GRID_LOOP(").expect("GRID_LOOP");
+    let j = i + common[i..].find("\\\n").expect("a continued #define") + 2;
+    let j = j + common[j..].find('\n').unwrap() + 1;
+    s += &common[i..j];
     s += &line(common, "__device__ __forceinline__ bool is_nan(");
     s += &line(common, "__device__ __forceinline__ float nan_max(");
     s += &line(common, "__device__ __forceinline__ float nan_min(");
@@ -312,7 +318,11 @@ fn fused_kernels_equal_the_nodes_they_replace() {
                 })
                 .collect();
             src += &format!(
-                "    case {j}: {}({}); break;\n",
+                "    case {j}: gridDim.x = {}; blockDim.x = {}; \
+                 for (blockIdx.x = 0; blockIdx.x < gridDim.x; ++blockIdx.x) \
+                 for (threadIdx.x = 0; threadIdx.x < blockDim.x; ++threadIdx.x) {}({}); break;\n",
+                r.launch.grid,
+                r.launch.block,
                 r.launch.kernel,
                 args.join(", ")
             );
