@@ -30,20 +30,22 @@ pub fn last_two_swapped(r: usize) -> Vec<usize> {
     perm
 }
 
-/// For every node, whether it is a transposed operand: a single-result f32 `Transpose` of
-/// the last two axes whose result is read only by f32 `MatMul`s of two rank >= 2 operands,
-/// is not a program output nor part of an update, and whose input is not itself a
-/// transposed operand (so a backend needs one level of strides only).
+/// For every node, whether it is a transposed operand: a single-result float (f32, bf16 or
+/// f16) `Transpose` of the last two axes whose result is read only by float `MatMul`s of
+/// two rank >= 2 operands, is not a program output nor part of an update, and whose input is
+/// not itself a transposed operand (so a backend needs one level of strides only).
 pub fn transposed_operands(p: &Program) -> Vec<bool> {
     let nv = p.values.len();
     let pinned = p.escaping_values();
-    let is_f32 = |v: crate::ValueId| v.index() < nv && p.ty(v).dtype == DType::F32;
-    // readers that are f32 products of matrices (or anything else: `false`)
+    let is_float = |v: crate::ValueId| {
+        v.index() < nv && matches!(p.ty(v).dtype, DType::F32 | DType::BF16 | DType::F16)
+    };
+    // readers that are float products of matrices (or anything else: `false`)
     let mut read_ok = vec![true; nv];
     for n in &p.nodes {
         let product = matches!(n.op, Op::MatMul)
             && n.inputs.len() == 2
-            && n.inputs.iter().all(|&v| is_f32(v) && p.ty(v).rank() >= 2);
+            && n.inputs.iter().all(|&v| is_float(v) && p.ty(v).rank() >= 2);
         if !product {
             for &v in &n.inputs {
                 if let Some(f) = read_ok.get_mut(v.index()) {
@@ -62,8 +64,8 @@ pub fn transposed_operands(p: &Program) -> Vec<bool> {
             continue;
         };
         let ok = swaps_last_two(perm)
-            && is_f32(*x)
-            && is_f32(*y)
+            && is_float(*x)
+            && p.ty(*y).dtype == p.ty(*x).dtype
             && !pinned[y.index()]
             && !pinned[x.index()]
             && read_ok[y.index()]

@@ -5,11 +5,9 @@
 //! (sharded on N ranks == unsharded on one), not the fast executor.
 
 use crate::cpu::eval_op;
-use crate::cpu::matmul::{matmul_views, MatView};
+use crate::cpu::{DataMut, DataRef, Workspace};
 use crate::eval::EvalError;
-use hzp_ir::{
-    BinaryOp, Data, Mesh, Node, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId,
-};
+use hzp_ir::{BinaryOp, Mesh, Node, Op, ParamLayout, Program, ReduceOp, Tensor, ValueDef, ValueId};
 
 fn malformed(s: impl Into<String>) -> EvalError {
     EvalError::Malformed(s.into())
@@ -235,20 +233,29 @@ impl ReferenceRunner {
             .map(|r| {
                 let get = |v: ValueId| vals[r][v.index()].as_ref().expect("computed");
                 if stored.iter().any(Option::is_some) {
-                    let view = |k: usize| -> Result<MatView, String> {
-                        let (t, transposed) = match stored[k] {
-                            Some(x) => (get(x), true),
-                            None => (get(n.inputs[k]), false),
-                        };
-                        let Data::F32(d) = &t.data else {
-                            return Err("a transposed operand of another dtype".into());
-                        };
-                        let v = MatView::contiguous(d, &t.shape);
-                        Ok(if transposed { v.swap_last2() } else { v })
+                    // each operand: its own tensor, or the transpose's input read swapped
+                    let operand = |k: usize| match stored[k] {
+                        Some(x) => (get(x), Some(get(x).shape.as_slice())),
+                        None => (get(n.inputs[k]), None),
                     };
-                    let (a, b) = (view(0).map_err(node_err)?, view(1).map_err(node_err)?);
-                    let (data, shape) = matmul_views(&a, &b).map_err(node_err)?;
-                    return Ok(vec![Tensor::f32(shape, data)]);
+                    let ((ta, sa), (tb, sb)) = (operand(0), operand(1));
+                    let mut out = Tensor::zeros(p.ty(n.outputs[0]));
+                    crate::cpu::matmul::matmul_stored(
+                        (
+                            DataRef::of(&ta.data),
+                            p.ty(n.inputs[0]).shape.as_slice(),
+                            sa,
+                        ),
+                        (
+                            DataRef::of(&tb.data),
+                            p.ty(n.inputs[1]).shape.as_slice(),
+                            sb,
+                        ),
+                        &mut DataMut::of(&mut out.data),
+                        &mut Workspace::new(),
+                    )
+                    .map_err(node_err)?;
+                    return Ok(vec![out]);
                 }
                 let ins: Vec<&Tensor> = n.inputs.iter().map(|&v| get(v)).collect();
                 eval_op(&n.op, &ins).map_err(node_err)

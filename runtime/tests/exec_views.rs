@@ -7,7 +7,7 @@
 mod common;
 use common::plan_of;
 use hzp_ir::plan::Plan;
-use hzp_ir::Tensor;
+use hzp_ir::{DType, Tensor};
 use hzp_runtime::exec::{ExecOptions, Executor};
 
 const SRC: &str = r#"program "tv"
@@ -24,12 +24,23 @@ input %w : f32[40,32]
 output %s
 "#;
 
-fn inputs() -> Vec<(String, Tensor)> {
-    let ramp = |n: usize, k: f32| (0..n).map(|i| ((i as f32 * k) % 5.0) - 2.5).collect();
+fn inputs_of(dtype: DType) -> Vec<(String, Tensor)> {
+    let ramp =
+        |n: usize, k: f64| -> Vec<f64> { (0..n).map(|i| ((i as f64 * k) % 5.0) - 2.5).collect() };
     vec![
-        ("x".into(), Tensor::f32(vec![24, 32], ramp(24 * 32, 0.37))),
-        ("w".into(), Tensor::f32(vec![40, 32], ramp(40 * 32, 0.61))),
+        (
+            "x".into(),
+            Tensor::from_f64(dtype, vec![24, 32], &ramp(24 * 32, 0.37)),
+        ),
+        (
+            "w".into(),
+            Tensor::from_f64(dtype, vec![40, 32], &ramp(40 * 32, 0.61)),
+        ),
     ]
+}
+
+fn inputs() -> Vec<(String, Tensor)> {
+    inputs_of(DType::F32)
 }
 
 /// `plan` with the buffer of each value named in `shared` moved onto its input's bytes.
@@ -50,8 +61,12 @@ fn sharing(mut plan: Plan, shared: &[(&str, &str)]) -> Plan {
 }
 
 fn run(plan: &Plan) -> Result<Vec<f64>, String> {
+    run_with(plan, &inputs())
+}
+
+fn run_with(plan: &Plan, inputs: &[(String, Tensor)]) -> Result<Vec<f64>, String> {
     let mut ex = Executor::new(plan, &[], ExecOptions::default()).map_err(|e| e.to_string())?;
-    ex.set_inputs(&inputs()).map_err(|e| e.to_string())?;
+    ex.set_inputs(inputs).map_err(|e| e.to_string())?;
     ex.run(1).map_err(|e| e.to_string())?;
     Ok(ex.outputs(0).remove(0).1.to_f64_vec())
 }
@@ -85,4 +100,38 @@ fn transposed_operands_are_read_in_place() {
         err.contains("writes its result over one of its inputs"),
         "{err}"
     );
+}
+
+/// bf16 and f16 products read their transposed operands in place too (the CUDA backend
+/// through cuBLAS's transpose flags, the CPU executor through strides after widening):
+/// the same results as the program with every value in its own bytes, within a unit in the
+/// last place of the 16-bit result.
+#[test]
+fn half_precision_transposed_operands_are_read_in_place() {
+    for (dtype, name) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
+        let src = SRC.replace("f32", name);
+        let p = hzp_ir::text::parse(&src, "tv", &|_| None).unwrap();
+        let t = hzp_ir::views::transposed_operands(&p);
+        let views = p.nodes.iter().zip(&t).filter(|(_, &t)| t).count();
+        assert_eq!(views, 2, "{name}");
+        let inputs = inputs_of(dtype);
+        let want = hzp_runtime::eval::evaluate(&p, &inputs).unwrap()[0]
+            .1
+            .to_f64_vec();
+        let separate = run_with(&plan_of(p.clone()), &inputs).unwrap();
+        let shared = run_with(&sharing(plan_of(p), &[("wt", "w"), ("xt", "x")]), &inputs).unwrap();
+        let ulp = if dtype == DType::BF16 {
+            1.0 / 128.0
+        } else {
+            1.0 / 1024.0
+        };
+        for got in [&separate, &shared] {
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= ulp * b.abs().max(1.0),
+                    "{name}: {a} vs {b}"
+                );
+            }
+        }
+    }
 }

@@ -137,8 +137,8 @@ pub fn fuse_gelu_tanh(p: &mut Program) -> usize {
 /// in a plan). The gradient of a transposed weight (`x @ Transpose(w)`, a tied LM head) is
 /// such a product: computed this way it is one product and no transpose of the result.
 /// Only products of two rank >= 2 f32 operands qualify (rank-1 operands are promoted
-/// differently; transposes of bf16/f16 operands are still copies, and two of them would cost
-/// more than the one they replace). The product's node is left for dead code elimination.
+/// differently; bf16/f16 products are left as the exporter wrote them, though their
+/// transposed operands are views too now). The product's node is left for dead code elimination.
 /// Returns how many it rewrote.
 pub fn transpose_products(p: &mut Program) -> usize {
     let users = p.users();

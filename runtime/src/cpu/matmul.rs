@@ -7,7 +7,7 @@
 //! `MatMul(Transpose(x), y)` without materializing the transpose.
 
 use super::elem::{floats, out_stage_len, stage_len, store_f32};
-use super::into::{DataMut, TensorRef, Workspace};
+use super::into::{DataMut, DataRef, TensorRef, Workspace};
 use super::layout::strides_of;
 use super::threads;
 use hzp_ir::broadcast_shapes;
@@ -459,6 +459,28 @@ pub fn matmul(
         MatView::contiguous(av, a.shape),
         MatView::contiguous(bv, b.shape),
     );
+    store_f32(out, os, |o| matmul_views_into(&va, &vb, o))
+}
+
+/// MatMul of two operands given by their bytes: each read as its own `shape` (`stored`
+/// `None`) or, for a transposed operand a plan keeps in its input's bytes
+/// (`hzp_ir::views::transposed_operands`), as the `stored` shape with the last two axes
+/// swapped. bf16/f16 are widened and the result rounded as [`matmul`] does.
+pub fn matmul_stored(
+    (a, a_shape, a_stored): (DataRef, &[usize], Option<&[usize]>),
+    (b, b_shape, b_stored): (DataRef, &[usize], Option<&[usize]>),
+    out: &mut DataMut,
+    ws: &mut Workspace,
+) -> Result<(), String> {
+    let [as_, bs, os] = ws
+        .f32s
+        .take([stage_len(a), stage_len(b), out_stage_len(out)]);
+    let (av, bv) = (floats(a, as_), floats(b, bs));
+    let view = |data, shape: &[usize], stored: Option<&[usize]>| match stored {
+        Some(s) => MatView::contiguous(data, s).swap_last2(),
+        None => MatView::contiguous(data, shape),
+    };
+    let (va, vb) = (view(av, a_shape, a_stored), view(bv, b_shape, b_stored));
     store_f32(out, os, |o| matmul_views_into(&va, &vb, o))
 }
 

@@ -23,7 +23,6 @@ pub mod arena;
 pub mod sync;
 
 use crate::comm::{Communicator, LinkModel};
-use crate::cpu::matmul::{matmul_views_into, MatView};
 use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
 use crate::watchdog::{
     CollRecord, CollState, Fault, FaultKind, FlightRecorder, FlightReport, RankRecord, StuckHook,
@@ -159,7 +158,7 @@ struct Loc {
 
 enum Kind {
     Compute,
-    /// A MatMul of f32 operands, each read as stored (`None`) or, for a transposed operand
+    /// A MatMul of float operands, each read as stored (`None`) or, for a transposed operand
     /// the plan keeps in its input's bytes, through a view of the stored shape (`Some`) with
     /// the last two axes swapped.
     MatMul([Option<Vec<usize>>; 2]),
@@ -1710,24 +1709,25 @@ impl<'a> ThreadCtx<'a> {
             }
             Kind::Collective => self.exec_collective(ni, step),
             Kind::MatMul(ref stored) => {
-                let ([(la, ta), (lb, tb)], [(lc, _)]) = (&node.ins[..], &node.outs[..]) else {
+                let ([(la, ta), (lb, tb)], [(lc, tc)]) = (&node.ins[..], &node.outs[..]) else {
                     return Err("internal: a MatMul takes two inputs and one result".into());
                 };
                 // SAFETY: inputs are not written while this node runs, the result's bytes
                 // are this node's alone (see the generic case below); offsets are 8-aligned
-                // f32 data.
-                let (a, b, c) = unsafe {
+                // and hold values of these types.
+                let (a, b, mut c) = unsafe {
                     (
-                        arena.f32s(la.off, la.bytes),
-                        arena.f32s(lb.off, lb.bytes),
-                        arena.f32s_mut(lc.off, lc.bytes),
+                        data_ref(ta.dtype, arena.bytes(la.off, la.bytes)),
+                        data_ref(tb.dtype, arena.bytes(lb.off, lb.bytes)),
+                        data_mut(tc.dtype, arena.bytes_mut(lc.off, lc.bytes)),
                     )
                 };
-                let view = |data, ty: &TensorType, stored: &Option<Vec<usize>>| match stored {
-                    Some(s) => MatView::contiguous(data, s).swap_last2(),
-                    None => MatView::contiguous(data, &ty.shape),
-                };
-                matmul_views_into(&view(a, ta, &stored[0]), &view(b, tb, &stored[1]), c)
+                crate::cpu::matmul::matmul_stored(
+                    (a, &ta.shape, stored[0].as_deref()),
+                    (b, &tb.shape, stored[1].as_deref()),
+                    &mut c,
+                    &mut scratch.ws,
+                )
             }
             _ if matches!(op, Op::ScatterND { .. }) && node.ins[0].0.off == node.outs[0].0.off => {
                 let add = matches!(op, Op::ScatterND { add: true });
