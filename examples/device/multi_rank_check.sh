@@ -6,8 +6,9 @@
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit explicit-fuse profile (explicit: every tiny model with attention written out, CUDA
-# vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; profile: GPT-2 small's GPU time per
+# explicit explicit-fuse explicit-bf16 profile (explicit: every tiny model with attention
+# written out, CUDA vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; explicit-bf16: the
+# same compiled with --precision bf16, within 2e-2; profile: GPT-2 small's GPU time per
 # op kind, HZP_CUDA_PROFILE=1, modes PROFILE_MODES, e.g. "explicit explicit-fuse bf16
 # bf16-fuse")
 # (all by default; gpt2s alone takes the longest;
@@ -218,16 +219,17 @@ PY
     el "RESULT pasa e2e: FAIL compile"; tail -5 $f.cerr
   fi
 fi
-# explicit_models TAG: every EXPLICIT model on CUDA (with the environment as it is) vs CPU
+# explicit_models TAG [COMPILE-FLAGS]: every EXPLICIT model on CUDA (with the environment as
+# it is) vs CPU, within $XTOL (1e-4 unless set)
 explicit_models() {
   for spec in $EXPLICIT; do
     IFS=: read -r stem loss extra <<<"$spec"
     base=${stem%%.*}
     f=$W/$stem.$1
-    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT explicit $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra ${2:-} --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT explicit $stem: FAIL compile"; tail -5 $f.cerr; continue; }
     timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --format json --save-params $f.cpu.npz >$f.cpu.out 2>$f.cpu.err || { el "RESULT explicit $stem cpu: FAIL"; tail -10 $f.cpu.err; continue; }
     timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.cuda.npz >$f.cuda.out 2>$f.cuda.err || { el "RESULT explicit $stem cuda: FAIL rc=$?"; tail -20 $f.cuda.err; continue; }
-    TOL=1e-4 python3 $D/compare_ranks.py $1-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
+    TOL=${XTOL:-1e-4} python3 $D/compare_ranks.py $1-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
   done
 }
 if want explicit; then
@@ -237,6 +239,10 @@ fi
 if want explicit-fuse; then
   el "== the same with HZP_CUDA_FUSE=1 (elementwise runs fused into generated kernels)"
   (export HZP_CUDA_FUSE=1; explicit_models explicit-fuse)
+fi
+if want explicit-bf16; then
+  el "== the same in bf16 (--precision bf16: bf16 transposes read by products are views, cuBLAS transpose flags), within 2e-2"
+  (export XTOL=2e-2 WORST=5e-2; explicit_models explicit-bf16 "--precision bf16")
 fi
 if want profile; then
   el "== GPT-2 small on one GPU, HZP_CUDA_PROFILE=1: GPU time per op kind (fp32 explicit, fp32 fused, bf16 explicit)"
