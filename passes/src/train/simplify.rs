@@ -136,9 +136,8 @@ pub fn fuse_gelu_tanh(p: &mut Program) -> usize {
 /// nodes (`hzp_ir::views::transposed_operands`: read only by the product, they cost no copy
 /// in a plan). The gradient of a transposed weight (`x @ Transpose(w)`, a tied LM head) is
 /// such a product: computed this way it is one product and no transpose of the result.
-/// Only products of two rank >= 2 f32 operands qualify (rank-1 operands are promoted
-/// differently; bf16/f16 products are left as the exporter wrote them, though their
-/// transposed operands are views too now). The product's node is left for dead code elimination.
+/// Only products of two rank >= 2 float operands qualify (rank-1 operands are promoted
+/// differently). The product's node is left for dead code elimination.
 /// Returns how many it rewrote.
 pub fn transpose_products(p: &mut Program) -> usize {
     let users = p.users();
@@ -156,9 +155,9 @@ pub fn transpose_products(p: &mut Program) -> usize {
         let Some((_, Op::MatMul, &[a, b])) = producer(p, *y) else {
             continue;
         };
-        let ok = [a, b]
-            .iter()
-            .all(|&v| p.ty(v).rank() >= 2 && p.ty(v).dtype == DType::F32);
+        let ok = [a, b].iter().all(|&v| {
+            p.ty(v).rank() >= 2 && matches!(p.ty(v).dtype, DType::F32 | DType::BF16 | DType::F16)
+        });
         if ok {
             hits.push((t, [a, b]));
         }
@@ -382,10 +381,10 @@ output %abp
             .iter()
             .zip(&p.nodes)
             .all(|(&v, n)| v == matches!(n.op, Op::Transpose { .. })));
-        // bf16 operands: their transposes would be copies; left alone
+        // bf16 operands likewise (their transposes are views too)
         let bf = src2.replace("f32", "bf16");
         let mut q = parse(&bf, "t.hzp", &|_| None).unwrap();
-        assert_eq!(transpose_products(&mut q), 0);
+        assert_eq!(transpose_products(&mut q), 2);
         let after = eval_rt(&p, &ins[..]);
         for (x, y) in after.iter().zip(&before) {
             let (x, y) = (x.to_f64_vec(), y.to_f64_vec());
