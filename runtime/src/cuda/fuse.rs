@@ -30,7 +30,7 @@
 //! operand has the run's shape with no broadcast, so each element is read before the same
 //! thread writes it; any other overlap leaves the run unfused.
 
-use super::lower::{Arg, Launch, Work};
+use super::lower::{bcast, flat_grid, Arg, Launch, Work};
 use hzp_ir::{BinaryOp, DType, Node, Op, Program, StreamKind, UnaryOp, ValueId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
@@ -133,27 +133,13 @@ pub fn runs(p: &Program, loc: &[(u64, u64)]) -> Vec<Run> {
     out
 }
 
-/// Operand strides of `x` broadcast to `out` (contiguous, right-aligned; 0 on broadcast dims).
-fn bcast(x: &[usize], out: &[usize]) -> Vec<u64> {
-    let mut s = vec![0u64; out.len()];
-    let off = out.len() - x.len();
-    let mut acc = 1u64;
-    for k in (0..x.len()).rev() {
-        if !(x[k] == 1 && out[k + off] != 1) {
-            s[k + off] = acc;
-        }
-        acc *= x[k] as u64;
-    }
-    s
-}
-
 /// The walk over `shape` with one stride array per operand, size-1 dims dropped and
 /// neighbouring dims merged where every array steps through both as through one.
-fn coalesce(shape: &[usize], strides: &[Vec<u64>]) -> (Vec<u64>, Vec<Vec<u64>>) {
-    let mut dims: Vec<u64> = Vec::new();
-    let mut ss: Vec<Vec<u64>> = vec![Vec::new(); strides.len()];
+fn coalesce(shape: &[usize], strides: &[Vec<i64>]) -> (Vec<i64>, Vec<Vec<i64>>) {
+    let mut dims: Vec<i64> = Vec::new();
+    let mut ss: Vec<Vec<i64>> = vec![Vec::new(); strides.len()];
     for (k, &size) in shape.iter().enumerate() {
-        let size = size as u64;
+        let size = size as i64;
         if size == 1 {
             continue;
         }
@@ -247,7 +233,7 @@ fn build(
             }
         }
     }
-    let strides: Vec<Vec<u64>> = operands
+    let strides: Vec<Vec<i64>> = operands
         .iter()
         .map(|&v| bcast(&p.ty(v).shape, &shape))
         .collect();
@@ -372,7 +358,7 @@ fn build(
         operands,
         launch: Launch {
             kernel: name,
-            grid: (n.div_ceil(256)).clamp(1, 1 << 20) as u32,
+            grid: flat_grid(n as usize),
             block: 256,
             args,
         },

@@ -280,7 +280,7 @@ fn contiguous(shape: &[usize]) -> Vec<i64> {
 }
 
 /// Strides of `x` (contiguous) broadcast to `out` (right-aligned; 0 on broadcast dims).
-fn bcast(x: &[usize], out: &[usize]) -> Vec<i64> {
+pub(super) fn bcast(x: &[usize], out: &[usize]) -> Vec<i64> {
     let cs = contiguous(x);
     let off = out.len() - x.len();
     (0..out.len())
@@ -302,7 +302,8 @@ fn around(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     )
 }
 
-fn flat_grid(n: usize) -> u32 {
+/// Blocks of 256 threads for one thread per element (a grid-stride loop covers the rest).
+pub(super) fn flat_grid(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 1 << 20) as u32
 }
 
@@ -440,6 +441,7 @@ pub fn lower_program_with(
     let mut fused = super::fuse::work_of(&runs);
     let mut nodes = Vec::with_capacity(p.nodes.len());
     for (ni, n) in p.nodes.iter().enumerate() {
+        // (every node is lowered, a fused one too: that refuses what the backend cannot run)
         let mut nw = lowering.node(ni, n)?;
         if let Some(work) = fused.remove(&ni) {
             nw.work = work;
