@@ -28,7 +28,8 @@
 //! between them. The memory plan may give a stored output the bytes of an operand the run
 //! reads (an operand whose last reader is an earlier member): that is kept only where the
 //! operand has the run's shape with no broadcast, so each element is read before the same
-//! thread writes it; any other overlap leaves the run unfused.
+//! thread writes it. A run with any other overlap, or with more than 16 outside operands, is
+//! split into the longest prefixes that can be kernels (`runs`).
 
 use super::lower::{bcast, flat_grid, Arg, Launch, Work};
 use hzp_ir::{BinaryOp, DType, Node, Op, Program, StreamKind, UnaryOp, ValueId};
@@ -106,10 +107,22 @@ pub fn runs(p: &Program, loc: &[(u64, u64)]) -> Vec<Run> {
     kept.extend(p.updates.iter().map(|u| u.value));
     let mut out = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
+    // A run that cannot be one kernel (too many operands, or a stored output overlapping an
+    // operand) is split: its longest buildable prefix of two or more members becomes a
+    // kernel and the rest is tried again; a first member that starts no buildable prefix
+    // stays unfused.
     let flush = |cur: &mut Vec<usize>, out: &mut Vec<Run>| {
-        if cur.len() >= 2 {
-            if let Some(r) = build(p, loc, cur, &readers, &kept, out.len()) {
-                out.push(r);
+        let mut start = 0;
+        while cur.len() - start >= 2 {
+            let built = (start + 2..=cur.len())
+                .rev()
+                .find_map(|end| build(p, loc, &cur[start..end], &readers, &kept, out.len()));
+            match built {
+                Some(r) => {
+                    start += r.nodes.len();
+                    out.push(r);
+                }
+                None => start += 1,
             }
         }
         cur.clear();
