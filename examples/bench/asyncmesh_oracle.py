@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=16, help="global batch rows (T = 64)")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--sparsity", type=float, default=0.05)
     ap.add_argument("--ema-beta", type=float, default=0.9)
     ap.add_argument("--constant", action="store_true", help="a constant rate (no schedule)")

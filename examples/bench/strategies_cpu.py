@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--shape", default="input_ids=16x64")
     ap.add_argument("--link", default="intra=100MB/s,inter=10MB/s")
     ap.add_argument("--workdir", default="/tmp/hzp-strategies")
+    ap.add_argument("--lr", default="1e-3", help="the peak learning rate (hzp compile --lr)")
     ap.add_argument("--shuffle", type=int, default=1, help="the sampling seed (hzp run --shuffle)")
     ap.add_argument("--extra", default="", help="extra compile flags per strategy: "
                     "name:flag flag;name:flag (e.g. 'asyncmesh:--slow-axis node')")
@@ -79,7 +80,7 @@ def main() -> int:
     rows = []
     for strategy in a.strategies.split(","):
         plan = wd / f"{strategy}.json"
-        sh([hzp, "compile", str(MODEL), "--shape", a.shape, "--retie", "--lr", "3e-3",
+        sh([hzp, "compile", str(MODEL), "--shape", a.shape, "--retie", "--lr", a.lr,
             "--mesh", a.mesh, "--strategy", strategy, "-o", str(plan)]
            + extra.get(strategy, []), quiet=False)
         inspect = json.loads(sh([hzp, "inspect", str(plan), "--format", "json"]))
@@ -108,7 +109,7 @@ def main() -> int:
         })
     base = next((r for r in rows if r["strategy"] == "asynchzp"), rows[0])
     print(f"\ntiny GPT-2 on {a.mesh}, {a.shape}, {a.steps} steps, --link {a.link}, "
-          f"--shuffle {a.shuffle}")
+          f"--lr {a.lr}, --shuffle {a.shuffle}")
     print(f"{'strategy':<10} {'val loss':>9} {'vs sync':>8} {'last-20 loss':>12} "
           f"{'step ms':>8} {'exposed ms':>10} {'slow-axis KiB/step':>18} "
           f"{'fast-axis KiB/step':>18}")
