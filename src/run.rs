@@ -328,7 +328,13 @@ fn parameters(args: &RunArgs, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
             "the plan was compiled from {model}, which is not there (relative paths are read from the current directory): pass --model PATH or --params P.npz"
         ));
     }
-    let fwd = load_forward(&model, plan)?;
+    model_parameters(&model, plan)
+}
+
+/// The initial parameters of `model` (a file with weights), checked to be the model `plan`
+/// was compiled from.
+pub(crate) fn model_parameters(model: &str, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
+    let fwd = load_forward(model, plan)?;
     let found = crate::compile::fingerprint_of(&fwd);
     if !plan.model_fingerprint.is_empty() && found != plan.model_fingerprint {
         return Err(miette!(
@@ -471,6 +477,67 @@ pub fn run(args: &RunArgs) -> Result<()> {
         print_run_json(args, &plan, &stats, saved)?;
     }
     Ok(())
+}
+
+/// What `hzp compare --run-steps` measures of one plan.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Measured {
+    pub steps: usize,
+    /// Mean wall time of a step (the first, a warm-up, left out when there are several).
+    pub step_s: f64,
+    /// Mean time per step the compute thread waited on communication (same steps).
+    pub exposed_comm_s: f64,
+    /// The loss of rank 0 at the first and the last step.
+    pub first_loss: Option<f64>,
+    pub last_loss: Option<f64>,
+}
+
+/// Runs `plan` for `steps` steps on this machine's CPU (its ranks as threads, comm streams
+/// on background threads, as `hzp run` does) on one fixed `batch`, from the initial weights
+/// of `model`, with collectives slowed to the links of `link` (`hzp run --link`) when given.
+pub(crate) fn measure_plan(
+    plan: &Plan,
+    model: &str,
+    batch: &[(String, Tensor)],
+    steps: usize,
+    link: Option<&str>,
+) -> Result<Measured> {
+    let params = model_parameters(model, plan)?;
+    hzp_runtime::index_check::check_index_inputs(&plan.program, batch)
+        .map_err(|e| miette!("{e}"))?;
+    let link: Option<Arc<dyn LinkModel>> = match link {
+        Some(s) => {
+            let spec = links_from_flag(s, &plan.mesh)?;
+            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
+            Some(Arc::new(CostLinks(cm)))
+        }
+        None => None,
+    };
+    let lr = plan
+        .lr
+        .ok_or_else(|| miette!("the plan records no learning rate"))?;
+    let opts = ExecOptions {
+        comm: CommMode::Async,
+        link,
+        trace: false,
+        collective_timeout: Some(Duration::from_secs(300)),
+        fault: None,
+        on_stuck: None,
+        flight_capacity: 0,
+    };
+    let mut ex = Executor::new(plan, &params, opts).map_err(|e| miette!("{e}"))?;
+    let inputs = hzp_passes::train::with_lr(&plan.program, batch, lr);
+    ex.set_inputs(&inputs).map_err(|e| miette!("{e}"))?;
+    let stats = ex.run(steps).map_err(|e| miette!("{e}"))?;
+    let m = measured(&stats);
+    let n = m.len().max(1) as f64;
+    Ok(Measured {
+        steps: stats.len(),
+        step_s: m.iter().map(|s| s.wall.as_secs_f64()).sum::<f64>() / n,
+        exposed_comm_s: m.iter().map(|s| s.exposed_comm.as_secs_f64()).sum::<f64>() / n,
+        first_loss: stats.first().and_then(|s| s.loss),
+        last_loss: stats.last().and_then(|s| s.loss),
+    })
 }
 
 /// `--emulate-links` or `--link`: the link model collectives are slowed down to.

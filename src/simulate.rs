@@ -426,6 +426,9 @@ pub struct Row {
     /// Bytes one rank sends per step, per link class.
     pub bytes_per_link: BTreeMap<String, f64>,
     pub cross_node_bytes: f64,
+    /// `hzp compare --run-steps`: what running the plan on this machine measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured: Option<crate::run::Measured>,
     /// Why it does not fit, or what went wrong.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
@@ -447,6 +450,7 @@ fn empty_row(strategy: &str, mesh: &str, ranks: usize, note: String) -> Row {
         tokens_per_s: f64::NAN,
         bytes_per_link: BTreeMap::new(),
         cross_node_bytes: 0.0,
+        measured: None,
         note: Some(note),
     }
 }
@@ -462,6 +466,18 @@ fn evaluate(
     strategy: &str,
     sim: &SimOptions,
 ) -> std::result::Result<Row, miette::Report> {
+    evaluate_plan(model, inputs, t, c, strategy, sim).map(|(row, _)| row)
+}
+
+/// [`evaluate`], with the plan it compiled.
+fn evaluate_plan(
+    model: &ModelArgs,
+    inputs: Option<&Path>,
+    t: &TrainArgs,
+    c: &CompileArgs,
+    strategy: &str,
+    sim: &SimOptions,
+) -> std::result::Result<(Row, hzp_ir::plan::Plan), miette::Report> {
     let mut c = c.clone();
     c.strategy = strategy.to_string();
     c.output = None;
@@ -522,7 +538,7 @@ fn evaluate(
         ),
         None => (true, None),
     };
-    Ok(Row {
+    let row = Row {
         strategy: strategy.to_string(),
         groups: format!(
             "P={} G={} O={}",
@@ -546,8 +562,10 @@ fn evaluate(
             .map(|l| (l.name.clone(), l.bytes_per_rank))
             .collect(),
         cross_node_bytes: s.cross_node_bytes(),
+        measured: None,
         note,
-    })
+    };
+    Ok((row, plan))
 }
 
 fn parse_strategies(s: &str) -> Result<Vec<String>> {
@@ -585,6 +603,16 @@ pub struct CompareArgs {
     pub strategies: String,
     #[command(flatten)]
     pub sim: SimFlags,
+    /// Also run each strategy's plan for N steps on this machine's CPU (its ranks as
+    /// threads, as `hzp run` does) on the --inputs batch, from the model's weights, and
+    /// report the measured step time, exposed communication and loss beside the prediction.
+    #[arg(long, value_name = "N")]
+    pub run_steps: Option<usize>,
+    /// With --run-steps: emulate links by bandwidth as `hzp run --link` does,
+    /// intra=100MB/s,inter=10MB/s[,latency=5us] (intra: the innermost mesh axis; inter:
+    /// the others).
+    #[arg(long, value_name = "intra=..,inter=..")]
+    pub link: Option<String>,
     /// No progress output.
     #[arg(long, short)]
     pub quiet: bool,
@@ -627,6 +655,10 @@ fn compare_table(rows: &[Row]) -> Vec<Vec<String>> {
     .map(|s| s.to_string())
     .collect();
     header.extend(links.iter().map(|l| format!("{l} bytes/rank")));
+    let ran = rows.iter().any(|r| r.measured.is_some());
+    if ran {
+        header.extend(["run: step", "run: exposed comm", "run: loss"].map(String::from));
+    }
     let mut out = vec![header];
     for r in rows {
         let mut row = vec![
@@ -650,6 +682,17 @@ fn compare_table(rows: &[Row]) -> Vec<Vec<String>> {
         ];
         for l in &links {
             row.push(bytes_f(r.bytes_per_link.get(l).copied().unwrap_or(0.0)));
+        }
+        if ran {
+            match &r.measured {
+                Some(m) => {
+                    let loss = |l: Option<f64>| l.map_or("-".into(), |l| format!("{l:.4}"));
+                    row.push(secs(m.step_s));
+                    row.push(secs(m.exposed_comm_s));
+                    row.push(format!("{} -> {}", loss(m.first_loss), loss(m.last_loss)));
+                }
+                None => row.extend(["-", "-", "-"].map(String::from)),
+            }
         }
         out.push(row);
     }
@@ -715,6 +758,7 @@ pub fn compare(
              --strategies does not list"
         ));
     }
+    let batch = run_batch(model, inputs, a)?;
     let sim = a.sim.options()?;
     let pb = progress(strategies.len(), a.quiet);
     pb.set_message("compiling and simulating");
@@ -723,19 +767,24 @@ pub fn compare(
     let results: Vec<_> = strategies
         .par_iter()
         .map(|s| {
-            let r = evaluate(model, inputs, t, c, s, &sim);
+            let r = evaluate_plan(model, inputs, t, c, s, &sim);
             pb.inc(1);
             r
         })
         .collect();
     let mut rows = Vec::new();
+    let mut plans = Vec::new();
     let mut first_error = None;
     for (s, r) in strategies.iter().zip(results) {
         match r {
-            Ok(r) => rows.push(r),
+            Ok((r, plan)) => {
+                rows.push(r);
+                plans.push(Some(plan));
+            }
             Err(e) => {
                 let msg = format!("{e}");
                 rows.push(empty_row(s, &c.mesh, 0, msg));
+                plans.push(None);
                 first_error.get_or_insert(e);
             }
         }
@@ -746,16 +795,44 @@ pub fn compare(
             return Err(e);
         }
     }
+    if let (Some(steps), Some(batch)) = (a.run_steps, &batch) {
+        // one plan at a time: each run uses every core of this machine
+        for (row, plan) in rows.iter_mut().zip(&plans) {
+            let Some(plan) = plan else { continue };
+            if !a.quiet {
+                note!(
+                    "running {} for {steps} steps on this machine's CPU{}",
+                    row.strategy,
+                    a.link
+                        .as_deref()
+                        .map_or(String::new(), |l| format!(" (links {l})"))
+                );
+            }
+            let m = crate::run::measure_plan(plan, &model.model, batch, steps, a.link.as_deref())
+                .map_err(|e| miette!("running the {} plan: {e}", row.strategy))?;
+            row.measured = Some(m);
+        }
+    }
     match a.format {
         TableFormat::Json => outln!("{}", serde_json::to_string_pretty(&rows).into_diagnostic()?),
         TableFormat::Text | TableFormat::Markdown => {
             let md = a.format == TableFormat::Markdown;
             if !md {
                 outln!(
-                    "{} on {} ({} ranks), predicted by the simulator:",
+                    "{} on {} ({} ranks), predicted by the simulator{}:",
                     model.model,
                     c.mesh,
-                    rows.iter().map(|r| r.ranks).max().unwrap_or(0)
+                    rows.iter().map(|r| r.ranks).max().unwrap_or(0),
+                    match a.run_steps {
+                        Some(n) => format!(
+                            "; run: {n} steps on this machine's CPU{} (step and exposed \
+                             communication: means without the first step; loss: first -> last)",
+                            a.link
+                                .as_deref()
+                                .map_or(String::new(), |l| format!(", links {l}"))
+                        ),
+                        None => String::new(),
+                    }
                 );
             }
             print_table(&compare_table(&rows), md)?;
@@ -767,6 +844,38 @@ pub fn compare(
         }
     }
     Ok(())
+}
+
+/// The batch `--run-steps` runs on (`--inputs`), after checking the flags that go with it.
+fn run_batch(
+    model: &ModelArgs,
+    inputs: Option<&Path>,
+    a: &CompareArgs,
+) -> Result<Option<Vec<(String, hzp_ir::Tensor)>>> {
+    let Some(steps) = a.run_steps else {
+        if a.link.is_some() {
+            return Err(miette!(
+                "--link emulates links for the runs of --run-steps N; without it hzp compare \
+                 only simulates (use --cluster SPEC.toml to model other links)"
+            ));
+        }
+        return Ok(None);
+    };
+    if steps == 0 {
+        return Err(miette!("--run-steps must be at least 1"));
+    }
+    if model.model.starts_with("preset:") {
+        return Err(miette!(
+            "--run-steps runs each plan from the model's weights; {} has shapes only (compare \
+             a model file, or drop --run-steps)",
+            model.model
+        ));
+    }
+    let path = inputs.ok_or_else(|| {
+        miette!("--run-steps runs each plan on a batch: give it with --inputs IN.npz")
+    })?;
+    let batch = hzp_frontends::npz::read(path).map_err(|e| miette!("{e}"))?;
+    Ok(Some(batch))
 }
 
 /// Flags of `hzp scale`.

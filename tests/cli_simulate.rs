@@ -240,3 +240,98 @@ fn scale_reports_linearity() {
     assert_eq!(code, 1);
     assert!(err.contains("multiple of 4"), "{err}");
 }
+
+/// `hzp compare --run-steps N --link ...` runs every strategy's plan on this machine, beside
+/// the prediction: every plan starts from the same weights on the same batch, so their first
+/// losses agree (sharding does not change the step); each then trains.
+#[test]
+fn compare_runs_each_plan_with_emulated_links() {
+    let dir = tempdir("compare-run");
+    let model = own_models_dir().join("gpt2_tiny.legacy.op17.onnx");
+    let io = read_npz(&own_models_dir().join("gpt2_tiny.io.npz"));
+    let (_, ids) = io.iter().find(|(k, _)| k == "input_ids").unwrap();
+    // the [2, 16] batch four times over: [8, 16], two rows per rank
+    let parts: Vec<&hzp_ir::Tensor> = (0..4).map(|_| ids).collect();
+    let batch = hzp_runtime::cpu::eval_op(&hzp_ir::Op::Concat { axis: 0 }, &parts)
+        .unwrap()
+        .remove(0);
+    let inputs = dir.join("batch.npz");
+    hzp_frontends::npz::write(&inputs, &[("input_ids".to_string(), batch)]).unwrap();
+    let args = [
+        "compare",
+        s(&model),
+        "--inputs",
+        s(&inputs),
+        "--retie",
+        "--mesh",
+        "node=2,gpu=2",
+        "--strategies",
+        "asynchzp,zero3,acco,asyncmesh",
+        "--slow-axis",
+        "node",
+        "--run-steps",
+        "3",
+        "--link",
+        "intra=1GB/s,inter=100MB/s",
+        "--quiet",
+    ];
+    let mut json = args.to_vec();
+    json.extend(["--format", "json"]);
+    let (code, out, err) = hzp(&json);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    let first0 = rows[0]["measured"]["first_loss"].as_f64().unwrap();
+    for r in rows {
+        let m = &r["measured"];
+        assert_eq!(m["steps"], 3, "{r}");
+        assert!(m["step_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(m["exposed_comm_s"].as_f64().unwrap() >= 0.0, "{r}");
+        let (first, last) = (
+            m["first_loss"].as_f64().unwrap(),
+            m["last_loss"].as_f64().unwrap(),
+        );
+        assert!((first - first0).abs() <= 1e-5 * first0, "{r}");
+        assert!(last < first, "{r}");
+    }
+    let (code, out, err) = hzp(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("run: 3 steps on this machine's CPU, links intra=1GB/s"),
+        "{out}"
+    );
+    assert!(out.contains("run: loss"), "{out}");
+    // without --run-steps only the simulation runs: no measured field, no columns
+    let base = &args[..args.len() - 5];
+    assert_eq!(base.last(), Some(&"node"));
+    let mut sim_only = base.to_vec();
+    sim_only.extend(["--quiet", "--format", "json"]);
+    let (code, out, err) = hzp(&sim_only);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("measured"), "{out}");
+    // what --run-steps needs
+    let mut no_run = base.to_vec();
+    no_run.extend(["--link", "intra=1GB/s,inter=100MB/s"]);
+    fails_with(&no_run, &["--link", "--run-steps"]);
+    let mut no_inputs: Vec<&str> = args
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 2 && *i != 3)
+        .map(|(_, a)| *a)
+        .collect();
+    no_inputs.extend(["--shape", "input_ids=8x16"]);
+    fails_with(&no_inputs, &["--run-steps", "--inputs"]);
+    fails_with(
+        &[
+            "compare",
+            TINY,
+            "--mesh",
+            "gpu=2",
+            "--run-steps",
+            "2",
+            "--quiet",
+        ],
+        &["shapes only", "--run-steps"],
+    );
+}
