@@ -12,8 +12,13 @@ use hzp_ir::{verify, Tensor};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// tests/models/extra/, or the folder `HZP_EXTRA_MODELS` names (e.g. the 26 more models of
+/// `make_extra_models.py --more --out DIR`, which are not committed).
 fn extra_dir() -> PathBuf {
-    own_models_dir().join("extra")
+    match std::env::var_os("HZP_EXTRA_MODELS") {
+        Some(d) => PathBuf::from(d),
+        None => own_models_dir().join("extra"),
+    }
 }
 
 /// One exported file with its inputs and reference.
@@ -40,6 +45,7 @@ fn cases() -> Vec<Case> {
         dir.display(),
         onnx.len()
     );
+    eprintln!("{} ONNX files in {}", onnx.len(), dir.display());
     onnx.into_iter()
         .map(|path| {
             let file = path.file_name().unwrap().to_string_lossy().to_string();
