@@ -8,6 +8,7 @@ use hzp_passes::cost::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent};
+use hzp_runtime::schedule::LrSchedule;
 use hzp_runtime::watchdog::FlightReport;
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::BTreeMap;
@@ -416,9 +417,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         && args.stop_at.is_none()
         && args.lr.is_none();
     if cuda {
-        if !plain {
+        if args.session.val_data.is_some()
+            || args.session.eval_every.is_some()
+            || args.checkpoint_dir.is_some()
+            || args.resume
+            || args.stop_at.is_some()
+        {
             return Err(miette!(
-                "--data, --val-data, --log, --lr, schedules and checkpoints run on the CPU backend; the CUDA backend takes --inputs and the plan's learning rate (not built yet)"
+                "--val-data, --eval-every, --checkpoint-dir, --resume and --stop-at run on the CPU backend only: the CUDA backend trains from --inputs or --data with --lr, --lr-schedule and --log (evaluation and checkpoints on CUDA are not built yet)"
             ));
         }
         if fault.is_some() {
@@ -426,7 +432,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 "HZP_FAULT injects faults into the CPU backend only; unset it for --backend cuda"
             ));
         }
-        return run_cuda(args, &plan, &params, &fixed, comm, lr_max, timeout);
+        return run_cuda(args, &plan, &params, &fixed, comm, &schedule, timeout);
     }
     if args.ranks_on_one_gpu {
         return Err(miette!(
@@ -820,6 +826,57 @@ pub(crate) fn cuda_lower_options(
     Ok(o)
 }
 
+/// The global batch of every step of a run that is not driven by the CPU step loop (the
+/// CUDA backend): the fixed `--inputs`, the `--data` windows of the step, and the
+/// schedule's learning rate; the same batches `train_loop::run_loop` feeds the CPU executor.
+pub(crate) struct StepBatches<'a> {
+    program: &'a Program,
+    fixed: &'a [(String, Tensor)],
+    feed: Option<crate::session::TokenFeed>,
+    schedule: LrSchedule,
+}
+
+impl<'a> StepBatches<'a> {
+    pub(crate) fn open(
+        args: &RunArgs,
+        plan: &'a Plan,
+        fixed: &'a [(String, Tensor)],
+        schedule: &LrSchedule,
+    ) -> Result<Self> {
+        let feed =
+            crate::session::open_feeds(&args.session, &plan.program, plan.mesh.world_size())?
+                .map(|(f, _)| f);
+        Ok(StepBatches {
+            program: &plan.program,
+            fixed,
+            feed,
+            schedule: *schedule,
+        })
+    }
+
+    /// What the token feed reads, when there is one.
+    pub(crate) fn data_line(&self) -> Option<String> {
+        self.feed.as_ref().map(|f| f.data_line())
+    }
+
+    /// Tokens of one step's batch, when they come from a token file.
+    pub(crate) fn tokens_per_step(&self) -> Option<usize> {
+        self.feed.as_ref().map(|f| f.rows * f.seq)
+    }
+
+    /// The global batch of step `step` (0-based): samples `step * rows ..` of the feed.
+    pub(crate) fn at(&mut self, step: usize) -> Result<Vec<(String, Tensor)>> {
+        let first = self.feed.as_ref().map_or(0, |f| (step * f.rows) as u64);
+        crate::session::step_batch(
+            self.program,
+            self.fixed,
+            self.feed.as_mut(),
+            first,
+            self.schedule.at(step),
+        )
+    }
+}
+
 /// `--backend cuda`: this process's rank of the plan on its GPU (see `hzp launch`). Without
 /// the libraries, or in a build without the `cuda` feature, the runtime says which.
 fn run_cuda(
@@ -828,7 +885,7 @@ fn run_cuda(
     params: &[(String, Tensor)],
     inputs: &[(String, Tensor)],
     comm: CommMode,
-    lr: f64,
+    schedule: &LrSchedule,
     timeout: Duration,
 ) -> Result<()> {
     if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
@@ -837,19 +894,52 @@ fn run_cuda(
         ));
     }
     let text = args.format == Format::Text;
+    let mut batches = StepBatches::open(args, plan, inputs, schedule)?;
+    if text {
+        if let Some(line) = batches.data_line() {
+            outln!("{line}");
+        }
+    }
+    // the step lines and --log records of a training run (rank 0's: every process of
+    // `hzp launch` runs this, and they would all append to one --log file)
+    let mut metrics = crate::session::Metrics::open(args.session.log.as_deref())?;
+    let training = !args.session.is_plain() || args.lr.is_some();
     let mut printed: Result<()> = Ok(());
+    let (rows_seq, sched) = (batches.tokens_per_step(), *schedule);
     let mut on_step = |rank: usize, s: &StepStats| {
-        if text && printed.is_ok() {
-            printed = crate::stdio::out(format_args!(
-                "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)\n",
-                s.step,
-                s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
-                ms(s.wall)
-            ));
+        if printed.is_err() {
+            return;
+        }
+        let report = crate::session::StepReport {
+            step: s.step,
+            loss: s.loss,
+            lr: sched.at(s.step - 1),
+            seconds: s.wall.as_secs_f64(),
+            tokens: rows_seq,
+            grad_norm: None,
+            val_loss: None,
+        };
+        if text {
+            printed = if training {
+                crate::stdio::out(format_args!("[rank {rank}] {}\n", report.line()))
+            } else {
+                crate::stdio::out(format_args!(
+                    "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)\n",
+                    s.step,
+                    s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
+                    ms(s.wall)
+                ))
+            };
+        }
+        if rank == 0 && printed.is_ok() {
+            printed = metrics.write(&report.json());
         }
     };
-    let batch = hzp_passes::train::with_lr(&plan.program, inputs, lr);
-    let mut feed = |_step: usize| Ok(batch.clone());
+    let mut feed = |step: usize| {
+        batches
+            .at(step)
+            .map_err(|e| hzp_runtime::exec::ExecError::Run(format!("step {}: {e}", step + 1)))
+    };
     let dir = args.flight_recorder.clone();
     let lower = cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?;
     let ropts = hzp_runtime::cuda::RunOptions {

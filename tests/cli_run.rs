@@ -227,6 +227,49 @@ fn cuda_backend_names_what_is_missing() {
     let (code, _, err) = hzp(&["run", s(&plan), "--inputs", s(&io()), "--ranks-on-one-gpu"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("is an option of --backend cuda"), "{err}");
+    // a training run from a token file with a schedule and a metrics log goes as far as the
+    // libraries on the CUDA backend (it is not refused for its flags) ...
+    let tokens = own_models_dir().join("tokens/train.bin");
+    let log = d.join("metrics.jsonl");
+    let train = [
+        "run",
+        s(&plan),
+        "--backend",
+        "cuda",
+        "--data",
+        s(&tokens),
+        "--lr-schedule",
+        "cosine",
+        "--warmup",
+        "2",
+        "--lr",
+        "3e-3",
+        "--steps",
+        "3",
+        "--log",
+        s(&log),
+    ];
+    let (code, _, err) = hzp(&train);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("not found") || err.contains("without CUDA"),
+        "{err}"
+    );
+    // ... and what it does not run yet is refused by name
+    let mut eval = train.to_vec();
+    eval.extend(["--val-data", s(&tokens)]);
+    let (code, _, err) = hzp(&eval);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("--val-data") && err.contains("CPU backend only"),
+        "{err}"
+    );
+    let ck = d.join("ck");
+    let mut ckpt = train.to_vec();
+    ckpt.extend(["--checkpoint-dir", s(&ck)]);
+    let (code, _, err) = hzp(&ckpt);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--checkpoint-dir"), "{err}");
 }
 
 /// `hzp compile` honours the training flags that change the model: with `--retie` the tied

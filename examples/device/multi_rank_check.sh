@@ -6,7 +6,8 @@
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit explicit-fuse explicit-bf16 profile (explicit: every tiny model with attention
+# explicit explicit-fuse explicit-bf16 profile data (data: a training run from a token file on
+# CUDA, per-step losses vs the CPU backend; explicit: every tiny model with attention
 # written out, CUDA vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; explicit-bf16: the
 # same compiled with --precision bf16, within 2e-2; profile: GPT-2 small's GPU time per
 # op kind, HZP_CUDA_PROFILE=1, modes PROFILE_MODES, e.g. "explicit explicit-fuse bf16
@@ -259,6 +260,30 @@ if want profile; then
     HZP_CUDA_PROFILE=1 HZP_CUDA_ATTENTION=1 timeout $T $H run $p.json --inputs $W/gpt2s/batch.npz --steps 4 --backend cuda >$p.out 2>$p.err
     el "RESULT profile gpt2s $mode: rc=$? $(grep -o '([0-9.]* ms)' $p.out | tail -1)"
     grep -v '^note' $p.err | head -45
+  done
+fi
+if want data; then
+  el "== a training run from a token file on CUDA (--data, cosine schedule with warmup, --log): per-step losses vs the CPU backend (1e-5), gpu=1 and gpu=2 with every rank on the GPU"
+  for mesh in gpu=1 gpu=2; do
+    f=$W/data.$(echo $mesh | tr '=' '-')
+    $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --shape input_ids=4x32 --retie --lr 3e-3 --mesh $mesh -o $f.json >/dev/null 2>$f.cerr || { el "RESULT data $mesh: FAIL compile"; tail -3 $f.cerr; continue; }
+    x=""; [ $mesh != gpu=1 ] && x=--ranks-on-one-gpu
+    for be in cpu cuda; do
+      rm -f $f.$be.jsonl
+      timeout $T $H run $f.json --backend $be $( [ $be = cuda ] && echo $x ) --data $M/tokens/train.bin --shuffle 1 --lr-schedule cosine --warmup 2 --steps 8 --log $f.$be.jsonl >$f.$be.out 2>$f.$be.err || el "data $mesh $be: rc=$?"
+    done
+    python3 - $mesh $f.cpu.jsonl $f.cuda.jsonl <<'PY'
+import json, sys
+mesh, a, b = sys.argv[1:]
+try:
+    la = [json.loads(l) for l in open(a)]; lb = [json.loads(l) for l in open(b)]
+except OSError as e:
+    print(f"RESULT data {mesh}: FAIL ({e})"); sys.exit()
+d = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(la, lb)), default=float("nan"))
+lr = all(abs(x["lr"] - y["lr"]) <= 1e-12 for x, y in zip(la, lb))
+ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr
+print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
+PY
   done
 fi
 (cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)
