@@ -455,22 +455,11 @@ fn empty_row(strategy: &str, mesh: &str, ranks: usize, note: String) -> Row {
     }
 }
 
-/// Compiles `strategy` with the shared passes and simulates it. A strategy that does not fit
-/// the budget is compiled anyway with the planner's smallest candidate (and no budget) and
-/// marked `fits: false`, so the table can show what it would take.
+/// Compiles `strategy` with the shared passes and simulates it: its row and the plan. A
+/// strategy that does not fit the budget is compiled anyway with the planner's smallest
+/// candidate (and no budget) and marked `fits: false`, so the table can show what it would
+/// take.
 fn evaluate(
-    model: &ModelArgs,
-    inputs: Option<&Path>,
-    t: &TrainArgs,
-    c: &CompileArgs,
-    strategy: &str,
-    sim: &SimOptions,
-) -> std::result::Result<Row, miette::Report> {
-    evaluate_plan(model, inputs, t, c, strategy, sim).map(|(row, _)| row)
-}
-
-/// [`evaluate`], with the plan it compiled.
-fn evaluate_plan(
     model: &ModelArgs,
     inputs: Option<&Path>,
     t: &TrainArgs,
@@ -767,7 +756,7 @@ pub fn compare(
     let results: Vec<_> = strategies
         .par_iter()
         .map(|s| {
-            let r = evaluate_plan(model, inputs, t, c, s, &sim);
+            let r = evaluate(model, inputs, t, c, s, &sim);
             pb.inc(1);
             r
         })
@@ -1031,7 +1020,7 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
     let results: Vec<_> = jobs
         .par_iter()
         .map(|(s, n, mesh, m, c)| {
-            let row = match evaluate(m, None, t, c, s, &sim) {
+            let row = match evaluate(m, None, t, c, s, &sim).map(|(row, _)| row) {
                 Ok(r) => r,
                 Err(e) => empty_row(s, mesh, *n, format!("{e}")),
             };
