@@ -1141,42 +1141,32 @@ impl CudaExecutor {
             d => return Err(format!("MatMul of {d}")),
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
-        // row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T. Row-major B
-        // [k,n] is column-major B^T (ld n); stored transposed ([n,k]) it is column-major B
-        // (ld k), so cuBLAS transposes it. Likewise A: A^T (ld k), or stored [k,m]: A (ld m).
-        let (op_b, ldb) = if g.trans_b {
-            (CUBLAS_OP_T, g.k)
-        } else {
-            (CUBLAS_OP_N, g.n)
-        };
-        let (op_a, lda) = if g.trans_a {
-            (CUBLAS_OP_T, g.m)
-        } else {
-            (CUBLAS_OP_N, g.k)
-        };
-        for &(a, b, c) in &g.calls {
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        // the argument arithmetic is `Gemm::cublas_calls` (tests/cuda_products.rs checks it
+        // against the CPU's products through a CPU model of this call)
+        for c in g.cublas_calls() {
             blas::gemm_strided_batched_ex(
                 self.blas.0 .0,
-                op_b,
-                op_a,
-                g.n as i32,
-                g.m as i32,
-                g.k as i32,
+                op(c.trans_x),
+                op(c.trans_y),
+                c.m as i32,
+                c.n as i32,
+                c.k as i32,
                 &alpha as *const f32 as *const c_void,
-                (self.h.base + b) as *const c_void,
+                (self.h.base + c.x) as *const c_void,
                 ty,
-                ldb as i32,
-                g.stride_b,
-                (self.h.base + a) as *const c_void,
+                c.ldx as i32,
+                c.stride_x,
+                (self.h.base + c.y) as *const c_void,
                 ty,
-                lda as i32,
-                g.stride_a,
+                c.ldy as i32,
+                c.stride_y,
                 &beta as *const f32 as *const c_void,
-                (self.h.base + c) as *mut c_void,
+                (self.h.base + c.c) as *mut c_void,
                 ty,
-                g.n as i32,
-                g.stride_c,
-                g.batch as i32,
+                c.ldc as i32,
+                c.stride_c,
+                c.batch as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )

@@ -148,6 +148,69 @@ pub struct Gemm {
     pub calls: Vec<(u64, u64, u64)>,
 }
 
+/// The arguments of one `cublasGemmStridedBatchedEx` call (column-major, as cuBLAS reads
+/// them): `C = op(X) op(Y)` with `X` the call's first operand, `m x k` after `op`, `Y`
+/// `k x n`, `C` `m x n` with leading dimension `ldc`; each of the `batch` products steps
+/// every pointer by its stride (elements). Offsets are bytes into the arena.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CublasGemm {
+    pub trans_x: bool,
+    pub trans_y: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub x: u64,
+    pub ldx: usize,
+    pub stride_x: i64,
+    pub y: u64,
+    pub ldy: usize,
+    pub stride_y: i64,
+    pub c: u64,
+    pub ldc: usize,
+    pub stride_c: i64,
+    pub batch: usize,
+}
+
+impl Gemm {
+    /// The cuBLAS calls that compute this row-major product: row-major `C[m,n] = A[m,k]
+    /// B[k,n]` is column-major `C^T = B^T A^T`, so cuBLAS's first operand is `B`. Row-major
+    /// `B` `[k,n]` is column-major `B^T` (ld `n`); stored transposed (`[n,k]`, `trans_b`) it
+    /// is column-major `B` (ld `k`), which cuBLAS transposes. Likewise `A`: `A^T` (ld `k`), or
+    /// stored `[k,m]`: `A` (ld `m`).
+    pub fn cublas_calls(&self) -> Vec<CublasGemm> {
+        let (trans_y, ldy) = if self.trans_a {
+            (true, self.m)
+        } else {
+            (false, self.k)
+        };
+        let (trans_x, ldx) = if self.trans_b {
+            (true, self.k)
+        } else {
+            (false, self.n)
+        };
+        self.calls
+            .iter()
+            .map(|&(a, b, c)| CublasGemm {
+                trans_x,
+                trans_y,
+                m: self.n,
+                n: self.m,
+                k: self.k,
+                x: b,
+                ldx,
+                stride_x: self.stride_b,
+                y: a,
+                ldy,
+                stride_y: self.stride_a,
+                c,
+                ldc: self.n,
+                stride_c: self.stride_c,
+                batch: self.batch,
+            })
+            .collect()
+    }
+}
+
 /// A collective on this rank's instance of `group` on `stream`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Collective {
