@@ -828,7 +828,8 @@ pub(crate) fn cuda_lower_options(
 
 /// The global batch of every step of a run that is not driven by the CPU step loop (the
 /// CUDA backend): the fixed `--inputs`, the `--data` windows of the step, and the
-/// schedule's learning rate; the same batches `train_loop::run_loop` feeds the CPU executor.
+/// schedule's learning rate: the batches `train_loop::run_loop` feeds the CPU executor in a
+/// run from step 0 (both through `session::step_batch`; the CUDA backend does not resume).
 pub(crate) struct StepBatches<'a> {
     program: &'a Program,
     fixed: &'a [(String, Tensor)],
