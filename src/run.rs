@@ -417,14 +417,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         && args.stop_at.is_none()
         && args.lr.is_none();
     if cuda {
-        if args.session.val_data.is_some()
-            || args.session.eval_every.is_some()
-            || args.checkpoint_dir.is_some()
-            || args.resume
-            || args.stop_at.is_some()
-        {
+        if args.checkpoint_dir.is_some() || args.resume || args.stop_at.is_some() {
             return Err(miette!(
-                "--val-data, --eval-every, --checkpoint-dir, --resume and --stop-at run on the CPU backend only: the CUDA backend trains from --inputs or --data with --lr, --lr-schedule and --log (evaluation and checkpoints on CUDA are not built yet)"
+                "--checkpoint-dir, --resume and --stop-at run on the CPU backend only: the CUDA backend trains from --inputs or --data with --lr, --lr-schedule, --val-data and --log (checkpoints on CUDA are not built yet)"
             ));
         }
         if fault.is_some() {
@@ -838,21 +833,26 @@ pub(crate) struct StepBatches<'a> {
 }
 
 impl<'a> StepBatches<'a> {
+    /// The batches, and with `--val-data` the held-out feed.
     pub(crate) fn open(
         args: &RunArgs,
         plan: &'a Plan,
         fixed: &'a [(String, Tensor)],
         schedule: &LrSchedule,
-    ) -> Result<Self> {
-        let feed =
-            crate::session::open_feeds(&args.session, &plan.program, plan.mesh.world_size())?
-                .map(|(f, _)| f);
-        Ok(StepBatches {
+    ) -> Result<(Self, Option<crate::session::TokenFeed>)> {
+        let (feed, val) =
+            match crate::session::open_feeds(&args.session, &plan.program, plan.mesh.world_size())?
+            {
+                Some((f, v)) => (Some(f), v),
+                None => (None, None),
+            };
+        let b = StepBatches {
             program: &plan.program,
             fixed,
             feed,
             schedule: *schedule,
-        })
+        };
+        Ok((b, val))
     }
 
     /// What the token feed reads, when there is one.
@@ -895,12 +895,36 @@ fn run_cuda(
         ));
     }
     let text = args.format == Format::Text;
-    let mut batches = StepBatches::open(args, plan, inputs, schedule)?;
+    let eval_every = args.session.eval_period(args.steps)?;
+    let (mut batches, val) = StepBatches::open(args, plan, inputs, schedule)?;
     if text {
         if let Some(line) = batches.data_line() {
             outln!("{line}");
         }
     }
+    // --val-data: the forward and loss on the CPU with the parameters gathered from the
+    // GPUs (every rank gathers; the process of rank 0 evaluates)
+    let rank0 = args.ranks_on_one_gpu
+        || hzp_runtime::cuda::rendezvous::DistEnv::from_env().is_ok_and(|e| e.rank == 0);
+    let mut evaluator = match val {
+        Some(vf) if rank0 => {
+            let e = crate::session::Evaluator::new(
+                eval_program(args, plan)?,
+                vf,
+                args.session.eval_batches,
+            )?;
+            if text {
+                outln!("evaluation: {} (on the CPU)", e.describe());
+            }
+            Some(e)
+        }
+        _ => None,
+    };
+    let val_loss: std::cell::Cell<Option<f64>> = std::cell::Cell::new(None);
+    let steps_total = args.steps;
+    let eval_due = move |done: usize| {
+        eval_every.is_some_and(|k| done.is_multiple_of(k) || done == steps_total)
+    };
     // the step lines and --log records of a training run (rank 0's: every process of
     // `hzp launch` runs this, and they would all append to one --log file)
     let mut metrics = crate::session::Metrics::open(args.session.log.as_deref())?;
@@ -918,7 +942,7 @@ fn run_cuda(
             seconds: s.wall.as_secs_f64(),
             tokens: rows_seq,
             grad_norm: None,
-            val_loss: None,
+            val_loss: if rank == 0 { val_loss.take() } else { None },
         };
         if text {
             printed = if training {
@@ -941,6 +965,22 @@ fn run_cuda(
             .at(step)
             .map_err(|e| hzp_runtime::exec::ExecError::Run(format!("step {}: {e}", step + 1)))
     };
+    let mut on_params = |step: usize, params: &[(String, Tensor)]| {
+        if let Some(e) = evaluator.as_mut() {
+            let l = e.loss(params).map_err(|e| {
+                hzp_runtime::exec::ExecError::Run(format!("evaluation after step {step}: {e}"))
+            })?;
+            val_loss.set(Some(l));
+        }
+        Ok(())
+    };
+    let mut hooks = hzp_runtime::cuda::StepHooks {
+        on_step: &mut on_step,
+        on_params: eval_every.map(|_| hzp_runtime::cuda::ParamsHook {
+            params_after: &eval_due,
+            on_params: &mut on_params,
+        }),
+    };
     let dir = args.flight_recorder.clone();
     let lower = cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?;
     let ropts = hzp_runtime::cuda::RunOptions {
@@ -959,7 +999,7 @@ fn run_cuda(
             args.steps,
             &ropts,
             args.save_params.is_some(),
-            &mut on_step,
+            &mut hooks,
         )
         .map_err(|e| miette!("{e}"))?;
         printed?;
@@ -972,7 +1012,7 @@ fn run_cuda(
         args.steps,
         &ropts,
         args.save_params.is_some(),
-        &mut on_step,
+        &mut hooks,
     )
     .map_err(|e| miette!("{e}"))?;
     printed?;

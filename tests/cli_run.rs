@@ -255,15 +255,16 @@ fn cuda_backend_names_what_is_missing() {
         err.contains("not found") || err.contains("without CUDA"),
         "{err}"
     );
-    // ... and what it does not run yet is refused by name
+    // ... and so does one that evaluates (on the CPU, with the parameters from the GPU) ...
     let mut eval = train.to_vec();
-    eval.extend(["--val-data", s(&tokens)]);
+    eval.extend(["--val-data", s(&tokens), "--eval-every", "2"]);
     let (code, _, err) = hzp(&eval);
     assert_eq!(code, 1, "{err}");
     assert!(
-        err.contains("--val-data") && err.contains("CPU backend only"),
+        err.contains("not found") || err.contains("without CUDA"),
         "{err}"
     );
+    // ... and what it does not run yet is refused by name
     let ck = d.join("ck");
     let mut ckpt = train.to_vec();
     ckpt.extend(["--checkpoint-dir", s(&ck)]);

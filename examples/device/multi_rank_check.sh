@@ -263,14 +263,14 @@ if want profile; then
   done
 fi
 if want data; then
-  el "== a training run from a token file on CUDA (--data, cosine schedule with warmup, --log): per-step losses vs the CPU backend (1e-5), gpu=1 and gpu=2 with every rank on the GPU"
+  el "== a training run from a token file on CUDA (--data, cosine schedule with warmup, --val-data every 4 steps, --log): per-step and held-out losses vs the CPU backend (1e-5), gpu=1 and gpu=2 with every rank on the GPU"
   for mesh in gpu=1 gpu=2; do
     f=$W/data.$(echo $mesh | tr '=' '-')
     $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --shape input_ids=4x32 --retie --lr 3e-3 --mesh $mesh -o $f.json >/dev/null 2>$f.cerr || { el "RESULT data $mesh: FAIL compile"; tail -3 $f.cerr; continue; }
     x=""; [ $mesh != gpu=1 ] && x=--ranks-on-one-gpu
     for be in cpu cuda; do
       rm -f $f.$be.jsonl
-      timeout $T $H run $f.json --backend $be $( [ $be = cuda ] && echo $x ) --data $M/tokens/train.bin --shuffle 1 --lr-schedule cosine --warmup 2 --steps 8 --log $f.$be.jsonl >$f.$be.out 2>$f.$be.err || el "data $mesh $be: rc=$?"
+      timeout $T $H run $f.json --backend $be $( [ $be = cuda ] && echo $x ) --data $M/tokens/train.bin --shuffle 1 --lr-schedule cosine --warmup 2 --steps 8 --val-data $M/tokens/train.bin --eval-every 4 --eval-batches 2 --log $f.$be.jsonl >$f.$be.out 2>$f.$be.err || el "data $mesh $be: rc=$?"
     done
     python3 - $mesh $f.cpu.jsonl $f.cuda.jsonl <<'PY'
 import json, sys
@@ -281,8 +281,12 @@ except OSError as e:
     print(f"RESULT data {mesh}: FAIL ({e})"); sys.exit()
 d = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(la, lb)), default=float("nan"))
 lr = all(abs(x["lr"] - y["lr"]) <= 1e-12 for x, y in zip(la, lb))
-ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr
-print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
+va = [(x["step"], x["val_loss"]) for x in la if "val_loss" in x]
+vb = [(x["step"], x["val_loss"]) for x in lb if "val_loss" in x]
+dv = max((abs(x[1] - y[1]) / abs(x[1]) for x, y in zip(va, vb)), default=float("nan"))
+vok = [s for s, _ in va] == [s for s, _ in vb] == [4, 8] and dv <= 1e-5
+ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr and vok
+print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}, val_loss at steps {[s for s, _ in vb]} within {dv:.1e}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
 PY
   done
 fi

@@ -158,7 +158,7 @@ impl Backend for CudaOneGpu {
             steps,
             &self.options,
             true,
-            &mut |_, _| {},
+            &mut crate::cuda::StepHooks::steps(&mut |_, _| {}),
         )?;
         let params = r
             .params

@@ -98,6 +98,43 @@ pub struct RunOptions {
     pub lower: lower::LowerOptions,
 }
 
+/// What the caller of [`run_plan`] / [`run_plan_one_gpu`] hears during the run.
+pub struct StepHooks<'a> {
+    /// After each step of each of this process's ranks: (rank, the step's statistics).
+    pub on_step: &'a mut dyn FnMut(usize, &StepStats),
+    /// Called with the full parameters after the steps (1-based) `params_after` picks, before
+    /// that step's `on_step`. Every rank of the plan takes part in gathering them, so
+    /// `params_after` must give every process the same answers.
+    pub on_params: Option<ParamsHook<'a>>,
+}
+
+/// The full parameters after a step (1-based), by name.
+pub type OnParams<'a> = dyn FnMut(usize, &[(String, Tensor)]) -> Result<(), ExecError> + 'a;
+
+/// See [`StepHooks::on_params`].
+pub struct ParamsHook<'a> {
+    pub params_after: &'a dyn Fn(usize) -> bool,
+    pub on_params: &'a mut OnParams<'a>,
+}
+
+impl<'a> StepHooks<'a> {
+    /// Hooks that only hear the steps.
+    pub fn steps(on_step: &'a mut dyn FnMut(usize, &StepStats)) -> StepHooks<'a> {
+        StepHooks {
+            on_step,
+            on_params: None,
+        }
+    }
+
+    /// Whether the parameters are wanted after step `step` (1-based).
+    #[cfg(feature = "cuda")]
+    fn params_due(&self, step: usize) -> bool {
+        self.on_params
+            .as_ref()
+            .is_some_and(|h| (h.params_after)(step))
+    }
+}
+
 /// What [`run_plan_one_gpu`] gives back.
 #[derive(Clone, Debug)]
 pub struct OneGpuResult {
@@ -110,7 +147,7 @@ pub struct OneGpuResult {
 /// Runs `steps` steps of `plan` with every rank in this process on its one GPU (`hzp run
 /// --backend cuda --ranks-on-one-gpu`): per rank its own arena and compute / all-gather /
 /// reduce-scatter streams, the NCCL path's lowering, events and memory plan, collectives
-/// through the local device communicator ([`local`]). `on_step(rank, stats)` after each step
+/// through the local device communicator ([`local`]). `hooks.on_step(rank, stats)` after each step
 /// of each rank. Errors as [`run_plan`]'s; a failure on one rank stops the others.
 pub fn run_plan_one_gpu(
     plan: &Plan,
@@ -119,13 +156,13 @@ pub fn run_plan_one_gpu(
     steps: usize,
     opts: &RunOptions,
     want_params: bool,
-    on_step: &mut dyn FnMut(usize, &StepStats),
+    hooks: &mut StepHooks<'_>,
 ) -> Result<OneGpuResult, ExecError> {
     let need = COMPUTE_LIBS;
     probe::probe()
         .require(&need, "hzp run --backend cuda --ranks-on-one-gpu")
         .map_err(ExecError::Run)?;
-    one_gpu_built(plan, full_params, inputs, steps, opts, want_params, on_step)
+    one_gpu_built(plan, full_params, inputs, steps, opts, want_params, hooks)
 }
 
 #[cfg(feature = "cuda")]
@@ -136,7 +173,7 @@ fn one_gpu_built(
     steps: usize,
     opts: &RunOptions,
     want_params: bool,
-    on_step: &mut dyn FnMut(usize, &StepStats),
+    hooks: &mut StepHooks<'_>,
 ) -> Result<OneGpuResult, ExecError> {
     use cudarc::driver::{result as drv, CudaContext};
     use std::sync::atomic::Ordering;
@@ -245,9 +282,19 @@ fn one_gpu_built(
             }
             return Err(e);
         }
+        if hooks.params_due(k + 1) {
+            let all = exs
+                .iter()
+                .map(|ex| ex.master_bytes())
+                .collect::<Result<Vec<_>, _>>()?;
+            let params = assemble_parameters(plan, &all)?;
+            if let Some(h) = hooks.on_params.as_mut() {
+                (h.on_params)(k + 1, &params)?;
+            }
+        }
         for (r, res) in results.into_iter().enumerate() {
             let st = res?;
-            on_step(r, &st);
+            (hooks.on_step)(r, &st);
             per_rank[r].push(st);
         }
     }
@@ -275,7 +322,7 @@ fn one_gpu_built(
     _steps: usize,
     _opts: &RunOptions,
     _want_params: bool,
-    _on_step: &mut dyn FnMut(usize, &StepStats),
+    _hooks: &mut StepHooks<'_>,
 ) -> Result<OneGpuResult, ExecError> {
     Err(ExecError::Run(
         "hzp run --backend cuda --ranks-on-one-gpu: this hzp was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`".into(),
@@ -284,7 +331,7 @@ fn one_gpu_built(
 
 /// Runs `steps` steps of `plan` as this process's rank (from the torchrun variables; a
 /// single process when none are set), step `s` (0-based) on the global batch `inputs(s)`
-/// (the learning rate among them), calling `on_step` after each step. With `want_params`, gathers the full parameters at the end.
+/// (the learning rate among them), calling `hooks` after each step. With `want_params`, gathers the full parameters at the end.
 ///
 /// Errors: a missing library names the library and where it was looked for (before any CUDA
 /// call); a plan using an op the backend does not run names the node; a build without the
@@ -296,7 +343,7 @@ pub fn run_plan(
     steps: usize,
     opts: &RunOptions,
     want_params: bool,
-    on_step: &mut dyn FnMut(usize, &StepStats),
+    hooks: &mut StepHooks<'_>,
 ) -> Result<CudaRunResult, ExecError> {
     let world = plan.mesh.world_size();
     let mut need = COMPUTE_LIBS.to_vec();
@@ -306,7 +353,7 @@ pub fn run_plan(
     probe::probe()
         .require(&need, "hzp run --backend cuda")
         .map_err(ExecError::Run)?;
-    run_built(plan, full_params, inputs, steps, opts, want_params, on_step)
+    run_built(plan, full_params, inputs, steps, opts, want_params, hooks)
 }
 
 #[cfg(feature = "cuda")]
@@ -317,7 +364,7 @@ fn run_built(
     steps: usize,
     opts: &RunOptions,
     want_params: bool,
-    on_step: &mut dyn FnMut(usize, &StepStats),
+    hooks: &mut StepHooks<'_>,
 ) -> Result<CudaRunResult, ExecError> {
     let on_failure = opts.on_failure.clone();
     let opts = CudaOptions {
@@ -338,7 +385,13 @@ fn run_built(
                 return Err(e);
             }
         };
-        on_step(ex.rank(), &s);
+        if hooks.params_due(k + 1) {
+            let params = ex.parameters()?;
+            if let Some(h) = hooks.on_params.as_mut() {
+                (h.on_params)(k + 1, &params)?;
+            }
+        }
+        (hooks.on_step)(ex.rank(), &s);
         out.push(s);
     }
     let params = if want_params {
@@ -361,7 +414,7 @@ fn run_built(
     _steps: usize,
     _opts: &RunOptions,
     _want_params: bool,
-    _on_step: &mut dyn FnMut(usize, &StepStats),
+    _hooks: &mut StepHooks<'_>,
 ) -> Result<CudaRunResult, ExecError> {
     Err(ExecError::Run(
         "hzp run --backend cuda: this hzp was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`".into(),
