@@ -135,6 +135,33 @@ fn run_equals_the_reference() {
     }
     let step = get(&rank0, "asyncmesh.step").to_f64_vec();
     assert_eq!(step, vec![8.0]);
+
+    // the CUDA backend puts the model together from every rank's master shards with
+    // `assemble_parameters` (for --save-params and evaluation): the replicas' mean as well
+    let plan =
+        hzp_ir::Plan::from_json(&std::fs::read_to_string(&plan).unwrap(), "plan.json").unwrap();
+    let p = &plan.program;
+    let all: Vec<Vec<u8>> = (0..4)
+        .map(|r| {
+            let state = rank_state(&ck, r);
+            let mut bytes = Vec::new();
+            for prm in &p.params {
+                for x in get(&state, &p.value(prm.value).name).to_f32_vec() {
+                    bytes.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            bytes
+        })
+        .collect();
+    let assembled = hzp_runtime::cuda::assemble_parameters(&plan, &all).unwrap();
+    assert_eq!(assembled.len(), 4);
+    for (name, t) in &assembled {
+        assert_eq!(
+            t.to_f64_vec(),
+            get(&got, name).to_f64_vec(),
+            "assemble_parameters' {name} is not the replicas' mean the CPU saved"
+        );
+    }
 }
 
 /// The slow-axis all-reduce of the averaged chunks is on a comm stream, issued before the

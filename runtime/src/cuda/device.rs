@@ -1274,7 +1274,7 @@ impl CudaExecutor {
             .rdv()?
             .all_gather(&mine)
             .map_err(|e| run_err(e.to_string()))?;
-        assemble_parameters(&self.plan, &all)
+        super::assemble_parameters(&self.plan, &all)
     }
 
     /// This rank's parameters (its master shards) as bytes, in program order.
@@ -1285,50 +1285,6 @@ impl CudaExecutor {
             mine.extend_from_slice(crate::exec::arena::data_bytes(&t.data));
         }
         Ok(mine)
-    }
-}
-
-/// The full parameters from every rank's [`CudaExecutor::master_bytes`] (`all[r]`).
-pub fn assemble_parameters(
-    plan: &Plan,
-    all: &[Vec<u8>],
-) -> Result<Vec<(String, Tensor)>, ExecError> {
-    let p = &plan.program;
-    {
-        let mut out = Vec::new();
-        for l in &plan.layouts {
-            let Some(k) = p
-                .params
-                .iter()
-                .position(|x| p.value(x.value).name == l.name)
-            else {
-                continue;
-            };
-            // byte offset of parameter k in every rank's concatenation
-            let off: usize = p.params[..k]
-                .iter()
-                .map(|x| p.ty(x.value).size_bytes())
-                .sum();
-            let len = p.ty(p.params[k].value).size_bytes();
-            let members = plan
-                .mesh
-                .group_members(&l.optim_group, 0)
-                .unwrap_or_else(|| vec![0]);
-            let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
-            for m in members {
-                let b = all
-                    .get(m)
-                    .and_then(|b| b.get(off..off + len))
-                    .ok_or_else(|| run_err(format!("rank {m} sent too few parameter bytes")))?;
-                flat.extend(
-                    b.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
-            }
-            flat.truncate(l.numel);
-            out.push((l.name.clone(), Tensor::f32(l.shape.clone(), flat)));
-        }
-        Ok(out)
     }
 }
 

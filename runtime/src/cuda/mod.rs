@@ -37,7 +37,7 @@ pub fn local_kernel_names() -> Vec<String> {
     v
 }
 #[cfg(feature = "cuda")]
-pub use device::{assemble_parameters, compile, compile_kernels, CudaExecutor, CudaOptions};
+pub use device::{compile, compile_kernels, CudaExecutor, CudaOptions};
 
 use crate::exec::{CommMode, ExecError, StepStats};
 use hzp_ir::{Plan, Tensor};
@@ -419,4 +419,72 @@ fn run_built(
     Err(ExecError::Run(
         "hzp run --backend cuda: this hzp was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`".into(),
     ))
+}
+
+/// The full parameters from every rank's [`CudaExecutor::master_bytes`] (`all[r]`). An
+/// AsyncMesh plan's replicas differ by design: the model is their mean, as the CPU
+/// executor's `Executor::parameters` gives it.
+pub fn assemble_parameters(
+    plan: &Plan,
+    all: &[Vec<u8>],
+) -> Result<Vec<(String, Tensor)>, ExecError> {
+    let p = &plan.program;
+    let world = plan.mesh.world_size();
+    let mut out = Vec::new();
+    for l in &plan.layouts {
+        let Some(k) = p
+            .params
+            .iter()
+            .position(|x| p.value(x.value).name == l.name)
+        else {
+            continue;
+        };
+        // byte offset of parameter k in every rank's concatenation
+        let off: usize = p.params[..k]
+            .iter()
+            .map(|x| p.ty(x.value).size_bytes())
+            .sum();
+        let len = p.ty(p.params[k].value).size_bytes();
+        // the parameter as the optimizer group that holds rank `first` has it
+        let whole = |first: usize| -> Result<Vec<f32>, ExecError> {
+            let members = plan
+                .mesh
+                .group_members(&l.optim_group, first)
+                .unwrap_or_else(|| vec![first]);
+            let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
+            for m in members {
+                let b = all
+                    .get(m)
+                    .and_then(|b| b.get(off..off + len))
+                    .ok_or_else(|| {
+                        ExecError::Run(format!("rank {m} sent too few parameter bytes"))
+                    })?;
+                flat.extend(
+                    b.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+            }
+            flat.truncate(l.numel);
+            Ok(flat)
+        };
+        let flat = if plan.asyncmesh.is_some() {
+            let mut firsts: Vec<usize> = (0..world)
+                .filter_map(|r| plan.mesh.group_members(&l.optim_group, r)?.first().copied())
+                .collect();
+            firsts.sort_unstable();
+            firsts.dedup();
+            let mut sum = vec![0f64; l.numel];
+            for &f in &firsts {
+                for (acc, x) in sum.iter_mut().zip(whole(f)?) {
+                    *acc += x as f64;
+                }
+            }
+            let n = firsts.len().max(1) as f64;
+            sum.into_iter().map(|x| (x / n) as f32).collect()
+        } else {
+            whole(0)?
+        };
+        out.push((l.name.clone(), Tensor::f32(l.shape.clone(), flat)));
+    }
+    Ok(out)
 }
