@@ -1,6 +1,6 @@
 //! The CUDA backend's matrix products, as far as a machine without a GPU can check them: every
 //! `Work::Gemm` of the CUDA lowering of tiny training plans (GPT-2, Llama and the Mixtral MoE,
-//! both exporters, f32 and bf16, attention written out) is run through a CPU model of the
+//! both exporters, f32, bf16 and fp16, attention written out) is run through a CPU model of the
 //! cuBLAS call the device makes (`Gemm::cublas_calls`, the arguments `device.rs` passes to
 //! `cublasGemmStridedBatchedEx`; column-major, as cuBLAS's documentation defines the call)
 //! on an arena laid out as the lowering lays it out, and the product must equal hzp's CPU
@@ -18,8 +18,9 @@ use hzp_runtime::cuda::lower::{self, CublasGemm, Gemm, LowerOptions, Work};
 use std::collections::HashMap;
 use std::path::Path;
 
-const PLANS: [(&str, &[&str]); 6] = [
+const PLANS: [(&str, &[&str]); 7] = [
     ("gpt2_tiny.legacy.op17", &["--retie"]),
+    ("gpt2_tiny.legacy.op17", &["--retie", "--precision", "fp16"]),
     ("gpt2_tiny.dynamo.op18", &["--precision", "bf16"]),
     ("llama_tiny.legacy.op17", &["--precision", "bf16"]),
     ("llama_tiny.dynamo.op18", &[]),
