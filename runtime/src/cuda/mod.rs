@@ -467,23 +467,8 @@ pub fn assemble_parameters(
             flat.truncate(l.numel);
             Ok(flat)
         };
-        let flat = if plan.asyncmesh.is_some() {
-            let mut firsts: Vec<usize> = (0..world)
-                .filter_map(|r| plan.mesh.group_members(&l.optim_group, r)?.first().copied())
-                .collect();
-            firsts.sort_unstable();
-            firsts.dedup();
-            let mut sum = vec![0f64; l.numel];
-            for &f in &firsts {
-                for (acc, x) in sum.iter_mut().zip(whole(f)?) {
-                    *acc += x as f64;
-                }
-            }
-            let n = firsts.len().max(1) as f64;
-            sum.into_iter().map(|x| (x / n) as f32).collect()
-        } else {
-            whole(0)?
-        };
+        let flat =
+            crate::exec::assemble_layout(&plan.mesh, l, world, plan.asyncmesh.is_some(), whole)?;
         out.push((l.name.clone(), Tensor::f32(l.shape.clone(), flat)));
     }
     Ok(out)

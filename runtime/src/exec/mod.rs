@@ -1011,35 +1011,16 @@ impl Executor {
             .iter()
             .filter_map(|l| {
                 let v = self.program.find_value(&l.name)?;
-                let whole = |first: usize| -> Option<Vec<f32>> {
+                let whole = |first: usize| -> Result<Vec<f32>, ()> {
                     let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
-                    for m in self.mesh.group_members(&l.optim_group, first)? {
+                    for m in self.mesh.group_members(&l.optim_group, first).ok_or(())? {
                         flat.extend(self.read(m, v).to_f32_vec());
                     }
                     flat.truncate(l.numel);
-                    Some(flat)
+                    Ok(flat)
                 };
-                let flat = if self.replicas_differ {
-                    // every instance of the optimizer group holds one replica's parameter:
-                    // the model is their mean
-                    let mut firsts: Vec<usize> = (0..self.world)
-                        .filter_map(|r| {
-                            self.mesh.group_members(&l.optim_group, r)?.first().copied()
-                        })
-                        .collect();
-                    firsts.sort_unstable();
-                    firsts.dedup();
-                    let mut sum = vec![0f64; l.numel];
-                    for &f in &firsts {
-                        for (acc, x) in sum.iter_mut().zip(whole(f)?) {
-                            *acc += x as f64;
-                        }
-                    }
-                    let n = firsts.len().max(1) as f64;
-                    sum.into_iter().map(|x| (x / n) as f32).collect()
-                } else {
-                    whole(0)?
-                };
+                let flat =
+                    assemble_layout(&self.mesh, l, self.world, self.replicas_differ, whole).ok()?;
                 Some((l.name.clone(), Tensor::f32(l.shape.clone(), flat)))
             })
             .collect()
@@ -1948,4 +1929,34 @@ pub fn cut_parameters(
         .iter()
         .all(|v| !matches!(v.def, ValueDef::Param) || layouts.iter().any(|l| l.name == v.name)));
     Ok(out)
+}
+
+/// Parameter `l` put back together from its shards: `whole(first)` gives it as the instance
+/// of its optimizer group that holds rank `first` has it (padding cut). Where the replicas
+/// differ by design (`replicas_differ`: an AsyncMesh plan), every instance of the group holds
+/// one replica and the model is their mean; otherwise rank 0's instance. Shared by
+/// [`Executor::parameters`] and the CUDA backend's `assemble_parameters`.
+pub fn assemble_layout<E>(
+    mesh: &Mesh,
+    l: &ParamLayout,
+    world: usize,
+    replicas_differ: bool,
+    mut whole: impl FnMut(usize) -> Result<Vec<f32>, E>,
+) -> Result<Vec<f32>, E> {
+    if !replicas_differ {
+        return whole(0);
+    }
+    let mut firsts: Vec<usize> = (0..world)
+        .filter_map(|r| mesh.group_members(&l.optim_group, r)?.first().copied())
+        .collect();
+    firsts.sort_unstable();
+    firsts.dedup();
+    let mut sum = vec![0f64; l.numel];
+    for &f in &firsts {
+        for (acc, x) in sum.iter_mut().zip(whole(f)?) {
+            *acc += x as f64;
+        }
+    }
+    let n = firsts.len().max(1) as f64;
+    Ok(sum.into_iter().map(|x| (x / n) as f32).collect())
 }
