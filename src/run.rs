@@ -506,14 +506,9 @@ pub(crate) fn measure_plan(
     let params = model_parameters(model, plan)?;
     hzp_runtime::index_check::check_index_inputs(&plan.program, batch)
         .map_err(|e| miette!("{e}"))?;
-    let link: Option<Arc<dyn LinkModel>> = match link {
-        Some(s) => {
-            let spec = links_from_flag(s, &plan.mesh)?;
-            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
-            Some(Arc::new(CostLinks(cm)))
-        }
-        None => None,
-    };
+    let link = link
+        .map(|s| cost_links(links_from_flag(s, &plan.mesh)?, plan))
+        .transpose()?;
     let lr = plan
         .lr
         .ok_or_else(|| miette!("the plan records no learning rate"))?;
@@ -544,18 +539,19 @@ pub(crate) fn measure_plan(
 /// `--emulate-links` or `--link`: the link model collectives are slowed down to.
 fn link_model(args: &RunArgs, plan: &Plan) -> Result<Option<Arc<dyn LinkModel>>> {
     Ok(match (&args.emulate_links, &args.link) {
-        (Some(path), _) => {
-            let spec = ClusterSpec::load(path).map_err(|e| miette!("{e}"))?;
-            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
-            Some(Arc::new(CostLinks(cm)))
-        }
-        (None, Some(s)) => {
-            let spec = links_from_flag(s, &plan.mesh)?;
-            let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
-            Some(Arc::new(CostLinks(cm)))
-        }
+        (Some(path), _) => Some(cost_links(
+            ClusterSpec::load(path).map_err(|e| miette!("{e}"))?,
+            plan,
+        )?),
+        (None, Some(s)) => Some(cost_links(links_from_flag(s, &plan.mesh)?, plan)?),
         (None, None) => None,
     })
+}
+
+/// Collectives slowed to what the cost model gives on `spec`'s links for the plan's mesh.
+fn cost_links(spec: ClusterSpec, plan: &Plan) -> Result<Arc<dyn LinkModel>> {
+    let cm = CostModel::new(spec, plan.mesh.clone()).map_err(|e| miette!("{e}"))?;
+    Ok(Arc::new(CostLinks(cm)))
 }
 
 /// The files `hzp run` reads; every file it writes is checked not to be one of them.
