@@ -6,7 +6,7 @@ use hzp_frontends::{hzp_file, load_model, npz, LoadOptions};
 use hzp_ir::{Program, Tensor};
 use miette::{miette, IntoDiagnostic, Result, WrapErr};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Parses `--shape` values: `NAME=AxB`, repeated or comma-separated.
@@ -127,10 +127,12 @@ pub fn import(args: &ModelArgs, inputs: Option<&Path>, output: Option<&Path>) ->
         None => out!("{}", hzp_ir::text::print(&p)),
         Some(out) => {
             let weights = hzp_file::weights_path(out);
-            let mut ins = files::model_files(&args.model);
-            ins.extend(inputs.map(Path::to_path_buf));
-            files::check_output(out, &ins)?;
-            files::check_output(&weights, &ins)?;
+            let mut ins = files::model_roles(&args.model, "the model");
+            ins.extend(inputs.map(|p| ("--inputs".to_string(), p.to_path_buf())));
+            files::check_outputs(
+                &[("-o", out), ("-o's weights file", weights.as_path())],
+                &ins,
+            )?;
             hzp_file::save(out, &p).map_err(miette::Report::new)?;
             note!(
                 "wrote {} ({} nodes, {} parameters){}",
@@ -268,12 +270,12 @@ pub fn eval(
         true,
         " (the largest allowed absolute difference)",
     )?;
-    let mut read_files = files::model_files(&args.model);
-    read_files.push(inputs.to_path_buf());
-    read_files.extend(reference.map(Path::to_path_buf));
-    if let Some(out) = output {
-        files::check_output(out, &read_files)?;
-    }
+    let mut ins = files::model_roles(&args.model, "the model");
+    ins.push(("--inputs".into(), inputs.to_path_buf()));
+    ins.extend(reference.map(|p| ("--reference".to_string(), p.to_path_buf())));
+    let outs: Vec<(&str, &Path)> = output.map(|o| ("-o", o)).into_iter().collect();
+    files::check_outputs(&outs, &ins)?;
+    let read_files: Vec<PathBuf> = ins.into_iter().map(|(_, p)| p).collect();
     let arrays = read_npz(inputs)?;
     let p = load(args, Some(&arrays))?;
     let wanted = eval_inputs(&p, &arrays, inputs)?;
@@ -856,9 +858,10 @@ fn transpose_last2(t: &Tensor) -> Tensor {
 }
 
 pub fn grad(args: &ModelArgs, inputs: &Path, t: &TrainArgs, output: &Path) -> Result<()> {
-    let mut read_files = files::model_files(&args.model);
-    read_files.push(inputs.to_path_buf());
-    files::check_output(output, &read_files)?;
+    let mut ins = files::model_roles(&args.model, "the model");
+    ins.push(("--inputs".into(), inputs.to_path_buf()));
+    files::check_outputs(&[("-o", output)], &ins)?;
+    let read_files: Vec<PathBuf> = ins.into_iter().map(|(_, p)| p).collect();
     let prep = prepare(args, inputs, t, false)?;
     let start = Instant::now();
     let outs = hzp_runtime::eval::evaluate(&prep.step, &prep.batch).map_err(|e| miette!("{e}"))?;
@@ -926,13 +929,20 @@ pub fn train(
         ));
     }
     let prep = prepare_arrays(args, arrays, source, t, true)?;
-    let mut read_files = files::model_files(&args.model);
-    read_files.extend(inputs.map(Path::to_path_buf));
-    read_files.extend(session.data.clone());
-    read_files.extend(session.val_data.clone());
-    for out in save_params.into_iter().chain(session.log.as_deref()) {
-        files::check_output(out, &read_files)?;
-    }
+    let mut ins = files::model_roles(&args.model, "the model");
+    ins.extend(inputs.map(|p| ("--inputs".to_string(), p.to_path_buf())));
+    ins.extend(session.data.clone().map(|p| ("--data".to_string(), p)));
+    ins.extend(
+        session
+            .val_data
+            .clone()
+            .map(|p| ("--val-data".to_string(), p)),
+    );
+    let mut outs: Vec<(&str, &Path)> = Vec::new();
+    outs.extend(save_params.map(|p| ("--save-params", p)));
+    outs.extend(session.log.as_deref().map(|p| ("--log", p)));
+    files::check_outputs(&outs, &ins)?;
+    let read_files: Vec<PathBuf> = ins.into_iter().map(|(_, p)| p).collect();
     let schedule = session.schedule(t.lr, steps)?;
     let eval_every = session.eval_period(steps)?;
     let p = &prep.step;

@@ -463,12 +463,12 @@ pub fn compile(
     format: Format,
 ) -> Result<()> {
     let start = Instant::now();
-    let mut read_files = crate::files::model_files(&model.model);
-    read_files.extend(inputs.map(Path::to_path_buf));
-    read_files.extend(c.cluster.clone());
-    if let Some(out) = &c.output {
-        crate::files::check_output(out, &read_files)?;
-    }
+    let mut ins = crate::files::model_roles(&model.model, "the model");
+    ins.extend(inputs.map(|p| ("--inputs".to_string(), p.to_path_buf())));
+    ins.extend(c.cluster.clone().map(|p| ("--cluster".to_string(), p)));
+    let outs: Vec<(&str, &Path)> = c.output.as_deref().map(|o| ("-o", o)).into_iter().collect();
+    crate::files::check_outputs(&outs, &ins)?;
+    let read_files: Vec<std::path::PathBuf> = ins.into_iter().map(|(_, p)| p).collect();
     let Built {
         plan,
         json,

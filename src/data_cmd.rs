@@ -75,7 +75,7 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
         CheckpointWhat::Show { dir, format } => {
             let mut rows = Vec::new();
             for path in checkpoints_in(dir)? {
-                let row = match checkpoint::read_manifest(&path) {
+                let row = match checkpoint::verify(&path) {
                     Ok(m) => {
                         let bytes: u64 = m.files.iter().map(|f| f.bytes).sum();
                         let params: usize = m.layouts.iter().map(|l| l.numel).sum();
@@ -134,6 +134,17 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
             Ok(())
         }
         CheckpointWhat::Export { dir, output } => {
+            // the output may be no checkpoint it could read, nor lie inside one
+            let ins: Vec<(String, PathBuf)> = if dir.join(checkpoint::MANIFEST).is_file() {
+                vec![("the checkpoint exported".into(), dir.clone())]
+            } else {
+                checkpoint::list(dir)
+                    .map_err(|e| miette!("{e}"))?
+                    .into_iter()
+                    .map(|(_, p)| (format!("a checkpoint in {}", dir.display()), p))
+                    .collect()
+            };
+            crate::files::check_outputs(&[("-o", output.as_path())], &ins)?;
             // one checkpoint, or the newest complete one of a folder (as --resume picks it)
             let c = if dir.join(checkpoint::MANIFEST).is_file() {
                 checkpoint::load(dir).map_err(|e| miette!("{e}"))?
@@ -148,7 +159,6 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
                     })?
             };
             let params = c.parameters().map_err(|e| miette!("{e}"))?;
-            crate::files::check_output(output, &[dir.as_path()])?;
             let ext = output.extension().and_then(|e| e.to_str()).unwrap_or("");
             match ext {
                 "safetensors" => {
@@ -229,10 +239,13 @@ pub fn data_cmd(what: &DataWhat) -> Result<()> {
     if bytes.is_empty() {
         return Err(miette!("no bytes read from {} file(s)", files.len()));
     }
-    for out in std::iter::once(output).chain(val_output) {
-        let ins: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-        crate::files::check_output(out, &ins)?;
-    }
+    let ins: Vec<(&str, &Path)> = files
+        .iter()
+        .map(|p| ("an input file", p.as_path()))
+        .collect();
+    let mut outs = vec![("-o", output.as_path())];
+    outs.extend(val_output.as_deref().map(|v| ("--val-output", v)));
+    crate::files::check_outputs(&outs, &ins)?;
     let n_val = if val_output.is_some() {
         (bytes.len() as f64 * val_fraction) as usize
     } else {

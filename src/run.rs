@@ -404,7 +404,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let fault = hzp_runtime::watchdog::Fault::from_env().map_err(|e| miette!("{e}"))?;
     let plan = read_plan(&args.plan)?;
     let link = link_model(args, &plan)?;
-    let outs = checked_outputs(args)?;
+    let outs = checked_outputs(args, &plan)?;
     let fixed = fixed_batch(args, &plan)?;
     let lr_max = args.lr.or(plan.lr).ok_or_else(|| {
         miette!("the plan records no learning rate (compiled by an older hzp?): pass --lr")
@@ -554,23 +554,74 @@ fn cost_links(spec: ClusterSpec, plan: &Plan) -> Result<Arc<dyn LinkModel>> {
     Ok(Arc::new(CostLinks(cm)))
 }
 
-/// The files `hzp run` reads; every file it writes is checked not to be one of them.
-fn checked_outputs(args: &RunArgs) -> Result<Vec<&Path>> {
-    let mut outs: Vec<&Path> = vec![args.plan.as_path()];
-    outs.extend(args.inputs.as_deref());
-    outs.extend(args.params.as_deref());
-    outs.extend(args.session.data.as_deref());
-    outs.extend(args.session.val_data.as_deref());
-    outs.extend(args.emulate_links.as_deref());
-    for out in args
-        .save_params
-        .iter()
-        .chain(&args.trace)
-        .chain(&args.session.log)
-    {
-        crate::files::check_output(out, &outs)?;
+/// The files `hzp run` reads, each with its role: the plan, the model it names (or
+/// `--model`) with its sidecars, `--inputs`, `--params`, the token files, `--emulate-links`
+/// and, with `--checkpoint-dir`, every checkpoint folder there (one may be resumed).
+fn run_inputs(args: &RunArgs, plan: &Plan) -> Vec<(String, PathBuf)> {
+    let mut ins: Vec<(String, PathBuf)> = vec![("the plan".into(), args.plan.clone())];
+    match &args.model {
+        Some(m) => ins.extend(crate::files::model_roles(m, "--model")),
+        None => ins.extend(crate::files::model_roles(
+            &plan.model,
+            "the model the plan names",
+        )),
     }
-    Ok(outs)
+    let flag = |f: &str, p: &Option<PathBuf>| p.clone().map(|p| (f.to_string(), p));
+    ins.extend(flag("--inputs", &args.inputs));
+    ins.extend(flag("--params", &args.params));
+    ins.extend(flag("--data", &args.session.data));
+    ins.extend(flag("--val-data", &args.session.val_data));
+    ins.extend(flag("--emulate-links", &args.emulate_links));
+    if let Some(dir) = &args.checkpoint_dir {
+        if let Ok(steps) = hzp_runtime::checkpoint::list(dir) {
+            for (_, p) in steps {
+                ins.push(("a checkpoint in --checkpoint-dir".into(), p));
+            }
+        }
+    }
+    ins
+}
+
+/// Checks, before any work, that no file `hzp run` writes is one it reads (or lies inside
+/// a checkpoint of `--checkpoint-dir`) and that no two of its outputs share a path; returns
+/// the files it reads.
+fn checked_outputs(args: &RunArgs, plan: &Plan) -> Result<Vec<PathBuf>> {
+    let ins = run_inputs(args, plan);
+    let mut outs: Vec<(&str, &Path)> = Vec::new();
+    outs.extend(args.save_params.as_deref().map(|p| ("--save-params", p)));
+    outs.extend(args.trace.as_deref().map(|p| ("--trace", p)));
+    outs.extend(args.session.log.as_deref().map(|p| ("--log", p)));
+    crate::files::check_outputs(&outs, &ins)?;
+    if let Some(dir) = &args.checkpoint_dir {
+        for (role, p) in &outs {
+            if crate::files::same_path(dir, p) {
+                return Err(miette!(
+                    "{role} {} is also --checkpoint-dir; give it a path of its own",
+                    p.display()
+                ));
+            }
+        }
+        if let Ok(m) = std::fs::metadata(dir) {
+            if !m.is_dir() {
+                return Err(miette!(
+                    "--checkpoint-dir {}: exists and is not a folder",
+                    dir.display()
+                ));
+            }
+        }
+    }
+    if let Some(dir) = &args.flight_recorder {
+        for (role, p) in &ins {
+            if crate::files::same_path(p, dir) || crate::files::inside(p, dir) {
+                return Err(miette!(
+                    "--flight-recorder {} is {role} ({}) or holds it; give the flight records a folder of their own",
+                    dir.display(),
+                    p.display()
+                ));
+            }
+        }
+    }
+    Ok(ins.into_iter().map(|(_, p)| p).collect())
 }
 
 /// The batch of `--inputs` (empty with `--data` alone), its token ids and labels checked.
@@ -698,7 +749,7 @@ fn write_run_outputs(
     args: &RunArgs,
     plan: &Plan,
     ex: &Executor,
-    outs: &[&Path],
+    outs: &[PathBuf],
     text: bool,
 ) -> Result<Option<usize>> {
     let mut saved = None;

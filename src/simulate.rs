@@ -328,12 +328,24 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
     .into_iter()
     .flatten()
     .collect();
-    for out in [&a.trace, &a.timeline, &a.memory_plot]
+    let roles = [
+        ("the plan", Some(a.plan.as_path())),
+        ("--calibrate", a.calibrate.as_deref()),
+        ("--cluster", a.cluster.as_deref()),
+    ];
+    let ins: Vec<(&str, &Path)> = roles
         .into_iter()
-        .flatten()
-    {
-        crate::files::check_output(out, &inputs)?;
-    }
+        .filter_map(|(r, p)| p.map(|p| (r, p)))
+        .collect();
+    let outs: Vec<(&str, &Path)> = [
+        ("--trace", a.trace.as_deref()),
+        ("--timeline", a.timeline.as_deref()),
+        ("--memory-plot", a.memory_plot.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(r, p)| p.map(|p| (r, p)))
+    .collect();
+    crate::files::check_outputs(&outs, &ins)?;
     let plan = crate::run::read_plan(&a.plan)?;
     let spec = crate::compile::load_cluster(a.cluster.as_deref())?;
     let mut opts = a.sim.options()?;

@@ -30,6 +30,9 @@ pub fn run_loop(
         text: args.format == crate::Format::Text,
         feed: None,
         samples: 0,
+        run: checkpoint::new_run_id(),
+        resumed_from: None,
+        noted: Default::default(),
     };
     let eval_every = s.eval_period(args.steps)?;
     let mut evaluator = lp.open_feeds()?;
@@ -120,6 +123,12 @@ struct StepLoop<'a> {
     feed: Option<TokenFeed>,
     /// Samples read from the feed so far (a resumed run counts those before it).
     samples: u64,
+    /// The run's identifier in its checkpoints: new, or the resumed checkpoint's.
+    run: String,
+    /// The checkpoint this invocation resumed from: retention never removes it.
+    resumed_from: Option<std::path::PathBuf>,
+    /// Retention notes already printed (each is said once per run).
+    noted: std::cell::RefCell<std::collections::HashSet<String>>,
 }
 
 /// The checkpoint flags: `--resume`, `--checkpoint-every` and `--keep` need
@@ -185,6 +194,8 @@ impl StepLoop<'_> {
         self.restore(ex, &c)?;
         let m = &c.manifest;
         let start = m.step;
+        self.run = m.run.clone();
+        self.resumed_from = Some(c.path.clone());
         if let (Some(d), Some(f)) = (&m.data, &self.feed) {
             self.samples = d.samples;
             if d.tokens != f.tokens() || d.seq != f.seq {
@@ -200,6 +211,20 @@ impl StepLoop<'_> {
             }
         } else if let Some(f) = &self.feed {
             self.samples = (start * f.rows) as u64;
+        }
+        if let Some(d) = &m.data {
+            let now = self.args.session.shuffle;
+            if d.shuffle != now {
+                let seed = |s: Option<u64>| {
+                    s.map_or("no shuffling".to_string(), |s| format!("--shuffle {s}"))
+                };
+                eprintln!(
+                    "note: the checkpoint's run read its data with {}; this run uses {}: the windows after sample {} follow the new order, so some are seen twice and some not at all in this epoch",
+                    seed(d.shuffle),
+                    seed(now),
+                    d.samples
+                );
+            }
         }
         if let Some(old) = &m.schedule {
             if old != self.schedule {
@@ -284,6 +309,7 @@ impl StepLoop<'_> {
         let (args, plan, s) = (self.args, self.plan, &self.args.session);
         let manifest = Manifest {
             format: checkpoint::FORMAT,
+            run: self.run.clone(),
             step: done,
             model: plan.model.clone(),
             model_fingerprint: plan.model_fingerprint.clone(),
@@ -307,13 +333,31 @@ impl StepLoop<'_> {
             schedule: Some(*self.schedule),
             lr,
             files: Vec::new(),
+            manifest_sha256: String::new(),
         };
         let per_rank: Vec<Vec<(String, Tensor)>> = (0..plan.mesh.world_size())
             .map(|r| ex.persistent(r))
             .collect();
         let t0 = std::time::Instant::now();
         let (path, bytes) =
-            checkpoint::save(dir, manifest, &per_rank, args.keep).map_err(|e| miette!("{e}"))?;
+            checkpoint::save(dir, manifest, &per_rank).map_err(|e| miette!("{e}"))?;
+        if let Some(keep) = args.keep {
+            let mut notes = Vec::new();
+            checkpoint::prune(
+                dir,
+                &self.run,
+                done,
+                keep,
+                self.resumed_from.as_deref(),
+                &mut |n| notes.push(n),
+            )
+            .map_err(|e| miette!("{e}"))?;
+            for n in notes {
+                if self.noted.borrow_mut().insert(n.clone()) {
+                    eprintln!("note: {n}");
+                }
+            }
+        }
         if self.text {
             session::say(
                 pb,

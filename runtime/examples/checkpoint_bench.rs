@@ -79,6 +79,7 @@ fn main() {
     }
     let manifest = Manifest {
         format: checkpoint::FORMAT,
+        run: checkpoint::new_run_id(),
         step: 100,
         model: "gpt2-small shapes".into(),
         model_fingerprint: String::new(),
@@ -91,6 +92,7 @@ fn main() {
         schedule: None,
         lr: 1e-3,
         files: Vec::new(),
+        manifest_sha256: String::new(),
     };
     println!(
         "GPT-2 small shapes: {numel_total} parameters, {w} ranks, {}",
@@ -100,7 +102,7 @@ fn main() {
         parts(&per_rank[0]);
     }
     let t0 = Instant::now();
-    let (path, bytes) = checkpoint::save(&dir, manifest, &per_rank, None).unwrap();
+    let (path, bytes) = checkpoint::save(&dir, manifest, &per_rank).unwrap();
     let write = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let c = checkpoint::load(&path).unwrap();

@@ -23,8 +23,27 @@ use std::path::{Path, PathBuf};
 /// Names of the states an ACCO plan adds (`hzp_passes::dist::acco`).
 const ACCO_PREFIX: &str = "acco.";
 
-/// The manifest's format version.
-pub const FORMAT: u32 = 1;
+/// The manifest's format version (2: the run, each file's rank and tensors, the
+/// manifest's own hash).
+pub const FORMAT: u32 = 2;
+
+/// Keys of the `__metadata__` every rank's safetensors file carries.
+const META_RANK: &str = "hzp.rank";
+const META_WORLD: &str = "hzp.world_size";
+const META_PLAN: &str = "hzp.plan_hash";
+const META_STEP: &str = "hzp.step";
+
+/// A new run identifier: unpredictable enough that two runs never share one.
+pub fn new_run_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut h = Sha256::new();
+    h.update(t.to_le_bytes());
+    h.update(std::process::id().to_le_bytes());
+    h.update(format!("{:p}", &t).as_bytes());
+    sha256_hex(&h.finalize())[..16].to_string()
+}
 /// The manifest's file name.
 pub const MANIFEST: &str = "manifest.json";
 
@@ -70,12 +89,25 @@ pub struct DataPosition {
     pub shuffle: Option<u64>,
 }
 
-/// One file of a checkpoint.
+/// One tensor of a rank's file, as its safetensors header must state it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorEntry {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+/// One file of a checkpoint: the rank it holds (the file's own header says so too), its
+/// size and hash, and the tensors its header declares.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FileEntry {
     pub name: String,
+    pub rank: usize,
     pub bytes: u64,
     pub sha256: String,
+    pub tensors: Vec<TensorEntry>,
 }
 
 /// What `manifest.json` holds.
@@ -83,6 +115,9 @@ pub struct FileEntry {
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
     pub format: u32,
+    /// The run that wrote it: made new when a run starts from scratch, carried over by
+    /// `--resume`. Retention (`--keep`) removes only checkpoints of its own run.
+    pub run: String,
     /// Steps done when it was written.
     pub step: usize,
     pub model: String,
@@ -100,11 +135,82 @@ pub struct Manifest {
     pub lr: f64,
     /// One per rank, in rank order, then nothing else.
     pub files: Vec<FileEntry>,
+    /// SHA-256 of this manifest as written with this field empty: an edit anywhere in it
+    /// (a swapped file entry, a changed layout) is found on every path that reads it.
+    pub manifest_sha256: String,
 }
 
 impl Manifest {
     pub fn world_size(&self) -> usize {
         self.mesh.world_size()
+    }
+
+    /// The hash the seal holds: SHA-256 of the manifest with `manifest_sha256` empty, as
+    /// compact JSON with its keys sorted (so that it does not depend on field order).
+    fn seal(&self) -> Result<String, String> {
+        let mut m = self.clone();
+        m.manifest_sha256.clear();
+        let v = serde_json::to_value(&m).map_err(|e| e.to_string())?;
+        Ok(sha256_hex(canonical_json(&v).as_bytes()))
+    }
+
+    /// The manifest's text, `manifest_sha256` filled in.
+    fn sealed_json(&mut self) -> Result<String, String> {
+        self.manifest_sha256 = self.seal()?;
+        let mut json = serde_json::to_string_pretty(self).map_err(|e| e.to_string())?;
+        json.push('\n');
+        Ok(json)
+    }
+
+    /// Whether `manifest_sha256` is the hash of the rest.
+    fn seal_holds(&self) -> bool {
+        self.seal().is_ok_and(|h| h == self.manifest_sha256)
+    }
+
+    /// What a reader checks before trusting any number in it: the mesh within bounds, each
+    /// layout's sizes consistent and its groups the mesh's, the files one per rank in rank
+    /// order, names without folders.
+    fn check(&self) -> Result<(), String> {
+        self.mesh.check_size()?;
+        let w = self.world_size();
+        if self.files.len() != w {
+            return Err(format!(
+                "{} rank files listed for a mesh of {w} ranks",
+                self.files.len()
+            ));
+        }
+        for (r, f) in self.files.iter().enumerate() {
+            if f.rank != r || f.name != rank_file(r) {
+                return Err(format!(
+                    "file entry {r} is `{}` for rank {} (entries are one per rank, in rank order, named rank-NNNNN.safetensors)",
+                    f.name, f.rank
+                ));
+            }
+        }
+        for l in &self.layouts {
+            let numel = l
+                .shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| format!("parameter `{}`: shape {:?} overflows", l.name, l.shape))?;
+            let o = self.mesh.group_size(&l.optim_group);
+            let p = self.mesh.group_size(&l.params_group);
+            match (o, p) {
+                (Some(o), Some(p))
+                    if numel == l.numel
+                        && l.padded >= l.numel
+                        && l.padded % o == 0
+                        && l.padded % p == 0
+                        && l.padded - l.numel <= o.saturating_mul(p) => {}
+                _ => {
+                    return Err(format!(
+                        "parameter `{}`: shape {:?}, {} elements padded to {} over groups {} and {} of mesh {}: not a layout hzp writes",
+                        l.name, l.shape, l.numel, l.padded, l.optim_group, l.params_group, self.mesh
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -142,6 +248,14 @@ fn hz_dtype(d: safetensors::Dtype) -> Option<DType> {
 
 /// `values` as safetensors bytes (names kept; safetensors orders them itself).
 pub fn to_safetensors(values: &[(String, Tensor)]) -> Result<Vec<u8>, String> {
+    to_safetensors_with(values, None)
+}
+
+/// [`to_safetensors`] with a `__metadata__` header.
+fn to_safetensors_with(
+    values: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>, String> {
     let mut views = Vec::with_capacity(values.len());
     for (name, t) in values {
         let v = safetensors::tensor::TensorView::new(
@@ -152,7 +266,7 @@ pub fn to_safetensors(values: &[(String, Tensor)]) -> Result<Vec<u8>, String> {
         .map_err(|e| format!("`{name}`: {e}"))?;
         views.push((name.as_str(), v));
     }
-    safetensors::tensor::serialize(views, None).map_err(|e| e.to_string())
+    safetensors::tensor::serialize(views, metadata).map_err(|e| e.to_string())
 }
 
 /// The tensors of safetensors bytes, by name (in name order).
@@ -185,6 +299,27 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
     Ok(out)
 }
 
+/// `v` as compact JSON with every object's keys in sorted order.
+fn canonical_json(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            let parts: Vec<String> = keys
+                .into_iter()
+                .map(|k| format!("{}:{}", Value::String(k.clone()), canonical_json(&m[k])))
+                .collect();
+            format!("{{{}}}", parts.join(","))
+        }
+        Value::Array(a) => format!(
+            "[{}]",
+            a.iter().map(canonical_json).collect::<Vec<_>>().join(",")
+        ),
+        other => other.to_string(),
+    }
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     let d = Sha256::digest(bytes);
     d.iter().map(|b| format!("{b:02x}")).collect()
@@ -202,15 +337,20 @@ fn write_new(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 }
 
 /// Writes a checkpoint of `per_rank` values into `dir` (created if needed) as
-/// `dir/step-NNNNNN/`; `manifest.files` is filled here. Refuses when that checkpoint exists.
-/// With `keep`, removes the oldest complete checkpoints beyond the newest `keep`. Returns
-/// the checkpoint's folder and its total bytes.
+/// `dir/step-NNNNNN/`; `manifest.files` and its seal are filled here. Refuses when that
+/// checkpoint exists. The files go into a hidden `.step-NNNNNN.partial-RUN-...` folder
+/// first, renamed when complete. Returns the checkpoint's folder and its total bytes.
+/// Retention is [`prune`]'s.
 pub fn save(
     dir: &Path,
     mut manifest: Manifest,
     per_rank: &[Vec<(String, Tensor)>],
-    keep: Option<usize>,
 ) -> Result<(PathBuf, u64), CheckpointError> {
+    if let Ok(m) = std::fs::metadata(dir) {
+        if !m.is_dir() {
+            return Err(io(dir, "exists and is not a folder"));
+        }
+    }
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let final_dir = dir.join(step_dir_name(manifest.step));
     if final_dir.exists() {
@@ -219,19 +359,22 @@ pub fn save(
             "a checkpoint of this step exists already; it is not written over (resume with --resume, or use another --checkpoint-dir)",
         ));
     }
-    // an unpredictable temporary name, created exclusively
+    // an unpredictable temporary name, created exclusively, that says whose it is
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let tmp = dir.join(format!(
-        ".{}.partial-{}-{nonce:x}",
-        step_dir_name(manifest.step),
-        std::process::id()
+        "{}{}-{:x}-{nonce:x}",
+        partial_prefix(&manifest.run, manifest.step),
+        std::process::id(),
+        manifest.step
     ));
     std::fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
+    let world = per_rank.len();
     let result = (|| {
         let mut total = 0u64;
         manifest.files.clear();
+        let (plan_hash, step) = (&manifest.plan_hash, manifest.step);
         // the ranks' files are serialized, hashed and written side by side
         let written: Vec<Result<FileEntry, CheckpointError>> = std::thread::scope(|sc| {
             let jobs: Vec<_> = per_rank
@@ -241,12 +384,30 @@ pub fn save(
                     let tmp = &tmp;
                     sc.spawn(move || {
                         let name = rank_file(r);
-                        let bytes = to_safetensors(values).map_err(|e| io(&tmp.join(&name), e))?;
+                        let meta = HashMap::from([
+                            (META_RANK.to_string(), r.to_string()),
+                            (META_WORLD.to_string(), world.to_string()),
+                            (META_PLAN.to_string(), plan_hash.clone()),
+                            (META_STEP.to_string(), step.to_string()),
+                        ]);
+                        let bytes = to_safetensors_with(values, Some(meta))
+                            .map_err(|e| io(&tmp.join(&name), e))?;
                         write_new(&tmp.join(&name), &bytes)?;
+                        let mut tensors: Vec<TensorEntry> = values
+                            .iter()
+                            .map(|(n, t)| TensorEntry {
+                                name: n.clone(),
+                                dtype: t.dtype(),
+                                shape: t.shape.clone(),
+                            })
+                            .collect();
+                        tensors.sort_by(|a, b| a.name.cmp(&b.name));
                         Ok(FileEntry {
                             name,
+                            rank: r,
                             bytes: bytes.len() as u64,
                             sha256: sha256_hex(&bytes),
+                            tensors,
                         })
                     })
                 })
@@ -263,8 +424,7 @@ pub fn save(
             total += f.bytes;
             manifest.files.push(f);
         }
-        let mut json = serde_json::to_string_pretty(&manifest).map_err(|e| io(&tmp, e))?;
-        json.push('\n');
+        let json = manifest.sealed_json().map_err(|e| io(&tmp, e))?;
         write_new(&tmp.join(MANIFEST), json.as_bytes())?;
         total += json.len() as u64;
         std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
@@ -280,18 +440,74 @@ pub fn save(
             return Err(e);
         }
     };
-    if let Some(keep) = keep {
-        let mut steps = list(dir)?;
-        steps.sort();
-        let n = steps.len();
-        for (_, old) in steps.into_iter().take(n.saturating_sub(keep.max(1))) {
-            // only folders that are complete checkpoints (a manifest) are ours to remove
-            if old.join(MANIFEST).is_file() {
-                std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    clean_partials(dir, &manifest.run);
+    Ok((final_dir, total))
+}
+
+/// The start of the temporary folder name a run's checkpoint of `step` is written under.
+fn partial_prefix(run: &str, step: usize) -> String {
+    format!(".{}.partial-{run}-", step_dir_name(step))
+}
+
+/// Checkpoint retention after run `run` wrote the checkpoint of step `written` into `dir`:
+/// keeps the newest `keep` checkpoints of that run up to `written` and removes its older
+/// ones, never `protect` (the checkpoint the run resumed from). Folders of other runs, of
+/// later steps, damaged ones and anything else named `step-*` are reported through `note`
+/// and left as they are.
+pub fn prune(
+    dir: &Path,
+    run: &str,
+    written: usize,
+    keep: usize,
+    protect: Option<&Path>,
+    note: &mut dyn FnMut(String),
+) -> Result<(), CheckpointError> {
+    let mut ours = Vec::new();
+    let mut steps = list(dir)?;
+    steps.sort();
+    for (step, path) in steps {
+        let theirs = |why: &str| format!("--keep: left {} as it is ({why})", path.display());
+        match read_manifest(&path) {
+            Ok(m) if m.run == run && step <= written && m.step == step => ours.push(path),
+            Ok(m) if m.run != run => note(theirs("a checkpoint of another run")),
+            Ok(_) if step > written => note(theirs(&format!(
+                "a later step than this run's newest, {written}"
+            ))),
+            Ok(_) => note(theirs("its manifest names another step")),
+            Err(CheckpointError::Damaged { message, .. }) => {
+                note(theirs(&format!("not a complete checkpoint: {message}")))
+            }
+            Err(e) => note(theirs(&format!("unreadable: {e}"))),
+        }
+    }
+    let protect = protect.map(|p| p.canonicalize().unwrap_or_else(|_| p.to_path_buf()));
+    let n = ours.len();
+    for old in ours.into_iter().take(n.saturating_sub(keep.max(1))) {
+        let canon = old.canonicalize().unwrap_or_else(|_| old.clone());
+        if protect.as_ref() == Some(&canon) {
+            continue;
+        }
+        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    }
+    Ok(())
+}
+
+/// Removes the hidden `.partial` folders run `run` left in `dir` when it was killed while
+/// writing a checkpoint (called once a checkpoint of the run is complete: none of its own
+/// is being written then). Other runs' folders are theirs.
+fn clean_partials(dir: &Path, run: &str) {
+    let mine = format!(".partial-{run}-");
+    if run.is_empty() {
+        return;
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with(".step-") && name.contains(&mine) && e.path().is_dir() {
+                let _ = std::fs::remove_dir_all(e.path());
             }
         }
     }
-    Ok((final_dir, total))
 }
 
 /// The `step-NNNNNN` folders of `dir`, with their step numbers (any order).
@@ -347,16 +563,13 @@ pub fn read_manifest(path: &Path) -> Result<Manifest, CheckpointError> {
             format!("checkpoint format {}; this hzp reads {FORMAT}", m.format),
         ));
     }
-    if m.files.len() != m.world_size() {
+    if !m.seal_holds() {
         return Err(damaged(
             &mp,
-            format!(
-                "{} rank files listed for a mesh of {} ranks",
-                m.files.len(),
-                m.world_size()
-            ),
+            "its manifest_sha256 is not the hash of the manifest: the manifest was edited or damaged",
         ));
     }
+    m.check().map_err(|e| damaged(&mp, e))?;
     Ok(m)
 }
 
@@ -384,8 +597,25 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     })
 }
 
+/// Verifies the checkpoint folder `path` as [`load`] does (the manifest and its seal, then
+/// every file's size, hash and header) without decoding the tensors; returns the manifest.
+pub fn verify(path: &Path) -> Result<Manifest, CheckpointError> {
+    let manifest = read_manifest(path)?;
+    for f in &manifest.files {
+        verified_bytes(path, f)?;
+    }
+    Ok(manifest)
+}
+
 /// One rank's file of the checkpoint at `path`, checked against its manifest entry.
 fn load_file(path: &Path, f: &FileEntry) -> Result<Vec<(String, Tensor)>, CheckpointError> {
+    let bytes = verified_bytes(path, f)?;
+    from_safetensors(&bytes).map_err(|e| damaged(&path.join(&f.name), e))
+}
+
+/// The bytes of one rank's file, after its size, hash and header are checked against its
+/// manifest entry.
+fn verified_bytes(path: &Path, f: &FileEntry) -> Result<Vec<u8>, CheckpointError> {
     if f.name.contains('/') || f.name.contains("..") {
         return Err(damaged(path, format!("the manifest names `{}`", f.name)));
     }
@@ -418,7 +648,58 @@ fn load_file(path: &Path, f: &FileEntry) -> Result<Vec<(String, Tensor)>, Checkp
             ),
         ));
     }
-    from_safetensors(&bytes).map_err(|e| damaged(&fp, e))
+    check_header(&bytes, f).map_err(|e| damaged(&fp, e))?;
+    Ok(bytes)
+}
+
+/// A rank file's safetensors header against its manifest entry: the rank it says it holds,
+/// and the same tensor names, dtypes and shapes (offsets are checked by the reader: each
+/// tensor's bytes lie inside the file, one after another, and match its dtype and shape).
+fn check_header(bytes: &[u8], f: &FileEntry) -> Result<(), String> {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
+    let rank = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(META_RANK))
+        .and_then(|r| r.parse::<usize>().ok());
+    if rank != Some(f.rank) {
+        return Err(format!(
+            "its header says it holds rank {}, the manifest lists it for rank {}",
+            rank.map_or("(none)".to_string(), |r| r.to_string()),
+            f.rank
+        ));
+    }
+    let mut found: Vec<TensorEntry> = Vec::new();
+    for (name, info) in meta.tensors() {
+        let dtype = hz_dtype(info.dtype).ok_or_else(|| {
+            format!(
+                "`{name}` has dtype {:?}, which hzp does not use",
+                info.dtype
+            )
+        })?;
+        found.push(TensorEntry {
+            name: name.to_string(),
+            dtype,
+            shape: info.shape.clone(),
+        });
+    }
+    found.sort_by(|a, b| a.name.cmp(&b.name));
+    if found.len() != f.tensors.len() {
+        return Err(format!(
+            "{} tensors in its header, the manifest lists {}",
+            found.len(),
+            f.tensors.len()
+        ));
+    }
+    for (a, b) in found.iter().zip(&f.tensors) {
+        if a != b {
+            return Err(format!(
+                "its header has `{}` as {} {:?}, the manifest `{}` as {} {:?}",
+                a.name, a.dtype, a.shape, b.name, b.dtype, b.shape
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The newest checkpoint of `dir` that reads back whole. Damaged or partial ones are skipped,
@@ -461,6 +742,7 @@ impl Checkpoint {
                 format!("the layout of `{}` names group {}", l.name, l.optim_group),
             )
         })?;
+        let shard = l.padded / members.len().max(1);
         let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
         for r in members {
             let (_, t) = self
@@ -468,6 +750,17 @@ impl Checkpoint {
                 .get(r)
                 .and_then(|vals| vals.iter().find(|(k, _)| k == name))
                 .ok_or_else(|| damaged(&self.path, format!("rank {r} lacks `{name}`")))?;
+            // master shards and optimizer states are f32, one chunk of the padded tensor
+            if t.dtype() != DType::F32 || t.numel() != shard {
+                return Err(damaged(
+                    &self.path,
+                    format!(
+                        "rank {r}'s `{name}` is {}, the layout of `{}` says f32[{shard}]",
+                        t.ty(),
+                        l.name
+                    ),
+                ));
+            }
             flat.extend(t.to_f32_vec());
         }
         if flat.len() != l.padded {

@@ -128,6 +128,53 @@ pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Program, ImportE
     import_bytes(&bytes, Some(&dir), &display, opts)
 }
 
+/// The external-data files an ONNX model at `path` names (resolved against its folder,
+/// each once, in first-use order): what a command reading the model also reads, so that no
+/// output is written over one of them. A file that cannot be read or decoded names none
+/// (importing it reports why).
+pub fn external_data_files(path: &Path) -> Vec<std::path::PathBuf> {
+    use prost::Message;
+    let Ok(bytes) = crate::limits::read_regular(path) else {
+        return Vec::new();
+    };
+    let Ok(model) = proto::ModelProto::decode(bytes.as_slice()) else {
+        return Vec::new();
+    };
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => Path::new(".").to_path_buf(),
+    };
+    let mut out: Vec<std::path::PathBuf> = Vec::new();
+    let mut add = |t: &proto::TensorProto| {
+        if t.data_location != proto::data_location::EXTERNAL {
+            return;
+        }
+        for e in &t.external_data {
+            if e.key == "location" && !e.value.is_empty() {
+                let p = dir.join(&e.value);
+                if !out.contains(&p) {
+                    out.push(p);
+                }
+            }
+        }
+    };
+    fn walk(g: &proto::GraphProto, add: &mut dyn FnMut(&proto::TensorProto)) {
+        g.initializer.iter().for_each(&mut *add);
+        for n in &g.node {
+            for a in &n.attribute {
+                a.t.iter().chain(&a.tensors).for_each(&mut *add);
+                for sub in a.g.iter().chain(&a.graphs) {
+                    walk(sub, add);
+                }
+            }
+        }
+    }
+    if let Some(g) = &model.graph {
+        walk(g, &mut add);
+    }
+    out
+}
+
 /// Imports an ONNX model from memory. `model_dir` is the folder external data paths are
 /// relative to (`None`: a model with external data is rejected); `display_name` names the
 /// model in errors and gives the program its name (its file stem).
