@@ -33,12 +33,13 @@ pub struct BenchCompileArgs {
     /// Memory budget per rank.
     #[arg(long, default_value = "80GiB")]
     pub memory: String,
-    /// asynchzp, zero1, zero2, zero3, hsdp or ddp.
-    #[arg(long, default_value = "asynchzp")]
+    /// The strategy, as `hzp compile --strategy`.
+    #[arg(long, default_value = "asynchzp", ignore_case = true, value_parser = crate::strategy_choices())]
     pub strategy: String,
-    /// Per-layer activation recomputation (on by default here).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub recompute: bool,
+    /// Per-layer activation recomputation: on, off or auto, as `hzp compile --recompute`
+    /// (`--recompute` alone means on).
+    #[arg(long, num_args = 0..=1, default_value = "auto", default_missing_value = "on", ignore_case = true, value_parser = crate::recompute_choices())]
+    pub recompute: String,
     /// Skip collective rewriting, as `hzp compile --no-rewrite`.
     #[arg(long)]
     pub no_rewrite: bool,
@@ -65,9 +66,8 @@ fn compile_args(a: &BenchCompileArgs, mesh: &str) -> Result<CompileArgs> {
         .map(|s| s.to_string())
         .collect();
     argv.extend(["--strategy".to_string(), a.strategy.clone()]);
-    if a.recompute {
-        argv.push("--recompute".into());
-    }
+    argv.push("--recompute".into());
+    argv.push(a.recompute.clone());
     if a.no_rewrite {
         argv.push("--no-rewrite".into());
     }
@@ -224,7 +224,11 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
         a.model,
         a.strategy,
         a.memory,
-        if a.recompute { ", recompute" } else { "" },
+        if a.recompute == "auto" {
+            String::new()
+        } else {
+            format!(", recompute {}", a.recompute)
+        },
         if a.no_rewrite { ", no rewrite" } else { "" },
     );
     let median = |v: &[f64]| v.get(v.len() / 2).copied();
@@ -344,7 +348,7 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
         a.model,
         a.strategy,
         a.memory,
-        if a.recompute { ", recompute" } else { "" },
+        if a.recompute == "auto" { String::new() } else { format!(", recompute {}", a.recompute) },
         if a.no_rewrite { ", no rewrite" } else { "" },
         repeat
     );

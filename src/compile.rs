@@ -35,8 +35,9 @@ pub struct CompileArgs {
     /// asynchzp (search over hierarchical groups), zero1, zero2, zero3, hsdp, ddp, or
     /// asyncmesh (replicas along --slow-axis step locally and average a sparse chunk of
     /// their parameters asynchronously).
-    #[arg(long, default_value = "asynchzp")]
-    pub strategy: String,
+    /// [default: asynchzp]
+    #[arg(long, ignore_case = true, value_parser = crate::strategy_choices())]
+    pub strategy: Option<String>,
     /// asyncmesh: the mesh axis whose ranks are the replicas (e.g. node).
     #[arg(long, value_name = "AXIS")]
     pub slow_axis: Option<String>,
@@ -64,12 +65,12 @@ pub struct CompileArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub reshard_after_forward: bool,
     /// Reduce gradients once per step (per-step) or after every micro-batch.
-    #[arg(long, default_value = "per-microbatch")]
+    #[arg(long, default_value = "per-microbatch", ignore_case = true, value_parser = crate::reduce_grads_choices())]
     pub reduce_grads: String,
     /// Recompute each layer's activations in its backward from the layer's inputs
     /// (activation checkpointing per layer): on, off, or auto (default: only when no plan
     /// fits the budget without it; compile then says so). `--recompute` alone means on.
-    #[arg(long, num_args = 0..=1, default_value = "auto", default_missing_value = "on")]
+    #[arg(long, num_args = 0..=1, default_value = "auto", default_missing_value = "on", ignore_case = true, value_parser = crate::recompute_choices())]
     pub recompute: String,
     /// Bound on the bytes of gathered parameters in flight or in use at once (e.g. 4GiB);
     /// default: only --prefetch-depth bounds them.
@@ -93,7 +94,7 @@ pub struct CompileArgs {
     pub dense_embedding_grads: bool,
     /// dtype gradients are reduced and accumulated in: f32 (default) or bf16 (half the
     /// gradient memory and traffic, less exact sums).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", ignore_case = true, value_parser = crate::choices(&[("f32", &["fp32", "float32"]), ("bf16", &["bfloat16"]), ("f16", &["fp16", "float16"])]))]
     pub grad_dtype: String,
     /// Where to write the plan (JSON).
     #[arg(short, long, value_name = "PLAN.json")]
@@ -105,6 +106,13 @@ pub(crate) fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
         Some(p) => ClusterSpec::load(p).map_err(|e| miette!("{e}")),
         None => ClusterSpec::from_toml_str(DEFAULT_CLUSTER, "examples/clusters/h100-dgx.toml")
             .map_err(|e| miette!("{e}")),
+    }
+}
+
+impl CompileArgs {
+    /// `--strategy`, or its default.
+    pub fn strategy(&self) -> &str {
+        self.strategy.as_deref().unwrap_or("asynchzp")
     }
 }
 
@@ -250,7 +258,7 @@ pub fn request(
             c.prefetch_depth
         ));
     }
-    let strategy = Strategy::parse(&c.strategy).map_err(|e| miette!("{e}"))?;
+    let strategy = Strategy::parse(c.strategy()).map_err(|e| miette!("{e}"))?;
     if strategy == Strategy::Acco {
         // ACCO splits each rank's batch into two halves of --micro-batches each; the plan
         // holds both halves' micro-batches.
@@ -442,11 +450,11 @@ pub fn build_plan(
     verify_budget: bool,
     want_json: bool,
 ) -> Result<Built> {
-    if asyncmesh_flags_given(c) && Strategy::parse(&c.strategy).ok() != Some(Strategy::AsyncMesh) {
+    if asyncmesh_flags_given(c) && Strategy::parse(c.strategy()).ok() != Some(Strategy::AsyncMesh) {
         return Err(miette!(
             "--slow-axis, --sync-every, --sparsity and --ema-beta apply to --strategy \
                  asyncmesh only, not {}",
-            c.strategy
+            c.strategy()
         ));
     }
     let mut r = request(model, inputs, t, c)?;

@@ -43,6 +43,54 @@ struct Cli {
     max_memory: Option<String>,
 }
 
+/// The values of a choice flag, for clap: `--help` lists the names and shells complete them;
+/// each name's aliases (other or older spellings) are accepted but not listed. Matching
+/// ignores case where the flag says `ignore_case = true`.
+pub fn choices(values: &[(&'static str, &[&'static str])]) -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(values.iter().map(|(name, aliases)| {
+        clap::builder::PossibleValue::new(*name).aliases(aliases.iter().copied())
+    }))
+}
+
+/// `--recompute`'s values on every command that takes it (`--recompute` alone means on).
+pub fn recompute_choices() -> clap::builder::PossibleValuesParser {
+    choices(&[
+        ("on", &["true", "yes"]),
+        ("off", &["false", "no"]),
+        ("auto", &[]),
+    ])
+}
+
+/// `--strategy`'s values (hzp_passes' `Strategy::parse` also takes these aliases).
+pub fn strategy_choices() -> clap::builder::PossibleValuesParser {
+    choices(&[
+        ("asynchzp", &["async-hzp", "async_hzp", "hzp"]),
+        ("zero1", &["zero-1"]),
+        ("zero2", &["zero-2"]),
+        ("zero3", &["zero-3", "fsdp"]),
+        ("hsdp", &[]),
+        ("ddp", &[]),
+        ("acco", &[]),
+        ("asyncmesh", &["async-mesh", "async_mesh"]),
+    ])
+}
+
+/// `--reduce-grads`'s values.
+pub fn reduce_grads_choices() -> clap::builder::PossibleValuesParser {
+    choices(&[
+        (
+            "per-microbatch",
+            &[
+                "microbatch",
+                "micro-batch",
+                "per-micro-batch",
+                "per_microbatch",
+            ],
+        ),
+        ("per-step", &["step", "per_step"]),
+    ])
+}
+
 /// Flags that say how to read a model.
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct ModelArgs {
@@ -70,7 +118,7 @@ pub struct ModelArgs {
 pub struct TrainArgs {
     /// Loss: lm (causal LM on --labels, default input_ids), ce (--labels NAME), mean (of the
     /// first output), mse (--target NAME).
-    #[arg(long, default_value = "lm")]
+    #[arg(long, default_value = "lm", value_parser = choices(&[("lm", &[]), ("ce", &[]), ("mean", &[]), ("mse", &[])]))]
     pub loss: String,
     /// The integer input holding class ids (ce) or tokens (lm; default input_ids).
     #[arg(long)]
@@ -79,7 +127,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub target: Option<String>,
     /// adamw, sgd, or muon (torch.optim.Muon on the hidden matrices, AdamW on the rest).
-    #[arg(long, default_value = "adamw")]
+    #[arg(long, default_value = "adamw", value_parser = choices(&[("adamw", &[]), ("sgd", &[]), ("muon", &[])]))]
     pub optimizer: String,
     /// Learning rate (with muon: AdamW's, for the parameters Muon does not update).
     #[arg(long, default_value_t = 1e-3)]
@@ -89,16 +137,16 @@ pub struct TrainArgs {
     pub muon_lr: f64,
     /// Muon's learning-rate adjustment by matrix shape: original (sqrt(max(1, out/in))) or
     /// match_rms_adamw (0.2 sqrt(max(out, in))).
-    #[arg(long, default_value = "original")]
+    #[arg(long, default_value = "original", value_parser = choices(&[("original", &[]), ("match_rms_adamw", &[])]))]
     pub muon_adjust_lr: String,
     /// Muon's Newton-Schulz iteration: bf16 (torch.optim.Muon's) or fp32 (f32 throughout:
     /// the same products without bf16 rounding, which the iteration amplifies).
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16", value_parser = choices(&[("bf16", &[]), ("fp32", &["f32"])]))]
     pub muon_ns_precision: String,
     /// Where a multi-rank plan runs Muon's Newton-Schulz: replicated (every optimizer rank
     /// orthogonalizes every matrix) or canzona (one owner rank per matrix, balanced; needs
     /// an optimizer group of several ranks).
-    #[arg(long, default_value = "replicated")]
+    #[arg(long, default_value = "replicated", value_parser = choices(&[("replicated", &[]), ("canzona", &[])]))]
     pub muon_placement: String,
     /// AdamW betas, as B1,B2.
     #[arg(long, default_value = "0.9,0.999")]
@@ -121,7 +169,7 @@ pub struct TrainArgs {
     /// fp32, bf16 (bf16 compute, fp32 master weights, states and loss) or fp16 (the same
     /// with fp16 compute, no loss scaling; what `hzp run --attention pasa` needs). Default
     /// fp32; bf16 for a preset (`hzp compile preset:...`).
-    #[arg(long)]
+    #[arg(long, value_parser = choices(&[("fp32", &["f32"]), ("bf16", &[]), ("fp16", &["f16"])]))]
     pub precision: Option<String>,
     /// Tie parameters whose values are equal up to a transpose (undoes an exporter's
     /// untying of tied weights, e.g. GPT-2's embedding and LM head).
@@ -264,6 +312,7 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Compile a model with several strategies (same passes) and compare their simulated
     /// step time, MFU, exposed communication, memory and bytes per link class.
+    #[command(mut_arg("strategy", |a| a.hide(true)))]
     Compare {
         #[command(flatten)]
         model: ModelArgs,
@@ -287,6 +336,16 @@ enum Command {
         #[command(subcommand)]
         what: data_cmd::DataWhat,
     },
+    /// Print a shell completion script: `hzp completions bash > /etc/bash_completion.d/hzp`
+    /// (zsh: into a folder of $fpath as `_hzp`; fish: ~/.config/fish/completions/hzp.fish).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the CLI reference (every command's --help) as Markdown: docs/cli-reference.md.
+    #[command(hide = true)]
+    CliReference,
     /// Weak scaling: simulated throughput and linearity per strategy over world sizes, with
     /// tokens per rank fixed.
     Scale {
@@ -311,7 +370,7 @@ enum BenchWhat {
     },
     /// Time (median of --repeat), peak memory and plan size of `hzp compile` for one model on
     /// several meshes, and the ratio of their compile times. Default: preset:gpt3-175b on
-    /// node=8,gpu=8 and node=1024,gpu=8 (H100 spec, 80GiB, --recompute).
+    /// node=8,gpu=8 and node=1024,gpu=8 (H100 spec, 80GiB, --recompute auto; the figures in docs/benchmarks.md were taken with recompute on: pass --recompute).
     Compile(Box<bench_compile::BenchCompileArgs>),
 }
 
@@ -488,8 +547,57 @@ fn apply_global_flags(cli: &Cli) {
 }
 
 /// Runs one command.
+/// The CLI reference: every command's and subcommand's `--help`, as Markdown.
+fn cli_reference() -> String {
+    use clap::CommandFactory;
+    fn walk(cmd: &mut clap::Command, path: &str, out: &mut String) {
+        if cmd.is_hide_set() {
+            return;
+        }
+        let name = if path.is_empty() {
+            cmd.get_name().to_string()
+        } else {
+            format!("{path} {}", cmd.get_name())
+        };
+        let help = cmd.render_long_help().to_string();
+        out.push_str(&format!(
+            "## `{name}`\n\n```text\n{}\n```\n\n",
+            help.trim_end()
+        ));
+        let mut subs: Vec<clap::Command> = cmd
+            .get_subcommands()
+            .filter(|s| s.get_name() != "help")
+            .cloned()
+            .collect();
+        for s in &mut subs {
+            walk(s, &name, out);
+        }
+    }
+    let mut cmd = Cli::command().bin_name("hzp");
+    cmd.build();
+    let mut out = String::from(
+        "# CLI reference\n\nGenerated from hzp's argument parser by `hzp cli-reference` (hidden); \
+         `tests/cli_reference.rs` checks that this page is current. Choice flags list their \
+         values; `hzp completions SHELL` completes them in bash, zsh, fish, elvish and \
+         PowerShell.\n\n",
+    );
+    walk(&mut cmd, "", &mut out);
+    out
+}
+
 fn run_command(command: Command) -> Result<(), miette::Report> {
     match command {
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut buf = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "hzp", &mut buf);
+            out!("{}", String::from_utf8_lossy(&buf));
+            Ok(())
+        }
+        Command::CliReference => {
+            out!("{}", cli_reference());
+            Ok(())
+        }
         Command::Import {
             model,
             inputs,

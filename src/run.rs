@@ -55,7 +55,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "N")]
     pub stop_at: Option<usize>,
     /// cpu, or cuda (needs a build with --features cuda).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = crate::choices(&[("cpu", &[]), ("cuda", &[])]))]
     pub backend: String,
     /// Save the trained parameters (keyed by initializer name) to this .npz.
     #[arg(long, value_name = "P.npz")]
@@ -65,7 +65,7 @@ pub struct RunArgs {
     pub trace: Option<PathBuf>,
     /// async: collectives on background threads, one per comm stream (the plan's schedule);
     /// sync: collectives on the compute thread, in program order (the baseline).
-    #[arg(long, default_value = "async")]
+    #[arg(long, default_value = "async", value_parser = crate::choices(&[("async", &[]), ("sync", &[])]))]
     pub comm: String,
     /// Emulate the links of this cluster spec: every collective takes at least the time the
     /// alpha-beta cost model gives.
@@ -92,7 +92,7 @@ pub struct RunArgs {
     /// style, f32 arithmetic; the same as HZP_CUDA_ATTENTION=1) or pasa (PASA's forward
     /// fully in fp16, for plans compiled with --precision fp16). Without it the CUDA backend
     /// refuses fused attention (not yet checked on a GPU).
-    #[arg(long, value_name = "flash|pasa")]
+    #[arg(long, value_parser = crate::choices(&[("flash", &[]), ("pasa", &[])]))]
     pub attention: Option<String>,
     /// With --backend cuda, fuse runs of elementwise nodes into kernels generated for the
     /// plan (the same as HZP_CUDA_FUSE=1; off by default until it has run on a GPU).

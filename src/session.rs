@@ -30,7 +30,7 @@ pub struct LoopArgs {
     pub shuffle: Option<u64>,
     /// Learning-rate schedule: constant, cosine or linear (nanoGPT's get_lr, decaying to
     /// --min-lr at the last of --steps).
-    #[arg(long, default_value = "constant", value_name = "KIND")]
+    #[arg(long, default_value = "constant", value_parser = crate::choices(&[("constant", &[]), ("cosine", &[]), ("linear", &[])]))]
     pub lr_schedule: String,
     /// Steps of linear warmup: lr * (it + 1) / (warmup + 1).
     #[arg(long, default_value_t = 0, value_name = "W")]

@@ -39,7 +39,7 @@ pub enum TableFormat {
 pub struct SimFlags {
     /// Algorithm of every collective: ring, tree or hierarchical (default: the fastest for
     /// each, as the planner assumes).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::choices(&[("ring", &[]), ("tree", &[]), ("hierarchical", &[]), ("best", &[])]))]
     pub algorithm: Option<String>,
     /// Let concurrent transfers on one link class use its full bandwidth each (default: they
     /// share it fairly).
@@ -116,6 +116,9 @@ fn secs(s: f64) -> String {
 fn bytes_f(b: f64) -> String {
     format_bytes(b.max(0.0).round() as u64)
 }
+
+/// The strategies `hzp compare` compares unless told.
+const DEFAULT_STRATEGIES: &str = "asynchzp,zero3,hsdp,ddp";
 
 /// The summary `hzp simulate --format json` prints (the per-node timings stay in the trace).
 #[derive(Serialize)]
@@ -480,7 +483,7 @@ fn evaluate(
     sim: &SimOptions,
 ) -> std::result::Result<(Row, hzp_ir::plan::Plan), miette::Report> {
     let mut c = c.clone();
-    c.strategy = strategy.to_string();
+    c.strategy = Some(strategy.to_string());
     c.output = None;
     let mut r = request(model, inputs, t, &c)?;
     r.opts.verify_budget = false;
@@ -599,9 +602,10 @@ fn progress(total: usize, quiet: bool) -> ProgressBar {
 /// Flags of `hzp compare`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct CompareArgs {
-    /// Strategies to compile and simulate, comma-separated (each replaces --strategy).
-    #[arg(long, default_value = "asynchzp,zero3,hsdp,ddp")]
-    pub strategies: String,
+    /// Strategies to compile and simulate, comma-separated (asynchzp, zero1, zero2, zero3,
+    /// hsdp, ddp, acco, asyncmesh) [default: asynchzp,zero3,hsdp,ddp].
+    #[arg(long, value_name = "S,S,...")]
+    pub strategies: Option<String>,
     #[command(flatten)]
     pub sim: SimFlags,
     /// Also run each strategy's plan for N steps on this machine's CPU (its ranks as
@@ -748,7 +752,20 @@ pub fn compare(
             "hzp compare compiles each of --strategies: --shard would override them all"
         ));
     }
-    let strategies = parse_strategies(&a.strategies)?;
+    let list = match (&c.strategy, &a.strategies) {
+        (Some(_), Some(_)) => {
+            return Err(miette!(
+                "hzp compare takes the strategies to compare as --strategies A,B,...; give that alone (--strategy is hzp compile's)"
+            ))
+        }
+        (Some(s), None) => {
+            note!("note: hzp compare reads --strategy {s} as --strategies {s} (the flag that lists the strategies to compare; --strategy here will stop working in a later release)");
+            s.clone()
+        }
+        (None, Some(l)) => l.clone(),
+        (None, None) => DEFAULT_STRATEGIES.to_string(),
+    };
+    let strategies = parse_strategies(&list)?;
     if crate::compile::asyncmesh_flags_given(c)
         && !strategies
             .iter()
@@ -893,7 +910,10 @@ pub struct ScaleArgs {
     pub strategies: String,
     /// The mesh with one axis `*` that grows with the ranks, e.g. node=*,gpu=8. Default: the
     /// cluster's mesh with its outermost axis as `*`.
-    #[arg(long)]
+    #[arg(long, value_name = "MESH")]
+    pub mesh: Option<String>,
+    /// The older name of --mesh here (still read, with a note).
+    #[arg(long, hide = true)]
     pub mesh_template: Option<String>,
     /// Memory budget per rank, e.g. 80GiB. Default: the cluster's device memory.
     #[arg(long)]
@@ -902,11 +922,12 @@ pub struct ScaleArgs {
     #[arg(long, default_value_t = 1)]
     pub prefetch_depth: usize,
     /// Reduce gradients once per step (per-step) or after every micro-batch.
-    #[arg(long, default_value = "per-microbatch")]
+    #[arg(long, default_value = "per-microbatch", ignore_case = true, value_parser = crate::reduce_grads_choices())]
     pub reduce_grads: String,
-    /// Recompute each layer's activations in backward.
-    #[arg(long)]
-    pub recompute: bool,
+    /// Recompute each layer's activations in its backward: on, off, or auto (only when no
+    /// plan fits the budget without it), as `hzp compile`; `--recompute` alone means on.
+    #[arg(long, num_args = 0..=1, default_value = "auto", default_missing_value = "on", ignore_case = true, value_parser = crate::recompute_choices())]
+    pub recompute: String,
     #[command(flatten)]
     pub sim: SimFlags,
     /// No progress output.
@@ -1007,9 +1028,18 @@ pub fn scale(model: &ModelArgs, t: &TrainArgs, a: &ScaleArgs) -> Result<()> {
     let strategies = parse_strategies(&a.strategies)?;
     let ranks = parse_ranks(&a.ranks)?;
     let cluster = crate::compile::load_cluster(a.cluster.as_deref())?;
-    let template = match &a.mesh_template {
-        Some(t) => t.clone(),
-        None => default_template(&cluster),
+    let template = match (&a.mesh, &a.mesh_template) {
+        (Some(_), Some(_)) => {
+            return Err(miette!(
+                "give the mesh once, as --mesh (--mesh-template is its older name)"
+            ))
+        }
+        (Some(t), None) => t.clone(),
+        (None, Some(t)) => {
+            note!("note: hzp scale's --mesh-template is now --mesh (the older name will stop working in a later release)");
+            t.clone()
+        }
+        (None, None) => default_template(&cluster),
     };
     let meshes: Vec<String> = ranks
         .iter()
@@ -1262,9 +1292,8 @@ fn compile_args(a: &ScaleArgs, mesh: &str) -> Result<CompileArgs> {
     argv.push(a.prefetch_depth.to_string());
     argv.push("--reduce-grads".into());
     argv.push(a.reduce_grads.clone());
-    if a.recompute {
-        argv.push("--recompute".into());
-    }
+    argv.push("--recompute".into());
+    argv.push(a.recompute.clone());
     use clap::Parser as _;
     Argv::try_parse_from(argv)
         .map(|x| x.c)

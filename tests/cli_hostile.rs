@@ -362,11 +362,15 @@ fn muon_flags_are_checked() {
         ),
         (
             &["--optimizer", "muon", "--muon-adjust-lr", "spectral"],
-            &["`spectral`", "original or match_rms_adamw"],
+            &[
+                "'spectral'",
+                "--muon-adjust-lr",
+                "original, match_rms_adamw",
+            ],
         ),
         (
             &["--optimizer", "muon", "--muon-ns-precision", "f16"],
-            &["--muon-ns-precision `f16`", "bf16 (torch's) or fp32"],
+            &["'f16'", "--muon-ns-precision", "bf16, fp32"],
         ),
         (
             &["--muon-ns-precision", "fp32"],
@@ -382,7 +386,7 @@ fn muon_flags_are_checked() {
         ),
         (
             &["--optimizer", "muon", "--muon-placement", "sharded"],
-            &["`sharded`", "replicated or canzona"],
+            &["'sharded'", "--muon-placement", "replicated, canzona"],
         ),
         // hzp train runs one rank: no owners to choose among
         (

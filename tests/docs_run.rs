@@ -129,7 +129,8 @@ fn check(expect: &[String], out: &str) -> Result<(), String> {
         };
         match found {
             Some(k) => at = k + 1,
-            None => return Err(format!(
+            None => {
+                return Err(format!(
                 "the documentation quotes\n    {e}\nbut the command printed (from line {}):\n{}",
                 at + 1,
                 got[at.min(got.len())..]
@@ -138,7 +139,8 @@ fn check(expect: &[String], out: &str) -> Result<(), String> {
                     .map(|l| format!("    {l}"))
                     .collect::<Vec<_>>()
                     .join("\n")
-            )),
+            ))
+            }
         }
         skip = false;
     }
