@@ -95,6 +95,7 @@ fn emulation_prelude() -> String {
 #define __device__
 #define __forceinline__ inline
 #define __global__
+#define __trap() abort()
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;

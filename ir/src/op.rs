@@ -64,6 +64,34 @@ impl UnaryOp {
         UnaryOp::IsNaN,
     ];
 
+    /// The op's code in the CUDA kernels' switches (`runtime/src/cuda/kernels/elementwise.cu`):
+    /// stated per op, so that a new op gets a code of its own, never another op's.
+    pub fn code(self) -> u32 {
+        match self {
+            UnaryOp::Neg => 0,
+            UnaryOp::Abs => 1,
+            UnaryOp::Exp => 2,
+            UnaryOp::Log => 3,
+            UnaryOp::Sqrt => 4,
+            UnaryOp::Rsqrt => 5,
+            UnaryOp::Reciprocal => 6,
+            UnaryOp::Tanh => 7,
+            UnaryOp::Erf => 8,
+            UnaryOp::Sigmoid => 9,
+            UnaryOp::Relu => 10,
+            UnaryOp::Gelu => 11,
+            UnaryOp::GeluTanh => 12,
+            UnaryOp::Silu => 13,
+            UnaryOp::Sin => 14,
+            UnaryOp::Cos => 15,
+            UnaryOp::Floor => 16,
+            UnaryOp::Ceil => 17,
+            UnaryOp::Sign => 18,
+            UnaryOp::Not => 19,
+            UnaryOp::IsNaN => 20,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             UnaryOp::Neg => "Neg",
@@ -131,6 +159,29 @@ impl BinaryOp {
         BinaryOp::Or,
         BinaryOp::Xor,
     ];
+
+    /// The op's code in the CUDA kernels' switches (`runtime/src/cuda/kernels/elementwise.cu`):
+    /// arithmetic 0-7, comparisons 8-12, logic 13-15; stated per op.
+    pub fn code(self) -> u32 {
+        match self {
+            BinaryOp::Add => 0,
+            BinaryOp::Sub => 1,
+            BinaryOp::Mul => 2,
+            BinaryOp::Div => 3,
+            BinaryOp::Pow => 4,
+            BinaryOp::Max => 5,
+            BinaryOp::Min => 6,
+            BinaryOp::Mod => 7,
+            BinaryOp::Equal => 8,
+            BinaryOp::Less => 9,
+            BinaryOp::LessOrEqual => 10,
+            BinaryOp::Greater => 11,
+            BinaryOp::GreaterOrEqual => 12,
+            BinaryOp::And => 13,
+            BinaryOp::Or => 14,
+            BinaryOp::Xor => 15,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -1183,10 +1234,30 @@ impl Op {
                     UnaryOp::IsNaN if t.dtype.is_float() => {
                         one(TensorType::new(DType::Bool, t.shape.clone()))
                     }
-                    _ if !t.dtype.is_float() => {
-                        Err(format!("{name} needs a float input, got {}", t.dtype))
+                    // float in, float of the same dtype out
+                    UnaryOp::IsNaN
+                    | UnaryOp::Exp
+                    | UnaryOp::Log
+                    | UnaryOp::Sqrt
+                    | UnaryOp::Rsqrt
+                    | UnaryOp::Reciprocal
+                    | UnaryOp::Tanh
+                    | UnaryOp::Erf
+                    | UnaryOp::Sigmoid
+                    | UnaryOp::Relu
+                    | UnaryOp::Gelu
+                    | UnaryOp::GeluTanh
+                    | UnaryOp::Silu
+                    | UnaryOp::Sin
+                    | UnaryOp::Cos
+                    | UnaryOp::Floor
+                    | UnaryOp::Ceil => {
+                        if t.dtype.is_float() {
+                            one(t.clone())
+                        } else {
+                            Err(format!("{name} needs a float input, got {}", t.dtype))
+                        }
                     }
-                    _ => one(t.clone()),
                 }
             }
             Op::Binary(b) => {
@@ -1897,6 +1968,25 @@ fn group_size(op: &Op, group: &Group, mesh: Option<&Mesh>) -> Result<usize, Stri
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn kernel_codes_are_distinct_and_dense() {
+        // the CUDA switches are written for codes 0..N in ALL's order; a new op must take a
+        // new code (a repeated code would run it as another op)
+        let u: Vec<u32> = UnaryOp::ALL.iter().map(|o| o.code()).collect();
+        assert_eq!(u, (0..UnaryOp::ALL.len() as u32).collect::<Vec<_>>());
+        let b: Vec<u32> = BinaryOp::ALL.iter().map(|o| o.code()).collect();
+        assert_eq!(b, (0..BinaryOp::ALL.len() as u32).collect::<Vec<_>>());
+        // comparisons are 8..=12 and logic 13..=15, as the kernels' predicate paths assume
+        for o in BinaryOp::ALL {
+            assert_eq!(
+                o.is_predicate(),
+                (8..=15).contains(&o.code()),
+                "{}",
+                o.name()
+            );
+        }
+    }
     use super::*;
 
     fn t(d: DType, s: &[usize]) -> TensorType {

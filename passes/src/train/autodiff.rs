@@ -435,7 +435,15 @@ fn rule(
                     )
                 }
                 BinaryOp::Mod => (Some(dy0), None),
-                _ => (None, None),
+                // comparisons and logic give booleans: no gradient flows through them
+                BinaryOp::Equal
+                | BinaryOp::Less
+                | BinaryOp::LessOrEqual
+                | BinaryOp::Greater
+                | BinaryOp::GreaterOrEqual
+                | BinaryOp::And
+                | BinaryOp::Or
+                | BinaryOp::Xor => (None, None),
             };
             let gx = match gx {
                 Some(g) if want[0] => Some(unbroadcast(e, g, &sx)?),

@@ -186,7 +186,24 @@ fn int_unary<T: IntElem>(u: UnaryOp, t: &TensorRef, out: &mut DataMut) -> Result
         UnaryOp::Neg => go(|v| v.wneg()),
         UnaryOp::Abs => go(|v| v.wabs()),
         UnaryOp::Sign => go(|v| T::from_i64(v.to_i64().signum())),
-        _ => {
+        UnaryOp::Exp
+        | UnaryOp::Log
+        | UnaryOp::Sqrt
+        | UnaryOp::Rsqrt
+        | UnaryOp::Reciprocal
+        | UnaryOp::Tanh
+        | UnaryOp::Erf
+        | UnaryOp::Sigmoid
+        | UnaryOp::Relu
+        | UnaryOp::Gelu
+        | UnaryOp::GeluTanh
+        | UnaryOp::Silu
+        | UnaryOp::Sin
+        | UnaryOp::Cos
+        | UnaryOp::Floor
+        | UnaryOp::Ceil
+        | UnaryOp::Not
+        | UnaryOp::IsNaN => {
             return Err(format!(
                 "{} needs a float input, got {}",
                 u.name(),
@@ -318,8 +335,15 @@ unsafe fn binary_raw(op: BinaryOp, a: Arg, b: Arg, n: usize, out: *mut f32) {
         BinaryOp::Max => zip(a, b, n, out, nan_max),
         BinaryOp::Min => zip(a, b, n, out, nan_min),
         BinaryOp::Mod => zip(a, b, n, out, |x, y| x % y),
-        // not arithmetic (callers check is_float_arith); kept total
-        _ => zip(a, b, n, out, |_, _| f32::NAN),
+        // not arithmetic: callers send comparisons and logic elsewhere (is_float_arith)
+        BinaryOp::Equal
+        | BinaryOp::Less
+        | BinaryOp::LessOrEqual
+        | BinaryOp::Greater
+        | BinaryOp::GreaterOrEqual
+        | BinaryOp::And
+        | BinaryOp::Or
+        | BinaryOp::Xor => unreachable!("{} is not float arithmetic", op.name()),
     }
 }
 
@@ -389,15 +413,18 @@ fn float_binary(
         BinaryOp::Sub => zip_broadcast_into(a, b, shape, out, |x, y| x - y),
         BinaryOp::Mul => zip_broadcast_into(a, b, shape, out, |x, y| x * y),
         BinaryOp::Div => zip_broadcast_into(a, b, shape, out, |x, y| x / y),
-        _ => {}
-    }
-    let mut num = |f: fn(f32, f32) -> f32| zip_broadcast_into(a, b, shape, &mut *out, f);
-    match op {
-        BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div => {}
-        BinaryOp::Pow => num(f32::powf),
-        BinaryOp::Max => num(nan_max),
-        BinaryOp::Min => num(nan_min),
-        _ => num(|x, y| x % y), // Mod, the last arithmetic op
+        BinaryOp::Pow => zip_broadcast_into(a, b, shape, out, f32::powf),
+        BinaryOp::Max => zip_broadcast_into(a, b, shape, out, nan_max),
+        BinaryOp::Min => zip_broadcast_into(a, b, shape, out, nan_min),
+        BinaryOp::Mod => zip_broadcast_into(a, b, shape, out, |x, y| x % y),
+        BinaryOp::Equal
+        | BinaryOp::Less
+        | BinaryOp::LessOrEqual
+        | BinaryOp::Greater
+        | BinaryOp::GreaterOrEqual
+        | BinaryOp::And
+        | BinaryOp::Or
+        | BinaryOp::Xor => return Err(format!("internal: {} reached float arithmetic", op.name())),
     }
     Ok(())
 }
@@ -458,7 +485,14 @@ fn int_binary<T: IntElem>(
         BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => {
             return Err(format!("{} needs bool operands", op.name()))
         }
-        _ => {}
+        BinaryOp::Add
+        | BinaryOp::Sub
+        | BinaryOp::Mul
+        | BinaryOp::Div
+        | BinaryOp::Mod
+        | BinaryOp::Max
+        | BinaryOp::Min
+        | BinaryOp::Pow => {}
     }
     let o = typed_mut::<T>(out)?;
     let mut num = |f: fn(T, T) -> T| zip_broadcast_into(a, b, shape, &mut *o, f);
@@ -477,8 +511,16 @@ fn int_binary<T: IntElem>(
         }),
         BinaryOp::Max => num(|x, y| x.max(y)),
         BinaryOp::Min => num(|x, y| x.min(y)),
-        _ => {
-            // Pow, which can fail: the first error in row-major order
+        BinaryOp::Equal
+        | BinaryOp::Less
+        | BinaryOp::LessOrEqual
+        | BinaryOp::Greater
+        | BinaryOp::GreaterOrEqual
+        | BinaryOp::And
+        | BinaryOp::Or
+        | BinaryOp::Xor => unreachable!("returned above"),
+        BinaryOp::Pow => {
+            // it can fail: the first error in row-major order
             let mut err = None;
             zip_broadcast_into(a, b, shape, o, |x, y| match int_pow(x, y) {
                 Ok(v) => v,

@@ -83,11 +83,8 @@ pub fn fusible_nodes(p: &Program) -> usize {
 }
 
 /// `binary_f`'s code of a float arithmetic op (its position in `BinaryOp::ALL`, below 8).
-fn binary_code(b: BinaryOp) -> Option<usize> {
-    BinaryOp::ALL
-        .iter()
-        .position(|v| *v == b)
-        .filter(|&c| c < 8 && !b.is_predicate())
+fn binary_code(b: BinaryOp) -> Option<u32> {
+    Some(b.code()).filter(|&c| c < 8 && !b.is_predicate())
 }
 
 /// The runs of `p` with buffers at `loc` ((offset, bytes) per value), in program order.
@@ -323,12 +320,11 @@ fn build(
         let yd = p.ty(nd.outputs[0]).dtype;
         let expr = match &nd.op {
             Op::Unary(u) => {
-                let code = UnaryOp::ALL.iter().position(|v| v == u).unwrap_or(0);
-                format!("unary_f({code}, {})", arg(nd.inputs[0]))
+                format!("unary_f({}, {})", u.code(), arg(nd.inputs[0]))
             }
             Op::Binary(b) => format!(
                 "binary_f({}, {}, {})",
-                binary_code(*b).unwrap_or(0),
+                b.code(),
                 arg(nd.inputs[0]),
                 arg(nd.inputs[1])
             ),

@@ -818,7 +818,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
         Op::Free => {}
         _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => {}
         Op::Unary(u) => {
-            let code = UnaryOp::ALL.iter().position(|v| v == u).unwrap_or(0) as i32;
+            let code = u.code() as i32;
             let kernel = if *u == UnaryOp::IsNaN {
                 format!("isnan_{}", dt(xt.dtype))
             } else {
@@ -842,7 +842,7 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
             {
                 return Err(format!("{} is not defined for bool operands", b.name()));
             }
-            let code = BinaryOp::ALL.iter().position(|v| v == b).unwrap_or(0) as i32;
+            let code = b.code() as i32;
             let mut nd = Nd::new(&yt.shape);
             nd.s[0] = bcast(&xt.shape, &yt.shape);
             nd.s[1] = bcast(&bt.shape, &yt.shape);

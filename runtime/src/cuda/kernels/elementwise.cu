@@ -1,5 +1,6 @@
 // Elementwise kernels: Unary, Binary (numpy broadcasting through an Nd walk), Where, Cast,
-// Fill. Op codes are the positions in hzp_ir's UnaryOp::ALL / BinaryOp::ALL.
+// Fill. Op codes are hzp_ir's UnaryOp::code / BinaryOp::code; a code a switch does not know
+// traps (a new op never runs as another one).
 
 __device__ __forceinline__ float unary_f(int op, float v) {
     switch (op) {
@@ -22,7 +23,7 @@ __device__ __forceinline__ float unary_f(int op, float v) {
     case 16: return floorf(v);
     case 17: return ceilf(v);
     case 18: return v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : v);
-    default: return v;
+    default: __trap(); return v;
     }
 }
 
@@ -39,7 +40,8 @@ __device__ void unary_int(int op, i64 n, const T* x, T* y) {
         switch (op) {
         case 0: y[i] = (T)(U)(0 - (U)v); break;                  // wrapping negation
         case 1: y[i] = v < 0 ? (T)(U)(0 - (U)v) : v; break;       // wrapping abs
-        default: y[i] = (T)(v > 0 ? 1 : (v < 0 ? -1 : 0)); break; // Sign
+        case 18: y[i] = (T)(v > 0 ? 1 : (v < 0 ? -1 : 0)); break; // Sign
+        default: __trap(); break;
         }
     }
 }
@@ -65,7 +67,7 @@ __device__ __forceinline__ float binary_f(int op, float a, float b) {
     case 5: return nan_max(a, b);
     case 6: return nan_min(a, b);
     case 7: return fmodf(a, b);
-    default: return __int_as_float(0x7fc00000);
+    default: __trap(); return __int_as_float(0x7fc00000);
     }
 }
 
@@ -76,7 +78,8 @@ __device__ __forceinline__ bool compare(int op, C a, C b) {
     case 9: return a < b;
     case 10: return a <= b;
     case 11: return a > b;
-    default: return a >= b;
+    case 12: return a >= b;
+    default: __trap(); return false;
     }
 }
 
@@ -138,7 +141,7 @@ __device__ void binary_int(int op, i64 n, Nd d, const T* a, const T* b, T* y, in
         case 4: r = int_pow<T>(x, z, &bad); break;
         case 5: r = x > z ? x : z; break;
         case 6: r = x < z ? x : z; break;
-        default: break;
+        default: __trap(); break;
         }
         if (bad) fail(err, code);
         y[i] = r;
@@ -168,7 +171,8 @@ __device__ void binary_bool(int op, i64 n, Nd d, const u8* a, const u8* b, u8* y
         case 9: r = !x && z; break;
         case 10: r = !x || z; break;
         case 11: r = x && !z; break;
-        default: r = x || !z; break;  // 12: GreaterOrEqual
+        case 12: r = x || !z; break;  // GreaterOrEqual
+        default: __trap(); r = false; break;
         }
         y[i] = r ? 1 : 0;
     }
