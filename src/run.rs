@@ -369,6 +369,28 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The launcher this process looks started by, as words, when it is one of several
+/// processes: `WORLD_SIZE` (torchrun, `hzp launch`), `SLURM_STEP_NUM_TASKS` (srun; not
+/// `SLURM_NTASKS`, which an sbatch script running one process sees too),
+/// `OMPI_COMM_WORLD_SIZE` (Open MPI) or `PMI_SIZE` (MPICH, Intel MPI) above 1.
+pub fn launched_by(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    for (var, who) in [
+        ("WORLD_SIZE", "hzp launch or torchrun"),
+        ("SLURM_STEP_NUM_TASKS", "srun"),
+        ("OMPI_COMM_WORLD_SIZE", "mpirun"),
+        ("PMI_SIZE", "an MPI launcher"),
+    ] {
+        let Some(v) = get(var) else { continue };
+        if v.trim().parse::<u64>().is_ok_and(|n| n > 1) {
+            return Some(format!(
+                "this process looks started by {who} as one of several ({var}={})",
+                v.trim()
+            ));
+        }
+    }
+    None
+}
+
 /// Steps that count in the summary: all but the first (warm-up) when there are several.
 fn measured(stats: &[StepStats]) -> &[StepStats] {
     if stats.len() > 1 {
@@ -384,6 +406,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "cuda" => true,
         other => return Err(miette!("unknown backend `{other}` (expected cpu or cuda)")),
     };
+    if !cuda {
+        if let Some(why) = launched_by(&|k| std::env::var(k).ok()) {
+            return Err(miette!(
+                "{why}, but the CPU backend runs every rank of the plan as threads of this one process, so each of the launched processes would run the whole plan; start `hzp run` once, without a launcher (or use --backend cuda, which runs one rank per process)"
+            ));
+        }
+    }
     if args.attention.is_some() && !cuda {
         return Err(miette!(
             "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"
