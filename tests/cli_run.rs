@@ -344,3 +344,59 @@ fn compile_honours_retie_and_freeze() {
         "{plain:?} vs {run:?}"
     );
 }
+
+/// `--eval-batches` beyond what `--val-data` holds is refused before the first step (it
+/// used to wrap around the file, evaluating the same windows without end).
+#[test]
+fn eval_batches_are_bounded_by_the_held_out_file() {
+    let d = tempdir("eval-batches");
+    let plan = compile(&d, "gpu=2", "zero3");
+    let tokens = own_models_dir().join("tokens/train.bin");
+    let run = |e: &str| {
+        hzp(&[
+            "run",
+            s(&plan),
+            "--data",
+            s(&tokens),
+            "--val-data",
+            s(&tokens),
+            "--eval-batches",
+            e,
+            "--steps",
+            "1",
+        ])
+    };
+    let (code, out, err) = run("1000000000000");
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("--eval-batches 1000000000000") && err.contains("train.bin holds"),
+        "{err}"
+    );
+    assert!(!out.contains("step"), "refused before training: {out}");
+    // the most it holds, named in the message: one more is refused too
+    let held: usize = err
+        .split("that is ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of batches in: {err}"));
+    assert!(held >= 1, "{err}");
+    let (code, _, err) = run(&(held + 1).to_string());
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&format!("evaluate at most {held}")), "{err}");
+    // `hzp train` checks the same
+    let (code, _, err) = hzp(&[
+        "train",
+        s(&model()),
+        "--inputs",
+        s(&io()),
+        "--data",
+        s(&tokens),
+        "--val-data",
+        s(&tokens),
+        "--eval-batches",
+        "1000000000000",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--eval-batches 1000000000000"), "{err}");
+}
