@@ -191,6 +191,38 @@ fn bad_plans_models_and_inputs_are_refused_clearly() {
     let (code, _, err) = run(&plan, &["--link", "intra=fast"]);
     assert_eq!(code, 1);
     assert!(err.contains("--link"), "{err}");
+    // links so slow (or latencies so long) that a collective's time is no duration: refused
+    // before any step, never a panic in a comm thread
+    for (link, words) in [
+        ("intra=1e-300B/s", ["--link intra=", "at least 1 B/s"]),
+        ("intra=0.5B/s", ["--link intra=", "at least 1 B/s"]),
+        (
+            "intra=300GB/s,latency=1e300s",
+            ["--link latency=", "an hour"],
+        ),
+    ] {
+        let (code, out, err) = run(&plan, &["--link", link, "--steps", "1"]);
+        assert_eq!(code, 1, "{link}: {out}{err}");
+        for w in words {
+            assert!(err.contains(w), "{link}: {err}");
+        }
+    }
+    // and through a cluster spec
+    let spec = d.join("slow.toml");
+    let toml = std::fs::read_to_string(repo().join("examples/clusters/h100-dgx.toml")).unwrap();
+    for (from, to, key) in [
+        ("bandwidth = \"450GB/s\"", "bandwidth = 1e-300", "bandwidth"),
+        ("latency = \"3us\"", "latency = 1e300", "latency"),
+    ] {
+        assert!(toml.contains(from), "{from}");
+        std::fs::write(&spec, toml.replacen(from, to, 1)).unwrap();
+        let (code, out, err) = run(&plan, &["--emulate-links", s(&spec), "--steps", "1"]);
+        assert_eq!(code, 1, "{key}: {out}{err}");
+        assert!(
+            err.contains("slow.toml") && err.contains(&format!("links[0].{key}")),
+            "{key}: {err}"
+        );
+    }
 }
 
 #[test]
