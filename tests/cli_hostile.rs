@@ -1110,7 +1110,15 @@ fn constant_driven_results_over_the_budget_are_refused_by_eval() {
         ..Default::default()
     };
     let i64s = |v: Vec<i64>| Tensor::i64(vec![v.len()], v);
-    let cases: Vec<(&str, Vec<u8>, Vec<usize>, &str, &str)> = vec![
+    // (op, the model, x's shape, the result's shape and size as the error gives them)
+    type Case = (
+        &'static str,
+        Vec<u8>,
+        Vec<usize>,
+        &'static str,
+        &'static str,
+    );
+    let cases: Vec<Case> = vec![
         (
             "Expand",
             one_node_onnx(
