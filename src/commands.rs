@@ -255,6 +255,37 @@ fn shape_str(t: &Tensor) -> String {
     t.ty().to_string()
 }
 
+/// Checks every node's results against the memory budget (`--max-memory`) before a
+/// program runs on the CPU evaluator, so a node whose result cannot fit (a constant-driven
+/// Expand, Tile, OneHot or Concat of a huge shape) is an error naming it, not an aborted
+/// allocation.
+pub fn check_result_sizes(p: &Program) -> Result<()> {
+    for n in &p.nodes {
+        for &v in &n.outputs {
+            let ty = p.ty(v);
+            let bytes = ty
+                .shape
+                .iter()
+                .try_fold(ty.dtype.size_bytes() as u64, |a, &d| {
+                    a.checked_mul(d as u64)
+                })
+                .unwrap_or(u64::MAX);
+            hzp_frontends::limits::check_budget(
+                &format!(
+                    "node `{}` ({}) makes a result of {} {:?} that",
+                    n.name,
+                    n.op.name(),
+                    ty.dtype,
+                    ty.shape
+                ),
+                bytes,
+            )
+            .map_err(|e| miette!("{e}"))?;
+        }
+    }
+    Ok(())
+}
+
 pub fn eval(
     args: &ModelArgs,
     inputs: &Path,
@@ -279,6 +310,7 @@ pub fn eval(
     let arrays = read_npz(inputs)?;
     let p = load(args, Some(&arrays))?;
     let wanted = eval_inputs(&p, &arrays, inputs)?;
+    check_result_sizes(&p)?;
     let start = Instant::now();
     let outs = hzp_runtime::eval::evaluate(&p, &wanted).map_err(|e| miette!("{e}"))?;
     let elapsed = start.elapsed();
@@ -863,6 +895,7 @@ pub fn grad(args: &ModelArgs, inputs: &Path, t: &TrainArgs, output: &Path) -> Re
     files::check_outputs(&[("-o", output)], &ins)?;
     let read_files: Vec<PathBuf> = ins.into_iter().map(|(_, p)| p).collect();
     let prep = prepare(args, inputs, t, false)?;
+    check_result_sizes(&prep.step)?;
     let start = Instant::now();
     let outs = hzp_runtime::eval::evaluate(&prep.step, &prep.batch).map_err(|e| miette!("{e}"))?;
     let n_params = prep.step.params.len();
@@ -946,6 +979,7 @@ pub fn train(
     let schedule = session.schedule(t.lr, steps)?;
     let eval_every = session.eval_period(steps)?;
     let p = &prep.step;
+    check_result_sizes(p)?;
     let (mut feed, val_feed) = match ss::open_feeds(session, p, 1)? {
         Some((f, v)) => (Some(f), v),
         None => (None, None),

@@ -36,6 +36,38 @@ pub struct LaunchArgs {
     pub command: Vec<String>,
 }
 
+/// Most processes one node starts (one per GPU; no node has more).
+pub const MAX_NPROC_PER_NODE: usize = 1024;
+/// Largest world `hzp launch` starts: the largest mesh the planner accepts.
+pub const MAX_WORLD: usize = hzp_ir::Mesh::MAX_RANKS;
+
+/// Why the child command cannot run under a launcher: `run` on the CPU backend runs every
+/// rank of the plan as threads of one process, so N processes would each run the whole plan.
+fn cpu_run(command: &[String]) -> Option<String> {
+    if command.first().map(String::as_str) != Some("run") {
+        return None;
+    }
+    let mut backend = "cpu";
+    let mut it = command.iter().skip(1);
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            break;
+        }
+        if let Some(v) = arg.strip_prefix("--backend=") {
+            backend = v;
+        } else if arg == "--backend" {
+            if let Some(v) = it.next() {
+                backend = v;
+            }
+        }
+    }
+    (backend != "cuda").then(|| {
+        format!(
+            "`hzp run` with the {backend} backend runs every rank of the plan as threads of one process; start it once, without `hzp launch` (the launcher is for `run ... --backend cuda`, one process per GPU)"
+        )
+    })
+}
+
 fn free_port() -> std::io::Result<u16> {
     let l = std::net::TcpListener::bind(("127.0.0.1", 0))?;
     Ok(l.local_addr()?.port())
@@ -108,8 +140,29 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
     if a.command.first().is_some_and(|c| c == "launch") {
         return Err(fail("the command to launch is `launch` itself".into()));
     }
-    if a.nproc_per_node.checked_mul(a.nnodes).is_none() {
-        return Err(fail("too many processes".into()));
+    if a.nproc_per_node > MAX_NPROC_PER_NODE {
+        return Err(fail(format!(
+            "--nproc-per-node {} is more processes than one node runs (at most {MAX_NPROC_PER_NODE}: one per GPU)",
+            a.nproc_per_node
+        )));
+    }
+    if a.nnodes > MAX_WORLD {
+        return Err(fail(format!(
+            "--nnodes {} is more nodes than a mesh has ranks (at most {MAX_WORLD})",
+            a.nnodes
+        )));
+    }
+    match a.nproc_per_node.checked_mul(a.nnodes) {
+        Some(w) if w <= MAX_WORLD => {}
+        _ => {
+            return Err(fail(format!(
+                "--nproc-per-node {} x --nnodes {} is a world of more than {MAX_WORLD} ranks, the largest mesh hzp plans",
+                a.nproc_per_node, a.nnodes
+            )))
+        }
+    }
+    if let Some(why) = cpu_run(&a.command) {
+        return Err(fail(why));
     }
     let port = match a.master_port {
         Some(0) => return Err(fail("--master-port 0 is not a port".into())),
@@ -126,6 +179,8 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
             ld.push(old);
         }
     }
+    // From here on SIGINT/SIGTERM/SIGHUP stop the ranks instead of leaving them running.
+    signals::catch();
     let out_lock = Arc::new(Mutex::new(()));
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut pumps = Vec::new();
@@ -159,6 +214,19 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
     let mut code = 0;
     let mut running: Vec<bool> = vec![true; children.len()];
     while running.iter().any(|&r| r) {
+        if let Some(sig) = signals::received() {
+            let others = running.iter().filter(|&&r| r).count();
+            {
+                let _g = out_lock.lock();
+                note!(
+                    "hzp launch: received {}; passing it on to the {others} running rank(s) and waiting for them",
+                    signals::name(sig)
+                );
+            }
+            stop_on_signal(&mut children, &mut running, sig);
+            code = 128 + sig;
+            break;
+        }
         let mut failed = None;
         for (i, (rank, c)) in children.iter_mut().enumerate() {
             if !running[i] {
@@ -217,6 +285,121 @@ pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
         )));
     }
     Ok(code)
+}
+
+/// Passes signal `sig` on to the running children and reaps them; a child still running
+/// after [`SIGNAL_GRACE`] (or when a second signal arrives) is killed.
+fn stop_on_signal(children: &mut [(usize, Child)], running: &mut [bool], sig: i32) {
+    for (i, (_, c)) in children.iter_mut().enumerate() {
+        if running[i] {
+            signals::send(c, sig);
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let seen = signals::count();
+    while running.iter().any(|&r| r) {
+        let hurry = t0.elapsed() > SIGNAL_GRACE || signals::count() != seen;
+        for (i, (rank, c)) in children.iter_mut().enumerate() {
+            if !running[i] {
+                continue;
+            }
+            match c.try_wait() {
+                Ok(Some(_)) => running[i] = false,
+                Ok(None) if hurry => {
+                    note!("hzp launch: rank {rank} is still running; killing it");
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    running[i] = false;
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    running[i] = false;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// How long the ranks have to end after a signal is passed on before they are killed.
+const SIGNAL_GRACE: Duration = Duration::from_secs(10);
+
+/// The launcher's signal handling: SIGINT, SIGTERM and SIGHUP are recorded (the wait loop
+/// passes them on to the ranks) instead of ending the launcher and orphaning its children.
+mod signals {
+    use std::process::Child;
+    use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+
+    static LAST: AtomicI32 = AtomicI32::new(0);
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+    #[cfg(unix)]
+    extern "C" fn on_signal(sig: libc::c_int) {
+        // only atomics: async-signal-safe
+        LAST.store(sig, Ordering::SeqCst);
+        COUNT.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Installs the handlers (children get the default dispositions back at exec).
+    pub fn catch() {
+        #[cfg(unix)]
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            // SAFETY: the handler only stores to atomics; sigaction with an empty mask and
+            // SA_RESTART, so the output pumps' reads are not interrupted.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                sa.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+    }
+
+    /// The last signal received, if any.
+    pub fn received() -> Option<i32> {
+        (COUNT.load(Ordering::SeqCst) > 0).then(|| LAST.load(Ordering::SeqCst))
+    }
+
+    /// How many signals have been received.
+    pub fn count() -> usize {
+        COUNT.load(Ordering::SeqCst)
+    }
+
+    /// Sends `sig` to a child (a child that already ended is not signalled: its pid is
+    /// reserved until it is reaped, so this never reaches another process).
+    pub fn send(c: &mut Child, sig: i32) {
+        if !matches!(c.try_wait(), Ok(None)) {
+            return;
+        }
+        #[cfg(unix)]
+        if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+            // SAFETY: kill has no memory effects; the pid is our unreaped child's.
+            unsafe {
+                libc::kill(pid, sig);
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = sig;
+            let _ = c.kill();
+        }
+    }
+
+    pub fn name(sig: i32) -> String {
+        #[cfg(unix)]
+        {
+            match sig {
+                libc::SIGINT => return "SIGINT".into(),
+                libc::SIGTERM => return "SIGTERM".into(),
+                libc::SIGHUP => return "SIGHUP".into(),
+                _ => {}
+            }
+        }
+        format!("signal {sig}")
+    }
 }
 
 fn stop(children: &mut [(usize, Child)]) {

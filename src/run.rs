@@ -4,7 +4,9 @@ use crate::Format;
 use hzp_frontends::{load_model, npz, LoadOptions};
 use hzp_ir::plan::Plan;
 use hzp_ir::{Group, Op, Program, Tensor};
-use hzp_passes::cost::cluster::{parse_duration, parse_rate, ClusterSpec, Link};
+use hzp_passes::cost::cluster::{
+    parse_duration, parse_rate, ClusterSpec, Link, MAX_LINK_LATENCY, MIN_LINK_BANDWIDTH,
+};
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
 use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent};
@@ -112,13 +114,18 @@ pub struct RunArgs {
 struct CostLinks(CostModel);
 
 impl LinkModel for CostLinks {
-    fn duration(&self, op: &Op, group: &Group, bytes: u64) -> Duration {
+    fn duration(&self, op: &Op, group: &Group, bytes: u64) -> Result<Duration, String> {
         let Some(kind) = CollectiveKind::of(op) else {
-            return Duration::ZERO;
+            return Ok(Duration::ZERO);
         };
         match self.0.best_collective(kind, bytes as f64, group) {
-            Ok(c) if c.seconds.is_finite() && c.seconds > 0.0 => Duration::from_secs_f64(c.seconds),
-            _ => Duration::ZERO,
+            Ok(c) if c.seconds > 0.0 => Duration::try_from_secs_f64(c.seconds).map_err(|_| {
+                format!(
+                    "the cost model's time for {bytes} bytes is {} s, not a time to wait (check the link bandwidths and latencies)",
+                    c.seconds
+                )
+            }),
+            _ => Ok(Duration::ZERO),
         }
     }
 }
@@ -174,9 +181,18 @@ pub fn links_from_flag(s: &str, mesh: &hzp_ir::Mesh) -> Result<ClusterSpec> {
         });
     }
     for l in &spec.links {
-        if !(l.bandwidth.is_finite() && l.bandwidth > 0.0) {
-            return Err(miette!("--link: bandwidths must be positive"));
+        if !(l.bandwidth.is_finite() && l.bandwidth >= MIN_LINK_BANDWIDTH) {
+            return Err(miette!(
+                "--link {}={} B/s: a link bandwidth must be a finite number of at least {MIN_LINK_BANDWIDTH} B/s",
+                l.name,
+                l.bandwidth
+            ));
         }
+    }
+    if !(latency.is_finite() && (0.0..=MAX_LINK_LATENCY).contains(&latency)) {
+        return Err(miette!(
+            "--link latency={latency} s: a link latency must be between 0 and {MAX_LINK_LATENCY} s (an hour)"
+        ));
     }
     spec.mesh = mesh.clone();
     Ok(spec)
@@ -369,6 +385,28 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The launcher this process looks started by, as words, when it is one of several
+/// processes: `WORLD_SIZE` (torchrun, `hzp launch`), `SLURM_STEP_NUM_TASKS` (srun; not
+/// `SLURM_NTASKS`, which an sbatch script running one process sees too),
+/// `OMPI_COMM_WORLD_SIZE` (Open MPI) or `PMI_SIZE` (MPICH, Intel MPI) above 1.
+pub fn launched_by(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    for (var, who) in [
+        ("WORLD_SIZE", "hzp launch or torchrun"),
+        ("SLURM_STEP_NUM_TASKS", "srun"),
+        ("OMPI_COMM_WORLD_SIZE", "mpirun"),
+        ("PMI_SIZE", "an MPI launcher"),
+    ] {
+        let Some(v) = get(var) else { continue };
+        if v.trim().parse::<u64>().is_ok_and(|n| n > 1) {
+            return Some(format!(
+                "this process looks started by {who} as one of several ({var}={})",
+                v.trim()
+            ));
+        }
+    }
+    None
+}
+
 /// Steps that count in the summary: all but the first (warm-up) when there are several.
 fn measured(stats: &[StepStats]) -> &[StepStats] {
     if stats.len() > 1 {
@@ -384,6 +422,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "cuda" => true,
         other => return Err(miette!("unknown backend `{other}` (expected cpu or cuda)")),
     };
+    if !cuda {
+        if let Some(why) = launched_by(&|k| std::env::var(k).ok()) {
+            return Err(miette!(
+                "{why}, but the CPU backend runs every rank of the plan as threads of this one process, so each of the launched processes would run the whole plan; start `hzp run` once, without a launcher (or use --backend cuda, which runs one rank per process)"
+            ));
+        }
+    }
     if args.attention.is_some() && !cuda {
         return Err(miette!(
             "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"

@@ -44,9 +44,10 @@ pub struct LoopArgs {
     /// Evaluate every K steps (and after the last step) when --val-data is given.
     #[arg(long, value_name = "K")]
     pub eval_every: Option<usize>,
-    /// Batches (of the training batch's shape) per evaluation: the first E of --val-data.
-    #[arg(long, default_value_t = 4, value_name = "E")]
-    pub eval_batches: usize,
+    /// Batches (of the training batch's shape) per evaluation: the first E of --val-data
+    /// (default 4, or as many as the file holds when fewer; at most what it holds).
+    #[arg(long, value_name = "E")]
+    pub eval_batches: Option<usize>,
     /// Append one JSON object per step to this file (step, loss, lr, tokens_per_s,
     /// step_seconds, grad_norm when clipping, val_loss on evaluation steps).
     #[arg(long, value_name = "metrics.jsonl")]
@@ -84,7 +85,7 @@ impl LoopArgs {
             (None, Some(_)) => Err(miette!("--eval-every needs --val-data FILE")),
             (None, None) => Ok(None),
             (Some(_), k) => {
-                if self.eval_batches == 0 {
+                if self.eval_batches == Some(0) {
                     return Err(miette!("--eval-batches must be at least 1"));
                 }
                 match k {
@@ -310,6 +311,11 @@ impl TokenFeed {
         self.file.len()
     }
 
+    /// Whole batches of `rows` windows the file holds.
+    pub fn batches(&self) -> usize {
+        self.sampler.windows() / self.rows.max(1)
+    }
+
     /// The line a run prints about its training data.
     pub fn data_line(&self) -> String {
         format!(
@@ -428,9 +434,31 @@ pub struct Evaluator {
     chunk: usize,
 }
 
+/// Evaluation batches without `--eval-batches`.
+pub const DEFAULT_EVAL_BATCHES: usize = 4;
+
 impl Evaluator {
     /// `program`: forward + loss (output 0) at `chunk` rows; `feed`: the global batches.
-    pub fn new(program: Program, feed: TokenFeed, batches: usize) -> Result<Evaluator> {
+    ///
+    /// `batches`: `--eval-batches`, at most the whole batches the file holds (one when it
+    /// holds less than a batch: its windows repeat); default 4, or fewer when the file
+    /// holds fewer.
+    pub fn new(program: Program, feed: TokenFeed, batches: Option<usize>) -> Result<Evaluator> {
+        crate::commands::check_result_sizes(&program)?;
+        let held = feed.batches().max(1);
+        let batches = match batches {
+            None => DEFAULT_EVAL_BATCHES.min(held),
+            Some(e) if e > held => {
+                return Err(miette!(
+                    "--eval-batches {e}: {} holds {} windows of {} tokens, that is {held} batch(es) of {} rows; evaluate at most {held}",
+                    feed.file.path().display(),
+                    feed.sampler.windows(),
+                    feed.seq,
+                    feed.rows
+                ))
+            }
+            Some(e) => e,
+        };
         let input = program
             .inputs
             .iter()

@@ -150,16 +150,42 @@ struct SimSummary<'a> {
     peak_memory_by_kind: &'a BTreeMap<String, u64>,
     issue_order_peak_bytes: u64,
     arena_bytes: u64,
+    /// The cluster's memory per device.
+    device_memory_bytes: u64,
+    /// Whether the plan's arena fits the cluster's device memory.
+    fits: bool,
+    /// Why it does not fit (absent when it does).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
     links: &'a [simulate::LinkUsage],
     #[serde(skip_serializing_if = "Option::is_none")]
     calibration: Option<&'a simulate::Calibration>,
 }
 
+/// Whether a plan's arena fits the device memory: `None` when it does, else why not.
+fn device_fit(arena: u64, s: &Simulation, spec: &ClusterSpec) -> Option<String> {
+    let device = spec.device.memory_bytes;
+    (arena > device).then(|| {
+        format!(
+            "does not fit: the plan's arena is {} per rank > the {} of device memory of cluster {} (recompile with --memory {} or less, or another strategy)",
+            format_bytes(arena),
+            format_bytes(device),
+            s.cluster,
+            format_bytes(device)
+        )
+    })
+}
+
 fn sim_summary<'a>(
     s: &'a Simulation,
     calibration: Option<&'a simulate::Calibration>,
+    device_memory_bytes: u64,
+    note: Option<String>,
 ) -> SimSummary<'a> {
     SimSummary {
+        device_memory_bytes,
+        fits: note.is_none(),
+        note,
         model: &s.model,
         strategy: &s.strategy,
         cluster: &s.cluster,
@@ -192,7 +218,7 @@ fn sim_summary<'a>(
     }
 }
 
-fn print_sim(s: &Simulation) -> Result<()> {
+fn print_sim(s: &Simulation, device: u64, note: Option<&str>) -> Result<()> {
     let frac = |x: f64| {
         if s.step_s > 0.0 {
             pct(x / s.step_s)
@@ -258,6 +284,13 @@ fn print_sim(s: &Simulation) -> Result<()> {
     );
     for (k, v) in &m.peak_by_kind {
         outln!("    {k:<20} {:>12}", format_bytes(*v));
+    }
+    match note {
+        Some(n) => outln!("  DOES NOT FIT           {n}"),
+        None => outln!(
+            "  device memory          {:>12}   (the arena fits)",
+            format_bytes(device)
+        ),
     }
     if !s.links.is_empty() {
         outln!("  link classes (per rank per step):");
@@ -392,13 +425,15 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
             &inputs,
         )?;
     }
+    let note = device_fit(plan.arena_bytes, &sim, &spec);
+    let device = spec.device.memory_bytes;
     match a.format {
         Format::Json => {
-            let s = sim_summary(&sim, calibration.as_ref().map(|c| &c.0));
+            let s = sim_summary(&sim, calibration.as_ref().map(|c| &c.0), device, note);
             outln!("{}", serde_json::to_string_pretty(&s).into_diagnostic()?);
         }
         Format::Text => {
-            print_sim(&sim)?;
+            print_sim(&sim, device, note.as_deref())?;
             if let (Some(c), Some(path)) = (&calibration, &a.calibrate) {
                 print_calibration(&c.0, path)?;
             }

@@ -1034,3 +1034,201 @@ fn every_subcommand_survives_a_full_stdout_and_stderr() {
     }
     assert!(is_char_device(&full));
 }
+
+// ------------------------------------------------------------------ huge results in eval
+
+/// An ONNX model of one node `op` over the graph input `x` (f32, shape `x_shape`) and the
+/// int64 constants `consts` (name, values), whose output `y` hzp infers.
+fn one_node_onnx(
+    op: &str,
+    x_shape: &[i64],
+    ins: &[&str],
+    consts: &[(&str, Tensor)],
+    attrs: Vec<hzp_frontends::onnx::proto::AttributeProto>,
+) -> Vec<u8> {
+    use hzp_frontends::onnx::proto::*;
+    use prost::Message;
+    let dim = x_shape
+        .iter()
+        .map(|&d| tensor_shape_proto::Dimension {
+            denotation: String::new(),
+            value: Some(tensor_shape_proto::dimension::Value::DimValue(d)),
+        })
+        .collect();
+    let x = ValueInfoProto {
+        name: "x".into(),
+        r#type: Some(TypeProto {
+            denotation: String::new(),
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: 1,
+                shape: Some(TensorShapeProto { dim }),
+            })),
+        }),
+        doc_string: String::new(),
+    };
+    let node = NodeProto {
+        input: ins.iter().map(|s| s.to_string()).collect(),
+        output: vec!["y".into()],
+        name: format!("huge_{}", op.to_lowercase()),
+        op_type: op.into(),
+        attribute: attrs,
+        ..Default::default()
+    };
+    ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 18,
+        }],
+        producer_name: "hzp-tests".into(),
+        graph: Some(GraphProto {
+            node: vec![node],
+            name: "g".into(),
+            initializer: consts
+                .iter()
+                .map(|(n, t)| hzp_frontends::onnx::encode_tensor(n, t))
+                .collect(),
+            input: vec![x],
+            output: vec![ValueInfoProto {
+                name: "y".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+/// Expand, Tile, OneHot and Concat whose constant operands make a result of 2^44 elements
+/// (or, for Concat, of more than a small --max-memory): `hzp eval` refuses before
+/// allocating, naming the node, the shape and the budget, instead of aborting.
+#[test]
+fn constant_driven_results_over_the_budget_are_refused_by_eval() {
+    use hzp_frontends::onnx::proto::AttributeProto;
+    let d = tempdir("huge-results");
+    let axis = |v: i64| AttributeProto {
+        name: "axis".into(),
+        r#type: hzp_frontends::onnx::proto::attribute_type::INT,
+        i: Some(v),
+        ..Default::default()
+    };
+    let i64s = |v: Vec<i64>| Tensor::i64(vec![v.len()], v);
+    // (op, the model, x's shape, the result's shape and size as the error gives them)
+    type Case = (
+        &'static str,
+        Vec<u8>,
+        Vec<usize>,
+        &'static str,
+        &'static str,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "Expand",
+            one_node_onnx(
+                "Expand",
+                &[1, 1],
+                &["x", "shape"],
+                &[("shape", i64s(vec![1 << 22, 1 << 22]))],
+                vec![],
+            ),
+            vec![1, 1],
+            "[4194304, 4194304]",
+            "64.0 TiB",
+        ),
+        (
+            "Tile",
+            one_node_onnx(
+                "Tile",
+                &[4],
+                &["x", "repeats"],
+                &[("repeats", i64s(vec![1 << 42]))],
+                vec![],
+            ),
+            vec![4],
+            "[17592186044416]",
+            "64.0 TiB",
+        ),
+        (
+            "OneHot",
+            one_node_onnx(
+                "OneHot",
+                &[4],
+                &["x", "depth", "values"],
+                &[
+                    ("depth", Tensor::i64(vec![], vec![1 << 42])),
+                    ("values", Tensor::f32(vec![2], vec![0.0, 1.0])),
+                ],
+                vec![axis(-1)],
+            ),
+            vec![4],
+            "[4, 4398046511104]",
+            "64.0 TiB",
+        ),
+    ];
+    for (op, bytes, x_shape, shape, size) in cases {
+        let model = d.join(format!("{op}.onnx"));
+        std::fs::write(&model, bytes).unwrap();
+        let io = d.join(format!("{op}.npz"));
+        let n: usize = x_shape.iter().product();
+        npz::write(&io, &[("x".into(), Tensor::f32(x_shape, vec![1.0; n]))]).unwrap();
+        let err = fails_with(
+            &["eval", s(&model), "--inputs", s(&io)],
+            &[
+                &format!("node `huge_{}` ({op})", op.to_lowercase()),
+                shape,
+                size,
+                "memory budget",
+                "--max-memory",
+            ],
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // Concat of one 256 KiB constant four times (and x) under a 1 MiB budget: the model
+    // and its constant fit, the result (1 MiB and 4 bytes) does not
+    let quarter = Tensor::f32(vec![1 << 16], vec![0.5; 1 << 16]);
+    let model = d.join("Concat.onnx");
+    std::fs::write(
+        &model,
+        one_node_onnx(
+            "Concat",
+            &[1],
+            &["a", "x", "a", "a", "a"],
+            &[("a", quarter)],
+            vec![axis(0)],
+        ),
+    )
+    .unwrap();
+    let io = d.join("Concat.npz");
+    npz::write(&io, &[("x".into(), Tensor::f32(vec![1], vec![1.0]))]).unwrap();
+    fails_with(
+        &[
+            "eval",
+            s(&model),
+            "--inputs",
+            s(&io),
+            "--max-memory",
+            "1MiB",
+        ],
+        &[
+            "node `huge_concat` (Concat)",
+            "[262145]",
+            "memory budget of 1.0 MiB",
+        ],
+    );
+    // within the budget the same model evaluates
+    let out = d.join("concat_out.npz");
+    let (code, _, err) = hzp(&[
+        "eval",
+        s(&model),
+        "--inputs",
+        s(&io),
+        "--max-memory",
+        "64MiB",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let y = read_npz(&out);
+    assert_eq!(y[0].1.shape, vec![262145]);
+}

@@ -93,10 +93,265 @@ fn launch_checks_its_flags() {
             vec!["launch", "--nproc-per-node", "1", "--", "launch"],
             "itself",
         ),
+        (
+            vec!["launch", "--nproc-per-node", "1025", "--", "show", "x"],
+            "at most 1024",
+        ),
+        (
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2000000",
+                "--",
+                "show",
+                "x",
+            ],
+            "--nnodes 2000000",
+        ),
+        (
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "1024",
+                "--nnodes",
+                "1025",
+                "--",
+                "show",
+                "x",
+            ],
+            "more than 1048576 ranks",
+        ),
     ] {
         let (code, _, err) = hzp(&args);
-        assert_ne!(code, 0, "{args:?}");
+        assert_eq!(code, 1, "{args:?}: {err}");
         assert!(err.contains(word), "{args:?}: {err}");
+    }
+    // the largest world is accepted (it fails later, on the missing model, in every rank;
+    // one process per node keeps this cheap)
+    let (code, _, err) = hzp(&[
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "1048576",
+        "--node-rank",
+        "1048575",
+        "--master-port",
+        "29500",
+        "--",
+        "show",
+        "no-such-model.hzp",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no-such-model.hzp"), "{err}");
+}
+
+#[test]
+fn launch_refuses_a_cpu_run_which_would_run_the_whole_plan_in_every_process() {
+    for args in [
+        vec!["run", "plan.json", "--inputs", "b.npz"],
+        vec!["run", "plan.json", "--backend", "cpu"],
+        vec!["run", "plan.json", "--backend=cpu", "--steps", "2"],
+    ] {
+        let mut all = vec!["launch", "--nproc-per-node", "2", "--"];
+        all.extend(&args);
+        let (code, out, err) = hzp(&all);
+        assert_eq!(code, 1, "{all:?}: {err}");
+        assert!(
+            err.contains("runs every rank of the plan as threads of one process")
+                && err.contains("without `hzp launch`"),
+            "{all:?}: {err}"
+        );
+        // refused before any process started
+        assert!(!out.contains("[rank ") && !err.contains("[rank "), "{err}");
+    }
+    // --backend cuda passes the check (and fails in the ranks: no such plan)
+    let (code, _, err) = hzp(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "run",
+        "no-such-plan.json",
+        "--backend",
+        "cuda",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("[rank ") && err.contains("no-such-plan.json"),
+        "{err}"
+    );
+}
+
+/// `hzp` with extra environment variables.
+fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_hzp"))
+        .args(args)
+        // what this test process may have inherited from a launcher of its own
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("SLURM_STEP_NUM_TASKS")
+        .env_remove("OMPI_COMM_WORLD_SIZE")
+        .env_remove("PMI_SIZE")
+        .envs(env.iter().copied())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_cpu_run_started_as_one_of_several_processes_is_refused() {
+    let run = ["run", "no-such-plan.json", "--steps", "1"];
+    for env in [
+        vec![("RANK", "1"), ("WORLD_SIZE", "2")],
+        vec![("SLURM_STEP_NUM_TASKS", "4"), ("SLURM_PROCID", "3")],
+        vec![("OMPI_COMM_WORLD_SIZE", "8")],
+    ] {
+        let (code, err) = hzp_env(&run, &env);
+        assert_eq!(code, 1, "{env:?}: {err}");
+        assert!(
+            err.contains("CPU backend runs every rank of the plan as threads of this one process")
+                && err.contains("without a launcher"),
+            "{env:?}: {err}"
+        );
+        assert!(!err.contains("no-such-plan.json"), "{env:?}: {err}");
+    }
+    // one process of one (or no launcher at all) runs: it gets as far as reading the plan
+    for env in [vec![("RANK", "0"), ("WORLD_SIZE", "1")], vec![]] {
+        let (code, err) = hzp_env(&run, &env);
+        assert_eq!(code, 1, "{env:?}: {err}");
+        assert!(err.contains("no-such-plan.json"), "{env:?}: {err}");
+    }
+}
+
+/// The processes whose parent is `pid` (from /proc), with their command lines.
+#[cfg(target_os = "linux")]
+fn children_of(pid: u32) -> Vec<(u32, Vec<String>)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // the fields after the command name `(...)`: state, ppid, ...
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
+            let args = cmdline
+                .split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            out.push((child, args));
+        }
+    }
+    out
+}
+
+/// A process that exists and is not a zombie.
+#[cfg(target_os = "linux")]
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z")
+    })
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_signal_to_launch_is_passed_on_and_its_ranks_are_reaped() {
+    use std::time::{Duration, Instant};
+    // SIGTERM (15) and SIGINT (2)
+    for sig in [15, 2] {
+        let log = tempdir().join(format!("launch-signal-{sig}.err"));
+        let mut launcher = Command::new(env!("CARGO_BIN_EXE_hzp"))
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--",
+                "train",
+                "examples/models/mlp.hzp",
+                "--inputs",
+                "examples/models/mlp.io.npz",
+                "--loss",
+                "mse",
+                "--target",
+                "y",
+                "--steps",
+                "100000000",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        // wait until both ranks run `hzp train` (past exec)
+        let t0 = Instant::now();
+        let ranks = loop {
+            let kids: Vec<u32> = children_of(launcher.id())
+                .into_iter()
+                .filter(|(_, a)| a.get(1).map(String::as_str) == Some("train"))
+                .map(|(p, _)| p)
+                .collect();
+            if kids.len() == 2 {
+                break kids;
+            }
+            if t0.elapsed() > Duration::from_secs(60) || launcher.try_wait().unwrap().is_some() {
+                let _ = launcher.kill();
+                panic!(
+                    "the ranks did not start: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let status = Command::new("kill")
+            .args([format!("-{sig}"), launcher.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let t0 = Instant::now();
+        let code = loop {
+            if let Some(s) = launcher.try_wait().unwrap() {
+                break s.code();
+            }
+            if t0.elapsed() > Duration::from_secs(20) {
+                let _ = launcher.kill();
+                let _ = launcher.wait();
+                for &r in &ranks {
+                    let _ = Command::new("kill").args(["-9", &r.to_string()]).status();
+                }
+                panic!("hzp launch did not end within 20 s of signal {sig}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let err = std::fs::read_to_string(&log).unwrap();
+        // the launcher reaped its ranks before it exited: none is left running
+        let left: Vec<u32> = ranks.iter().copied().filter(|&r| alive(r)).collect();
+        for &r in &left {
+            let _ = Command::new("kill").args(["-9", &r.to_string()]).status();
+        }
+        assert!(
+            left.is_empty(),
+            "signal {sig}: ranks {left:?} still run:
+{err}"
+        );
+        assert_eq!(code, Some(128 + sig), "signal {sig}: {err}");
+        assert!(err.contains("hzp launch: received SIG"), "{err}");
     }
 }
 

@@ -191,6 +191,38 @@ fn bad_plans_models_and_inputs_are_refused_clearly() {
     let (code, _, err) = run(&plan, &["--link", "intra=fast"]);
     assert_eq!(code, 1);
     assert!(err.contains("--link"), "{err}");
+    // links so slow (or latencies so long) that a collective's time is no duration: refused
+    // before any step, never a panic in a comm thread
+    for (link, words) in [
+        ("intra=1e-300B/s", ["--link intra=", "at least 1 B/s"]),
+        ("intra=0.5B/s", ["--link intra=", "at least 1 B/s"]),
+        (
+            "intra=300GB/s,latency=1e300s",
+            ["--link latency=", "an hour"],
+        ),
+    ] {
+        let (code, out, err) = run(&plan, &["--link", link, "--steps", "1"]);
+        assert_eq!(code, 1, "{link}: {out}{err}");
+        for w in words {
+            assert!(err.contains(w), "{link}: {err}");
+        }
+    }
+    // and through a cluster spec
+    let spec = d.join("slow.toml");
+    let toml = std::fs::read_to_string(repo().join("examples/clusters/h100-dgx.toml")).unwrap();
+    for (from, to, key) in [
+        ("bandwidth = \"450GB/s\"", "bandwidth = 1e-300", "bandwidth"),
+        ("latency = \"3us\"", "latency = 1e300", "latency"),
+    ] {
+        assert!(toml.contains(from), "{from}");
+        std::fs::write(&spec, toml.replacen(from, to, 1)).unwrap();
+        let (code, out, err) = run(&plan, &["--emulate-links", s(&spec), "--steps", "1"]);
+        assert_eq!(code, 1, "{key}: {out}{err}");
+        assert!(
+            err.contains("slow.toml") && err.contains(&format!("links[0].{key}")),
+            "{key}: {err}"
+        );
+    }
 }
 
 #[test]
@@ -343,4 +375,60 @@ fn compile_honours_retie_and_freeze() {
         (plain[2] - run[2]).abs() > 1e-6 * run[2].abs(),
         "{plain:?} vs {run:?}"
     );
+}
+
+/// `--eval-batches` beyond what `--val-data` holds is refused before the first step (it
+/// used to wrap around the file, evaluating the same windows without end).
+#[test]
+fn eval_batches_are_bounded_by_the_held_out_file() {
+    let d = tempdir("eval-batches");
+    let plan = compile(&d, "gpu=2", "zero3");
+    let tokens = own_models_dir().join("tokens/train.bin");
+    let run = |e: &str| {
+        hzp(&[
+            "run",
+            s(&plan),
+            "--data",
+            s(&tokens),
+            "--val-data",
+            s(&tokens),
+            "--eval-batches",
+            e,
+            "--steps",
+            "1",
+        ])
+    };
+    let (code, out, err) = run("1000000000000");
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("--eval-batches 1000000000000") && err.contains("train.bin holds"),
+        "{err}"
+    );
+    assert!(!out.contains("step"), "refused before training: {out}");
+    // the most it holds, named in the message: one more is refused too
+    let held: usize = err
+        .split("that is ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of batches in: {err}"));
+    assert!(held >= 1, "{err}");
+    let (code, _, err) = run(&(held + 1).to_string());
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&format!("evaluate at most {held}")), "{err}");
+    // `hzp train` checks the same
+    let (code, _, err) = hzp(&[
+        "train",
+        s(&model()),
+        "--inputs",
+        s(&io()),
+        "--data",
+        s(&tokens),
+        "--val-data",
+        s(&tokens),
+        "--eval-batches",
+        "1000000000000",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--eval-batches 1000000000000"), "{err}");
 }

@@ -136,6 +136,61 @@ fn simulate_errors_say_what_is_wrong() {
 }
 
 #[test]
+fn simulate_says_when_the_plan_does_not_fit_the_clusters_devices() {
+    let dir = tempdir("sim-fit");
+    let plan = compile_plan(&dir);
+    // the default cluster (80 GiB per device) holds the tiny plan
+    let (code, out, err) = hzp(&["simulate", s(&plan), "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["fits"], true, "{out}");
+    assert_eq!(v["device_memory_bytes"], 80u64 << 30, "{out}");
+    assert!(v.get("note").is_none(), "{out}");
+    let (code, out, err) = hzp(&["simulate", s(&plan)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("(the arena fits)") && !out.contains("DOES NOT FIT"),
+        "{out}"
+    );
+    // a cluster of 4 KiB devices does not
+    let spec = dir.join("small.toml");
+    let toml = std::fs::read_to_string(repo().join("examples/clusters/h100-dgx.toml"))
+        .unwrap()
+        .replace("memory = \"80GiB\"", "memory = \"4KiB\"");
+    assert!(toml.contains("memory = \"4KiB\""));
+    std::fs::write(&spec, toml).unwrap();
+    let (code, out, err) = hzp(&[
+        "simulate",
+        s(&plan),
+        "--cluster",
+        s(&spec),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let arena = v["arena_bytes"].as_u64().unwrap();
+    assert!(arena > 4096, "{out}");
+    assert_eq!(v["fits"], false, "{out}");
+    assert_eq!(v["device_memory_bytes"], 4096, "{out}");
+    let note = v["note"].as_str().unwrap();
+    assert!(
+        note.contains("does not fit") && note.contains("> the 4.00 KiB of device memory"),
+        "{note}"
+    );
+    let (code, out, err) = hzp(&["simulate", s(&plan), "--cluster", s(&spec)]);
+    assert_eq!(code, 0, "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("DOES NOT FIT"))
+        .unwrap_or_else(|| panic!("no DOES NOT FIT line: {out}"));
+    assert!(
+        line.contains("arena is") && line.contains("of device memory") && line.contains("--memory"),
+        "{line}"
+    );
+}
+
+#[test]
 fn compare_strategies_json_and_markdown() {
     let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
     let args = [

@@ -3,13 +3,22 @@
 //! (a 1024-byte header of int32s: magic 20240520, version (1: uint16 tokens, 2: uint32),
 //! token count; then the tokens), recognised by its header.
 //!
-//! The file is memory-mapped and only the windows a step uses are read. A run cuts it into
+//! A file that looks like an llm.c file but lacks the magic is refused rather than read as
+//! raw tokens (which would train on the header's bytes): the rule is that the file is at
+//! least 1024 bytes and either its first int32 is the magic byte-swapped (a big-endian
+//! writer), or its second int32 is a version (1 or 2) and its third a token count that,
+//! with that version's width and the 1024-byte header, gives exactly the file's size. A
+//! raw token file matches that only if its tokens 2..6 happen to spell such a header that
+//! also predicts its length to the byte, so raw files are not refused in practice.
+//!
+//! Only the windows a step uses are read, each with one positioned read (`pread`) of the
+//! open file, so a file truncated while a run reads it gives an error naming the file
+//! (a memory map would end the process with a bus error instead). A run cuts the file into
 //! consecutive windows of `T` tokens (`floor(N / T)` of them); step `s`, global row `r` of a
 //! batch of `B` rows reads window `(s * B + r) mod windows` ([`Sampler`]), so one epoch goes
 //! through the file in order and the next starts again; with a shuffle seed the windows of
 //! each epoch are a permutation drawn from (seed, epoch).
 
-use memmap2::Mmap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -65,10 +74,12 @@ pub enum TokenError {
     },
 }
 
-/// A memory-mapped token file.
+/// An open token file.
 pub struct TokenFile {
     path: PathBuf,
-    map: Mmap,
+    file: File,
+    /// The file's size in bytes when it was opened.
+    size: u64,
     /// Bytes before the first token (llm.c's header, or 0).
     start: usize,
     dtype: TokenDtype,
@@ -102,25 +113,32 @@ impl TokenFile {
             ));
         }
         let f = File::open(path).map_err(|e| file_err(format!("cannot open it: {e}")))?;
-        let size = usize::try_from(meta.len())
+        // the size of the file opened (not of whatever the path names by now)
+        let size64 = f
+            .metadata()
+            .map_err(|e| file_err(format!("cannot read it: {e}")))?
+            .len();
+        let size = usize::try_from(size64)
             .map_err(|_| file_err("larger than this machine's address space".into()))?;
         if size == 0 {
             return Err(file_err("the file is empty".into()));
         }
-        // SAFETY: the map is read-only; a file changed by another process while we run
-        // could give other token ids, never memory unsafety in this process's own data.
-        let map = unsafe { Mmap::map(&f) }.map_err(|e| file_err(format!("cannot map it: {e}")))?;
-        let word = |i: usize| i32::from_le_bytes(map[4 * i..4 * i + 4].try_into().unwrap());
+        let mut head = [0u8; LLMC_HEADER];
+        let head_len = size.min(LLMC_HEADER);
+        read_at(&f, &mut head[..head_len], 0)
+            .map_err(|e| file_err(format!("cannot read it: {e}")))?;
+        let word = |i: usize| i32::from_le_bytes(head[4 * i..4 * i + 4].try_into().unwrap());
+        let width = |version: i32| match version {
+            1 => Some(TokenDtype::U16),
+            2 => Some(TokenDtype::U32),
+            _ => None,
+        };
         if size >= LLMC_HEADER && word(0) == LLMC_MAGIC {
             let version = word(1);
-            let dtype = match version {
-                1 => TokenDtype::U16,
-                2 => TokenDtype::U32,
-                v => {
-                    return Err(file_err(format!(
-                        "an llm.c token file of version {v}; versions 1 (uint16 tokens) and 2 (uint32) are known"
-                    )))
-                }
+            let Some(dtype) = width(version) else {
+                return Err(file_err(format!(
+                    "an llm.c token file of version {version}; versions 1 (uint16 tokens) and 2 (uint32) are known"
+                )));
             };
             if let Some(d) = raw_dtype {
                 if d != dtype {
@@ -148,12 +166,34 @@ impl TokenFile {
             }
             return Ok(TokenFile {
                 path: path.to_path_buf(),
-                map,
+                file: f,
+                size: size64,
                 start: LLMC_HEADER,
                 dtype,
                 len: count,
                 llmc: true,
             });
+        }
+        if size >= LLMC_HEADER {
+            // an llm.c header with the wrong magic (see the module docs for the rule)
+            if word(0) == LLMC_MAGIC.swap_bytes() {
+                return Err(file_err(format!(
+                    "starts with llm.c's magic {LLMC_MAGIC} byte-swapped (a big-endian file?); llm.c token files are little-endian"
+                )));
+            }
+            let (version, count) = (word(1), word(2));
+            if let (Some(d), Ok(n)) = (width(version), usize::try_from(count)) {
+                if n.checked_mul(d.bytes())
+                    .and_then(|b| b.checked_add(LLMC_HEADER))
+                    == Some(size)
+                {
+                    return Err(file_err(format!(
+                        "looks like an llm.c token file (version {version}, {count} tokens of {}, which is the file's size with a 1024-byte header) but its magic number is {} where llm.c writes {LLMC_MAGIC}; fix or rewrite the header (it is not read as raw tokens, which would train on the header)",
+                        d.name(),
+                        word(0)
+                    )));
+                }
+            }
         }
         let dtype = raw_dtype.unwrap_or(TokenDtype::U16);
         if !size.is_multiple_of(dtype.bytes()) {
@@ -165,7 +205,8 @@ impl TokenFile {
         }
         Ok(TokenFile {
             path: path.to_path_buf(),
-            map,
+            file: f,
+            size: size64,
             start: 0,
             dtype,
             len: size / dtype.bytes(),
@@ -195,15 +236,6 @@ impl TokenFile {
         }
     }
 
-    /// Token `i`.
-    pub fn token(&self, i: usize) -> u32 {
-        let at = self.start + i * self.dtype.bytes();
-        match self.dtype {
-            TokenDtype::U16 => u16::from_le_bytes([self.map[at], self.map[at + 1]]) as u32,
-            TokenDtype::U32 => u32::from_le_bytes(self.map[at..at + 4].try_into().unwrap()),
-        }
-    }
-
     /// Byte offset of token `i` in the file.
     pub fn offset_of(&self, i: usize) -> usize {
         self.start + i * self.dtype.bytes()
@@ -224,10 +256,28 @@ impl TokenFile {
         out: &mut Vec<i64>,
     ) -> Result<(), TokenError> {
         let first = w * t;
-        for i in first..first + t {
-            let id = self.token(i);
+        let width = self.dtype.bytes();
+        if first.checked_add(t).is_none_or(|end| end > self.len) {
+            return Err(TokenError::File {
+                file: self.path.display().to_string(),
+                message: format!(
+                    "window {w} of {t} tokens is past the end of the file's {} tokens",
+                    self.len
+                ),
+            });
+        }
+        let mut bytes = vec![0u8; t * width];
+        if let Err(e) = read_at(&self.file, &mut bytes, self.offset_of(first) as u64) {
+            return Err(self.read_error(e));
+        }
+        for (k, b) in bytes.chunks_exact(width).enumerate() {
+            let id = match self.dtype {
+                TokenDtype::U16 => u16::from_le_bytes([b[0], b[1]]) as u32,
+                TokenDtype::U32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            };
             if let Some(v) = vocab {
                 if id as usize >= v {
+                    let i = first + k;
                     return Err(TokenError::OutOfVocab {
                         file: self.path.display().to_string(),
                         index: i,
@@ -238,6 +288,50 @@ impl TokenFile {
                 }
             }
             out.push(id as i64);
+        }
+        Ok(())
+    }
+
+    /// A failed read: a file that shrank since it was opened is named as such.
+    fn read_error(&self, e: std::io::Error) -> TokenError {
+        let now = self.file.metadata().map(|m| m.len()).ok();
+        let message = match now {
+            Some(n) if n < self.size => format!(
+                "the file shrank from {} to {n} bytes while this run reads it (truncated or rewritten by another program?); the run cannot go on with it",
+                self.size
+            ),
+            _ if e.kind() == std::io::ErrorKind::UnexpectedEof => format!(
+                "the file ended early ({} bytes when opened) while this run reads it (truncated or rewritten by another program?)",
+                self.size
+            ),
+            _ => format!("cannot read it: {e}"),
+        };
+        TokenError::File {
+            file: self.path.display().to_string(),
+            message,
+        }
+    }
+}
+
+/// Fills `buf` from `file` at byte `offset` (a positioned read: no shared cursor).
+fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+    }
+    #[cfg(windows)]
+    {
+        let (mut done, mut buf) = (0u64, buf);
+        while !buf.is_empty() {
+            match std::os::windows::fs::FileExt::seek_read(file, buf, offset + done) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => {
+                    buf = &mut std::mem::take(&mut buf)[n..];
+                    done += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -381,6 +475,94 @@ mod tests {
         let dir = std::env::temp_dir();
         let e = TokenFile::open(&dir, None).unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+
+    #[test]
+    fn a_file_truncated_after_opening_is_an_error_naming_it() {
+        let ids: Vec<u16> = (0..100).collect();
+        let bytes: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let p = tmp("shrinks.bin", &bytes);
+        let f = TokenFile::open(&p, None).unwrap();
+        let mut out = Vec::new();
+        f.read_window(9, 10, None, &mut out).unwrap();
+        assert_eq!(out, (90..100).collect::<Vec<i64>>());
+        // another program cuts the file to 50 tokens while the run holds it open
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        out.clear();
+        // a window still inside the file reads; one past the new end is an error
+        f.read_window(4, 10, None, &mut out).unwrap();
+        assert_eq!(out, (40..50).collect::<Vec<i64>>());
+        let e = f
+            .read_window(9, 10, None, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&p.display().to_string()) && e.contains("shrank from 200 to 100 bytes"),
+            "{e}"
+        );
+        // and a window the file never had is refused, not read
+        let e = f
+            .read_window(10, 10, None, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("past the end"), "{e}");
+    }
+
+    fn header(magic: i32, version: i32, count: i32) -> Vec<u8> {
+        let mut bytes = vec![0u8; LLMC_HEADER];
+        bytes[0..4].copy_from_slice(&magic.to_le_bytes());
+        bytes[4..8].copy_from_slice(&version.to_le_bytes());
+        bytes[8..12].copy_from_slice(&count.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn an_llmc_header_with_a_wrong_magic_is_refused_not_read_as_tokens() {
+        // version 1, 6 uint16 tokens, magic off by one
+        let mut bytes = header(LLMC_MAGIC + 1, 1, 6);
+        bytes.extend(std::iter::repeat_n(7u8, 12));
+        let p = tmp("near_miss.bin", &bytes);
+        let e = TokenFile::open(&p, None).unwrap_err().to_string();
+        assert!(
+            e.contains(&p.display().to_string())
+                && e.contains("looks like an llm.c token file")
+                && e.contains("magic number is 20240521"),
+            "{e}"
+        );
+        // version 2: uint32 tokens
+        let mut bytes = header(0, 2, 3);
+        bytes.extend(std::iter::repeat_n(1u8, 12));
+        let e = TokenFile::open(&tmp("near_miss2.bin", &bytes), Some(TokenDtype::U32))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("version 2, 3 tokens of u32") && e.contains("magic number is 0"),
+            "{e}"
+        );
+        // the magic written big-endian
+        let mut bytes = header(LLMC_MAGIC.swap_bytes(), 1, 2);
+        bytes.extend([0u8; 4]);
+        let e = TokenFile::open(&tmp("big_endian.bin", &bytes), None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("byte-swapped"), "{e}");
+    }
+
+    #[test]
+    fn raw_files_that_only_resemble_a_header_are_raw() {
+        // tokens 2, 3 spell version 1, but the count does not predict the size
+        let mut bytes = header(5, 1, 6);
+        bytes.extend([0u8; 14]);
+        let f = TokenFile::open(&tmp("raw_like.bin", &bytes), None).unwrap();
+        assert_eq!((f.format(), f.len()), ("raw", (LLMC_HEADER + 14) / 2));
+        // a short file is never taken for a header
+        let f = TokenFile::open(&tmp("short.bin", &header(0, 1, 0)[..64]), None).unwrap();
+        assert_eq!((f.format(), f.len()), ("raw", 32));
     }
 
     #[test]

@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 /// How long a collective takes on emulated links.
 pub trait LinkModel: Send + Sync {
     /// The duration of `op` over `group` moving `bytes` per rank (the output of an
-    /// all-gather, the input of the other collectives).
-    fn duration(&self, op: &Op, group: &Group, bytes: u64) -> Duration;
+    /// all-gather, the input of the other collectives); an error when the model's time is
+    /// not a duration this machine can wait for.
+    fn duration(&self, op: &Op, group: &Group, bytes: u64) -> Result<Duration, String>;
 }
 
 /// The bytes per rank a [`LinkModel`] is asked about: the output of an all-gather, the input
@@ -259,11 +260,28 @@ impl Communicator {
             }
         }
         if let (Some((model, group)), Ok(())) = (link, &result) {
-            let d = model.duration(op, group, collective_bytes(op, input_len, output_len));
-            let until = ready_at + d;
-            let now = Instant::now();
-            if until > now {
-                std::thread::sleep(until - now);
+            let bytes = collective_bytes(op, input_len, output_len);
+            let until = model.duration(op, group, bytes).and_then(|d| {
+                ready_at.checked_add(d).ok_or_else(|| {
+                    format!(
+                        "the emulated link time of {d:?} for {bytes} bytes is too long to wait for"
+                    )
+                })
+            });
+            match until {
+                Ok(until) => {
+                    let now = Instant::now();
+                    if until > now {
+                        std::thread::sleep(until - now);
+                    }
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "rank {}: {} on emulated links: {e}",
+                        self.members[me],
+                        op.name()
+                    ))
+                }
             }
         }
         result

@@ -57,7 +57,7 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     if secs > 1e9 {
         return Err(format!("`{s}`: a timeout above 10^9 seconds"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("`{s}`: {e}"))
 }
 
 /// What an injected fault does (see the [module docs](self)).

@@ -285,6 +285,7 @@ impl ClusterSpec {
         fraction("device.vector_efficiency", d.vector_efficiency)?;
         fraction("device.memory_efficiency", d.memory_efficiency)?;
         non_negative("device.launch_overhead", d.launch_overhead)?;
+        at_most_an_hour("device.launch_overhead", d.launch_overhead)?;
         if self.links.is_empty() {
             return Err(ClusterError::at_key(
                 "links",
@@ -324,7 +325,17 @@ impl ClusterSpec {
                 }
             }
             positive(&key("bandwidth"), l.bandwidth)?;
+            if l.bandwidth < MIN_LINK_BANDWIDTH {
+                return Err(ClusterError::at_key(
+                    key("bandwidth"),
+                    format!(
+                        "must be at least {MIN_LINK_BANDWIDTH} B/s, got {} B/s (a collective's time would not be a duration)",
+                        l.bandwidth
+                    ),
+                ));
+            }
             non_negative(&key("latency"), l.latency)?;
+            at_most_an_hour(&key("latency"), l.latency)?;
             fraction(&key("efficiency"), l.efficiency)?;
         }
         self.validate_mesh(&self.mesh).map_err(|mut e| {
@@ -384,6 +395,23 @@ impl ClusterSpec {
     /// Number of nodes `mesh` spans: world size / devices per node, rounded up.
     pub fn nodes(&self, mesh: &Mesh) -> usize {
         mesh.world_size().div_ceil(self.devices_per_node.max(1))
+    }
+}
+
+/// The slowest link a spec may declare, in bytes/s: below it a collective's modeled time
+/// could exceed what a `Duration` holds (and no real link is that slow).
+pub const MIN_LINK_BANDWIDTH: f64 = 1.0;
+/// The longest per-message latency (or launch overhead) a spec may declare, in seconds.
+pub const MAX_LINK_LATENCY: f64 = 3600.0;
+
+fn at_most_an_hour(key: &str, v: f64) -> Result<(), ClusterError> {
+    if v <= MAX_LINK_LATENCY {
+        Ok(())
+    } else {
+        Err(ClusterError::at_key(
+            key,
+            format!("must be at most {MAX_LINK_LATENCY} s (an hour), got {v} s"),
+        ))
     }
 }
 
@@ -833,6 +861,35 @@ mod tests {
         assert!(split_number("GB").is_err());
         assert!(split_number("-3GB").is_err());
         assert!(split_number(".").is_err());
+    }
+
+    #[test]
+    fn links_whose_collective_times_are_no_duration_are_refused() {
+        let base = include_str!("../../../examples/clusters/h100-dgx.toml");
+        let with = |from: &str, to: &str| {
+            assert!(base.contains(from), "{from}");
+            ClusterSpec::from_toml_str(&base.replacen(from, to, 1), "x.toml")
+        };
+        for (from, to, want) in [
+            (
+                "bandwidth = \"450GB/s\"",
+                "bandwidth = 1e-300",
+                "links[0].bandwidth",
+            ),
+            (
+                "bandwidth = \"400Gb/s\"",
+                "bandwidth = 0.5",
+                "links[1].bandwidth",
+            ),
+            ("latency = \"3us\"", "latency = 1e300", "links[0].latency"),
+            ("latency = \"10us\"", "latency = 3601", "links[1].latency"),
+        ] {
+            let e = with(from, to).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("x.toml"), "{to}: {e}");
+        }
+        // the limits themselves are accepted
+        with("bandwidth = \"450GB/s\"", "bandwidth = 1").unwrap();
+        with("latency = \"3us\"", "latency = 3600").unwrap();
     }
 
     #[test]

@@ -61,6 +61,16 @@ fn run_err(s: impl Into<String>) -> ExecError {
     ExecError::Run(s.into())
 }
 
+/// A timing event's milliseconds as a duration (an error, not a panic, for a reading that
+/// is negative or not a number).
+fn ms_duration(ms: f32) -> Result<Duration, ExecError> {
+    Duration::try_from_secs_f64(ms as f64 / 1e3).map_err(|_| {
+        run_err(format!(
+            "CUDA: a timing event read {ms} ms, which is not a duration"
+        ))
+    })
+}
+
 fn drv_err(what: &str, e: drv::DriverError) -> ExecError {
     let name = e
         .error_name()
@@ -724,14 +734,14 @@ impl CudaExecutor {
             if let (Some(p), true) = (self.profile.as_mut(), step > 1) {
                 p.add(i, ms as f64, self.low.nodes.len());
             }
-            let d = Duration::from_secs_f64(ms as f64 / 1e3);
+            let d = ms_duration(ms)?;
             let is_coll = nw.work.iter().any(|w| matches!(w, Work::Collective(_)));
             busy[nw.stream] += d;
             if sync && is_coll {
                 exposed += d;
             }
             if let (false, Some((a, b))) = (sync, self.wait_timing[i]) {
-                exposed += Duration::from_secs_f64(self.elapsed(a, b)? as f64 / 1e3);
+                exposed += ms_duration(self.elapsed(a, b)?)?;
             }
         }
         self.steps_run = step;
