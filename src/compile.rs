@@ -345,6 +345,7 @@ pub fn request(
         sparse_grads: !c.dense_embedding_grads,
         grad_dtype,
         asyncmesh,
+        stage_events: !stages.is_empty(),
         ..CompileOptions::new(model.model.clone(), mesh, cluster)
     };
     Ok(Request {

@@ -379,3 +379,130 @@ fn compare_runs_each_plan_with_emulated_links() {
         &["shapes only", "--run-steps"],
     );
 }
+
+/// `hzp compile --format json` of `model` (with `extra` flags) on `mesh` into `dir`: the plan
+/// and the predicted step.
+fn compile_predicted(dir: &Path, model: &str, mesh: &str, extra: &[&str]) -> (PathBuf, f64) {
+    let out = dir.join(format!("{}.json", mesh.replace([',', '='], "_")));
+    let mut args = vec![
+        "compile",
+        model,
+        "--mesh",
+        mesh,
+        "--format",
+        "json",
+        "-o",
+        s(&out),
+    ];
+    args.extend(extra);
+    let (code, stdout, err) = hzp(&args);
+    assert_eq!(code, 0, "{model} on {mesh}: {stdout}{err}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    (out, v["predicted_step_s"].as_f64().unwrap())
+}
+
+/// `hzp simulate --format json`'s step of a plan.
+fn simulated_step(plan: &Path) -> f64 {
+    let (code, out, err) = hzp(&["simulate", s(plan), "--format", "json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["step_time_s"].as_f64().unwrap()
+}
+
+/// `hzp compare` of every baseline and asynchzp: asynchzp is never slower in the simulator
+/// than a baseline that fits.
+fn asynchzp_never_slower(model: &str, mesh: &str, extra: &[&str]) {
+    let mut args = vec![
+        "compare",
+        model,
+        "--mesh",
+        mesh,
+        "--strategies",
+        "asynchzp,zero1,zero2,zero3,hsdp,ddp",
+        "--format",
+        "json",
+        "--quiet",
+    ];
+    args.extend(extra);
+    let (code, out, err) = hzp(&args);
+    assert_eq!(code, 0, "{model} on {mesh}: {out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows[0]["strategy"], "asynchzp");
+    assert_eq!(rows[0]["fits"], true, "{model} on {mesh}: {}", rows[0]);
+    let ours = rows[0]["step_time_s"].as_f64().unwrap();
+    for r in &rows[1..] {
+        if r["fits"] == true {
+            let theirs = r["step_time_s"].as_f64().unwrap();
+            assert!(
+                ours <= theirs * (1.0 + 1e-9),
+                "{model} on {mesh}: asynchzp {ours} s is slower than {} {theirs} s ({})",
+                r["strategy"],
+                r["groups"]
+            );
+        }
+    }
+}
+
+fn assert_agree(what: &str, predicted: f64, simulated: f64) {
+    let rel = (predicted / simulated - 1.0).abs();
+    assert!(
+        predicted > 0.0 && rel <= 0.10,
+        "{what}: compile predicts {predicted} s, simulate gives {simulated} s ({:.1}% apart)",
+        rel * 100.0
+    );
+}
+
+/// One number per question: the step `hzp compile` predicts is the one `hzp simulate` gives
+/// the same plan (within 10%; the compile simulates the plans it weighs), on every ONNX model
+/// of tests/models (both exporters) on two meshes; and `hzp compare` never shows asynchzp
+/// slower than a baseline that fits.
+#[test]
+fn compile_predicts_the_simulated_step_for_every_test_model() {
+    let dir = tempdir("onenumber");
+    let mut models: Vec<PathBuf> = std::fs::read_dir(own_models_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "onnx"))
+        .collect();
+    models.sort();
+    assert!(models.len() >= 8, "{models:?}");
+    for m in &models {
+        let name = m.file_stem().unwrap().to_string_lossy().to_string();
+        let sub = dir.join(&name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let shape = ["--shape", "input_ids=8x16"];
+        for mesh in ["node=2,gpu=4", "node=2,gpu=2"] {
+            let (plan, predicted) = compile_predicted(&sub, s(m), mesh, &shape);
+            assert_agree(
+                &format!("{name} on {mesh}"),
+                predicted,
+                simulated_step(&plan),
+            );
+        }
+        asynchzp_never_slower(s(m), "node=2,gpu=4", &shape);
+    }
+}
+
+/// The same for the large presets on the README's meshes.
+#[test]
+fn compile_predicts_the_simulated_step_for_the_presets() {
+    let dir = tempdir("onenumber-presets");
+    for preset in [
+        "preset:gpt3-175b",
+        "preset:llama3-70b",
+        "preset:mixtral-8x7b",
+    ] {
+        let sub = dir.join(preset.trim_start_matches("preset:"));
+        std::fs::create_dir_all(&sub).unwrap();
+        for mesh in ["node=128,gpu=8", "node=16,gpu=8"] {
+            let (plan, predicted) = compile_predicted(&sub, preset, mesh, &[]);
+            assert_agree(
+                &format!("{preset} on {mesh}"),
+                predicted,
+                simulated_step(&plan),
+            );
+        }
+        asynchzp_never_slower(preset, "node=16,gpu=8", &[]);
+    }
+}

@@ -1655,3 +1655,273 @@ fn rotary_embedding_halves_and_interleaved() {
         close(&got[0], &Tensor::f32(vec![1, 2, 3, 6], want));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Sequences (static lengths, constant positions): SplitToSequence, SequenceConstruct,
+// SequenceAt, SequenceLength, SequenceInsert, SequenceErase, ConcatFromSequence.
+
+/// `x[r][c]` of a row-major `[rows, cols]` f32 tensor given as its values.
+fn at2(v: &[f64], cols: usize, r: usize, c: usize) -> f64 {
+    v[r * cols + c]
+}
+
+fn output(res: &[(String, Tensor)], name: &str) -> Tensor {
+    res.iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no output {name}"))
+        .1
+        .clone()
+}
+
+#[test]
+fn split_to_sequence_with_sizes_then_at_and_concat() {
+    let mut m = M::new();
+    m.inputs.push(vi("x", FLOAT, &[D::V(2), D::V(6)]));
+    m.inits.push(init("sizes", &i64s(&[3], &[1, 3, 2])));
+    m.inits.push(init("one", &Tensor::scalar_i64(1)));
+    m.inits.push(init("last", &Tensor::scalar_i64(-1)));
+    m.nodes.push(node(
+        "SplitToSequence",
+        "split",
+        &["x", "sizes"],
+        &["seq"],
+        vec![a_i("axis", 1)],
+    ));
+    m.nodes
+        .push(node("SequenceAt", "at1", &["seq", "one"], &["mid"], vec![]));
+    m.nodes.push(node(
+        "SequenceAt",
+        "atlast",
+        &["seq", "last"],
+        &["tail"],
+        vec![],
+    ));
+    m.nodes
+        .push(node("SequenceLength", "len", &["seq"], &["n"], vec![]));
+    m.nodes.push(node(
+        "ConcatFromSequence",
+        "cat",
+        &["seq"],
+        &["whole"],
+        vec![a_i("axis", 1)],
+    ));
+    for o in ["mid", "tail", "n", "whole"] {
+        m.outputs.push(out(o));
+    }
+    let p = m.import(&[]).unwrap_or_else(|e| panic!("{e}"));
+    let x = arange(&[2, 6]);
+    let xv = x.to_f64_vec();
+    let res = run(&p, &[("x", x.clone())]);
+    // columns 1..4 and 4..6, written out element by element
+    let mut mid = Vec::new();
+    let mut tail = Vec::new();
+    for r in 0..2 {
+        for c in 1..4 {
+            mid.push(at2(&xv, 6, r, c) as f32);
+        }
+        for c in 4..6 {
+            tail.push(at2(&xv, 6, r, c) as f32);
+        }
+    }
+    close(&output(&res, "mid"), &Tensor::f32(vec![2, 3], mid));
+    close(&output(&res, "tail"), &Tensor::f32(vec![2, 2], tail));
+    assert_eq!(output(&res, "n").to_f64_vec(), vec![3.0]);
+    close(&output(&res, "whole"), &x);
+}
+
+#[test]
+fn split_to_sequence_into_ones_without_keepdims_then_stack() {
+    let mut m = M::new();
+    m.inputs.push(vi("x", FLOAT, &[D::V(3), D::V(2), D::V(4)]));
+    m.inits.push(init("two", &Tensor::scalar_i64(2)));
+    m.nodes.push(node(
+        "SplitToSequence",
+        "split",
+        &["x"],
+        &["seq"],
+        vec![a_i("axis", 0), a_i("keepdims", 0)],
+    ));
+    m.nodes.push(node(
+        "SequenceAt",
+        "at2",
+        &["seq", "two"],
+        &["third"],
+        vec![],
+    ));
+    m.nodes.push(node(
+        "ConcatFromSequence",
+        "stack",
+        &["seq"],
+        &["stacked"],
+        vec![a_i("axis", -1), a_i("new_axis", 1)],
+    ));
+    m.outputs.push(out("third"));
+    m.outputs.push(out("stacked"));
+    let p = m.import(&[]).unwrap_or_else(|e| panic!("{e}"));
+    let x = arange(&[3, 2, 4]);
+    let xv = x.to_f64_vec();
+    let res = run(&p, &[("x", x)]);
+    let third: Vec<f32> = (0..8).map(|k| xv[2 * 8 + k] as f32).collect();
+    close(&output(&res, "third"), &Tensor::f32(vec![2, 4], third));
+    // stacked[i][j][k] = x[k][i][j]
+    let mut stacked = Vec::new();
+    for i in 0..2 {
+        for j in 0..4 {
+            for k in 0..3 {
+                stacked.push(xv[k * 8 + i * 4 + j] as f32);
+            }
+        }
+    }
+    close(
+        &output(&res, "stacked"),
+        &Tensor::f32(vec![2, 4, 3], stacked),
+    );
+}
+
+#[test]
+fn split_to_sequence_by_a_scalar_size_leaves_a_shorter_last_chunk() {
+    let mut m = M::new();
+    m.inputs.push(vi("x", FLOAT, &[D::V(10), D::V(2)]));
+    m.inits.push(init("four", &Tensor::scalar_i64(4)));
+    m.inits.push(init("last", &Tensor::scalar_i64(-1)));
+    m.nodes.push(node(
+        "SplitToSequence",
+        "split",
+        &["x", "four"],
+        &["seq"],
+        vec![],
+    ));
+    m.nodes
+        .push(node("SequenceAt", "at", &["seq", "last"], &["y"], vec![]));
+    m.nodes
+        .push(node("SequenceLength", "len", &["seq"], &["n"], vec![]));
+    m.outputs.push(out("y"));
+    m.outputs.push(out("n"));
+    let p = m.import(&[]).unwrap_or_else(|e| panic!("{e}"));
+    let x = arange(&[10, 2]);
+    let xv = x.to_f64_vec();
+    let res = run(&p, &[("x", x)]);
+    let y: Vec<f32> = (8 * 2..10 * 2).map(|i| xv[i] as f32).collect();
+    close(&output(&res, "y"), &Tensor::f32(vec![2, 2], y));
+    assert_eq!(output(&res, "n").to_f64_vec(), vec![3.0]);
+}
+
+#[test]
+fn sequence_construct_insert_erase_then_concat() {
+    let mut m = M::new();
+    for n in ["a", "b", "c"] {
+        m.inputs.push(vi(n, FLOAT, &[D::V(1), D::V(3)]));
+    }
+    m.inits.push(init("zero", &Tensor::scalar_i64(0)));
+    m.inits.push(init("one", &Tensor::scalar_i64(1)));
+    m.nodes.push(node(
+        "SequenceConstruct",
+        "make",
+        &["a", "b"],
+        &["s0"],
+        vec![],
+    ));
+    // [c, a, b], then without position 1: [c, b]
+    m.nodes.push(node(
+        "SequenceInsert",
+        "ins",
+        &["s0", "c", "zero"],
+        &["s1"],
+        vec![],
+    ));
+    m.nodes.push(node(
+        "SequenceErase",
+        "del",
+        &["s1", "one"],
+        &["s2"],
+        vec![],
+    ));
+    // appended at the end without a position, then the last one dropped again
+    m.nodes.push(node(
+        "SequenceInsert",
+        "push",
+        &["s2", "a"],
+        &["s3"],
+        vec![],
+    ));
+    m.nodes
+        .push(node("SequenceErase", "pop", &["s3"], &["s4"], vec![]));
+    m.nodes.push(node(
+        "ConcatFromSequence",
+        "cat",
+        &["s4"],
+        &["y"],
+        vec![a_i("axis", 0)],
+    ));
+    m.outputs.push(out("y"));
+    let p = m.import(&[]).unwrap_or_else(|e| panic!("{e}"));
+    let a = Tensor::f32(vec![1, 3], vec![1.0, 2.0, 3.0]);
+    let b = Tensor::f32(vec![1, 3], vec![4.0, 5.0, 6.0]);
+    let c = Tensor::f32(vec![1, 3], vec![7.0, 8.0, 9.0]);
+    let res = run(&p, &[("a", a), ("b", b), ("c", c)]);
+    close(
+        &output(&res, "y"),
+        &Tensor::f32(vec![2, 3], vec![7.0, 8.0, 9.0, 4.0, 5.0, 6.0]),
+    );
+}
+
+#[test]
+fn sequence_positions_computed_at_run_time_are_refused_naming_the_node() {
+    let mut m = M::new();
+    m.inputs.push(vi("x", FLOAT, &[D::V(4), D::V(2)]));
+    m.inputs.push(vi("pos", INT64, &[]));
+    m.nodes
+        .push(node("SplitToSequence", "split", &["x"], &["seq"], vec![]));
+    m.nodes.push(node(
+        "SequenceAt",
+        "pick_row",
+        &["seq", "pos"],
+        &["y"],
+        vec![],
+    ));
+    m.outputs.push(out("y"));
+    let e = m.import(&[]).unwrap_err().to_string();
+    assert!(
+        e.contains("pick_row") && e.contains("position") && e.contains("pos"),
+        "{e}"
+    );
+    // out of range
+    let mut m2 = M::new();
+    m2.inputs.push(vi("x", FLOAT, &[D::V(4), D::V(2)]));
+    m2.inits.push(init("p", &Tensor::scalar_i64(4)));
+    m2.nodes
+        .push(node("SplitToSequence", "split", &["x"], &["seq"], vec![]));
+    m2.nodes.push(node(
+        "SequenceAt",
+        "pick_row",
+        &["seq", "p"],
+        &["y"],
+        vec![],
+    ));
+    m2.outputs.push(out("y"));
+    let e = m2.import(&[]).unwrap_err().to_string();
+    assert!(
+        e.contains("pick_row") && e.contains("position 4 is out of range"),
+        "{e}"
+    );
+    // a sequence read by an op that takes tensors
+    let mut m3 = M::new();
+    m3.inputs.push(vi("x", FLOAT, &[D::V(4), D::V(2)]));
+    m3.nodes
+        .push(node("SplitToSequence", "split", &["x"], &["seq"], vec![]));
+    m3.nodes.push(node("Relu", "act", &["seq"], &["y"], vec![]));
+    m3.outputs.push(out("y"));
+    let e = m3.import(&[]).unwrap_err().to_string();
+    assert!(
+        e.contains("act") && e.contains("is a sequence") && e.contains("Relu"),
+        "{e}"
+    );
+    // a sequence as a graph output
+    let mut m4 = M::new();
+    m4.inputs.push(vi("x", FLOAT, &[D::V(4), D::V(2)]));
+    m4.nodes
+        .push(node("SplitToSequence", "split", &["x"], &["seq"], vec![]));
+    m4.outputs.push(out("seq"));
+    let e = m4.import(&[]).unwrap_err().to_string();
+    assert!(e.contains("`seq` is a sequence"), "{e}");
+}

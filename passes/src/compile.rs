@@ -5,6 +5,10 @@
 //! collectives, schedule and rewriting ([`crate::dist::spmd`], [`crate::dist::rewrite`]), plan memory
 //! ([`crate::plan::memory`]), assemble the [`Plan`], verify it ([`crate::plan::verify`]) and hash it.
 //! It owns the compile policy:
+//! - the choice among the planner's candidates: the shortlist
+//!   ([`planner::shortlist`], [`SIMULATED_CANDIDATES`] by estimate plus the baselines' groups)
+//!   is built side by side and simulated, and the fastest simulated plan that fits wins
+//!   ([`planner::rerank_simulated`]); its simulated step is the predicted step;
 //! - [`Recompute::Auto`]: when no sharding fits the budget without activation recompute, plan
 //!   again with it (and say so);
 //! - [`Buckets::PerUnit`]: one bucket per gather or reduction unit, unless the planner's
@@ -26,6 +30,11 @@ use crate::train::{Optimizer, TrainConfig};
 use hzp_ir::plan::{format_bytes, BufferKind, Plan, ShardGroups};
 use hzp_ir::{DType, Mesh, Program, RoleKind, ValueDef, ValueId};
 use std::collections::BTreeMap;
+
+/// How many of the fastest candidates that fit (by the planner's analytical estimate) the
+/// compile builds and simulates, besides those with a baseline's groups
+/// ([`planner::shortlist`]).
+pub const SIMULATED_CANDIDATES: usize = 3;
 
 /// Buckets of at most this many bytes are the fallback when whole-unit buckets do not fit.
 pub const FALLBACK_BUCKET_BYTES: u64 = 64 << 20;
@@ -92,6 +101,10 @@ pub struct CompileOptions {
     /// The sparse averaging of `--strategy asyncmesh` (required by it, refused by the
     /// others).
     pub asyncmesh: Option<crate::dist::asyncmesh::AsyncMeshOptions>,
+    /// Report the chosen plan's pipeline stages ([`CompileEvent::Stage`]). The shortlisted
+    /// candidates are built quietly side by side; with this set the chosen one is built once
+    /// more to show its stages (`--print-after`).
+    pub stage_events: bool,
 }
 
 impl CompileOptions {
@@ -121,6 +134,7 @@ impl CompileOptions {
             grad_dtype: DType::F32,
             want_json: false,
             asyncmesh: None,
+            stage_events: false,
         }
     }
 }
@@ -266,43 +280,103 @@ pub fn compile_plan(
         }
         (None, _) => opts,
     };
-    let (report, shard_opts) = plan_groups(fwd, opts, on)?;
-    let groups = report.chosen.groups();
-    let sched = ScheduleOptions {
-        narrow_grads: report.chosen.narrow.as_ref().map(|n| NarrowGrads {
-            group: n.group.clone(),
-            params: n.params.iter().cloned().collect(),
-        }),
-        ..shard_opts.schedule.clone()
-    };
+    let (mut report, shard_opts) = plan_groups(fwd, opts, on)?;
     on(CompileEvent::Phase("plan shard groups"))?;
 
-    let bucket_bytes = first_bucket_bytes(opts, &report, on)?;
-    let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
-    let (mut step, mut mem) = build_step(fwd, opts, whole, &groups, &sched, bucket_bytes, on)?;
-    // Where whole-unit buckets still break the budget, buckets of the fallback size are used
-    // instead, and the compile says so.
-    if let Some(b) = opts.budget {
-        if bucket_bytes == u64::MAX && per_unit && mem.arena_bytes > b {
-            let (s2, m2) = build_step(
-                fwd,
-                opts,
-                whole,
-                &groups,
-                &sched,
-                FALLBACK_BUCKET_BYTES,
-                &mut |_| Ok(()),
-            )?;
-            on(CompileEvent::Note(format!(
-                "note: with one bucket per layer the arena needs {} (budget {}); buckets of at \
-                 most 64 MiB need {} (--bucket-mb sets the size)",
-                format_bytes(mem.arena_bytes),
-                format_bytes(b),
-                format_bytes(m2.arena_bytes)
-            )))?;
-            (step, mem) = (s2, m2);
+    // The shortlist is built and simulated (side by side), and the simulator's fastest plan
+    // that fits wins: the step compile predicts is the one `hzp simulate` gives its plan.
+    let picks = planner::shortlist(&report, SIMULATED_CANDIDATES);
+    let picks = if picks.is_empty() {
+        vec![report
+            .candidates
+            .iter()
+            .position(|c| *c == report.chosen)
+            .unwrap_or(0)]
+    } else {
+        picks
+    };
+    let fit_budget = opts.budget.unwrap_or(opts.cluster.device.memory_bytes);
+    let build_one = |c: &planner::Candidate,
+                     on: &mut Events<'_>|
+     -> Result<BuiltCandidate, CompileError> {
+        let sched = ScheduleOptions {
+            narrow_grads: c.narrow.as_ref().map(|n| NarrowGrads {
+                group: n.group.clone(),
+                params: n.params.iter().cloned().collect(),
+            }),
+            ..shard_opts.schedule.clone()
+        };
+        let mut notes = Vec::new();
+        let (mut step, mut mem) = build_with_buckets(fwd, opts, whole, c, &sched, &mut notes, on)?;
+        let plan = assemble(whole, shard_opts.strategy.name(), &mut step, &mut mem);
+        let sim =
+            crate::simulate::simulate(&plan, &whole.cluster, &Default::default()).map_err(|e| {
+                CompileError::Other(format!("simulating the plan of {}: {e}", c.label()))
+            })?;
+        Ok(BuiltCandidate {
+            step,
+            mem,
+            plan,
+            notes,
+            sim: planner::SimulatedStep {
+                step_s: sim.step_s,
+                compute_s: sim.stream_busy_s[0],
+                comm_s: sim.stream_busy_s[1] + sim.stream_busy_s[2],
+                exposed_comm_s: sim.exposed_comm_s,
+            },
+        })
+    };
+    let mut built: Vec<(usize, BuiltCandidate)> = if picks.len() == 1 {
+        vec![(picks[0], build_one(&report.candidates[picks[0]], on)?)]
+    } else {
+        let results: Vec<Result<BuiltCandidate, CompileError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = picks
+                .iter()
+                .map(|&i| {
+                    let (build_one, c) = (&build_one, &report.candidates[i]);
+                    sc.spawn(move || build_one(c, &mut |_| Ok(())))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CompileError::Other(
+                            "internal: building a candidate plan panicked".into(),
+                        ))
+                    })
+                })
+                .collect()
+        });
+        let mut v = Vec::with_capacity(picks.len());
+        for (&i, r) in picks.iter().zip(results) {
+            v.push((i, r?));
         }
+        v
+    };
+    let sims: Vec<(usize, planner::SimulatedStep, bool)> = built
+        .iter()
+        .map(|(i, b)| (*i, b.sim, b.plan.arena_bytes <= fit_budget))
+        .collect();
+    let best = planner::rerank_simulated(&mut report, &sims).unwrap_or(picks[0]);
+    on(CompileEvent::Planned(&report))?;
+    let k = built.iter().position(|(i, _)| *i == best).unwrap_or(0);
+    let (_, mut chosen) = built.swap_remove(k);
+    drop(built);
+    if picks.len() > 1 && opts.stage_events {
+        // the stages of the chosen plan, for `--print-after` (the shortlist was built quietly)
+        let c = report.candidates[best].clone();
+        chosen = build_one(&c, on)?;
     }
+    for n in &chosen.notes {
+        on(CompileEvent::Note(n.clone()))?;
+    }
+    let BuiltCandidate {
+        step,
+        mut plan,
+        mem,
+        ..
+    } = chosen;
     for (name, rows, table) in &step.row_exchanged {
         on(CompileEvent::Note(format!(
             "note: `{name}`'s gradient goes out as its looked-up rows and their indices ({} sent \
@@ -315,17 +389,18 @@ pub fn compile_plan(
     if let Some(r) = &step.rewrite_report {
         on(CompileEvent::Rewritten(r))?;
     }
-    on(CompileEvent::Phase("build per-rank step + memory plan"))?;
-    let mut plan = assemble(whole, shard_opts.strategy.name(), &mut step, &mut mem);
+    on(CompileEvent::Phase(
+        "build, simulate and pick the per-rank step",
+    ))?;
     on(CompileEvent::Assembled(&plan))?;
-    on(CompileEvent::Phase("assemble plan"))?;
+    let peak_by_kind = mem.peak_by_kind;
     let json = verify_and_hash(&mut plan, whole)?;
     on(CompileEvent::Phase("verify + hash + JSON"))?;
     Ok(Compiled {
         plan,
         json,
         report,
-        peak_by_kind: mem.peak_by_kind,
+        peak_by_kind,
     })
 }
 
@@ -390,7 +465,6 @@ fn plan_groups(
         },
         e => CompileError::Other(e.to_string()),
     })?;
-    on(CompileEvent::Planned(&report))?;
     Ok((report, shard_opts))
 }
 
@@ -399,32 +473,82 @@ fn plan_groups(
 /// with those is over the budget, start from the fallback size rather than build twice.
 fn first_bucket_bytes(
     opts: &CompileOptions,
-    report: &PlanReport,
-    on: &mut Events<'_>,
-) -> Result<u64, CompileError> {
+    c: &planner::Candidate,
+    notes: &mut Vec<String>,
+) -> u64 {
     let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
-    Ok(match opts.buckets {
+    match opts.buckets {
         Buckets::AtMost(b) => b,
         Buckets::PerUnit => {
-            let m = &report.chosen.memory;
+            let m = &c.memory;
             let extra = m.gathered / (opts.prefetch_depth as u64 + 1) + m.grad_buckets / 2;
             let estimate = m.total.saturating_add(extra);
             match opts.budget {
                 Some(b) if per_unit && estimate > b => {
-                    on(CompileEvent::Note(format!(
+                    notes.push(format!(
                         "note: one bucket per layer would need about {} per rank (the planner's \
                          {} plus a layer of gathered parameters and of gradients), over the \
                          budget of {}: using buckets of at most 64 MiB (--bucket-mb sets the size)",
                         format_bytes(estimate),
                         format_bytes(m.total),
                         format_bytes(b)
-                    )))?;
+                    ));
                     FALLBACK_BUCKET_BYTES
                 }
                 _ => u64::MAX,
             }
         }
-    })
+    }
+}
+
+/// A candidate's built step, its memory plan, its assembled plan (not yet verified), the
+/// notes its build gave and its simulated step.
+struct BuiltCandidate {
+    step: spmd::ShardedStep,
+    mem: memory::MemoryPlan,
+    plan: Plan,
+    notes: Vec<String>,
+    sim: planner::SimulatedStep,
+}
+
+/// The per-rank step of candidate `c` and its memory plan, with the bucket policy: the size
+/// of [`first_bucket_bytes`], and where whole-unit buckets still break the budget, buckets of
+/// the fallback size instead (with a note saying so).
+fn build_with_buckets(
+    fwd: &Program,
+    opts: &CompileOptions,
+    whole: &CompileOptions,
+    c: &planner::Candidate,
+    sched: &ScheduleOptions,
+    notes: &mut Vec<String>,
+    on: &mut Events<'_>,
+) -> Result<(spmd::ShardedStep, memory::MemoryPlan), CompileError> {
+    let groups = c.groups();
+    let bucket_bytes = first_bucket_bytes(opts, c, notes);
+    let per_unit = opts.buckets == Buckets::PerUnit && opts.rewrite;
+    let (mut step, mut mem) = build_step(fwd, opts, whole, &groups, sched, bucket_bytes, on)?;
+    if let Some(b) = opts.budget {
+        if bucket_bytes == u64::MAX && per_unit && mem.arena_bytes > b {
+            let (s2, m2) = build_step(
+                fwd,
+                opts,
+                whole,
+                &groups,
+                sched,
+                FALLBACK_BUCKET_BYTES,
+                &mut |_| Ok(()),
+            )?;
+            notes.push(format!(
+                "note: with one bucket per layer the arena needs {} (budget {}); buckets of at \
+                 most 64 MiB need {} (--bucket-mb sets the size)",
+                format_bytes(mem.arena_bytes),
+                format_bytes(b),
+                format_bytes(m2.arena_bytes)
+            ));
+            (step, mem) = (s2, m2);
+        }
+    }
+    Ok((step, mem))
 }
 
 /// Stage 2: the per-rank step (collectives, rewriting with buckets of at most

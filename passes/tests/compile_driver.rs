@@ -36,7 +36,10 @@ fn compiles_a_verified_deterministic_plan_and_reports_its_events() {
         ("gpu=2", Strategy::Zero3),
         ("node=2,gpu=2", Strategy::AsyncHzp),
     ] {
-        let opts = options(mesh, strategy);
+        let opts = CompileOptions {
+            stage_events: true,
+            ..options(mesh, strategy)
+        };
         let mut events: Vec<String> = Vec::new();
         let a = compile_plan(&fwd, &opts, &mut |ev| {
             events.push(match ev {

@@ -59,8 +59,10 @@ pub(crate) struct NodeCx<'a> {
     pub p: &'a NodeProto,
     /// The name IR nodes made from it get.
     pub ir_name: String,
-    /// Inputs; `None` for omitted optional inputs (empty names).
+    /// Inputs; `None` for omitted optional inputs (empty names) and for sequences.
     pub ins: Vec<Option<Slot>>,
+    /// The sequence inputs (by position; `None` for tensors and omitted inputs).
+    pub seqs: Vec<Option<Rc<Vec<Slot>>>>,
 }
 
 impl<'a> NodeCx<'a> {
@@ -130,6 +132,8 @@ pub(crate) struct Ctx<'g> {
     pub prog: Program,
     pub names: NameSet,
     env: HashMap<String, Slot>,
+    /// Sequences of tensors by ONNX name, element by element (see `ops::sequence`).
+    pub seqs: HashMap<String, Rc<Vec<Slot>>>,
     info: &'g GraphInfo<'g>,
     model_dir: Option<&'g Path>,
     /// Graph inputs whose values were given (specialization candidates).
@@ -1044,6 +1048,7 @@ fn import_specialized(
         prog: Program::new(name),
         names,
         env: HashMap::new(),
+        seqs: HashMap::new(),
         info: &info,
         model_dir,
         given: &given,
@@ -1192,7 +1197,20 @@ fn translate_nodes(cx: &mut Ctx, g: &GraphProto, info: &GraphInfo) -> FResult<()
             specialize: f.specialize,
         };
         let mut ins = Vec::with_capacity(p.input.len());
-        for i in &p.input {
+        let mut seqs = Vec::with_capacity(p.input.len());
+        for (k, i) in p.input.iter().enumerate() {
+            if let Some(s) = cx.seqs.get(i) {
+                if !ops::takes_sequences(&p.domain, &p.op_type) {
+                    return Err(prefix(node_err(format!(
+                        "input {k} (`{i}`) is a sequence of tensors, but {} takes tensors                          (a sequence can only go into SequenceAt, ConcatFromSequence,                          SequenceLength, SequenceInsert or SequenceErase)",
+                        p.op_type
+                    ))));
+                }
+                ins.push(None);
+                seqs.push(Some(s.clone()));
+                continue;
+            }
+            seqs.push(None);
             ins.push(if i.is_empty() {
                 None
             } else {
@@ -1208,7 +1226,12 @@ fn translate_nodes(cx: &mut Ctx, g: &GraphProto, info: &GraphInfo) -> FResult<()
                 .cloned()
                 .unwrap_or_else(|| p.op_type.clone())
         };
-        let n = NodeCx { p, ir_name, ins };
+        let n = NodeCx {
+            p,
+            ir_name,
+            ins,
+            seqs,
+        };
         let outs = ops::translate(cx, &n).map_err(prefix)?;
         for (k, o) in p.output.iter().enumerate() {
             if o.is_empty() {
@@ -1218,6 +1241,7 @@ fn translate_nodes(cx: &mut Ctx, g: &GraphProto, info: &GraphInfo) -> FResult<()
                 Some(s) => {
                     cx.env.insert(o.clone(), s);
                 }
+                None if cx.seqs.contains_key(o) => {}
                 None if info.used.contains(o.as_str()) => {
                     return Err(node_err(format!(
                         "{label}: output {k} (`{o}`) is used, but hzp does not compute it for {}",
@@ -1240,6 +1264,13 @@ fn graph_outputs(
 ) -> FResult<Vec<ValueId>> {
     let mut outputs = Vec::new();
     for o in &g.output {
+        if cx.seqs.contains_key(&o.name) {
+            return Err(graph_err(format!(
+                "graph output `{}` is a sequence of tensors; hzp's programs output tensors \
+                 (ConcatFromSequence or SequenceAt make one)",
+                o.name
+            )));
+        }
         let s = cx.lookup(&o.name)?;
         let id = match &s {
             Slot::Val(v) if cx.prog.value(*v).name == o.name => *v,

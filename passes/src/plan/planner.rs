@@ -84,6 +84,16 @@
 //! cross-node links are the contended ones; among those sending as many, the one needing the
 //! least memory. If none fits, the error
 //! names the candidate needing the least memory and breaks its need down.
+//!
+//! # One number: the simulator decides
+//!
+//! The analytical estimate above only shortlists. The compile driver ([`crate::compile`])
+//! builds the plans of the [`shortlist`] (the fastest fitting candidates by the estimate and
+//! every fitting candidate with a baseline's groups, so the choice is never slower in the
+//! simulator than a baseline that fits), simulates each with [`crate::simulate`], and
+//! [`rerank_simulated`] chooses the fastest simulated plan whose arena fits. The step the
+//! compile reports is that simulation's: what `hzp simulate` gives the written plan. Each
+//! candidate keeps its estimate in [`Candidate::estimate_s`].
 
 use crate::cost::cluster::{node_local_group, ClusterError, ClusterSpec};
 use crate::cost::{roofline, CollectiveCost, CollectiveKind, CostError, CostModel};
@@ -507,8 +517,16 @@ pub struct Candidate {
     pub comm_s: f64,
     /// The part of the communication not hidden behind compute.
     pub exposed_comm_s: f64,
-    /// Predicted step time: compute + exposed communication.
+    /// Predicted step time: compute + exposed communication. For a candidate the compile
+    /// built and simulated ([`Candidate::simulated`]), the discrete-event simulator's step of
+    /// its plan (and `compute_s`, `comm_s`, `exposed_comm_s` are the simulator's too);
+    /// otherwise the planner's analytical estimate.
     pub step_s: f64,
+    /// The planner's analytical estimate of the step (what `step_s` was before simulation).
+    pub estimate_s: f64,
+    /// Whether the compile built this candidate's plan and simulated it (see
+    /// [`rerank_simulated`]).
+    pub simulated: bool,
     /// Bytes one rank sends per step over each link class.
     pub bytes_per_link: BTreeMap<String, f64>,
     /// Bytes one rank sends per step over link classes that leave the node.
@@ -1733,6 +1751,8 @@ fn evaluate(
         comm_s,
         exposed_comm_s,
         step_s,
+        estimate_s: step_s,
+        simulated: false,
         bytes_per_link: links,
         cross_node_bytes,
         row_exchanged,
@@ -2049,6 +2069,72 @@ pub fn plan_sharding(
     })
 }
 
+/// What simulating one candidate's built plan gave: step, compute-stream busy time, busy
+/// time of the communication streams, exposed communication (seconds).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SimulatedStep {
+    pub step_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub exposed_comm_s: f64,
+}
+
+/// The candidates worth building and simulating: the `k` fastest that fit by the analytical
+/// estimate, every fitting candidate with a baseline's groups (so that the choice is never
+/// slower in the simulator than a baseline that fits), and the planner's own choice. Indices
+/// into `r.candidates`, ascending. Empty when nothing fits.
+pub fn shortlist(r: &PlanReport, k: usize) -> Vec<usize> {
+    let cs = &r.candidates;
+    let mut fitting: Vec<usize> = (0..cs.len()).filter(|&i| cs[i].fits).collect();
+    fitting.sort_by(|&a, &b| {
+        cs[a]
+            .estimate_s
+            .total_cmp(&cs[b].estimate_s)
+            .then(a.cmp(&b))
+    });
+    let mut pick: Vec<usize> = fitting.iter().take(k).copied().collect();
+    pick.extend(fitting.iter().filter(|&&i| cs[i].baseline.is_some()));
+    pick.extend(cs.iter().position(|c| *c == r.chosen));
+    pick.sort_unstable();
+    pick.dedup();
+    pick
+}
+
+/// Re-ranks the candidates at `sims` (index into `r.candidates`, simulated step; `usable`:
+/// its built plan fits the budget) by the simulator: their `step_s`, `compute_s`, `comm_s`
+/// and `exposed_comm_s` become the simulator's, and the chosen candidate becomes the fastest
+/// usable one in the simulator (ties within 1e-9 relative: less memory, then fewer
+/// cross-node bytes, then the earlier candidate). With no usable candidate, the fastest simulated one
+/// is chosen. Returns the chosen index.
+pub fn rerank_simulated(
+    r: &mut PlanReport,
+    sims: &[(usize, SimulatedStep, bool)],
+) -> Option<usize> {
+    for (i, s, _) in sims {
+        let c = &mut r.candidates[*i];
+        c.step_s = s.step_s;
+        c.compute_s = s.compute_s;
+        c.comm_s = s.comm_s;
+        c.exposed_comm_s = s.exposed_comm_s;
+        c.simulated = true;
+    }
+    let any_usable = sims.iter().any(|s| s.2);
+    let mut best: Option<usize> = None;
+    for (i, _, usable) in sims {
+        if any_usable && !usable {
+            continue;
+        }
+        let c = &r.candidates[*i];
+        if best.is_none_or(|b| better(c, &r.candidates[b])) {
+            best = Some(*i);
+        }
+    }
+    if let Some(b) = best {
+        r.chosen = r.candidates[b].clone();
+    }
+    best
+}
+
 // ---------------------------------------------------------------------------------------------
 // Explanation
 
@@ -2193,6 +2279,7 @@ fn explain_table(s: &mut String, r: &PlanReport) {
         "comm",
         "exposed",
         "step",
+        "estimate",
         "cross-node",
     ]
     .map(String::from)
@@ -2220,11 +2307,27 @@ fn explain_table(s: &mut String, r: &PlanReport) {
             human_seconds(c.compute_s),
             human_seconds(c.comm_s),
             human_seconds(c.exposed_comm_s),
-            human_seconds(c.step_s),
+            if c.simulated {
+                format!("{} sim", human_seconds(c.step_s))
+            } else {
+                human_seconds(c.step_s)
+            },
+            human_seconds(c.estimate_s),
             hb(c.cross_node_bytes),
         ]);
     }
     table(s, &rows);
+    let simulated = r.candidates.iter().filter(|c| c.simulated).count();
+    if simulated > 0 {
+        let _ = writeln!(
+            s,
+            "\n`sim`: the {simulated} candidate{} built and simulated (the fastest that fit by the \
+             estimate, and those with a baseline's groups): their compute, comm, exposed and \
+             step are the simulator's for the built plan, the one `hzp simulate` predicts; the \
+             others show the planner's estimate.",
+            if simulated == 1 { "" } else { "s" }
+        );
+    }
     s.push('\n');
 }
 
@@ -2232,7 +2335,12 @@ fn explain_table(s: &mut String, r: &PlanReport) {
 /// the next fastest and ZeRO-3, and its row-exchanged gradients.
 fn explain_choice(s: &mut String, r: &PlanReport) {
     let c = &r.chosen;
-    let fitting: Vec<&Candidate> = r.candidates.iter().filter(|x| x.fits).collect();
+    // with a simulated choice, it is compared with the other simulated candidates only
+    let fitting: Vec<&Candidate> = r
+        .candidates
+        .iter()
+        .filter(|x| x.fits && x.simulated == c.simulated)
+        .collect();
     let _ = write!(
         s,
         "Chosen: {} (p={}, g={}, o={}{}). Predicted step {}: compute {} plus {} of exposed \
@@ -2297,6 +2405,14 @@ fn explain_choice(s: &mut String, r: &PlanReport) {
                     SAME_SPEED * 100.0,
                     hb(c.cross_node_bytes),
                     hb(fastest.cross_node_bytes)
+                );
+            } else if c.simulated {
+                let _ = write!(
+                    s,
+                    " It is the fastest in the simulator of the {} candidates that fit and were \
+                     built and simulated (of {} weighed).",
+                    fitting.len(),
+                    r.candidates.len()
                 );
             } else {
                 let _ = write!(

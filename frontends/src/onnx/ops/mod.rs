@@ -18,6 +18,7 @@ mod index;
 mod linalg;
 mod norm;
 mod reduce;
+mod sequence;
 mod shape;
 
 use std::collections::BTreeMap;
@@ -27,13 +28,14 @@ use std::sync::OnceLock;
 type Rule = fn(&mut Ctx, &NodeCx) -> FResult<Outs>;
 
 /// The families of the default (`ai.onnx`) domain.
-const FAMILIES: [&[(&str, Rule)]; 7] = [
+const FAMILIES: [&[(&str, Rule)]; 8] = [
     attention::OPS,
     elementwise::OPS,
     index::OPS,
     linalg::OPS,
     norm::OPS,
     reduce::OPS,
+    sequence::OPS,
     shape::OPS,
 ];
 
@@ -68,7 +70,13 @@ pub(crate) fn is_supported(domain: &str, op_type: &str) -> bool {
     rule(domain, op_type).is_some()
 }
 
-/// Translates one node; returns a slot per ONNX output (`None`: not computed).
+/// Whether `op_type` of `domain` reads sequences (the only ops a sequence may flow into).
+pub(crate) fn takes_sequences(domain: &str, op_type: &str) -> bool {
+    (domain.is_empty() || domain == "ai.onnx") && sequence::takes_sequences(op_type)
+}
+
+/// Translates one node; returns a slot per ONNX output (`None`: not computed, or a sequence
+/// the rule bound in [`Ctx::seqs`]).
 pub(crate) fn translate(cx: &mut Ctx, n: &NodeCx) -> FResult<Outs> {
     let (domain, op_type) = (n.p.domain.as_str(), n.p.op_type.as_str());
     match rule(domain, op_type) {
