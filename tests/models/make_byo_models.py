@@ -8,6 +8,8 @@ GPT-NeoX), from tiny random configs (fixed seed, no downloads) and WITHOUT pertu
 constant parameters, in tests/models/byo/:
 
   <fam>.dynamo.onnx          hzp_export.export_for_training, dynamo exporter, opset 18
+                             (onnxscript's optimizer, folding no node that reads a
+                             parameter)
   <fam>.legacy.onnx          the same with the legacy exporter, opset 17, constant folding
                              on (weights stored transposed as `onnx::MatMul_N`)
   <fam>.{dynamo,legacy}.names.json, .io.npz   what the helper writes beside each
