@@ -177,6 +177,7 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
             shapes: a.shapes.clone(),
             bind: Vec::new(),
             no_fuse_attention: false,
+            names: None,
         })
         .collect();
     let mut rows: Vec<LayersRow> = a
@@ -300,6 +301,7 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
         shapes: a.shapes.clone(),
         bind: Vec::new(),
         no_fuse_attention: false,
+        names: None,
     };
     let resets = reset_peak_rss();
     let mut rows = Vec::new();

@@ -85,6 +85,7 @@ fn load_as(
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
         shapes_only,
+        names: args.names.clone(),
     };
     load_model(&args.model, &opts).map_err(miette::Report::new)
 }
@@ -169,6 +170,7 @@ fn load_with_array_shapes(args: &ModelArgs, path: &Path) -> Result<Option<Progra
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
         shapes_only: true,
+        names: args.names.clone(),
     };
     match load_model(&args.model, &opts) {
         Ok(p) => Ok(Some(p)),
@@ -193,12 +195,37 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
     let s = hzp_passes::report::summarize(&p);
     let equal = hzp_passes::train::ties::find_ties(&p);
     let shared = hzp_passes::train::ties::shared_parameters(&p);
+    let map = name_map(args)?;
+    // With a name map the parameters are PyTorch's: nothing was merged.
+    let merged = if map.is_some() {
+        Vec::new()
+    } else {
+        hzp_passes::train::ties::merged_initializers(&p)
+    };
+    let pytorch_ties = map_ties(map.as_ref());
     match format {
         Format::Text => {
             out!("{}", s.to_text());
             outln!("\nweight sharing");
-            if equal.is_empty() && shared.is_empty() {
-                outln!("  none found (no two parameters are equal up to a transpose; none is read by two layers)");
+            if equal.is_empty() && shared.is_empty() && merged.is_empty() && pytorch_ties.is_empty()
+            {
+                outln!("  none found (no two parameters are equal up to a transpose; none is read in the place of several)");
+            }
+            if let Some(m) = &map {
+                outln!(
+                    "  parameters named by PyTorch's state_dict keys ({})",
+                    m.path.display()
+                );
+            }
+            for t in &pytorch_ties {
+                outln!(
+                    "  `{}` is `{}` (tied in PyTorch; trained as one, written under both names)",
+                    t.copy,
+                    t.canonical
+                );
+            }
+            for line in merged_lines(&merged) {
+                outln!("  {line}");
             }
             for t in &equal {
                 outln!(
@@ -222,6 +249,9 @@ pub fn show(args: &ModelArgs, inputs: Option<&Path>, format: Format) -> Result<(
             v["weight_sharing"] = serde_json::json!({
                 "equal_parameters": equal,
                 "shared_across_layers": shared,
+                "merged_initializers": merged,
+                "pytorch_ties": pytorch_ties,
+                "name_map": map.as_ref().map(|m| m.path.display().to_string()),
             });
             outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?)
         }
@@ -291,6 +321,7 @@ pub fn eval(
     inputs: &Path,
     output: Option<&Path>,
     reference: Option<&Path>,
+    reference_key: Option<&str>,
     tolerance: f64,
     format: Format,
 ) -> Result<()> {
@@ -317,18 +348,13 @@ pub fn eval(
 
     // Compare against a reference, if given.
     let refs = reference.map(read_npz).transpose()?;
+    let picked = match (&refs, reference) {
+        (Some(refs), Some(rpath)) => reference_arrays(&p, &outs, refs, rpath, reference_key)?,
+        _ => vec![None; outs.len()],
+    };
     let mut rows = Vec::new();
     let mut worst: Option<f64> = None;
-    for (name, t) in &outs {
-        let r = refs.as_ref().and_then(|refs| {
-            refs.iter().find(|(k, _)| k == name).or_else(|| {
-                let non_inputs: Vec<_> = refs
-                    .iter()
-                    .filter(|(k, _)| !p.inputs.iter().any(|&v| &p.value(v).name == k))
-                    .collect();
-                (outs.len() == 1 && non_inputs.len() == 1).then(|| non_inputs[0])
-            })
-        });
+    for ((name, t), r) in outs.iter().zip(picked) {
         let diff = match r {
             Some((rk, rt)) => Some((
                 rk.clone(),
@@ -404,6 +430,86 @@ pub fn eval(
         }
     }
     Ok(())
+}
+
+/// The array of the reference file each output is compared with: the array named after the
+/// output; for a model with one output, `--reference-key NAME`, else the file's only array
+/// that is not an input. Several candidates, or none for any output, is an error naming the
+/// arrays (a reference that compares nothing would pass silently).
+fn reference_arrays<'a>(
+    p: &Program,
+    outs: &[(String, Tensor)],
+    refs: &'a [(String, Tensor)],
+    file: &Path,
+    key: Option<&str>,
+) -> Result<Vec<Option<(&'a String, &'a Tensor)>>> {
+    let all = || {
+        refs.iter()
+            .map(|(k, _)| format!("`{k}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(key) = key {
+        if outs.len() != 1 {
+            return Err(miette!(
+                "--reference-key picks the reference array of a model with one output; this model has {} ({}): name the arrays of {} after them",
+                outs.len(),
+                outs.iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", "),
+                file.display()
+            ));
+        }
+        let r = refs.iter().find(|(k, _)| k == key).ok_or_else(|| {
+            miette!(
+                "--reference-key {key}: {} has no such array (it has: {})",
+                file.display(),
+                all()
+            )
+        })?;
+        return Ok(vec![Some((&r.0, &r.1))]);
+    }
+    let is_input = |k: &str| p.inputs.iter().any(|&v| p.value(v).name == k);
+    let mut picked = Vec::new();
+    for (name, _) in outs {
+        if let Some(r) = refs.iter().find(|(k, _)| k == name) {
+            picked.push(Some((&r.0, &r.1)));
+            continue;
+        }
+        if outs.len() == 1 {
+            let cands: Vec<&(String, Tensor)> = refs.iter().filter(|(k, _)| !is_input(k)).collect();
+            match cands.as_slice() {
+                [one] => picked.push(Some((&one.0, &one.1))),
+                [] => {
+                    return Err(miette!(
+                        "{} has no array for output `{name}` (none is named so, and every array is an input: {})",
+                        file.display(),
+                        all()
+                    ))
+                }
+                many => {
+                    return Err(miette!(
+                        "{} has {} arrays that could be the reference for output `{name}` ({}): pass --reference-key NAME to pick one",
+                        file.display(),
+                        many.len(),
+                        many.iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+                    ))
+                }
+            }
+        } else {
+            picked.push(None);
+        }
+    }
+    if picked.iter().all(Option::is_none) {
+        return Err(miette!(
+            "{} has no array named after an output of the model ({}; it has: {})",
+            file.display(),
+            outs.iter()
+                .map(|(k, _)| format!("`{k}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            all()
+        ));
+    }
+    Ok(picked)
 }
 
 fn stats(t: &Tensor) -> (f64, f64, f64) {
@@ -786,7 +892,7 @@ fn prepare_arrays(
             }
         }
     }
-    let made = apply_freeze_and_ties(&mut fwd, t)?;
+    let made = apply_freeze_and_ties(&mut fwd, t, args)?;
     note_muon_split(&fwd, &cfg)?;
     let show = |stage: &str, p: &Program| -> Result<()> {
         if t.print_after.iter().any(|s| s == stage) {
@@ -1058,7 +1164,7 @@ pub fn train(
     }
     if let Some(out) = save_params {
         let params = with_tied_copies(trainer.parameters(), &prep.ties, "");
-        files::write_npz(out, &read_files, &params)?;
+        files::write_params(out, &read_files, &params)?;
         if text {
             outln!("saved {} parameters to {}", params.len(), out.display());
         }
@@ -1075,18 +1181,26 @@ pub fn train(
     Ok(())
 }
 
-/// `--freeze` and `--retie` on a forward program (what `grad`, `train` and `compile` share):
-/// frozen parameters become constants; with `--retie`, parameters the exporter stored twice
-/// train as one (and are reported); without it, a note says they train separately. Returns
-/// the ties made.
-pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<Vec<ties::Tie>> {
-    let freeze: Vec<String> = t
-        .freeze
-        .iter()
-        .flat_map(|s| s.split(','))
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect();
+/// `--freeze`, `--untie` and `--retie` on a forward program (what `grad`, `train` and
+/// `compile` share): frozen parameters become constants; `--untie NAME` gives each reader of
+/// NAME its own parameter; with `--retie`, parameters the exporter stored twice train as one
+/// (and are reported); without it, a note says they train separately. Without a name map,
+/// initializers an exporter merged are named in a warning. Returns the ties made, with the
+/// name map's ties (PyTorch's own: the program trains one parameter, outputs carry every
+/// key).
+pub(crate) fn apply_freeze_and_ties(
+    fwd: &mut Program,
+    t: &TrainArgs,
+    args: &ModelArgs,
+) -> Result<Vec<ties::Tie>> {
+    let list = |v: &[String]| -> Vec<String> {
+        v.iter()
+            .flat_map(|s| s.split(','))
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let freeze = list(&t.freeze);
     let skipped = ties::freeze(fwd, &freeze).map_err(|e| miette!("{e}"))?;
     if !skipped.is_empty() {
         note!(
@@ -1094,8 +1208,25 @@ pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<
             skipped.join(", ")
         );
     }
+    for name in list(&t.untie) {
+        let made = ties::untie(fwd, &name).map_err(|e| miette!("{e}"))?;
+        note!(
+            "untie: `{name}` is read by {} nodes; each trains its own copy ({})",
+            made.len() + 1,
+            made.iter()
+                .map(|(n, node)| format!("`{n}` for node `{node}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let map = name_map(args)?;
+    if map.is_none() {
+        for line in merged_lines(&ties::merged_initializers(fwd)) {
+            note!("warning: {line}");
+        }
+    }
     let found = ties::find_ties(fwd);
-    Ok(if t.retie {
+    let mut made = if t.retie {
         ties::retie(fwd, &found).map_err(|e| miette!("{e}"))?;
         for tie in &found {
             note!(
@@ -1120,7 +1251,53 @@ pub(crate) fn apply_freeze_and_ties(fwd: &mut Program, t: &TrainArgs) -> Result<
             );
         }
         Vec::new()
+    };
+    made.extend(map_ties(map.as_ref()));
+    Ok(made)
+}
+
+/// The name map of the model (`--names`, or `<stem>.names.json` beside it).
+pub(crate) fn name_map(args: &ModelArgs) -> Result<Option<hzp_frontends::names::NameMap>> {
+    hzp_frontends::names::find_for_model(&args.model, args.names.as_deref())
+        .map_err(|e| miette!("{e}"))
+}
+
+/// PyTorch's ties by a name map, as ties of the trained (canonical) key to each other key.
+pub(crate) fn map_ties(map: Option<&hzp_frontends::names::NameMap>) -> Vec<ties::Tie> {
+    map.map(|m| {
+        m.tie_copies()
+            .into_iter()
+            .map(|(canonical, copy)| ties::Tie {
+                canonical,
+                copy,
+                transposed: false,
+            })
+            .collect()
     })
+    .unwrap_or_default()
+}
+
+/// One line per initializer an exporter merged, with the fix.
+pub(crate) fn merged_lines(merged: &[ties::Merged]) -> Vec<String> {
+    merged
+        .iter()
+        .map(|m| {
+            let mut readers: Vec<String> =
+                m.readers.iter().take(6).map(|r| format!("`{r}`")).collect();
+            if m.readers.len() > 6 {
+                readers.push(format!("and {} more", m.readers.len() - 6));
+            }
+            format!(
+                "`{}`{} is read as {} by {} nodes of different layers ({}): the exporter merged equal-valued initializers, so they would train as one parameter where PyTorch has one per layer; export with frontends/python/hzp_export.py (it writes a name map), or pass --untie {} to train each its own",
+                m.name,
+                m.constant.map_or(String::new(), |c| format!(" (every element {c})")),
+                m.read_as,
+                m.readers.len(),
+                readers.join(", "),
+                m.name
+            )
+        })
+        .collect()
 }
 
 /// Reads the model for `hzp compile` at the per-rank micro-batch shape: the global batch
@@ -1160,6 +1337,7 @@ pub(crate) fn load_for_compile(
         shapes,
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
+        names: args.names.clone(),
         ..Default::default()
     };
     let p = load_model(&args.model, &opts).map_err(miette::Report::new)?;

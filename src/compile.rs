@@ -281,7 +281,7 @@ pub fn request(
     let mut fwd = load_for_compile(model, inputs, divisor)?;
     // `hzp run` checks the model it loads against this, before any freezing or tying.
     let fingerprint = fingerprint_of(&fwd);
-    crate::commands::apply_freeze_and_ties(&mut fwd, t)?;
+    crate::commands::apply_freeze_and_ties(&mut fwd, t, model)?;
     crate::commands::note_muon_split(&fwd, &cfg)?;
     show_stage(&stages, "import", || hzp_ir::text::print(&fwd))?;
     let asyncmesh = asyncmesh_options(c, strategy, &mesh)?;

@@ -158,7 +158,16 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
                         )
                     })?
             };
-            let params = c.parameters().map_err(|e| miette!("{e}"))?;
+            let mut params = c.parameters().map_err(|e| miette!("{e}"))?;
+            // PyTorch's ties by the model's name map (beside the model the checkpoint names):
+            // every state_dict key is written, so a strict load_state_dict takes the file
+            if let Ok(Some(map)) = hzp_frontends::names::find_for_model(&c.manifest.model, None) {
+                params = crate::commands::with_tied_copies(
+                    params,
+                    &crate::commands::map_ties(Some(&map)),
+                    "",
+                );
+            }
             let ext = output.extension().and_then(|e| e.to_str()).unwrap_or("");
             match ext {
                 "safetensors" => {

@@ -195,3 +195,21 @@ pub fn write_npz<P: AsRef<Path>>(
     check_not_input(out, inputs)?;
     npz::write(out, tensors).map_err(|e| miette!("{e}"))
 }
+
+/// Writes parameters for `--save-params`: safetensors when `out` ends in `.safetensors`
+/// (what `safetensors.torch.load_file` reads), else an `.npz`.
+pub fn write_params<P: AsRef<Path>>(
+    out: &Path,
+    inputs: &[P],
+    tensors: &[(String, Tensor)],
+) -> Result<()> {
+    if out
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
+    {
+        let bytes = hzp_runtime::checkpoint::to_safetensors(tensors).map_err(|e| miette!("{e}"))?;
+        write_bytes(out, inputs, &bytes)
+    } else {
+        write_npz(out, inputs, tensors)
+    }
+}

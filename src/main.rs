@@ -111,6 +111,11 @@ pub struct ModelArgs {
     /// instead of one fused Attention op per layer (the default fuses it).
     #[arg(long = "no-fuse-attention")]
     pub no_fuse_attention: bool,
+    /// The name map of an ONNX model (what frontends/python/hzp_export.py writes): which
+    /// PyTorch state_dict keys each initializer stands for. Default: <stem>.names.json
+    /// beside the model, when it exists.
+    #[arg(long = "names", value_name = "FILE.names.json")]
+    pub names: Option<PathBuf>,
 }
 
 /// Flags that define the training step.
@@ -175,6 +180,11 @@ pub struct TrainArgs {
     /// untying of tied weights, e.g. GPT-2's embedding and LM head).
     #[arg(long)]
     pub retie: bool,
+    /// Give every node that reads this parameter its own copy (NAME, NAME.1, NAME.2, ...):
+    /// undoes an exporter's merge of equal-valued initializers (e.g. the all-ones norms of
+    /// a fresh model). Comma-separated or repeated.
+    #[arg(long, value_name = "NAME")]
+    pub untie: Vec<String>,
     /// Treat these parameters as constants (not trained), e.g. buffers an exporter stored
     /// as initializers. Comma-separated or repeated.
     #[arg(long, value_name = "NAME")]
@@ -228,6 +238,11 @@ enum Command {
         /// single output, with its only array that is not an input, e.g. `torch_out`).
         #[arg(long, value_name = "REF.npz")]
         reference: Option<PathBuf>,
+        /// The array of --reference to compare a one-output model's output with, when the
+        /// file has several that are not inputs (default: the array named after the output,
+        /// else the only one).
+        #[arg(long, value_name = "NAME")]
+        reference_key: Option<String>,
         /// Largest allowed absolute difference from --reference (exit 1 above it).
         #[arg(long, default_value_t = 1e-4)]
         tolerance: f64,
@@ -613,6 +628,7 @@ fn run_command(command: Command) -> Result<(), miette::Report> {
             inputs,
             output,
             reference,
+            reference_key,
             tolerance,
             format,
         } => commands::eval(
@@ -620,6 +636,7 @@ fn run_command(command: Command) -> Result<(), miette::Report> {
             &inputs,
             output.as_deref(),
             reference.as_deref(),
+            reference_key.as_deref(),
             tolerance,
             format,
         ),

@@ -299,11 +299,11 @@ fn saved_parameters(
         return Ok(params);
     }
     let fwd = load_forward(&model, plan)?;
-    Ok(crate::commands::with_tied_copies(
-        params,
-        &plan_ties(&fwd, plan),
-        "",
-    ))
+    let mut ties = plan_ties(&fwd, plan);
+    // PyTorch's ties by the model's name map: every key is written
+    let map = hzp_frontends::names::find_for_model(&model, None).map_err(|e| miette!("{e}"))?;
+    ties.extend(crate::commands::map_ties(map.as_ref()));
+    Ok(crate::commands::with_tied_copies(params, &ties, ""))
 }
 
 /// The full parameters the plan trains: from `--params`, else from the model (checked
@@ -800,7 +800,7 @@ fn write_run_outputs(
     let mut saved = None;
     if let Some(out) = &args.save_params {
         let p = saved_parameters(args, plan, ex.parameters())?;
-        crate::files::write_npz(out, outs, &p)?;
+        crate::files::write_params(out, outs, &p)?;
         saved = Some(p.len());
         if text {
             outln!("saved {} parameters to {}", p.len(), out.display());
@@ -1114,7 +1114,7 @@ fn run_cuda(
             read.extend(args.inputs.as_deref());
             read.extend(args.params.as_deref());
             let p = saved_parameters(args, plan, p.clone())?;
-            crate::files::write_npz(out, &read, &p)?;
+            crate::files::write_params(out, &read, &p)?;
             if text {
                 outln!("saved {} parameters to {}", p.len(), out.display());
             }
@@ -1200,7 +1200,7 @@ fn report_one_gpu(
         read.extend(args.inputs.as_deref());
         read.extend(args.params.as_deref());
         let p = saved_parameters(args, plan, p.clone())?;
-        crate::files::write_npz(out, &read, &p)?;
+        crate::files::write_params(out, &read, &p)?;
         if text {
             outln!("saved {} parameters to {}", p.len(), out.display());
         }

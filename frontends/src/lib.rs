@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod hzp_file;
 pub mod limits;
+pub mod names;
 pub mod npz;
 pub mod onnx;
 pub mod output;
@@ -37,6 +38,9 @@ pub struct LoadOptions {
     pub no_fuse_attention: bool,
     /// Read shapes only (`hzp show`): see [`onnx::ImportOptions::shapes_only`].
     pub shapes_only: bool,
+    /// `--names FILE`: the name map of an ONNX model. Without it, `<stem>.names.json` beside
+    /// the model is read when it exists ([`names::find_for_model`]).
+    pub names: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error, miette::Diagnostic)]
@@ -54,6 +58,7 @@ pub enum LoadError {
 
 /// Reads a model given as `path.onnx`, `path.hzp` or `preset:NAME[,key=value...]`.
 pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> {
+    let names = names::find_for_model(spec, opts.names.as_deref()).map_err(LoadError::Unknown)?;
     if spec.starts_with("preset:") {
         return Ok(presets::parse_preset_with(spec, !opts.no_fuse_attention)?);
     }
@@ -74,6 +79,7 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> 
                 values: opts.values.clone(),
                 bind: opts.bind.clone(),
                 shapes_only: opts.shapes_only,
+                names: names.map(std::sync::Arc::new),
             };
             let mut p = onnx::import_file(path, &o)?;
             if !opts.no_fuse_attention {

@@ -60,6 +60,7 @@ mod graph;
 mod mt19937;
 mod ops;
 pub mod proto;
+mod rename;
 mod tensor;
 mod translate;
 
@@ -96,6 +97,10 @@ pub struct ImportOptions {
     /// value that decides a shape cannot come from one (an error says so). Such a program is
     /// for its types, counts and parameters (what `show` prints), never for evaluation.
     pub shapes_only: bool,
+    /// A name map ([`crate::names::NameMap`], from `hzp_export.py`): applied to the model
+    /// before translation, so parameters are named by their PyTorch `state_dict` keys, in
+    /// PyTorch's layout, one per PyTorch tensor.
+    pub names: Option<std::sync::Arc<crate::names::NameMap>>,
 }
 
 /// With [`ImportOptions::shapes_only`], the bytes of import-time results computed before

@@ -1024,7 +1024,11 @@ fn import_specialized(
     opts: &ImportOptions,
     on: &BTreeMap<String, Tensor>,
 ) -> FResult<Program> {
-    let model = decode_model(bytes)?;
+    let mut model = decode_model(bytes)?;
+    let keys = match &opts.names {
+        Some(map) => super::rename::apply(&mut model, map, model_dir)?,
+        None => Vec::new(),
+    };
     let g = model
         .graph
         .as_ref()
@@ -1032,7 +1036,8 @@ fn import_specialized(
     check_opsets(&model)?;
     let info = GraphInfo::new(g)?;
     check_supported(&info, &model)?;
-    let sig = signature(&model);
+    let mut sig = signature(&model);
+    sig.params.extend(keys);
     let is_param = classify_params(&info, &sig);
     let bound = bound_shapes(&info, opts)?;
     let (input_tys, symbols) = bind_inputs(&info, &bound)?;

@@ -59,6 +59,11 @@ pub fn find_ties(p: &Program) -> Vec<Tie> {
                 return None;
             }
             let data = d.to_f32_vec();
+            // A constant tensor (all ones, all zeros) equals every other constant tensor of
+            // its size: that says nothing about a weight stored twice.
+            if data.iter().all(|&x| x.to_bits() == data[0].to_bits()) {
+                return None;
+            }
             let sum = data.iter().map(|&x| (x as f64).abs()).sum();
             Some(Cand {
                 name: p.value(prm.value).name.clone(),
@@ -255,4 +260,248 @@ pub fn shared_parameters(p: &Program) -> Vec<SharedParameter> {
         }
     }
     out
+}
+
+/// An initializer that an exporter merged: one parameter read in the same place (same op,
+/// same input) by nodes of different layers, where PyTorch has one parameter per layer
+/// (exporters merge initializers with equal values, such as the all-ones norms of a fresh
+/// model).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Merged {
+    pub name: String,
+    /// The op and input that read it, e.g. `LayerNorm input 1`.
+    pub read_as: String,
+    /// The nodes that read it so, in program order.
+    pub readers: Vec<String>,
+    /// Where each reader sits: the layer of the nearest other parameter downstream of it
+    /// (else upstream; else the reader's name).
+    pub places: Vec<String>,
+    /// The value of every element, when the tensor is constant (all ones, all zeros).
+    pub constant: Option<f64>,
+}
+
+/// Parameters an exporter probably merged (see [`Merged`]). A parameter PyTorch really
+/// shares between layers (one module applied several times) looks the same; a name map
+/// (`hzp_export.py`) tells them apart.
+pub fn merged_initializers(p: &Program) -> Vec<Merged> {
+    use std::collections::{BTreeMap, HashSet, VecDeque};
+    // (param value) -> role -> readers
+    let mut roles: BTreeMap<u32, BTreeMap<(String, usize), Vec<usize>>> = BTreeMap::new();
+    let is_param: HashSet<u32> = p.params.iter().map(|x| x.value.0).collect();
+    for (ni, n) in p.nodes.iter().enumerate() {
+        for (slot, v) in n.inputs.iter().enumerate() {
+            if is_param.contains(&v.0) {
+                let r = roles
+                    .entry(v.0)
+                    .or_default()
+                    .entry((n.op.name().to_string(), slot))
+                    .or_default();
+                if r.last() != Some(&ni) {
+                    r.push(ni);
+                }
+            }
+        }
+    }
+    let suspects: HashSet<u32> = roles
+        .iter()
+        .filter(|(_, r)| r.values().any(|n| n.len() > 1))
+        .map(|(&v, _)| v)
+        .collect();
+    // The nearest parameters upstream and downstream of `node` that are not suspects:
+    // where the node sits (a residual stream makes the upstream one ambiguous: every norm
+    // of a pre-norm transformer is a few hops below the embedding; the product after it
+    // is its layer's).
+    let users = p.users();
+    let search = |node: usize, down: bool| -> Option<u32> {
+        let mut queue = VecDeque::from([node]);
+        let mut seen = HashSet::from([node]);
+        let mut visited = 0;
+        while let Some(n) = queue.pop_front() {
+            visited += 1;
+            if visited > 256 {
+                break;
+            }
+            let nd = &p.nodes[n];
+            let own = |v: &&ValueId| is_param.contains(&v.0) && !suspects.contains(&v.0);
+            if down && n != node {
+                if let Some(v) = nd.inputs.iter().find(own) {
+                    return Some(v.0);
+                }
+            }
+            let next: Vec<usize> = if down {
+                nd.outputs
+                    .iter()
+                    .flat_map(|o| users[o.index()].iter().map(|u| u.index()))
+                    .collect()
+            } else {
+                if let Some(v) = nd.inputs.iter().find(own) {
+                    return Some(v.0);
+                }
+                nd.inputs
+                    .iter()
+                    .filter_map(|&v| p.producer(v).map(|x| x.index()))
+                    .collect()
+            };
+            for m in next {
+                if seen.insert(m) {
+                    queue.push_back(m);
+                }
+            }
+        }
+        None
+    };
+    let context = |node: usize| (search(node, false), search(node, true));
+    let mut out = Vec::new();
+    for prm in &p.params {
+        let Some(r) = roles.get(&prm.value.0) else {
+            continue;
+        };
+        for ((op, slot), readers) in r {
+            if readers.len() < 2 {
+                continue;
+            }
+            let ctx: Vec<(Option<u32>, Option<u32>)> =
+                readers.iter().map(|&n| context(n)).collect();
+            let distinct: HashSet<(Option<u32>, Option<u32>)> = ctx.iter().copied().collect();
+            if distinct.len() < 2 {
+                continue;
+            }
+            let places = readers
+                .iter()
+                .zip(&ctx)
+                .map(|(&n, (up, down))| {
+                    down.or(*up)
+                        .and_then(|v| {
+                            crate::report::layer_key(&p.values[v as usize].name).map(|(k, _)| k)
+                        })
+                        .unwrap_or_else(|| p.nodes[n].name.clone())
+                })
+                .collect();
+            let constant = prm.data.as_ref().and_then(|d| {
+                let v = d.to_f64_vec();
+                (!v.is_empty() && v.iter().all(|&x| x == v[0])).then(|| v[0])
+            });
+            out.push(Merged {
+                name: p.value(prm.value).name.clone(),
+                read_as: format!("{op} input {slot}"),
+                readers: readers.iter().map(|&n| p.nodes[n].name.clone()).collect(),
+                places,
+                constant,
+            });
+            break;
+        }
+    }
+    out
+}
+
+/// `--untie NAME`: every node that reads parameter `name`, but the first, reads a copy of
+/// its own (a new parameter with the same data, named `NAME.1`, `NAME.2`, ...). Returns the
+/// new parameters with the node each one is read by.
+pub fn untie(p: &mut Program, name: &str) -> Result<Vec<(String, String)>, String> {
+    let v = p
+        .find_value(name)
+        .ok_or_else(|| format!("--untie {name}: the model has no value `{name}`"))?;
+    let prm = p
+        .params
+        .iter()
+        .find(|x| x.value == v)
+        .ok_or_else(|| format!("--untie {name}: `{name}` is not a parameter of the model"))?
+        .clone();
+    let users = p.users()[v.index()].clone();
+    if users.len() < 2 {
+        return Err(format!(
+            "--untie {name}: `{name}` is read by {} node(s); there is nothing to untie",
+            users.len()
+        ));
+    }
+    let ty = p.ty(v).clone();
+    let mut names = hzp_ir::NameSet::from_program(p);
+    let mut made = Vec::new();
+    for &u in &users[1..] {
+        let new_name = names.fresh(name);
+        let nv = p.add_param(new_name.clone(), ty.clone(), prm.data.clone());
+        for i in p.nodes[u.index()].inputs.iter_mut() {
+            if *i == v {
+                *i = nv;
+            }
+        }
+        made.push((new_name, p.nodes[u.index()].name.clone()));
+    }
+    hzp_ir::verify(p).map_err(|e| format!("--untie produced an invalid program: {e}"))?;
+    Ok(made)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hzp_ir::{BinaryOp, DType, Tensor, TensorType};
+
+    /// Two "layers": x -> (* g) -> @ w1 -> (* g) -> @ w2, with `g` one all-ones [4] tensor
+    /// read as each layer's norm scale (an exporter's merge), and `h` an all-ones [4] tensor
+    /// of its own read by one more Mul (equal to `g`, but a constant: no tie to report).
+    fn program() -> Program {
+        let mut p = Program::new("t");
+        let x = p.add_input("x", TensorType::new(DType::F32, vec![2, 4]));
+        let ones = || Some(Tensor::f32(vec![4], vec![1.0; 4]));
+        let g = p.add_param("g", TensorType::new(DType::F32, vec![4]), ones());
+        let h = p.add_param("h", TensorType::new(DType::F32, vec![4]), ones());
+        let w = |i: usize| {
+            Some(Tensor::f32(
+                vec![4, 4],
+                (0..16).map(|k| (k * (i + 1)) as f32 * 0.1).collect(),
+            ))
+        };
+        let w1 = p.add_param("w1", TensorType::new(DType::F32, vec![4, 4]), w(1));
+        let w2 = p.add_param("w2", TensorType::new(DType::F32, vec![4, 4]), w(2));
+        let mul = Op::Binary(BinaryOp::Mul);
+        let a = p
+            .add_node("l0/norm", mul.clone(), vec![x, g], vec!["a".into()])
+            .unwrap()[0];
+        let b = p
+            .add_node("l0/mm", Op::MatMul, vec![a, w1], vec!["b".into()])
+            .unwrap()[0];
+        let c = p
+            .add_node("l1/norm", mul.clone(), vec![b, g], vec!["c".into()])
+            .unwrap()[0];
+        let d = p
+            .add_node("l1/mm", Op::MatMul, vec![c, w2], vec!["d".into()])
+            .unwrap()[0];
+        let e = p
+            .add_node("out/scale", mul, vec![d, h], vec!["e".into()])
+            .unwrap()[0];
+        p.outputs.push(e);
+        p
+    }
+
+    #[test]
+    fn merged_norm_scale_is_found_and_constants_are_no_ties() {
+        let p = program();
+        let m = merged_initializers(&p);
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert_eq!(m[0].name, "g");
+        assert_eq!(m[0].read_as, "Mul input 1");
+        assert_eq!(m[0].readers, vec!["l0/norm", "l1/norm"]);
+        assert_eq!(m[0].constant, Some(1.0));
+        // `g` and `h` are equal (all ones) but say nothing about a weight stored twice
+        assert!(find_ties(&p).is_empty(), "{:?}", find_ties(&p));
+    }
+
+    #[test]
+    fn untie_gives_each_reader_its_own_parameter() {
+        let mut p = program();
+        let made = untie(&mut p, "g").unwrap();
+        assert_eq!(made, vec![("g.1".to_string(), "l1/norm".to_string())]);
+        let users = p.users();
+        for name in ["g", "g.1"] {
+            let v = p.find_value(name).unwrap();
+            assert_eq!(users[v.index()].len(), 1, "`{name}`");
+            assert_eq!(
+                p.param(v).unwrap().data.as_ref().unwrap().to_f32_vec(),
+                vec![1.0; 4]
+            );
+        }
+        assert!(merged_initializers(&p).is_empty());
+        assert!(untie(&mut p, "h").unwrap_err().contains("nothing to untie"));
+        assert!(untie(&mut p, "x").unwrap_err().contains("not a parameter"));
+    }
 }

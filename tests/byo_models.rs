@@ -1,0 +1,428 @@
+//! A PyTorch user's own model: fresh models (every norm all ones, biases zero) of two
+//! families no other test uses (transformers' Granite with a tied LM head, GPT-NeoX),
+//! exported by frontends/python/hzp_export.py with both exporters, from
+//! tests/models/make_byo_models.py (files in tests/models/byo/).
+//!
+//! With the name map beside the model, hzp's parameters are PyTorch's: named by their
+//! state_dict keys, in PyTorch's layout, tied only where PyTorch ties them; 5 AdamW steps
+//! give PyTorch's losses and parameters (`<fam>.ref.npz`, computed by PyTorch), and
+//! `--save-params` writes every state_dict key. Without a name map (`<fam>.plain.onnx`, as
+//! `torch.onnx.export` writes it), hzp names the initializers the exporter merged.
+
+mod common;
+use common::hzp_bin;
+use hzp_frontends::{load_model, npz, LoadOptions};
+use hzp_ir::Tensor;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FAMILIES: [&str; 2] = ["granite_byo", "neox_byo"];
+const EXPORTERS: [&str; 2] = ["dynamo", "legacy"];
+
+fn dir() -> PathBuf {
+    common::repo().join("tests/models/byo")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hzp-byo-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+fn read(path: &Path) -> Vec<(String, Tensor)> {
+    npz::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn get<'a>(a: &'a [(String, Tensor)], k: &str) -> Option<&'a Tensor> {
+    a.iter().find(|(n, _)| n == k).map(|(_, t)| t)
+}
+
+fn hzp(args: &[&str]) -> Output {
+    let out = Command::new(hzp_bin()).args(args).output().unwrap();
+    assert!(
+        !matches!(out.status.code(), Some(101) | Some(70)),
+        "hzp {args:?} panicked: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn ok(args: &[&str]) -> (String, String) {
+    let out = hzp(args);
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "hzp {args:?} failed:\n{o}{e}");
+    (o, e)
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = hzp(args);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "hzp {args:?} should fail with 1: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn model(fam: &str, exporter: &str) -> String {
+    dir()
+        .join(format!("{fam}.{exporter}.onnx"))
+        .display()
+        .to_string()
+}
+
+fn io(fam: &str, exporter: &str) -> String {
+    dir()
+        .join(format!("{fam}.{exporter}.io.npz"))
+        .display()
+        .to_string()
+}
+
+/// PyTorch's parameter keys (the reference's `param/<key>`).
+fn torch_keys(fam: &str) -> BTreeSet<String> {
+    read(&dir().join(format!("{fam}.ref.npz")))
+        .into_iter()
+        .filter_map(|(k, _)| k.strip_prefix("param/").map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn byo_parameters_are_named_by_state_dict_keys() {
+    for fam in FAMILIES {
+        let keys = torch_keys(fam);
+        for ex in EXPORTERS {
+            let opts = LoadOptions {
+                shapes: BTreeMap::from([("input_ids".to_string(), vec![2, 8])]),
+                ..Default::default()
+            };
+            let p = load_model(&model(fam, ex), &opts).unwrap();
+            let names: BTreeSet<String> = p
+                .params
+                .iter()
+                .map(|x| p.value(x.value).name.clone())
+                .collect();
+            // PyTorch ties Granite's LM head to its embedding: one parameter, two keys.
+            let mut want = keys.clone();
+            if fam == "granite_byo" {
+                assert!(want.remove("lm_head.weight"));
+            }
+            assert_eq!(names, want, "{fam}.{ex}: parameters vs state_dict keys");
+            // each in PyTorch's layout
+            let refs = read(&dir().join(format!("{fam}.ref.npz")));
+            for x in &p.params {
+                let n = &p.value(x.value).name;
+                let r = get(&refs, &format!("param/{n}")).unwrap();
+                assert_eq!(p.ty(x.value).shape, r.shape, "{fam}.{ex}: `{n}`");
+            }
+        }
+    }
+}
+
+#[test]
+fn byo_exports_evaluate_to_pytorch_output() {
+    for fam in FAMILIES {
+        for ex in EXPORTERS {
+            let (o, _) = ok(&[
+                "eval",
+                &model(fam, ex),
+                "--inputs",
+                &io(fam, ex),
+                "--reference",
+                &io(fam, ex),
+                "--format",
+                "json",
+            ]);
+            let v: serde_json::Value = serde_json::from_str(&o).unwrap();
+            assert_eq!(v["within_tolerance"], true, "{fam}.{ex}: {o}");
+            assert_eq!(v["outputs"][0]["reference"], "output", "{fam}.{ex}: {o}");
+        }
+    }
+}
+
+/// 5 AdamW steps (torch's defaults, hzp's defaults) with `--loss lm`: the losses within
+/// 1e-5 and every state_dict key's tensor within 1e-4 relative of PyTorch's, over the
+/// elements whose first gradient is not round-off (AdamW divides a gradient by its own RMS,
+/// so an element whose gradient is zero in exact arithmetic, e.g. a key bias's, moves by
+/// ~lr on round-off, differently on each side; those only have to stay within 1e-2).
+#[test]
+fn byo_five_adamw_steps_match_pytorch() {
+    for fam in FAMILIES {
+        let refs = read(&dir().join(format!("{fam}.ref.npz")));
+        let gmax = refs
+            .iter()
+            .filter(|(k, _)| k.starts_with("grad/"))
+            .flat_map(|(_, t)| t.to_f64_vec())
+            .fold(0.0f64, |m, x| m.max(x.abs()));
+        for ex in EXPORTERS {
+            let out = tmp(&format!("{fam}.{ex}.safetensors"));
+            let (o, _) = ok(&[
+                "train",
+                &model(fam, ex),
+                "--inputs",
+                &io(fam, ex),
+                "--loss",
+                "lm",
+                "--steps",
+                "5",
+                "--format",
+                "json",
+                "--save-params",
+                out.to_str().unwrap(),
+            ]);
+            let v: serde_json::Value = serde_json::from_str(&o).unwrap();
+            let losses: Vec<f64> = v["losses"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            let want = get(&refs, "loss").unwrap().to_f64_vec();
+            assert_eq!(losses.len(), 5);
+            for (a, b) in losses.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "{fam}.{ex}: losses {losses:?} vs PyTorch {want:?}"
+                );
+            }
+            let got = hzp_runtime::checkpoint::from_safetensors(&std::fs::read(&out).unwrap())
+                .unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+            let saved: BTreeSet<String> = got.iter().map(|(k, _)| k.clone()).collect();
+            assert_eq!(saved, torch_keys(fam), "{fam}.{ex}: keys hzp saved");
+            for (k, want) in refs.iter().filter(|(k, _)| k.starts_with("param/")) {
+                let key = &k["param/".len()..];
+                let have = get(&got, key).unwrap();
+                assert_eq!(have.shape, want.shape, "{fam}.{ex}: `{key}`");
+                let (a, b) = (have.to_f64_vec(), want.to_f64_vec());
+                let grad = get(&refs, &format!("grad/{key}")).unwrap().to_f64_vec();
+                let (mut d, mut n) = (0.0f64, 0.0f64);
+                for i in 0..a.len() {
+                    if grad[i].abs() >= 1e-6 * gmax {
+                        d += (a[i] - b[i]).powi(2);
+                        n += b[i].powi(2);
+                    } else {
+                        assert!(
+                            (a[i] - b[i]).abs() <= 1e-2,
+                            "{fam}.{ex}: `{key}`[{i}] (gradient ~0) {} vs PyTorch {}",
+                            a[i],
+                            b[i]
+                        );
+                    }
+                }
+                let rel = d.sqrt() / n.sqrt().max(1e-12);
+                assert!(
+                    rel < 1e-4,
+                    "{fam}.{ex}: `{key}` after 5 AdamW steps: rel err {rel:.3e}"
+                );
+            }
+        }
+    }
+}
+
+/// What `torch.onnx.export` gives without the helper: the exporter merged the constant
+/// parameters. `show`, `train`, `grad` and `compile` name them; `--untie` gives each reader
+/// its own parameter (and the warning for it goes).
+#[test]
+fn byo_plain_exports_name_the_merged_initializers() {
+    // The merged initializers (what the exporter kept; checked in the files by
+    // make_byo_models.py's listing): every RMSNorm of Granite is one all-ones tensor, every
+    // LayerNorm weight of GPT-NeoX one too, and its LayerNorm biases one all-zeros tensor.
+    let cases = [
+        ("granite_byo", vec!["model.layers.0.input_layernorm.weight"]),
+        (
+            "neox_byo",
+            vec![
+                "gpt_neox.layers.0.input_layernorm.weight",
+                "gpt_neox.layers.0.input_layernorm.bias",
+            ],
+        ),
+    ];
+    for (fam, merged) in cases {
+        let plain = dir()
+            .join(format!("{fam}.plain.onnx"))
+            .display()
+            .to_string();
+        let inputs = io(fam, "dynamo");
+        let (o, _) = ok(&["show", &plain, "--shape", "input_ids=2x8"]);
+        assert!(
+            !o.contains("none found"),
+            "{fam}: show says none found:\n{o}"
+        );
+        for m in &merged {
+            assert!(
+                o.contains(&format!("`{m}` (every element")),
+                "{fam}: show does not name `{m}` as merged:\n{o}"
+            );
+            assert!(
+                o.contains(&format!("--untie {m}")),
+                "{fam}: no fix for `{m}`:\n{o}"
+            );
+        }
+        // no --retie hint for all-ones / all-zeros tensors (Granite's LM head, which the
+        // exporter stored transposed beside the embedding, is a real tie and gets one)
+        for line in o.lines().filter(|l| l.contains("--retie")) {
+            assert!(
+                merged.iter().all(|m| !line.contains(m)),
+                "{fam}: --retie hinted for a constant tensor: {line}"
+            );
+        }
+        if fam == "granite_byo" {
+            assert!(
+                o.contains("equals the transpose of `lm_head.weight`"),
+                "{fam}: the tied head is not reported:\n{o}"
+            );
+        }
+        let (_, e) = ok(&[
+            "train", &plain, "--inputs", &inputs, "--loss", "lm", "--steps", "1",
+        ]);
+        for m in &merged {
+            assert!(
+                e.contains("warning:") && e.contains(&format!("`{m}`")),
+                "{fam}: train does not warn of `{m}`:\n{e}"
+            );
+        }
+        let grads = tmp(&format!("{fam}.plain.grads.npz"));
+        let (_, e) = ok(&[
+            "grad",
+            &plain,
+            "--inputs",
+            &inputs,
+            "--loss",
+            "lm",
+            "-o",
+            grads.to_str().unwrap(),
+        ]);
+        assert!(e.contains(&format!("`{}`", merged[0])), "{fam}: grad:\n{e}");
+        let plan = tmp(&format!("{fam}.plain.plan.json"));
+        let (_, e) = ok(&[
+            "compile",
+            &plain,
+            "--shape",
+            "input_ids=2x8",
+            "--mesh",
+            "gpu=2",
+            "-o",
+            plan.to_str().unwrap(),
+        ]);
+        assert!(
+            e.contains(&format!("`{}`", merged[0])),
+            "{fam}: compile:\n{e}"
+        );
+
+        // --untie: one parameter per reader, and no warning for it
+        let before = read(&grads).len();
+        let untied = tmp(&format!("{fam}.untied.grads.npz"));
+        let (_, e) = ok(&[
+            "grad",
+            &plain,
+            "--inputs",
+            &inputs,
+            "--loss",
+            "lm",
+            "--untie",
+            merged[0],
+            "-o",
+            untied.to_str().unwrap(),
+        ]);
+        assert!(e.contains("untie:"), "{fam}: {e}");
+        assert!(
+            !e.contains(&format!("warning: `{}`", merged[0])),
+            "{fam}: still warned after --untie:\n{e}"
+        );
+        let after = read(&untied);
+        assert!(
+            after.len() > before,
+            "{fam}: {} -> {} arrays",
+            before,
+            after.len()
+        );
+        assert!(get(&after, &format!("grad/{}.1", merged[0]))
+            .or_else(|| get(&after, &format!("{}.1", merged[0])))
+            .is_some());
+    }
+}
+
+/// A name map that does not fit the model is an error naming what does not fit.
+#[test]
+fn byo_name_map_that_does_not_match_is_an_error() {
+    let fam = "neox_byo";
+    let text = std::fs::read_to_string(dir().join(format!("{fam}.dynamo.names.json"))).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // an initializer the model does not have
+    let mut bad = v.clone();
+    let inits = bad["initializers"].as_object_mut().unwrap();
+    let first = inits.keys().next().unwrap().clone();
+    let entry = inits.remove(&first).unwrap();
+    inits.insert("no_such_initializer".into(), entry);
+    let p = tmp("unknown.names.json");
+    std::fs::write(&p, bad.to_string()).unwrap();
+    let e = fails(&[
+        "show",
+        &model(fam, "dynamo"),
+        "--shape",
+        "input_ids=2x8",
+        "--names",
+        p.to_str().unwrap(),
+    ]);
+    assert!(e.contains("no_such_initializer"), "{e}");
+    // a wrong shape
+    v["parameters"]["gpt_neox.embed_in.weight"]["shape"] = serde_json::json!([3, 5]);
+    let p = tmp("shape.names.json");
+    std::fs::write(&p, v.to_string()).unwrap();
+    let e = fails(&[
+        "show",
+        &model(fam, "dynamo"),
+        "--shape",
+        "input_ids=2x8",
+        "--names",
+        p.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("gpt_neox.embed_in.weight") && e.contains("[3, 5]"),
+        "{e}"
+    );
+}
+
+/// A reference file with two arrays that could be the output: an error naming both and
+/// the flag that picks one (it used to compare nothing and report `within_tolerance: null`).
+#[test]
+fn eval_reference_with_two_candidates_is_an_error() {
+    let fam = "neox_byo";
+    let arrays = read(Path::new(&io(fam, "dynamo")));
+    let ids = get(&arrays, "input_ids").unwrap().clone();
+    let out = get(&arrays, "output").unwrap().clone();
+    let refp = tmp("two.npz");
+    npz::write(
+        &refp,
+        &[
+            ("input_ids".into(), ids),
+            ("torch_out".into(), out.clone()),
+            ("logits_fp16".into(), out),
+        ],
+    )
+    .unwrap();
+    let args = [
+        "eval",
+        &model(fam, "dynamo"),
+        "--inputs",
+        &io(fam, "dynamo"),
+        "--reference",
+        refp.to_str().unwrap(),
+    ];
+    let e = fails(&args);
+    assert!(
+        e.contains("torch_out") && e.contains("logits_fp16") && e.contains("--reference-key"),
+        "{e}"
+    );
+    let mut picked = args.to_vec();
+    picked.extend(["--reference-key", "torch_out", "--format", "json"]);
+    let (o, _) = ok(&picked);
+    let v: serde_json::Value = serde_json::from_str(&o).unwrap();
+    assert_eq!(v["within_tolerance"], true, "{o}");
+    assert_eq!(v["outputs"][0]["reference"], "torch_out", "{o}");
+}
