@@ -69,6 +69,39 @@ fn rank_state(ck: &Path, rank: usize) -> Vec<(String, Tensor)> {
     hzp_runtime::checkpoint::from_safetensors(&bytes).unwrap()
 }
 
+/// Replica `replica`'s whole `name` (`numel` elements), put together here from the
+/// checkpoint's shards: on node=2,gpu=2, replica r is ranks 2r and 2r + 1, which hold the
+/// first and second halves (rounded up, the last padded) of the flattened parameter.
+fn replica_from_shards(ck: &Path, replica: usize, name: &str, numel: usize) -> Vec<f64> {
+    let mut whole = Vec::new();
+    for gpu in 0..2 {
+        whole.extend(get(&rank_state(ck, 2 * replica + gpu), name).to_f64_vec());
+    }
+    assert_eq!(whole.len(), numel.div_ceil(2) * 2, "{name}'s shards");
+    whole.truncate(numel);
+    whole
+}
+
+/// The replicas' mean of `name`, a direct element-wise average of the two replicas above.
+fn mean_from_shards(ck: &Path, name: &str, numel: usize) -> Vec<f64> {
+    let (a, b) = (
+        replica_from_shards(ck, 0, name, numel),
+        replica_from_shards(ck, 1, name, numel),
+    );
+    a.iter().zip(&b).map(|(x, y)| (x + y) / 2.0).collect()
+}
+
+/// Whether `got` is the replicas' `mean`: within f32 rounding (the mean above is exact in
+/// f64 from f32 values; the runtime averages in f32).
+fn is_the_mean(got: &[f64], mean: &[f64]) -> Result<(), String> {
+    let e = rel(got, mean);
+    if e < 1e-6 {
+        Ok(())
+    } else {
+        Err(format!("{e} from the replicas' mean"))
+    }
+}
+
 /// Losses, parameters and EMA states of 8 steps of `hzp run` equal the reference within
 /// 1e-5 relative; the step counter counted the steps.
 #[test]
@@ -117,6 +150,17 @@ fn run_equals_the_reference() {
             .collect();
         let e = rel(&get(&got, name).to_f64_vec(), &mean);
         assert!(e < 1e-5, "the replicas' mean of {name}: {e}");
+        // and, bit for bit up to f32 rounding, the mean of what the ranks saved, computed here
+        let here = mean_from_shards(&ck, name, want0.len());
+        if let Err(e) = is_the_mean(&get(&got, name).to_f64_vec(), &here) {
+            panic!("--save-params' {name}: {e}");
+        }
+        // a wrong assembly (replica 0 alone) is caught by that comparison
+        let alone = replica_from_shards(&ck, 0, name, want0.len());
+        assert!(
+            is_the_mean(&alone, &here).is_err(),
+            "{name}: replica 0 passes"
+        );
         // rank 0 holds replica 0's shard 0
         let shard0 = get(&rank0, name).to_f64_vec();
         let e = rel(&shard0, &want0[..shard0.len()]);
@@ -137,7 +181,9 @@ fn run_equals_the_reference() {
     assert_eq!(step, vec![8.0]);
 
     // the CUDA backend puts the model together from every rank's master shards with
-    // `assemble_parameters` (for --save-params and evaluation): the replicas' mean as well
+    // `assemble_parameters` (for --save-params and evaluation): the replicas' mean as well,
+    // compared with the mean computed above from the shards (not with the CPU's --save-params,
+    // which the same `exec::assemble_layout` computes)
     let plan =
         hzp_ir::Plan::from_json(&std::fs::read_to_string(&plan).unwrap(), "plan.json").unwrap();
     let p = &plan.program;
@@ -156,11 +202,10 @@ fn run_equals_the_reference() {
     let assembled = hzp_runtime::cuda::assemble_parameters(&plan, &all).unwrap();
     assert_eq!(assembled.len(), 4);
     for (name, t) in &assembled {
-        assert_eq!(
-            t.to_f64_vec(),
-            get(&got, name).to_f64_vec(),
-            "assemble_parameters' {name} is not the replicas' mean the CPU saved"
-        );
+        let here = mean_from_shards(&ck, name, t.shape.iter().product());
+        if let Err(e) = is_the_mean(&t.to_f64_vec(), &here) {
+            panic!("assemble_parameters' {name}: {e}");
+        }
     }
 }
 

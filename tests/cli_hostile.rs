@@ -47,7 +47,11 @@ fn is_root() -> bool {
 /// A private character device equal to /dev/full (major 1, minor 7) in `dir`, when root.
 fn full_device(dir: &Path) -> Option<PathBuf> {
     if !is_root() {
-        println!("skipping the device-node case: not root, cannot mknod");
+        skip::skip(
+            "",
+            skip::Missing::Other,
+            "not root, cannot mknod: the device-node case",
+        );
         return None;
     }
     let p = dir.join("full");
@@ -56,7 +60,11 @@ fn full_device(dir: &Path) -> Option<PathBuf> {
         .status()
         .is_ok_and(|st| st.success());
     if !ok {
-        println!("skipping the device-node case: mknod failed");
+        skip::skip(
+            "",
+            skip::Missing::Other,
+            "mknod failed: the device-node case",
+        );
         return None;
     }
     Some(p)
@@ -126,7 +134,7 @@ fn output_to_a_fifo_is_refused_without_blocking() {
     let d = tempdir("fifo");
     let fifo = d.join("out.npz");
     if !mkfifo(&fifo) {
-        println!("skipping: mkfifo is not available");
+        skip::skip("", skip::Missing::Other, "mkfifo is not available");
         return;
     }
     fails_with(

@@ -231,7 +231,11 @@ fn cuda_backend_names_what_is_missing() {
     let plan = compile(&d, "gpu=2", "zero3");
     let (code, _, err) = hzp(&["run", s(&plan), "--inputs", s(&io()), "--backend", "cuda"]);
     if code == 0 {
-        eprintln!("note: this machine runs CUDA; nothing to check");
+        skip::skip(
+            "cuda_backend_names_what_is_missing",
+            skip::Missing::Other,
+            "this machine runs CUDA: no missing library to name",
+        );
         return;
     }
     assert!(

@@ -253,20 +253,13 @@ fn run_cmd(c: &mut std::process::Command) -> std::process::Output {
 
 #[test]
 fn fused_kernels_equal_the_nodes_they_replace() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    if std::process::Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        // CI's machine has a C++ compiler (Rust's linker needs one): there this must run
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI is set but no C++ compiler `{cxx}` was found"
-        );
-        eprintln!("SKIPPED: no C++ compiler `{cxx}` (set CXX) to emulate the fused kernels");
+    // CI's machine has a C++ compiler (Rust's linker needs one): there this must run
+    let Some(cxx) = skip::cxx_compiler(
+        "fused_kernels_equal_the_nodes_they_replace",
+        "emulate the fused kernels",
+    ) else {
         return;
-    }
+    };
     let dir = tempdir("fusion");
     let mut checked_runs = 0;
     let mut split_runs = 0;
@@ -439,9 +432,10 @@ fn fused_kernels_compile_with_nvrtc() {
             "HZP_REQUIRE_NVRTC is set but libnvrtc.so.12 was not found (searched {:?})",
             pr.searched
         );
-        eprintln!(
-            "SKIPPED: libnvrtc.so.12 not found (searched {:?})",
-            pr.searched
+        skip::skip(
+            "fused_kernels_compile_with_nvrtc",
+            skip::Missing::Nvrtc,
+            &format!("libnvrtc.so.12 not found (searched {:?})", pr.searched),
         );
         return;
     }

@@ -7,7 +7,10 @@
 //! evaluator running the node. Operands a plan keeps as views (a transpose read only by
 //! products, `hzp_ir::views`) are written untransposed at their source's bytes, as the GPU
 //! holds them. That checks the transpose flags, leading dimensions, batch strides and
-//! offsets of the lowering (bf16 views included); cuBLAS itself is checked on a device
+//! offsets of the lowering (bf16 views included). The arena has guard bytes before and after
+//! it, and a product must leave every byte outside its C as it was (guards and other values
+//! alike); a call with a wrong `ldc` or C stride is shown to trip that check. cuBLAS itself
+//! is checked on a device
 //! (`examples/device/multi_rank_check.sh`).
 
 mod common;
@@ -69,7 +72,7 @@ impl Rng {
 fn put(arena: &mut [u8], off: u64, t: &Tensor) {
     let esz = t.dtype().size_bytes();
     for (i, v) in t.to_f64_vec().into_iter().enumerate() {
-        store(arena, off as usize + i * esz, t.dtype(), v as f32);
+        store(arena, GUARD + off as usize + i * esz, t.dtype(), v as f32);
     }
 }
 
@@ -91,14 +94,36 @@ fn load(arena: &[u8], at: usize, d: DType) -> f32 {
     }
 }
 
+/// Bytes before and after the lowering's arena, filled with [`GUARD_BYTE`]: every offset
+/// below is shifted by `GUARD`, so a write before or past the arena lands in them.
+const GUARD: usize = 4096;
+const GUARD_BYTE: u8 = 0xa5;
+
+/// The first byte outside `c` (a byte range of `after`) that differs from `before`: a
+/// product may write only C. Covers the guard bytes and every other value of the arena.
+fn written_outside(before: &[u8], after: &[u8], c: std::ops::Range<usize>) -> Option<usize> {
+    assert_eq!(before.len(), after.len());
+    let first = |lo: usize, hi: usize| (lo..hi).find(|&i| before[i] != after[i]);
+    // whole slices first (a memcmp), byte by byte only to name the byte
+    let (lo, hi) = (c.start, c.end);
+    (before[..lo] != after[..lo])
+        .then(|| first(0, lo))
+        .flatten()
+        .or_else(|| {
+            (before[hi..] != after[hi..])
+                .then(|| first(hi, before.len()))
+                .flatten()
+        })
+}
+
 /// What `cublasGemmStridedBatchedEx` computes for one call (alpha 1, beta 0, f32 compute):
 /// column-major `C = op(X) op(Y)`, `X` element (i, l) at `i + l*ldx` (or `l + i*ldx`
 /// transposed), `Y` element (l, j) at `l + j*ldy` (or `j + l*ldy`), `C` (i, j) at `i + j*ldc`.
 fn cublas_model(arena: &mut [u8], d: DType, c: &CublasGemm) {
     let esz = d.size_bytes() as i64;
     let at = |base: u64, elems: i64| -> usize {
-        let o = base as i64 + elems * esz;
-        assert!(o >= 0, "an offset before the arena");
+        let o = GUARD as i64 + base as i64 + elems * esz;
+        assert!(o >= 0, "an offset before the arena and its guard");
         o as usize
     };
     for b in 0..c.batch as i64 {
@@ -133,6 +158,8 @@ fn every_lowered_product_equals_the_cpu_product() {
     let mut checked = 0;
     let mut views = 0;
     let mut trans = [0usize; 2];
+    // per plan: whether a wrong ldc and a wrong stride of one of its calls tripped the guard
+    let mut tripped = [false; PLANS.len()];
     for (k, (stem, extra)) in PLANS.iter().enumerate() {
         let plan = compile(&dir, k, stem, extra);
         let p = &plan.program;
@@ -145,7 +172,7 @@ fn every_lowered_product_equals_the_cpu_product() {
             .flat_map(|(ni, n)| n.outputs.iter().map(move |&v| (v, ni)))
             .collect();
         assert!(low.nodes.iter().enumerate().all(|(i, nw)| nw.node == i));
-        let mut arena = vec![0u8; low.alloc_bytes as usize];
+        let mut arena = vec![GUARD_BYTE; GUARD + low.alloc_bytes as usize + GUARD];
         let mut rng = Rng(k as u64 + 1);
         let mut here = 0;
         for nw in &low.nodes {
@@ -206,6 +233,7 @@ fn every_lowered_product_equals_the_cpu_product() {
             }
             let y = node.outputs[0];
             let (yoff, ybytes) = low.loc[y.index()];
+            let yoff = GUARD as u64 + yoff;
             let dt = p.ty(y).dtype;
             // NaN where the product has not written
             for i in 0..(ybytes as usize / dt.size_bytes()) {
@@ -216,13 +244,57 @@ fn every_lowered_product_equals_the_cpu_product() {
                     f32::NAN,
                 );
             }
+            let before = arena.clone();
+            let c_bytes = yoff as usize..(yoff + ybytes) as usize;
             for g in &gemms {
                 assert_eq!(g.dtype, dt);
                 trans[0] += g.trans_a as usize;
                 trans[1] += g.trans_b as usize;
                 for c in g.cublas_calls() {
                     cublas_model(&mut arena, dt, &c);
+                    // a wrong ldc or stride: the guard must trip (tried once per plan)
+                    let wrong = [
+                        CublasGemm {
+                            ldc: c.ldc + 1,
+                            ..c
+                        },
+                        CublasGemm {
+                            stride_c: c.stride_c + 1,
+                            ..c
+                        },
+                    ];
+                    // on a call whose C ends where the node's output ends (the last of its
+                    // calls), so that misplaced writes leave the output, not just this call's
+                    // part of it
+                    let esz = dt.size_bytes() as i64;
+                    let extent = (c.batch as i64 - 1) * c.stride_c
+                        + (c.n as i64 - 1) * c.ldc as i64
+                        + c.m as i64;
+                    let ends_output =
+                        c.c as i64 + extent * esz == (yoff - GUARD as u64 + ybytes) as i64;
+                    if !tripped[k] && c.n > 1 && c.batch > 1 && ends_output {
+                        for w in &wrong {
+                            let mut a = before.clone();
+                            cublas_model(&mut a, dt, w);
+                            assert!(
+                                written_outside(&before, &a, c_bytes.clone()).is_some(),
+                                "{stem} {}: a wrong call {w:?} wrote only C",
+                                nw.name
+                            );
+                        }
+                        tripped[k] = true;
+                    }
                 }
+            }
+            // the product wrote nothing outside C: not the guard bytes, not another value
+            if let Some(i) = written_outside(&before, &arena, c_bytes) {
+                panic!(
+                    "{stem} {}: a product wrote byte {} of the arena, outside its C at {}..{}",
+                    nw.name,
+                    i as i64 - GUARD as i64,
+                    yoff as usize - GUARD,
+                    yoff as usize - GUARD + ybytes as usize
+                );
             }
             let refs: Vec<&Tensor> = operands.iter().collect();
             let want = hzp_runtime::cpu::eval_op(&node.op, &refs)
@@ -256,4 +328,8 @@ fn every_lowered_product_equals_the_cpu_product() {
     );
     // the plans exercise both transpose flags and the views behind them
     assert!(views > 0 && trans[0] > 0 && trans[1] > 0);
+    assert!(
+        tripped.iter().all(|&t| t),
+        "a plan without a batched call to try wrong ones on: {tripped:?}"
+    );
 }

@@ -2,7 +2,9 @@
 //! `.npz` reader and `plan.json` loading (parse + verify).
 //!
 //! - `regression_corpus` (always run) feeds every file under `tests/fuzz/crashes/<target>/`
-//!   to its target: inputs that once crashed or hung stay fixed.
+//!   to its target: inputs that once crashed or hung stay fixed; and every file under
+//!   `tests/fuzz/corpus/<target>/`, which must reach the stage its name records (see below),
+//!   no fewer files than [`CORPUS_FILES`].
 //! - Targets: `onnx`, `text`, `npz`, `plan` mutate bytes; `onnx-fields` and `plan-fields`
 //!   mutate the decoded structure (a model's nodes, attributes, initializers and inputs; a
 //!   plan's JSON fields and program lines) and encode it again, recomputing the plan's
@@ -12,7 +14,11 @@
 //!   seeds (the test models, their inputs, `.hzp` files, a compiled plan) for SECONDS per
 //!   target with a small mutation fuzzer (bit flips, byte and chunk edits, splices, numbers
 //!   that matter), under `catch_unwind`. An input that panics, or takes over 5 s, is written
-//!   to `tests/fuzz/crashes/<target>/` and the run fails naming it.
+//!   to `tests/fuzz/crashes/<target>/` and the run fails naming it. It also keeps a corpus:
+//!   for each target and each stage its inputs reached, the smallest input seen, shrunk (chunks
+//!   cut while the input still reaches that stage) and kept when at most [`CORPUS_MAX_BYTES`],
+//!   as `tests/fuzz/corpus/<target>/<stage>` (the stage's words joined by `-`), replacing a
+//!   larger file for that stage. The corpus is also fuzzed from, after the seeds.
 //!
 //! No nightly toolchain or cargo-fuzz is needed.
 
@@ -135,6 +141,25 @@ fn crashes_dir(target: &str) -> PathBuf {
     repo().join("tests/fuzz/crashes").join(target)
 }
 
+fn corpus_dir(target: &str) -> PathBuf {
+    repo().join("tests/fuzz/corpus").join(target)
+}
+
+/// The committed corpus's file count: `regression_corpus` must replay at least these.
+const CORPUS_FILES: usize = 21;
+
+/// The largest input the corpus keeps.
+const CORPUS_MAX_BYTES: usize = 8192;
+
+/// A stage as a file name: its words (letters and digits) joined by `-`.
+fn stage_file(stage: &str) -> String {
+    stage
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
 fn files_in(d: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(d)
         .map(|r| r.filter_map(|e| e.ok().map(|e| e.path())).collect())
@@ -164,24 +189,43 @@ fn run_one(f: Target, input: &[u8]) -> Result<&'static str, String> {
 fn regression_corpus() {
     // Bounded like the CLI: a crashing input must not take the suite's memory.
     hzp_frontends::limits::set_max_memory(256 << 20);
-    let mut ran = 0;
+    let (mut crashes, mut corpus) = (0, 0);
     for (name, f) in TARGETS {
-        for file in files_in(&crashes_dir(name)) {
-            let input = std::fs::read(&file).unwrap();
+        let kept = files_in(&corpus_dir(name));
+        for file in files_in(&crashes_dir(name)).iter().chain(&kept) {
+            let input = std::fs::read(file).unwrap();
             let start = Instant::now();
-            if let Err(m) = run_one(f, &input) {
-                panic!("{} ({name}) panics again: {m}", file.display());
-            }
+            let stage = match run_one(f, &input) {
+                Ok(stage) => stage,
+                Err(m) => panic!("{} ({name}) panics again: {m}", file.display()),
+            };
             assert!(
                 start.elapsed() < Duration::from_secs(10),
                 "{} ({name}) takes {:?}",
                 file.display(),
                 start.elapsed()
             );
-            ran += 1;
+            if kept.contains(file) {
+                // a corpus file is named after the stage it reached when it was kept
+                let recorded = file.file_name().unwrap().to_string_lossy();
+                assert_eq!(
+                    stage_file(stage),
+                    recorded,
+                    "{} ({name}) now stops at `{stage}`",
+                    file.display()
+                );
+                assert!(input.len() <= CORPUS_MAX_BYTES, "{}", file.display());
+                corpus += 1;
+            } else {
+                crashes += 1;
+            }
         }
     }
-    println!("{ran} corpus inputs, none panics");
+    println!("{crashes} past crashes and {corpus} corpus inputs, none panics");
+    assert!(
+        corpus >= CORPUS_FILES,
+        "{corpus} corpus inputs, fewer than the {CORPUS_FILES} committed"
+    );
 }
 
 // ------------------------------------------------------------------ the fuzzer
@@ -643,6 +687,7 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
         "onnx" => ["gpt2_tiny.legacy.op17.onnx", "llama_tiny.dynamo.op18.onnx"]
             .iter()
             .map(|f| read(models.join(f)))
+            .chain([tiny_onnx()])
             .collect(),
         "npz" => vec![
             read(repo().join("examples/models/mlp.io.npz")),
@@ -692,12 +737,145 @@ fn seeds(target: &str) -> Vec<Vec<u8>> {
                 "{}",
                 String::from_utf8_lossy(&st.stderr)
             );
-            vec![read(plan)]
+            // and a plan of about 5 KB (one MatMul, SGD, two ranks), so that the corpus can
+            // keep small plans that get past the hash check
+            let tiny = dir.join("tiny.hzp");
+            std::fs::write(
+                &tiny,
+                "program \"tiny\"\n\ninput %x : f32[2,2]\nparam %w : f32[2,2]\n\n\
+                 %y = MatMul(%x, %w) : f32[2,2] \"mm\"\n\noutput %y\n",
+            )
+            .unwrap();
+            let tiny_plan = dir.join("tiny.json");
+            let st = std::process::Command::new(hzp_bin())
+                .args([
+                    "compile",
+                    tiny.to_str().unwrap(),
+                    "--mesh",
+                    "gpu=2",
+                    "--loss",
+                    "mean",
+                ])
+                .args(["--micro-batches", "1", "--optimizer", "sgd", "-o"])
+                .arg(&tiny_plan)
+                .output()
+                .unwrap();
+            assert!(
+                st.status.success(),
+                "{}",
+                String::from_utf8_lossy(&st.stderr)
+            );
+            vec![read(plan), read(tiny_plan)]
         }
         _ => unreachable!(),
     };
     out.extend(files_in(&crashes_dir(target)).into_iter().map(read));
+    out.extend(files_in(&corpus_dir(target)).into_iter().map(read));
     out
+}
+
+/// A model of a few hundred bytes that imports: `z = Softmax(MatMul(x + y, w))` with `x`, `y`
+/// of [2, 3] and `w` a [3, 2] initializer, so that small mutated models reach import.
+fn tiny_onnx() -> Vec<u8> {
+    use hzp_frontends::onnx::proto::*;
+    use prost::Message;
+    let input = |name: &str| ValueInfoProto {
+        name: name.into(),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: 1,
+                shape: Some(TensorShapeProto {
+                    dim: [2, 3]
+                        .iter()
+                        .map(|&v| tensor_shape_proto::Dimension {
+                            value: Some(tensor_shape_proto::dimension::Value::DimValue(v)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let node = |op: &str, ins: &[&str], out: &str| NodeProto {
+        op_type: op.into(),
+        name: out.into(),
+        input: ins.iter().map(|s| s.to_string()).collect(),
+        output: vec![out.into()],
+        ..Default::default()
+    };
+    ModelProto {
+        ir_version: 8,
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: 17,
+        }],
+        graph: Some(GraphProto {
+            name: "g".into(),
+            node: vec![
+                node("Add", &["x", "y"], "s"),
+                node("MatMul", &["s", "w"], "m"),
+                node("Softmax", &["m"], "z"),
+            ],
+            initializer: vec![TensorProto {
+                name: "w".into(),
+                dims: vec![3, 2],
+                data_type: 1,
+                float_data: vec![0.5, -1.0, 2.0, 0.25, -0.75, 1.5],
+                ..Default::default()
+            }],
+            input: vec![input("x"), input("y")],
+            output: vec![ValueInfoProto {
+                name: "z".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+/// Cuts chunks out of `input` (halves, then quarters, ... down to single bytes) while `f`
+/// still stops at `stage` on what is left, until `deadline`.
+fn shrink(f: Target, input: &[u8], stage: &str, deadline: Instant) -> Vec<u8> {
+    let mut cur = input.to_vec();
+    let mut chunk = cur.len().div_ceil(2);
+    while chunk >= 1 && Instant::now() < deadline {
+        let mut i = 0;
+        while i < cur.len() && Instant::now() < deadline {
+            let mut cand = cur[..i].to_vec();
+            cand.extend_from_slice(&cur[(i + chunk).min(cur.len())..]);
+            let t = Instant::now();
+            let same = run_one(f, &cand).is_ok_and(|s| s == stage);
+            if same && t.elapsed() < Duration::from_secs(1) {
+                cur = cand;
+            } else {
+                i += chunk;
+            }
+        }
+        chunk /= 2;
+    }
+    cur
+}
+
+/// Keeps `input` as the corpus file of `stage` for target `name` when it is at most
+/// [`CORPUS_MAX_BYTES`] and smaller than the file there (or there is none). Says what it did.
+fn keep_in_corpus(name: &str, stage: &str, input: &[u8]) -> Option<String> {
+    let file = corpus_dir(name).join(stage_file(stage));
+    let old = std::fs::read(&file).ok();
+    if input.len() > CORPUS_MAX_BYTES || old.as_ref().is_some_and(|o| o.len() <= input.len()) {
+        return None;
+    }
+    std::fs::create_dir_all(corpus_dir(name)).unwrap();
+    std::fs::write(&file, input).unwrap();
+    Some(format!(
+        "{} ({} bytes, was {})",
+        file.display(),
+        input.len(),
+        old.map_or("absent".into(), |o| format!("{} bytes", o.len()))
+    ))
 }
 
 /// `HZP_FUZZ_SECONDS` per target (default 10), `HZP_FUZZ_TARGET` to pick one.
@@ -722,6 +900,8 @@ fn fuzz() {
         let start = Instant::now();
         let mut runs = 0u64;
         let mut stages: std::collections::BTreeMap<&str, u64> = Default::default();
+        // per stage, the smallest input that reached it
+        let mut smallest: std::collections::BTreeMap<&str, Vec<u8>> = Default::default();
         while start.elapsed() < Duration::from_secs(secs) {
             let base = &seeds[rng.below(seeds.len())];
             let input = match name {
@@ -735,6 +915,9 @@ fn fuzz() {
             runs += 1;
             if let Ok(stage) = r {
                 *stages.entry(stage).or_default() += 1;
+                if !slow && smallest.get(stage).is_none_or(|s| input.len() < s.len()) {
+                    smallest.insert(stage, input.clone());
+                }
             }
             if r.is_err() || slow {
                 let dir = crashes_dir(name);
@@ -752,6 +935,20 @@ fn fuzz() {
                     file.display(),
                     r.err().unwrap_or_else(|| format!("took {:?}", t.elapsed()))
                 ));
+            }
+        }
+        // the corpus: each stage's smallest input, shrunk (a tenth of the time per stage,
+        // 2 to 30 s)
+        for (stage, input) in &smallest {
+            let deadline = Instant::now() + Duration::from_secs((secs / 10).clamp(2, 30));
+            let small = shrink(f, input, stage, deadline);
+            match keep_in_corpus(name, stage, &small) {
+                Some(kept) => eprintln!("fuzz {name}: kept {kept}"),
+                None if small.len() > CORPUS_MAX_BYTES => eprintln!(
+                    "fuzz {name}: `{stage}`: the smallest input is {} bytes, not kept",
+                    small.len()
+                ),
+                None => {}
             }
         }
         let pct = |n: u64| 100.0 * n as f64 / runs.max(1) as f64;

@@ -171,7 +171,11 @@ fn check_model_with(stem: &str, cfg: TrainConfig, meshes: &[&str], strategies: &
     let mut ran = 0;
     for backend in hzp_runtime::backend::all() {
         if let Err(why) = backend.available() {
-            eprintln!("*** {stem}: backend {} SKIPPED: {why} ***", backend.name());
+            skip::skip(
+                "",
+                skip::Missing::Other,
+                &format!("{stem}: backend {} not run: {why}", backend.name()),
+            );
             continue;
         }
         ran += 1;

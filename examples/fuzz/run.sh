@@ -6,7 +6,9 @@
 #   examples/fuzz/run.sh 600          # ten minutes per target
 #   examples/fuzz/run.sh 60 npz
 # Inputs that panic or take over 5 s are saved under tests/fuzz/crashes/TARGET/ (commit them:
-# `cargo test --test fuzz` replays them on every run) and the run fails naming them.
+# `cargo test --test fuzz` replays them on every run) and the run fails naming them. Each
+# stage's smallest input, shrunk, goes to tests/fuzz/corpus/TARGET/<stage> when at most 8 KB
+# and smaller than the file there (commit them and raise CORPUS_FILES in tests/fuzz.rs).
 set -eu
 cd "$(dirname "$0")/../.."
 SECONDS_PER_TARGET="${1:-60}"

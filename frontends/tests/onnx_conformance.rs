@@ -1,10 +1,15 @@
 //! ONNX's per-operator conformance cases, when present: set `HZP_ONNX_NODE_CASES` to a
-//! folder written by `tests/fixtures/make_onnx_node_cases.py` (one sub-folder per case with
+//! folder written by `frontends/tests/fixtures/make_onnx_node_cases.py` (one sub-folder per case with
 //! `model.onnx`, `inputs.npz`, `outputs.npz`). Each case must either be refused with a clear
 //! error (unsupported op, run-time shape) or import and reproduce ONNX's outputs on hzp's
 //! CPU evaluator; a panic, an evaluation error or a wrong value fails the test. The folder
 //! written by `examples/onnx_node_tests/make_cases.py` (the stricter suite that
-//! `tests/onnx_node_cases.rs` runs through `hzp eval`) has the same layout.
+//! `tests/onnx_node_cases.rs` runs through `hzp eval`) has the same layout; CI (`.ci/run`)
+//! generates that one and runs both tests on it. Without the variable the test records a
+//! skip (`tests/common/skip.rs`), which fails where `CI` is set.
+
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 
 use hzp_frontends::onnx::{import_file, ImportErrorKind, ImportOptions};
 use hzp_ir::{DType, Tensor};
@@ -37,7 +42,12 @@ fn compare(got: &Tensor, want: &Tensor) -> Result<(), String> {
 #[test]
 fn onnx_node_conformance_cases() {
     let Ok(root) = std::env::var("HZP_ONNX_NODE_CASES") else {
-        println!("note: HZP_ONNX_NODE_CASES is not set; skipping ONNX's conformance cases");
+        skip::skip(
+            "onnx_node_conformance_cases",
+            skip::Missing::OnnxCases,
+            "HZP_ONNX_NODE_CASES is not set (generate the cases with \
+             examples/onnx_node_tests/make_cases.py DIR, `pip install onnx numpy`)",
+        );
         return;
     };
     let mut dirs: Vec<_> = std::fs::read_dir(&root)
@@ -46,6 +56,10 @@ fn onnx_node_conformance_cases() {
         .filter(|p| p.join("model.onnx").exists())
         .collect();
     dirs.sort();
+    assert!(
+        !dirs.is_empty(),
+        "{root}: no case folders (with model.onnx)"
+    );
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     let mut failures = Vec::new();
     for d in &dirs {

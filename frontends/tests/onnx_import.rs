@@ -2,6 +2,8 @@
 //! parameters, and (where hzp's CPU evaluator can run it) reproduces PyTorch's output.
 
 mod onnx_util;
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 
 use hzp_frontends::onnx::proto::{self, ModelProto};
 use hzp_frontends::onnx::{import_file, ImportErrorKind, ImportOptions};
@@ -18,9 +20,15 @@ const DIRS: [&str; 2] = [
 
 fn models() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    for d in DIRS {
+    for (k, d) in DIRS.into_iter().enumerate() {
         let Ok(rd) = std::fs::read_dir(d) else {
-            eprintln!("NOTE: {d} is absent: its models are NOT tested here");
+            // the project's own models are committed; ../shared may be absent
+            assert!(k > 0, "{d}: the project's own test models are missing");
+            skip::skip(
+                "",
+                skip::Missing::Shared,
+                &format!("{d} is absent: its models are not tested here"),
+            );
             continue;
         };
         let mut v: Vec<PathBuf> = rd
@@ -223,9 +231,7 @@ fn check_model(path: &Path) -> Program {
 #[test]
 fn every_test_model_imports_and_verifies() {
     let files = models();
-    if files.is_empty() {
-        println!("note: no ONNX models found; nothing to check");
-    }
+    assert!(!files.is_empty(), "no ONNX models found");
     for f in files {
         check_model(&f);
     }
@@ -236,7 +242,11 @@ fn every_test_model_imports_and_verifies() {
 fn imported_models_reproduce_pytorch_outputs() {
     for f in models() {
         let Some(io) = read_npz(&io_npz(&f)) else {
-            println!("note: no inputs for {}; skipped", f.display());
+            skip::skip(
+                "imported_models_reproduce_pytorch_outputs",
+                skip::Missing::Other,
+                &format!("no inputs for {}: not evaluated", f.display()),
+            );
             continue;
         };
         let m = decode(&f);
@@ -345,7 +355,11 @@ fn parameters_match_pytorch_named_parameters() {
         let stem = name.split('.').next().unwrap();
         let grads = f.with_file_name(format!("{stem}.grads.npz"));
         let Some(g) = read_npz(&grads) else {
-            println!("note: no {}; skipped", grads.display());
+            skip::skip(
+                "parameters_match_pytorch_named_parameters",
+                skip::Missing::Other,
+                &format!("no {}: its parameters are not compared", grads.display()),
+            );
             continue;
         };
         let torch: Vec<(String, Tensor)> = g

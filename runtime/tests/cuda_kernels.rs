@@ -3,6 +3,8 @@
 //! architectures hzp targets. Reports clearly when skipped.
 #![cfg(feature = "cuda")]
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 use hzp_runtime::cuda::probe::{probe, Lib, LibState};
 
 #[test]
@@ -15,9 +17,14 @@ fn every_kernel_compiles_with_nvrtc() {
             "HZP_REQUIRE_NVRTC is set but libnvrtc.so.12 was not found (searched {:?})",
             p.searched
         );
-        eprintln!(
-            "SKIPPED: libnvrtc.so.12 not found (searched {:?}); `pip install nvidia-cuda-nvrtc-cu12` into a venv and set VIRTUAL_ENV to run this test",
-            p.searched
+        skip::skip(
+            "every_kernel_compiles_with_nvrtc",
+            skip::Missing::Nvrtc,
+            &format!(
+                "libnvrtc.so.12 not found (searched {:?}); `pip install nvidia-cuda-nvrtc-cu12` \
+                 into a venv and set VIRTUAL_ENV to run this test",
+                p.searched
+            ),
         );
         return;
     }

@@ -8,6 +8,8 @@
 
 #![cfg(feature = "cuda")]
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 use cudarc::driver::{result as drv, sys, CudaContext};
 use half::f16;
 use hzp_runtime::cpu::pasa::{exact_f64, flash_fp16, pasa_fp16, Head, PASA_BETA, PASA_BLOCK};
@@ -235,7 +237,11 @@ fn pasa_kernel_matches_exact_attention_where_plain_fp16_overflows() {
                 std::env::var_os("HZP_REQUIRE_GPU").is_none(),
                 "HZP_REQUIRE_GPU is set but: {e}"
             );
-            eprintln!("SKIPPED: {e}");
+            skip::skip(
+                "pasa_kernel_matches_exact_attention_where_plain_fp16_overflows",
+                skip::Missing::Other,
+                &format!("no GPU: {e}"),
+            );
             return;
         }
     };

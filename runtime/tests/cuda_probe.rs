@@ -1,6 +1,8 @@
 //! Library probing: what the CUDA backend reports before it touches cudarc (which panics on
 //! a missing library).
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
 use hzp_runtime::cuda::probe::{probe, probe_in, Lib, LibState};
 
 fn tempdir(tag: &str) -> std::path::PathBuf {
@@ -65,9 +67,13 @@ fn a_library_outside_the_loader_path_is_found_with_its_directory() {
 fn on_a_machine_without_the_driver_the_real_probe_says_so() {
     let p = probe();
     if !matches!(p.state(Lib::Driver), LibState::Missing) {
-        eprintln!(
-            "skipped: this machine has a CUDA driver ({:?})",
-            p.state(Lib::Driver)
+        skip::skip(
+            "on_a_machine_without_the_driver_the_real_probe_says_so",
+            skip::Missing::Other,
+            &format!(
+                "this machine has a CUDA driver ({:?})",
+                p.state(Lib::Driver)
+            ),
         );
         return;
     }

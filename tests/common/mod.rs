@@ -1,6 +1,8 @@
 //! Shared helpers for the end-to-end tests.
 #![allow(dead_code)]
 
+pub mod skip;
+
 use hzp_frontends::{load_model, npz, LoadOptions};
 use hzp_ir::{Program, Tensor};
 use std::path::{Path, PathBuf};
@@ -25,7 +27,11 @@ pub fn all_models() -> Vec<(PathBuf, PathBuf)> {
     let mut dirs = vec![own_models_dir()];
     match shared_models_dir() {
         Some(d) => dirs.push(d),
-        None => eprintln!("note: ../shared/onnx is absent; testing the project's own models only"),
+        None => skip::skip(
+            "",
+            skip::Missing::Shared,
+            "../shared/onnx is absent; testing the project's own models only",
+        ),
     }
     let mut out = Vec::new();
     for d in dirs {
