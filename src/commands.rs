@@ -285,7 +285,7 @@ fn shape_str(t: &Tensor) -> String {
     t.ty().to_string()
 }
 
-/// Checks every node's results against the memory budget (`--max-memory`) before a
+/// Checks every node's results against the memory budget (`--input-budget`) before a
 /// program runs on the CPU evaluator, so a node whose result cannot fit (a constant-driven
 /// Expand, Tile, OneHot or Concat of a huge shape) is an error naming it, not an aborted
 /// allocation.

@@ -38,8 +38,12 @@ struct Cli {
     command: Command,
     /// Memory budget for the data one input file may declare (arrays of an .npz, a model's
     /// weights and external data), checked before anything is allocated, e.g. 8GiB.
-    /// Default: half of this machine's RAM.
+    /// Default: half of this machine's RAM. (Not the per-rank device budget: that is
+    /// `--memory` of compile, compare and scale.)
     #[arg(long, global = true, value_name = "BYTES")]
+    input_budget: Option<String>,
+    /// The older name of --input-budget (still read, with a note).
+    #[arg(long, global = true, hide = true, value_name = "BYTES")]
     max_memory: Option<String>,
 }
 
@@ -541,20 +545,32 @@ fn parse_cli() -> Cli {
     }
 }
 
-/// The flags that apply to every command: the thread-count note and `--max-memory`.
+/// The flags that apply to every command: the thread-count note and `--input-budget`.
 fn apply_global_flags(cli: &Cli) {
     if let Some(n) = hzp_runtime::cpu::threads::setting_note() {
         note!("{n}");
     }
-    if let Some(m) = &cli.max_memory {
+    let budget = match (&cli.input_budget, &cli.max_memory) {
+        (Some(_), Some(_)) => {
+            note!("give the input budget once, as --input-budget (--max-memory is its older name)");
+            std::process::exit(1);
+        }
+        (Some(m), None) => Some(m),
+        (None, Some(m)) => {
+            note!("note: --max-memory is now --input-budget (the input-file budget; --memory is the per-rank device budget); the older name will stop working in a later release");
+            Some(m)
+        }
+        (None, None) => None,
+    };
+    if let Some(m) = budget {
         match hzp_passes::cost::cluster::parse_bytes(m) {
             Ok(b) if b > 0 => hzp_frontends::limits::set_max_memory(b),
             Ok(_) => {
-                note!("--max-memory {m}: the budget must be more than 0 bytes");
+                note!("--input-budget {m}: the budget must be more than 0 bytes");
                 std::process::exit(1);
             }
             Err(e) => {
-                note!("--max-memory {m}: {e}");
+                note!("--input-budget {m}: {e}");
                 std::process::exit(1);
             }
         }

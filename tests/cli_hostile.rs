@@ -472,9 +472,13 @@ fn nonsense_numbers_are_refused() {
         &["--memory", "negative"],
     );
     fails_with(
-        &["show", "preset:gpt", "--max-memory=-1"],
-        &["--max-memory"],
+        &["show", "preset:gpt", "--input-budget=-1"],
+        &["--input-budget"],
     );
+    // the older name still works, with a note
+    let (code, _, err) = hzp(&["show", "preset:gpt", "--max-memory", "1GiB"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--max-memory is now --input-budget"), "{err}");
 }
 
 #[test]
@@ -645,7 +649,7 @@ fn show_reads_the_shapes_of_inputs_without_their_data() {
         s(&gpt2()),
         "--inputs",
         s(&io),
-        "--max-memory",
+        "--input-budget",
         "16MiB",
     ]);
     assert_eq!(code, 0, "{err}");
@@ -656,7 +660,7 @@ fn show_reads_the_shapes_of_inputs_without_their_data() {
             s(&gpt2()),
             "--inputs",
             s(&io),
-            "--max-memory",
+            "--input-budget",
             "16MiB",
         ],
         &["array `big`", "memory budget of 16.0 MiB"],
@@ -676,14 +680,14 @@ fn a_declared_size_over_the_memory_budget_is_refused_before_reading() {
             s(&mlp()),
             "--inputs",
             s(&bomb),
-            "--max-memory",
+            "--input-budget",
             "16MiB",
         ],
         &[
             "bomb.npz",
             "array `big`",
             "memory budget of 16.0 MiB",
-            "--max-memory",
+            "--input-budget",
         ],
     );
     // Within the budget it reads (and then lacks the model's input).
@@ -693,7 +697,7 @@ fn a_declared_size_over_the_memory_budget_is_refused_before_reading() {
             s(&mlp()),
             "--inputs",
             s(&bomb),
-            "--max-memory",
+            "--input-budget",
             "1GiB",
         ],
         &["has no array `x`"],
@@ -712,7 +716,7 @@ fn shapes_that_would_fold_huge_constants_stop_at_the_budget() {
             s(&gpt2()),
             "--shape",
             "input_ids=1x268435456",
-            "--max-memory",
+            "--input-budget",
             "1GiB",
             "--mesh",
             "gpu=1",
@@ -734,7 +738,7 @@ fn show_reads_shapes_without_computing_huge_constants() {
         s(&gpt2()),
         "--shape",
         "input_ids=1x4194304",
-        "--max-memory",
+        "--input-budget",
         "16MiB",
     ]);
     assert_eq!(code, 0, "{err}");
@@ -1109,7 +1113,7 @@ fn one_node_onnx(
 }
 
 /// Expand, Tile, OneHot and Concat whose constant operands make a result of 2^44 elements
-/// (or, for Concat, of more than a small --max-memory): `hzp eval` refuses before
+/// (or, for Concat, of more than a small --input-budget): `hzp eval` refuses before
 /// allocating, naming the node, the shape and the budget, instead of aborting.
 #[test]
 fn constant_driven_results_over_the_budget_are_refused_by_eval() {
@@ -1187,7 +1191,7 @@ fn constant_driven_results_over_the_budget_are_refused_by_eval() {
                 shape,
                 size,
                 "memory budget",
-                "--max-memory",
+                "--input-budget",
             ],
         );
         assert!(!err.contains("panicked"), "{err}");
@@ -1215,7 +1219,7 @@ fn constant_driven_results_over_the_budget_are_refused_by_eval() {
             s(&model),
             "--inputs",
             s(&io),
-            "--max-memory",
+            "--input-budget",
             "1MiB",
         ],
         &[
@@ -1231,7 +1235,7 @@ fn constant_driven_results_over_the_budget_are_refused_by_eval() {
         s(&model),
         "--inputs",
         s(&io),
-        "--max-memory",
+        "--input-budget",
         "64MiB",
         "-o",
         s(&out),

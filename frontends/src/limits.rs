@@ -1,5 +1,5 @@
 //! Resource limits on what the user's files may make hzp do: a memory budget that declared
-//! sizes are checked against before anything is allocated (`--max-memory`; default half of
+//! sizes are checked against before anything is allocated (`--input-budget`; default half of
 //! the machine's RAM), and input files that must be regular files (a FIFO or a device
 //! would block a read forever or never end).
 
@@ -24,7 +24,7 @@ pub fn default_max_memory() -> u64 {
     physical_memory().map_or(4 << 30, |m| m / 2)
 }
 
-/// Sets the budget (from `--max-memory`).
+/// Sets the budget (from `--input-budget`).
 pub fn set_max_memory(bytes: u64) {
     MAX_MEMORY.store(bytes.max(1), Ordering::Relaxed);
 }
@@ -61,7 +61,7 @@ pub fn check_budget(what: &str, bytes: u64) -> Result<(), String> {
         return Ok(());
     }
     Err(format!(
-        "{what} needs {} ({bytes} bytes), more than the memory budget of {} (--max-memory; the default is half of this machine's RAM)",
+        "{what} needs {} ({bytes} bytes), more than the memory budget of {} (--input-budget; the default is half of this machine's RAM)",
         fmt_bytes(bytes),
         fmt_bytes(budget)
     ))
@@ -160,7 +160,7 @@ mod tests {
         assert!(check_budget("x", 10).is_ok());
         let e = check_budget("array `a`", u64::MAX).unwrap_err();
         assert!(
-            e.contains("array `a` needs") && e.contains("--max-memory"),
+            e.contains("array `a` needs") && e.contains("--input-budget"),
             "{e}"
         );
         assert_eq!(fmt_bytes(3 << 30), "3.0 GiB");
