@@ -1110,9 +1110,7 @@ fn run_cuda(
     printed?;
     if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
         if res.rank == 0 {
-            let mut read: Vec<&Path> = vec![args.plan.as_path()];
-            read.extend(args.inputs.as_deref());
-            read.extend(args.params.as_deref());
+            let read: Vec<PathBuf> = run_inputs(args, plan).into_iter().map(|(_, p)| p).collect();
             let p = saved_parameters(args, plan, p.clone())?;
             crate::files::write_params(out, &read, &p)?;
             if text {
@@ -1196,9 +1194,7 @@ fn report_one_gpu(
         );
     }
     if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
-        let mut read: Vec<&Path> = vec![args.plan.as_path()];
-        read.extend(args.inputs.as_deref());
-        read.extend(args.params.as_deref());
+        let read: Vec<PathBuf> = run_inputs(args, plan).into_iter().map(|(_, p)| p).collect();
         let p = saved_parameters(args, plan, p.clone())?;
         crate::files::write_params(out, &read, &p)?;
         if text {
