@@ -45,7 +45,7 @@ pub struct BenchCompileArgs {
     pub no_rewrite: bool,
     /// Compile the preset with each of these layer counts (e.g. 96,192,384,768) on one mesh
     /// (the --mesh given, default gpu=8), and print the ratio of wall time, CPU time and peak
-    /// memory from each count to the next (issue 19: at most about 2.3 per doubling).
+    /// memory from each count to the next (a cost linear in the layers gives 2 per doubling).
     #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
     pub layers: Vec<usize>,
     #[command(flatten)]

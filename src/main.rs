@@ -488,8 +488,8 @@ const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
 /// after it is freed (unless `MIMALLOC_PURGE_DELAY` is set). The compiler's passes each build
 /// a new program and free the last one; with purging, every pass that outlived the delay
 /// got fresh pages the kernel had to zero again, so the time spent zeroing pages grew faster
-/// than the program (issue 19: at 768 GPT layers 34k-54k page faults and over a second of
-/// system time, against about 540 faults without purging; the peak resident memory is about
+/// than the program (measured at 3624738 on the development machine, docs/benchmarks.md:
+/// at 768 GPT layers 34k-54k page faults and over a second of system time, against about 540 faults without purging; the peak resident memory is about
 /// a tenth higher than with purging).
 fn keep_freed_memory() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
@@ -503,7 +503,7 @@ fn keep_freed_memory() {
 /// which then decides, as mimalloc reads it). mimalloc asks for huge pages on its regions;
 /// a compile touches hundreds of MiB of fresh heap, and each first touch of a huge page made
 /// the kernel find and zero 2 MiB at once, most of the compile's system time, growing faster
-/// than the layers (issue 19: `hzp bench compile preset:gpt --layers 96,192,384,768
+/// than the layers (at f791c35, on the development machine: `hzp bench compile preset:gpt --layers 96,192,384,768
 /// --recompute false --repeat 3`, system time 1.1-2.1 s -> 0.4-0.85 s for the whole bench;
 /// one `hzp compile` of 768 layers 1.63 -> 0.36 s). Only for the compiling commands: `hzp
 /// run`'s large tensors keep huge pages.
