@@ -1181,6 +1181,15 @@ pub fn train(
     Ok(())
 }
 
+/// The names of a repeatable, comma-separated flag (`--freeze a,b --freeze c`).
+pub(crate) fn flag_list(v: &[String]) -> Vec<String> {
+    v.iter()
+        .flat_map(|s| s.split(','))
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 /// `--freeze`, `--untie` and `--retie` on a forward program (what `grad`, `train` and
 /// `compile` share): frozen parameters become constants; `--untie NAME` gives each reader of
 /// NAME its own parameter; with `--retie`, parameters the exporter stored twice train as one
@@ -1193,14 +1202,7 @@ pub(crate) fn apply_freeze_and_ties(
     t: &TrainArgs,
     args: &ModelArgs,
 ) -> Result<Vec<ties::Tie>> {
-    let list = |v: &[String]| -> Vec<String> {
-        v.iter()
-            .flat_map(|s| s.split(','))
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect()
-    };
-    let freeze = list(&t.freeze);
+    let freeze = flag_list(&t.freeze);
     let skipped = ties::freeze(fwd, &freeze).map_err(|e| miette!("{e}"))?;
     if !skipped.is_empty() {
         note!(
@@ -1208,7 +1210,7 @@ pub(crate) fn apply_freeze_and_ties(
             skipped.join(", ")
         );
     }
-    for name in list(&t.untie) {
+    for name in flag_list(&t.untie) {
         let made = ties::untie(fwd, &name).map_err(|e| miette!("{e}"))?;
         note!(
             "untie: `{name}` is read by {} nodes; each trains its own copy ({})",

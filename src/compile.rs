@@ -345,6 +345,12 @@ pub fn request(
         sparse_grads: !c.dense_embedding_grads,
         grad_dtype,
         asyncmesh,
+        model_edits: Some(hzp_ir::ModelEdits {
+            names: model.names.as_ref().map(|p| p.display().to_string()),
+            freeze: crate::commands::flag_list(&t.freeze),
+            untie: crate::commands::flag_list(&t.untie),
+            retie: t.retie,
+        }),
         stage_events: !stages.is_empty(),
         ..CompileOptions::new(model.model.clone(), mesh, cluster)
     };

@@ -161,7 +161,10 @@ pub fn checkpoint_cmd(what: &CheckpointWhat) -> Result<()> {
             let mut params = c.parameters().map_err(|e| miette!("{e}"))?;
             // PyTorch's ties by the model's name map (beside the model the checkpoint names):
             // every state_dict key is written, so a strict load_state_dict takes the file
-            if let Ok(Some(map)) = hzp_frontends::names::find_for_model(&c.manifest.model, None) {
+            let names = c.manifest.names.as_deref().map(Path::new);
+            let map = hzp_frontends::names::find_for_model(&c.manifest.model, names)
+                .map_err(|e| miette!("the checkpoint's model {}: {e}", c.manifest.model))?;
+            if let Some(map) = map {
                 params = crate::commands::with_tied_copies(
                     params,
                     &crate::commands::map_ties(Some(&map)),

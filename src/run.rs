@@ -222,6 +222,32 @@ pub fn read_plan(path: &Path) -> Result<Plan> {
 
 /// The model's forward program at the plan's per-rank micro-batch shapes.
 fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
+    let mut fwd = load_imported(model, plan)?;
+    apply_plan_edits(&mut fwd, plan)?;
+    Ok(fwd)
+}
+
+/// What `hzp compile` did to the model after import (`--freeze`, `--untie`; recorded in the
+/// plan), done again on `fwd`, so that its parameters are the plan's. (`--retie` is undone
+/// where it matters: see [`plan_ties`].)
+fn apply_plan_edits(fwd: &mut Program, plan: &Plan) -> Result<()> {
+    let Some(edits) = &plan.model_edits else {
+        return Ok(());
+    };
+    hzp_passes::train::ties::freeze(fwd, &edits.freeze).map_err(|e| miette!("{e}"))?;
+    for name in &edits.untie {
+        hzp_passes::train::ties::untie(fwd, name).map_err(|e| {
+            miette!(
+                "the plan was compiled with --untie {name}, which this model does not allow: {e}"
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// The model as imported at the plan's per-rank micro-batch shapes, with the name map the
+/// plan was compiled with; no edit applied (what the plan's fingerprint is of).
+fn load_imported(model: &str, plan: &Plan) -> Result<Program> {
     let m = plan.micro_batches.max(1);
     let p = &plan.program;
     let shapes = p
@@ -245,6 +271,11 @@ fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
     let opts = LoadOptions {
         shapes,
         no_fuse_attention: !fused,
+        names: plan
+            .model_edits
+            .as_ref()
+            .and_then(|e| e.names.as_ref())
+            .map(PathBuf::from),
         ..Default::default()
     };
     load_model(model, &opts).map_err(miette::Report::new)
@@ -301,7 +332,9 @@ fn saved_parameters(
     let fwd = load_forward(&model, plan)?;
     let mut ties = plan_ties(&fwd, plan);
     // PyTorch's ties by the model's name map: every key is written
-    let map = hzp_frontends::names::find_for_model(&model, None).map_err(|e| miette!("{e}"))?;
+    let names = plan.model_edits.as_ref().and_then(|e| e.names.as_deref());
+    let map = hzp_frontends::names::find_for_model(&model, names.map(Path::new))
+        .map_err(|e| miette!("{e}"))?;
     ties.extend(crate::commands::map_ties(map.as_ref()));
     Ok(crate::commands::with_tied_copies(params, &ties, ""))
 }
@@ -351,7 +384,7 @@ fn parameters(args: &RunArgs, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
 /// The initial parameters of `model` (a file with weights), checked to be the model `plan`
 /// was compiled from.
 pub(crate) fn model_parameters(model: &str, plan: &Plan) -> Result<Vec<(String, Tensor)>> {
-    let fwd = load_forward(model, plan)?;
+    let mut fwd = load_imported(model, plan)?;
     let found = crate::compile::fingerprint_of(&fwd);
     if !plan.model_fingerprint.is_empty() && found != plan.model_fingerprint {
         return Err(miette!(
@@ -361,6 +394,7 @@ pub(crate) fn model_parameters(model: &str, plan: &Plan) -> Result<Vec<(String, 
             plan.model
         ));
     }
+    apply_plan_edits(&mut fwd, plan)?;
     fwd.params
         .iter()
         .map(|p| {

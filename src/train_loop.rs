@@ -312,6 +312,7 @@ impl StepLoop<'_> {
             run: self.run.clone(),
             step: done,
             model: plan.model.clone(),
+            names: plan.model_edits.as_ref().and_then(|e| e.names.clone()),
             model_fingerprint: plan.model_fingerprint.clone(),
             plan_hash: plan.content_hash.clone(),
             strategy: plan.strategy.clone(),

@@ -122,6 +122,60 @@ fn byo_parameters_are_named_by_state_dict_keys() {
             }
         }
     }
+    // A name map given with --names (not beside the model) is recorded in the plan, so
+    // `hzp run` reads the model as the plan was compiled from it: its saved file has every
+    // state_dict key.
+    let fam = "granite_byo";
+    let copy = tmp("moved.onnx");
+    std::fs::copy(model(fam, "dynamo"), &copy).unwrap();
+    let map = dir().join(format!("{fam}.dynamo.names.json"));
+    let plan = tmp("moved.plan.json");
+    ok(&[
+        "compile",
+        copy.to_str().unwrap(),
+        "--names",
+        map.to_str().unwrap(),
+        "--inputs",
+        &io(fam, "dynamo"),
+        "--loss",
+        "lm",
+        "--mesh",
+        "gpu=2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    let saved = tmp("moved.params.npz");
+    ok(&[
+        "run",
+        plan.to_str().unwrap(),
+        "--inputs",
+        &io(fam, "dynamo"),
+        "--save-params",
+        saved.to_str().unwrap(),
+        "--checkpoint-dir",
+        tmp("moved.ckpt").to_str().unwrap(),
+    ]);
+    let got: BTreeSet<String> = read(&saved).into_iter().map(|(k, _)| k).collect();
+    assert_eq!(
+        got,
+        torch_keys(fam),
+        "keys saved by a run of a --names plan"
+    );
+    // and the checkpoint knows the map: its export has every key too
+    let exported = tmp("moved.export.npz");
+    ok(&[
+        "checkpoint",
+        "export",
+        tmp("moved.ckpt").to_str().unwrap(),
+        "-o",
+        exported.to_str().unwrap(),
+    ]);
+    let got: BTreeSet<String> = read(&exported).into_iter().map(|(k, _)| k).collect();
+    assert_eq!(
+        got,
+        torch_keys(fam),
+        "keys of a --names plan's exported checkpoint"
+    );
 }
 
 #[test]
@@ -344,6 +398,87 @@ fn byo_plain_exports_name_the_merged_initializers() {
         assert!(get(&after, &format!("grad/{}.1", merged[0]))
             .or_else(|| get(&after, &format!("{}.1", merged[0])))
             .is_some());
+
+        // A plan compiled with --untie records it, and `hzp run` repeats it on the model it
+        // loads: its parameters, held-out evaluation and saved file are the untied model's,
+        // and 2 SGD steps on 2 ranks equal 2 steps of `hzp train --untie` (one process).
+        let plan = tmp(&format!("{fam}.untied.plan.json"));
+        ok(&[
+            "compile",
+            &plain,
+            "--inputs",
+            &inputs,
+            "--loss",
+            "lm",
+            "--mesh",
+            "gpu=2",
+            "--optimizer",
+            "sgd",
+            "--untie",
+            merged[0],
+            "-o",
+            plan.to_str().unwrap(),
+        ]);
+        let tokens = tmp(&format!("{fam}.tokens.bin"));
+        let ids: Vec<u8> = (0..4096u32)
+            .flat_map(|i| (((i * 37 + 11) % 64) as u16).to_le_bytes())
+            .collect();
+        std::fs::write(&tokens, ids).unwrap();
+        let (o, e) = ok(&[
+            "run",
+            plan.to_str().unwrap(),
+            "--data",
+            tokens.to_str().unwrap(),
+            "--val-data",
+            tokens.to_str().unwrap(),
+            "--eval-every",
+            "1",
+        ]);
+        assert!(
+            format!("{o}{e}").contains("val"),
+            "{fam}: no held-out loss:\n{o}{e}"
+        );
+        let ran = tmp(&format!("{fam}.untied.run.npz"));
+        ok(&[
+            "run",
+            plan.to_str().unwrap(),
+            "--inputs",
+            &inputs,
+            "--steps",
+            "2",
+            "--save-params",
+            ran.to_str().unwrap(),
+        ]);
+        let trained = tmp(&format!("{fam}.untied.train.npz"));
+        ok(&[
+            "train",
+            &plain,
+            "--inputs",
+            &inputs,
+            "--loss",
+            "lm",
+            "--steps",
+            "2",
+            "--optimizer",
+            "sgd",
+            "--untie",
+            merged[0],
+            "--save-params",
+            trained.to_str().unwrap(),
+        ]);
+        let (ran, trained) = (read(&ran), read(&trained));
+        assert_eq!(ran.len(), trained.len(), "{fam}: saved arrays differ");
+        assert!(get(&ran, &format!("{}.1", merged[0])).is_some(), "{fam}");
+        for (k, t) in &trained {
+            let r = get(&ran, k).unwrap_or_else(|| panic!("{fam}: run did not save `{k}`"));
+            let (a, b) = (t.to_f64_vec(), r.to_f64_vec());
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs() / x.abs().max(1e-3))
+                .fold(0.0, f64::max);
+            assert!(worst <= 1e-5, "{fam}: `{k}` differs by {worst:e} relative");
+        }
     }
 }
 

@@ -25,7 +25,8 @@ pub use layout::ParamLayout;
 pub use mesh::{Group, Mesh, MeshAxis};
 pub use op::{attention_dims, broadcast_shapes, Attr, BinaryOp, Op, ReduceOp, StreamKind, UnaryOp};
 pub use plan::{
-    content_hash_of, format_bytes, Buffer, BufferKind, Plan, PlanError, ShardGroups, PLAN_VERSION,
+    content_hash_of, format_bytes, Buffer, BufferKind, ModelEdits, Plan, PlanError, ShardGroups,
+    PLAN_VERSION,
 };
 pub use program::{
     Const, FreshNames, NameSet, Node, NodeId, Param, Precision, Program, State, Update, Value,

@@ -138,6 +138,33 @@ pub struct AsyncMeshSpec {
     pub ema_beta: f64,
 }
 
+/// How the model was edited after import, before it was compiled (`hzp compile`'s
+/// `--names`, `--freeze`, `--untie`, `--retie`): what `hzp run` repeats on the model it
+/// loads, so that its parameters, evaluation and saved files are the plan's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEdits {
+    /// The name map given with `--names` (as given), when not the one beside the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub names: Option<String>,
+    /// Parameters made constants, in the order given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
+    /// Parameters whose readers each got their own copy, in the order given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub untie: Vec<String>,
+    /// Weights stored twice train as one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retie: bool,
+}
+
+impl ModelEdits {
+    /// No edit at all (the plan then records none).
+    pub fn is_empty(&self) -> bool {
+        self == &ModelEdits::default()
+    }
+}
+
 /// A compiled training plan (see the [module docs](self)).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
@@ -171,6 +198,9 @@ pub struct Plan {
     /// The sparse asynchronous averaging of an `asyncmesh` plan (see [`AsyncMeshSpec`]);
     /// `None` for every other strategy (and then absent from the JSON).
     pub asyncmesh: Option<AsyncMeshSpec>,
+    /// How the model was edited before it was compiled (see [`ModelEdits`]); `None` when it
+    /// was not (and then absent from the JSON).
+    pub model_edits: Option<ModelEdits>,
     /// Hex SHA-256 of the canonical JSON of everything else (see [`Plan::compute_hash`]).
     pub content_hash: String,
 }
@@ -228,6 +258,7 @@ impl Plan {
             lr: None,
             loss: None,
             asyncmesh: None,
+            model_edits: None,
             content_hash: String::new(),
         };
         plan.content_hash = plan.compute_hash();
@@ -265,6 +296,7 @@ impl Plan {
             lr: None,
             loss: None,
             asyncmesh: None,
+            model_edits: None,
             content_hash: String::new(),
         }
     }
@@ -458,6 +490,7 @@ impl Plan {
             lr: repr.lr,
             loss: repr.loss.map(Cow::into_owned),
             asyncmesh: repr.asyncmesh,
+            model_edits: repr.model_edits,
             content_hash: recorded,
         })
     }
@@ -539,6 +572,7 @@ impl Plan {
             lr: self.lr,
             loss: self.loss.as_deref().map(Cow::Borrowed),
             asyncmesh: self.asyncmesh.clone(),
+            model_edits: self.model_edits.clone(),
             program: printed.lines().map(Cow::Borrowed).collect(),
             data,
         }
@@ -764,6 +798,8 @@ struct PlanRepr<'a> {
     loss: Option<Cow<'a, str>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     asyncmesh: Option<AsyncMeshSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_edits: Option<ModelEdits>,
     #[serde(borrow)]
     program: Vec<Cow<'a, str>>,
     #[serde(default, borrow)]

@@ -101,6 +101,8 @@ pub struct CompileOptions {
     /// The sparse averaging of `--strategy asyncmesh` (required by it, refused by the
     /// others).
     pub asyncmesh: Option<crate::dist::asyncmesh::AsyncMeshOptions>,
+    /// How the model was edited before compiling, recorded in the plan for `hzp run`.
+    pub model_edits: Option<hzp_ir::plan::ModelEdits>,
     /// Report the chosen plan's pipeline stages ([`CompileEvent::Stage`]). The shortlisted
     /// candidates are built quietly side by side; with this set the chosen one is built once
     /// more to show its stages (`--print-after`).
@@ -134,6 +136,7 @@ impl CompileOptions {
             grad_dtype: DType::F32,
             want_json: false,
             asyncmesh: None,
+            model_edits: None,
             stage_events: false,
         }
     }
@@ -642,6 +645,7 @@ fn assemble(
         None => None,
     };
     plan.loss = opts.loss_spec.clone();
+    plan.model_edits = opts.model_edits.clone().filter(|e| !e.is_empty());
     if opts.strategy == Strategy::AsyncMesh {
         plan.asyncmesh = opts.asyncmesh.as_ref().map(|a| a.spec());
     }

@@ -82,6 +82,7 @@ fn main() {
         run: checkpoint::new_run_id(),
         step: 100,
         model: "gpt2-small shapes".into(),
+        names: None,
         model_fingerprint: String::new(),
         plan_hash: String::new(),
         strategy: "zero3".into(),

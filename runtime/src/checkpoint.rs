@@ -121,6 +121,10 @@ pub struct Manifest {
     /// Steps done when it was written.
     pub step: usize,
     pub model: String,
+    /// The name map the plan was compiled with (`hzp compile --names`), when not the one
+    /// beside the model: what `hzp checkpoint export` keys the parameters by.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub names: Option<String>,
     pub model_fingerprint: String,
     /// The content hash of the plan that wrote it.
     pub plan_hash: String,
