@@ -219,7 +219,8 @@ def export_for_training(model: torch.nn.Module, example_inputs: dict, path, expo
             f"{len(derived)} initializer(s) of the {exporter} export are computed from parameters "
             f"but are none of them (the exporter folded an expression of a parameter into a new "
             f"constant): {', '.join(derived)}; hzp would train the folded value, not the "
-            f"parameter. Try the other exporter.")
+            f"parameter. Export with constant_folding=False (the default), or with the other "
+            f"exporter.")
     used = {gi for gi, _ in found.values()}
     missing = [groups[gi][0][0] for gi in range(len(groups)) if gi not in used and groups[gi][1].requires_grad]
     if missing:

@@ -3,15 +3,16 @@
 
 A PyTorch user's fresh model has many equal-valued parameters (every norm weight all
 ones, biases all zeros), which the ONNX exporters merge into one initializer. This makes,
-for two model families no other test uses (transformers' Granite with a tied LM head, and
-GPT-NeoX), from tiny random configs (fixed seed, no downloads) and WITHOUT perturbing the
+for three model families no other test uses (transformers' Granite with a tied LM head,
+GPT-NeoX, and Gemma with its `1 + w` norms), from tiny random configs (fixed seed, no downloads) and WITHOUT perturbing the
 constant parameters, in tests/models/byo/:
 
   <fam>.dynamo.onnx          hzp_export.export_for_training, dynamo exporter, opset 18
                              (onnxscript's optimizer, folding no node that reads a
                              parameter)
   <fam>.legacy.onnx          the same with the legacy exporter, opset 17, constant folding
-                             on (weights stored transposed as `onnx::MatMul_N`)
+                             on (weights stored transposed as `onnx::MatMul_N`; off for
+                             Gemma, whose `1 + w` it would fold)
   <fam>.{dynamo,legacy}.names.json, .io.npz   what the helper writes beside each
   <fam>.plain.onnx           torch.onnx.export as a user would call it (dynamo, optimized;
                              no name map): the exporter merges the constant parameters
@@ -26,6 +27,7 @@ constant parameters, in tests/models/byo/:
 tests/byo_models.rs checks hzp against these.
 
   python tests/models/make_byo_models.py                       # make everything
+  python tests/models/make_byo_models.py --family gemma_byo    # one family
   python tests/models/make_byo_models.py --check-load FILE FAM # strict load_state_dict of
                                                                # a file hzp wrote (.npz or
                                                                # .safetensors) into FAM
@@ -95,7 +97,19 @@ def build_neox():
     return logits_only(transformers.GPTNeoXForCausalLM)(cfg)
 
 
-FAMILIES = {"granite_byo": build_granite, "neox_byo": build_neox}
+def build_gemma():
+    # RMSNorm scaling by (1 + w) with w all zeros when fresh (an exporter folds `1 + w` into
+    # a new constant, or merges the zeros), GeGLU MLP, tied LM head, embeddings scaled by
+    # sqrt(hidden), one K/V head.
+    cfg = transformers.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=1, head_dim=HIDDEN // HEADS,
+        max_position_embeddings=64, hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    return logits_only(transformers.GemmaForCausalLM)(cfg)
+
+
+FAMILIES = {"granite_byo": build_granite, "neox_byo": build_neox, "gemma_byo": build_gemma}
 
 
 def fresh(fam: str):
@@ -152,7 +166,9 @@ def reference(fam: str):
 
 def make(fam: str):
     print(f"== {fam}", flush=True)
-    for exporter, folding in (("dynamo", False), ("legacy", True)):
+    # legacy with constant folding, except for Gemma: folding turns its `1 + w` into new
+    # constants, which the helper refuses (hzp would train the folded value)
+    for exporter, folding in (("dynamo", False), ("legacy", fam != "gemma_byo")):
         model, inputs = fresh(fam)
         path = OUT / f"{fam}.{exporter}.onnx"
         names = hzp_export.export_for_training(model, inputs, path, exporter=exporter,
@@ -199,16 +215,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-load", nargs=2, metavar=("FILE", "FAMILY"))
     ap.add_argument("--refs-only", action="store_true", help="only the .ref.npz files")
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES),
+                    help="make only this family (repeatable; default: all)")
     a = ap.parse_args()
     if a.check_load:
         check_load(*a.check_load)
         return
     OUT.mkdir(exist_ok=True)
+    families = a.family or list(FAMILIES)
     if a.refs_only:
-        for fam in FAMILIES:
+        for fam in families:
             reference(fam)
         return
-    for fam in FAMILIES:
+    for fam in families:
         make(fam)
     total = sum(p.stat().st_size for p in OUT.iterdir())
     print(f"byo/: {total} bytes")

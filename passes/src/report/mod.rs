@@ -651,8 +651,11 @@ fn find_periodic(s: &[u32], lo: usize, hi: usize, out: &mut Vec<(usize, usize, u
 fn common_key(p: &Program, b: &Block, numbered_only: bool) -> Option<String> {
     let mut count: BTreeMap<String, (usize, std::cmp::Reverse<usize>)> = BTreeMap::new();
     for (order, &i) in b.params.iter().enumerate() {
-        if let Some((k, numbered)) = layer_key(&p.value(p.params[i].value).name) {
-            if numbered || !numbered_only {
+        let name = &p.value(p.params[i].value).name;
+        if let Some((k, numbered)) = layer_key(name) {
+            // a number that ends the name is a copy's (`add_4.1` of --untie), not a layer's
+            let module = k.len() < name.len();
+            if (numbered && module) || !numbered_only {
                 count.entry(k).or_insert((0, std::cmp::Reverse(order))).0 += 1;
             }
         }
