@@ -312,7 +312,7 @@ fn check_against_pytorch(fam: &str, what: &str, out: &Path, refs: &[(String, Ten
         let have = get(&got, key).unwrap();
         assert_eq!(have.shape, want.shape, "{what}: `{key}`");
         let (a, b) = (have.to_f64_vec(), want.to_f64_vec());
-        let grad = get(&refs, &format!("grad/{key}")).unwrap().to_f64_vec();
+        let grad = get(refs, &format!("grad/{key}")).unwrap().to_f64_vec();
         let (mut d, mut n) = (0.0f64, 0.0f64);
         for i in 0..a.len() {
             if grad[i].abs() >= 1e-6 * gmax {
