@@ -298,67 +298,70 @@ fn byo_five_adamw_steps_match_pytorch() {
         );
 
         // A 4-rank plan equals one rank: the batch twice over (the same mean loss, so the
-        // same steps as PyTorch's), on gpu=4 and on one rank.
-        let inputs = read(Path::new(&io(fam, "dynamo")));
-        let ids = get(&inputs, "input_ids").unwrap();
-        let mut rows = ids.to_i64_vec().unwrap();
-        rows.extend_from_within(..);
-        let mut shape = ids.shape.clone();
-        shape[0] *= 2;
-        let batch = tmp(&format!("{fam}.batch4.npz"));
-        npz::write(
-            &batch,
-            &[("input_ids".to_string(), Tensor::i64(shape, rows))],
-        )
-        .unwrap();
-        let mut saved = Vec::new();
-        for mesh in ["gpu=4", "gpu=1"] {
-            let plan = tmp(&format!("{fam}.{mesh}.plan.json"));
-            ok(&[
-                "compile",
-                &model(fam, "dynamo"),
-                "--inputs",
-                batch.to_str().unwrap(),
-                "--loss",
-                "lm",
-                "--mesh",
-                mesh,
-                "-o",
-                plan.to_str().unwrap(),
-            ]);
-            let out = tmp(&format!("{fam}.{mesh}.safetensors"));
-            ok(&[
-                "run",
-                plan.to_str().unwrap(),
-                "--inputs",
-                batch.to_str().unwrap(),
-                "--steps",
-                "5",
-                "--save-params",
-                out.to_str().unwrap(),
-            ]);
-            check_against_pytorch(fam, &format!("{fam} on {mesh}"), &out, &refs, gmax);
-            saved.push(
-                hzp_runtime::checkpoint::from_safetensors(&std::fs::read(&out).unwrap()).unwrap(),
-            );
-        }
-        for (k, four) in &saved[0] {
-            let one = get(&saved[1], k).unwrap();
-            let grad = get(&refs, &format!("grad/{k}")).map(|g| g.to_f64_vec());
-            let (a, b) = (four.to_f64_vec(), one.to_f64_vec());
-            let (mut d, mut n) = (0.0f64, 0.0f64);
-            for i in 0..a.len() {
-                // elements whose gradient is round-off move by the learning rate either way
-                if grad.as_ref().is_none_or(|g| g[i].abs() >= 1e-6 * gmax) {
-                    d += (a[i] - b[i]).powi(2);
-                    n += b[i].powi(2);
-                }
+        // same steps as PyTorch's), on gpu=4 and on one rank, for either exporter.
+        for ex in EXPORTERS {
+            let inputs = read(Path::new(&io(fam, ex)));
+            let ids = get(&inputs, "input_ids").unwrap();
+            let mut rows = ids.to_i64_vec().unwrap();
+            rows.extend_from_within(..);
+            let mut shape = ids.shape.clone();
+            shape[0] *= 2;
+            let batch = tmp(&format!("{fam}.{ex}.batch4.npz"));
+            npz::write(
+                &batch,
+                &[("input_ids".to_string(), Tensor::i64(shape, rows))],
+            )
+            .unwrap();
+            let mut saved = Vec::new();
+            for mesh in ["gpu=4", "gpu=1"] {
+                let plan = tmp(&format!("{fam}.{ex}.{mesh}.plan.json"));
+                ok(&[
+                    "compile",
+                    &model(fam, ex),
+                    "--inputs",
+                    batch.to_str().unwrap(),
+                    "--loss",
+                    "lm",
+                    "--mesh",
+                    mesh,
+                    "-o",
+                    plan.to_str().unwrap(),
+                ]);
+                let out = tmp(&format!("{fam}.{ex}.{mesh}.safetensors"));
+                ok(&[
+                    "run",
+                    plan.to_str().unwrap(),
+                    "--inputs",
+                    batch.to_str().unwrap(),
+                    "--steps",
+                    "5",
+                    "--save-params",
+                    out.to_str().unwrap(),
+                ]);
+                check_against_pytorch(fam, &format!("{fam}.{ex} on {mesh}"), &out, &refs, gmax);
+                saved.push(
+                    hzp_runtime::checkpoint::from_safetensors(&std::fs::read(&out).unwrap())
+                        .unwrap(),
+                );
             }
-            let rel = d.sqrt() / n.sqrt().max(1e-12);
-            assert!(
-                rel <= 1e-5,
-                "{fam}: `{k}` on 4 ranks vs 1: rel err {rel:.3e}"
-            );
+            for (k, four) in &saved[0] {
+                let one = get(&saved[1], k).unwrap();
+                let grad = get(&refs, &format!("grad/{k}")).map(|g| g.to_f64_vec());
+                let (a, b) = (four.to_f64_vec(), one.to_f64_vec());
+                let (mut d, mut n) = (0.0f64, 0.0f64);
+                for i in 0..a.len() {
+                    // elements whose gradient is round-off move by the learning rate either way
+                    if grad.as_ref().is_none_or(|g| g[i].abs() >= 1e-6 * gmax) {
+                        d += (a[i] - b[i]).powi(2);
+                        n += b[i].powi(2);
+                    }
+                }
+                let rel = d.sqrt() / n.sqrt().max(1e-12);
+                assert!(
+                    rel <= 1e-5,
+                    "{fam}.{ex}: `{k}` on 4 ranks vs 1: rel err {rel:.3e}"
+                );
+            }
         }
     }
 }
