@@ -6,7 +6,6 @@
 
 use crate::compile::{build_plan, CompileArgs};
 use crate::{ModelArgs, TrainArgs};
-use clap::Parser;
 use miette::{miette, Result};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,10 +19,13 @@ pub struct BenchCompileArgs {
     /// Bind symbolic input dims (the global batch), as for `hzp compile`.
     #[arg(long = "shape", value_name = "NAME=AxB")]
     pub shapes: Vec<String>,
-    /// A mesh to compile for (repeat the flag). Default: node=8,gpu=8 (64 ranks) and
-    /// node=1024,gpu=8 (8192 ranks).
-    #[arg(long)]
-    pub mesh: Vec<String>,
+    /// The meshes to compile for, one per flag (`--meshes node=8,gpu=8 --meshes
+    /// node=1024,gpu=8`). Default: those two (64 and 8192 ranks); with --layers, gpu=8.
+    #[arg(long = "meshes", value_name = "MESH")]
+    pub meshes: Vec<String>,
+    /// The old name of --meshes (still read, with a note).
+    #[arg(long = "mesh", hide = true)]
+    pub mesh_old: Vec<String>,
     /// Compiles per mesh (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
@@ -44,7 +46,7 @@ pub struct BenchCompileArgs {
     #[arg(long)]
     pub no_rewrite: bool,
     /// Compile the preset with each of these layer counts (e.g. 96,192,384,768) on one mesh
-    /// (the --mesh given, default gpu=8), and print the ratio of wall time, CPU time and peak
+    /// (the one --meshes given, default gpu=8), and print the ratio of wall time, CPU time and peak
     /// memory from each count to the next (a cost linear in the layers gives 2 per doubling).
     #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
     pub layers: Vec<usize>,
@@ -52,31 +54,18 @@ pub struct BenchCompileArgs {
     pub train: TrainArgs,
 }
 
-/// `hzp compile`'s own flags, parsed from an argument list: every flag not named keeps the
-/// default `hzp compile` gives it.
-#[derive(Parser)]
-struct CompileFlags {
-    #[command(flatten)]
-    c: CompileArgs,
-}
-
+/// `hzp compile`'s flags for one mesh: the compiler's defaults ([`CompileArgs::for_mesh`])
+/// with the bench's own flags set.
 fn compile_args(a: &BenchCompileArgs, mesh: &str) -> Result<CompileArgs> {
-    let mut argv: Vec<String> = ["compile", "--mesh", mesh, "--memory", &a.memory]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    argv.extend(["--strategy".to_string(), a.strategy.clone()]);
-    argv.push("--recompute".into());
-    argv.push(a.recompute.clone());
-    if a.no_rewrite {
-        argv.push("--no-rewrite".into());
-    }
-    if let Some(c) = &a.cluster {
-        argv.extend(["--cluster".to_string(), c.display().to_string()]);
-    }
-    CompileFlags::try_parse_from(argv)
-        .map(|f| f.c)
-        .map_err(|e| miette!("{e}"))
+    let mut c = CompileArgs::for_mesh(mesh);
+    hzp_passes::cost::cluster::parse_bytes(&a.memory)
+        .map_err(|e| miette!("--memory {}: {e}", a.memory))?;
+    c.memory = Some(a.memory.clone());
+    c.strategy = Some(a.strategy.clone());
+    c.recompute = a.recompute.clone();
+    c.no_rewrite = a.no_rewrite;
+    c.cluster = a.cluster.clone();
+    Ok(c)
 }
 
 /// Resets the peak resident set size of this process (Linux: `5` to /proc/self/clear_refs),
@@ -157,12 +146,12 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
     if a.layers.contains(&0) {
         return Err(miette!("--layers: a layer count must be at least 1"));
     }
-    let mesh = match a.mesh.as_slice() {
+    let mesh = match meshes(a).as_slice() {
         [] => "gpu=8".to_string(),
         [m] => m.clone(),
         _ => {
             return Err(miette!(
-                "--layers compiles on one mesh; give at most one --mesh"
+                "--layers compiles on one mesh; give at most one --meshes"
             ))
         }
     };
@@ -286,15 +275,24 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
     Ok(())
 }
 
+/// The meshes asked for: `--meshes`, and the old spelling `--mesh` with a note.
+fn meshes(a: &BenchCompileArgs) -> Vec<String> {
+    if !a.mesh_old.is_empty() {
+        note!(
+            "note: hzp bench compile reads --mesh as --meshes (one mesh per flag, as here; --mesh is hzp compile's single mesh and will stop working here in a later release)"
+        );
+    }
+    a.meshes.iter().chain(&a.mesh_old).cloned().collect()
+}
+
 pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
     if !a.layers.is_empty() {
         return bench_layers(a);
     }
-    let meshes: Vec<String> = if a.mesh.is_empty() {
-        vec!["node=8,gpu=8".into(), "node=1024,gpu=8".into()]
-    } else {
-        a.mesh.clone()
-    };
+    let mut meshes = meshes(a);
+    if meshes.is_empty() {
+        meshes = vec!["node=8,gpu=8".into(), "node=1024,gpu=8".into()];
+    }
     let repeat = a.repeat.max(1);
     let model = ModelArgs {
         model: a.model.clone(),

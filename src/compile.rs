@@ -60,18 +60,18 @@ pub struct CompileArgs {
     #[arg(long)]
     pub explain: bool,
     /// Layers whose parameters are gathered ahead of the one computing.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = DEFAULT_PREFETCH_DEPTH)]
     pub prefetch_depth: usize,
     /// Free gathered parameters after a layer's forward and gather again for backward.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub reshard_after_forward: bool,
     /// Reduce gradients once per step (per-step) or after every micro-batch.
-    #[arg(long, default_value = "per-microbatch", ignore_case = true, value_parser = crate::reduce_grads_choices())]
+    #[arg(long, default_value = DEFAULT_REDUCE_GRADS, ignore_case = true, value_parser = crate::reduce_grads_choices())]
     pub reduce_grads: String,
     /// Recompute each layer's activations in its backward from the layer's inputs
     /// (activation checkpointing per layer): on, off, or auto (default: only when no plan
     /// fits the budget without it; compile then says so). `--recompute` alone means on.
-    #[arg(long, num_args = 0..=1, default_value = "auto", default_missing_value = "on", ignore_case = true, value_parser = crate::recompute_choices())]
+    #[arg(long, num_args = 0..=1, default_value = DEFAULT_RECOMPUTE, default_missing_value = "on", ignore_case = true, value_parser = crate::recompute_choices())]
     pub recompute: String,
     /// Bound on the bytes of gathered parameters in flight or in use at once (e.g. 4GiB);
     /// default: only --prefetch-depth bounds them.
@@ -82,7 +82,7 @@ pub struct CompileArgs {
     /// micro-batch and phase, as FSDP's flat parameter), however large; 0: no bucketing.
     /// Fewer, larger collectives pay the per-message latency (a ring over 128 nodes pays it
     /// 127 times) once per layer; the bucket costs one more layer-sized buffer in flight.
-    #[arg(long, default_value = "unit", value_name = "MiB|unit")]
+    #[arg(long, default_value = DEFAULT_BUCKET_MB, value_name = "MiB|unit")]
     pub bucket_mb: String,
     /// Skip collective rewriting (bucketing, hierarchical decomposition, RS+AG=AR, cast
     /// placement).
@@ -95,7 +95,7 @@ pub struct CompileArgs {
     pub dense_embedding_grads: bool,
     /// dtype gradients are reduced and accumulated in: f32 (default) or bf16 (half the
     /// gradient memory and traffic, less exact sums).
-    #[arg(long, default_value = "f32", ignore_case = true, value_parser = crate::choices(&[("f32", &["fp32", "float32"]), ("bf16", &["bfloat16"]), ("f16", &["fp16", "float16"])]))]
+    #[arg(long, default_value = DEFAULT_GRAD_DTYPE, ignore_case = true, value_parser = crate::choices(&[("f32", &["fp32", "float32"]), ("bf16", &["bfloat16"]), ("f16", &["fp16", "float16"])]))]
     pub grad_dtype: String,
     /// Where to write the plan (JSON).
     #[arg(short, long, value_name = "PLAN.json")]
@@ -110,10 +110,44 @@ pub(crate) fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
     }
 }
 
+// The defaults of `hzp compile`'s flags, shared by the parser and [`CompileArgs::for_mesh`].
+const DEFAULT_PREFETCH_DEPTH: usize = 1;
+const DEFAULT_REDUCE_GRADS: &str = "per-microbatch";
+const DEFAULT_RECOMPUTE: &str = "auto";
+const DEFAULT_BUCKET_MB: &str = "unit";
+const DEFAULT_GRAD_DTYPE: &str = "f32";
+
 impl CompileArgs {
     /// `--strategy`, or its default.
     pub fn strategy(&self) -> &str {
         self.strategy.as_deref().unwrap_or("asynchzp")
+    }
+
+    /// `hzp compile --mesh MESH` with every other flag at its default: what `hzp scale` and
+    /// `hzp bench compile` start from before they set their own flags (as typed values).
+    pub fn for_mesh(mesh: &str) -> CompileArgs {
+        CompileArgs {
+            mesh: mesh.to_string(),
+            cluster: None,
+            memory: None,
+            strategy: None,
+            slow_axis: None,
+            sync_every: None,
+            sparsity: None,
+            ema_beta: None,
+            shard: None,
+            explain: false,
+            prefetch_depth: DEFAULT_PREFETCH_DEPTH,
+            reshard_after_forward: true,
+            reduce_grads: DEFAULT_REDUCE_GRADS.to_string(),
+            recompute: DEFAULT_RECOMPUTE.to_string(),
+            max_inflight_bytes: None,
+            bucket_mb: DEFAULT_BUCKET_MB.to_string(),
+            no_rewrite: false,
+            dense_embedding_grads: false,
+            grad_dtype: DEFAULT_GRAD_DTYPE.to_string(),
+            output: None,
+        }
     }
 }
 
@@ -933,4 +967,28 @@ fn print_streams(p: &Program) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CompileArgs;
+    use clap::Parser;
+
+    /// `for_mesh` gives what the parser gives `hzp compile --mesh M` (a flag added to the
+    /// parser with a default, and not to `for_mesh`, fails here).
+    #[test]
+    fn for_mesh_is_the_parsers_defaults() {
+        #[derive(Parser)]
+        struct Argv {
+            #[command(flatten)]
+            c: CompileArgs,
+        }
+        let parsed = Argv::try_parse_from(["hzp", "--mesh", "node=2,gpu=8"])
+            .unwrap()
+            .c;
+        assert_eq!(
+            format!("{parsed:?}"),
+            format!("{:?}", CompileArgs::for_mesh("node=2,gpu=8"))
+        );
+    }
 }

@@ -1305,32 +1305,17 @@ fn print_scale_notes(
     Ok(())
 }
 
-/// `hzp compile`'s flags for one mesh of `hzp scale`, through the same parser (so defaults
-/// stay the compiler's).
+/// `hzp compile`'s flags for one mesh of `hzp scale`: the compiler's defaults
+/// ([`CompileArgs::for_mesh`]) with scale's own flags set.
 fn compile_args(a: &ScaleArgs, mesh: &str) -> Result<CompileArgs> {
-    #[derive(clap::Parser)]
-    struct Argv {
-        #[command(flatten)]
-        c: CompileArgs,
-    }
-    let mut argv: Vec<String> = vec!["hzp-scale".into(), "--mesh".into(), mesh.into()];
-    if let Some(c) = &a.cluster {
-        argv.push("--cluster".into());
-        argv.push(c.display().to_string());
-    }
+    let mut c = CompileArgs::for_mesh(mesh);
+    c.cluster = a.cluster.clone();
     if let Some(m) = &a.memory {
         parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?;
-        argv.push("--memory".into());
-        argv.push(m.clone());
+        c.memory = Some(m.clone());
     }
-    argv.push("--prefetch-depth".into());
-    argv.push(a.prefetch_depth.to_string());
-    argv.push("--reduce-grads".into());
-    argv.push(a.reduce_grads.clone());
-    argv.push("--recompute".into());
-    argv.push(a.recompute.clone());
-    use clap::Parser as _;
-    Argv::try_parse_from(argv)
-        .map(|x| x.c)
-        .map_err(|e| miette!("{e}"))
+    c.prefetch_depth = a.prefetch_depth;
+    c.reduce_grads = a.reduce_grads.clone();
+    c.recompute = a.recompute.clone();
+    Ok(c)
 }

@@ -501,7 +501,7 @@ fn thread_counts_are_capped_with_a_note() {
 fn the_layers_benchmark_reports_ratios_and_refuses_nonsense() {
     let preset = "preset:gpt,hidden=64,heads=2,vocab=128,seq=16,batch=2";
     let (code, out, err) = hzp(&[
-        "bench", "compile", preset, "--layers", "1,2,4", "--mesh", "gpu=2", "--repeat", "1",
+        "bench", "compile", preset, "--layers", "1,2,4", "--meshes", "gpu=2", "--repeat", "1",
     ]);
     assert_eq!(code, 0, "{err}");
     for line in [
@@ -521,10 +521,16 @@ fn the_layers_benchmark_reports_ratios_and_refuses_nonsense() {
     );
     fails_with(
         &[
-            "bench", "compile", preset, "--layers", "1", "--mesh", "gpu=2", "--mesh", "gpu=4",
+            "bench", "compile", preset, "--layers", "1", "--meshes", "gpu=2", "--meshes", "gpu=4",
         ],
         &["one mesh"],
     );
+    // the old spelling still works, with a note
+    let (code, _, err) = hzp(&[
+        "bench", "compile", preset, "--layers", "1", "--mesh", "gpu=2", "--repeat", "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("reads --mesh as --meshes"), "{err}");
     fails_with(
         &["bench", "compile", s(&mlp()), "--layers", "1"],
         &["needs a preset model"],
