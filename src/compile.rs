@@ -274,10 +274,12 @@ pub fn request(
     let mesh = Mesh::parse(&c.mesh).map_err(|e| miette!("--mesh: {e}"))?;
     let cluster = load_cluster(c.cluster.as_deref())?;
     cluster.validate_mesh(&mesh).map_err(|e| miette!("{e}"))?;
-    let budget = match &c.memory {
-        Some(m) => Some(parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?),
-        None => None,
-    };
+    // Without --memory, the budget is the cluster's device memory, the same number the
+    // planner plans with: a plan compiled without the flag is the plan compiled with it.
+    let budget = Some(match &c.memory {
+        Some(m) => parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?,
+        None => cluster.device.memory_bytes,
+    });
     // `--print-after` names compile stages here, not the stages of `hzp train`.
     let stages = print_stages(&t.print_after)?;
     let mut cfg = train_config(
