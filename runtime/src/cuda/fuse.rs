@@ -31,7 +31,7 @@
 //! thread writes it. A run with any other overlap, or with more than 16 outside operands, is
 //! split into the longest prefixes that can be kernels (`runs`).
 
-use super::lower::{bcast, flat_grid, Arg, Launch, Work};
+use super::work::{bcast, flat_grid, Arg, Launch, Work};
 use hzp_ir::{BinaryOp, DType, Node, Op, Program, StreamKind, UnaryOp, ValueId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
