@@ -425,587 +425,64 @@ fn idx_args(off: u64, ty: &TensorType) -> [Arg; 2] {
     [Arg::Ptr(off), Arg::I32((ty.dtype == DType::I64) as i32)]
 }
 
+/// The work of one compute node: one function per op or op family.
 fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
-    let (x, xt) = c.ins.first().copied().unwrap_or((0, &EMPTY));
-    let (y, yt) = c.outs.first().copied().unwrap_or((0, &EMPTY));
-    let n = yt.numel();
-    let err = || [Arg::ErrFlag, Arg::I32(c.code)];
-    let mut w: Vec<Work> = Vec::new();
+    let n = c.y().1.numel();
     match op {
-        Op::Identity | Op::Copy | Op::Reshape { .. } => {
-            // a reshape may share its input's bytes (the memory plan's views): nothing to copy
-            if n > 0 && x != y {
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            }
-        }
-        Op::Free => {}
-        _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => {}
-        Op::Unary(u) => {
-            let code = u.code() as i32;
-            let kernel = if *u == UnaryOp::IsNaN {
-                format!("isnan_{}", dt(xt.dtype))
-            } else {
-                format!("unary_{}", dt(xt.dtype))
-            };
-            let mut args = vec![];
-            if *u != UnaryOp::IsNaN {
-                args.push(Arg::I32(code));
-            }
-            args.extend([Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)]);
-            w.push(elementwise(kernel, n, args));
-        }
-        Op::Binary(b) => {
-            let (bo, bt) = c.ins[1];
-            check_rank(&yt.shape)?;
-            if xt.dtype == DType::Bool
-                && matches!(
-                    b,
-                    BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow | BinaryOp::Mod
-                )
-            {
-                return Err(format!("{} is not defined for bool operands", b.name()));
-            }
-            let code = b.code() as i32;
-            let mut nd = Nd::new(&yt.shape);
-            nd.s[0] = bcast(&xt.shape, &yt.shape);
-            nd.s[1] = bcast(&bt.shape, &yt.shape);
-            let mut args = vec![
-                Arg::I32(code),
-                Arg::I64(n as i64),
-                Arg::Nd(nd.coalesced(None)),
-                Arg::Ptr(x),
-                Arg::Ptr(bo),
-                Arg::Ptr(y),
-            ];
-            let kernel = if b.is_predicate() {
-                format!("compare_{}", dt(xt.dtype))
-            } else {
-                args.extend(err());
-                format!("binary_{}", dt(xt.dtype))
-            };
-            w.push(walk_kernel(kernel, n, args));
-        }
-        Op::Where => {
-            check_rank(&yt.shape)?;
-            let mut nd = Nd::new(&yt.shape);
-            for k in 0..3 {
-                nd.s[k] = bcast(&c.ins[k].1.shape, &yt.shape);
-            }
-            w.push(walk_kernel(
-                format!("where_{}", dt(yt.dtype)),
-                n,
-                vec![
-                    Arg::I64(n as i64),
-                    Arg::Nd(nd.coalesced(None)),
-                    Arg::Ptr(c.ins[0].0),
-                    Arg::Ptr(c.ins[1].0),
-                    Arg::Ptr(c.ins[2].0),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
-        Op::Cast { to } => {
-            if *to == xt.dtype {
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            } else {
-                w.push(elementwise(
-                    format!("cast_{}_{}", dt(xt.dtype), dt(*to)),
-                    n,
-                    vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)],
-                ));
-            }
-        }
-        Op::MatMul => w.push(Work::Gemm(lower_matmul(c)?)),
-        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            let log = matches!(op, Op::LogSoftmax { .. }) as i32;
-            if d > 0 {
-                w.push(lanes(
-                    format!("softmax_{}", dt(xt.dtype)),
-                    o * i,
-                    vec![
-                        Arg::I64(o as i64),
-                        Arg::I64(d as i64),
-                        Arg::I64(i as i64),
-                        Arg::I32(log),
-                        Arg::Ptr(x),
-                        Arg::Ptr(y),
-                    ],
-                ));
-            }
-        }
-        Op::GeluTanhGrad => {
-            let (dy, _) = c.ins[1];
-            if n > 0 {
-                w.push(elementwise(
-                    format!("gelu_tanh_grad_{}", dt(xt.dtype)),
-                    n,
-                    vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(dy), Arg::Ptr(y)],
-                ));
-            }
-        }
+        Op::Identity | Op::Copy | Op::Reshape { .. } => copy_through(c),
+        Op::Free => Ok(Vec::new()),
+        _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => Ok(Vec::new()),
+        Op::Unary(u) => unary(c, u),
+        Op::Binary(b) => binary(c, b),
+        Op::Where => where_select(c),
+        Op::Cast { to } => cast(c, to),
+        Op::MatMul => Ok(vec![Work::Gemm(lower_matmul(c)?)]),
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => softmax(op, c, axis),
+        Op::GeluTanhGrad => gelu_tanh_grad(c),
         Op::AdamW {
             beta1,
             beta2,
             eps,
             weight_decay,
-        } => {
-            if n > 0 {
-                let mut args = vec![
-                    Arg::I64(n as i64),
-                    Arg::F32((1.0 - beta1) as f32),
-                    Arg::F32(*beta2 as f32),
-                    Arg::F32((1.0 - beta2) as f32),
-                    Arg::F32(*eps as f32),
-                    Arg::Bits {
-                        bits: weight_decay.to_bits(),
-                        len: 8,
-                    },
-                ];
-                args.extend(c.ins.iter().map(|(off, _)| Arg::Ptr(*off)));
-                args.extend(c.outs.iter().map(|(off, _)| Arg::Ptr(*off)));
-                w.push(elementwise("adamw_f32".into(), n, args));
-            }
-        }
+        } => adamw(c, beta1, beta2, eps, weight_decay),
         Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            let grad = matches!(op, Op::SoftmaxCrossEntropyGrad { .. });
-            let (lo, lt) = c.ins[1];
-            // the loss gradient (the loss's own buffer when there is none: never read)
-            let dy = c.ins.get(2).map_or(y, |(off, _)| *off);
-            if o * i > 0 {
-                let mut args = vec![
-                    Arg::I64(o as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(i as i64),
-                    Arg::I32(grad as i32),
-                    Arg::Ptr(x),
-                ];
-                args.extend(idx_args(lo, lt));
-                args.extend([Arg::Ptr(dy), Arg::Ptr(y)]);
-                args.extend(err());
-                w.push(lanes(format!("xent_{}", dt(xt.dtype)), o * i, args));
-            }
+            cross_entropy(op, c, axis)
         }
         Op::LayerNorm { axis, epsilon }
         | Op::RmsNorm { axis, epsilon }
         | Op::LayerNormGrad { axis, epsilon }
-        | Op::RmsNormGrad { axis, epsilon } => {
-            let grad = matches!(op, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. });
-            let rms = matches!(op, Op::RmsNorm { .. } | Op::RmsNormGrad { .. });
-            let norm = &xt.shape[*axis..];
-            check_rank(norm)?;
-            let rows: usize = xt.shape[..*axis].iter().product();
-            let d: usize = norm.iter().product();
-            let mut nd = Nd::new(norm);
-            nd.s[0] = bcast(&c.ins[1].1.shape, norm);
-            // the forward's optional bias (s1 of the walk); the gradient's dy and outputs
-            let tail = if grad {
-                vec![
-                    Arg::Ptr(c.ins[2].0),
-                    Arg::Ptr(c.outs[0].0),
-                    Arg::Ptr(c.outs[1].0),
-                ]
-            } else {
-                let bias = c.ins.get(2).map(|(o, t)| {
-                    nd.s[1] = bcast(&t.shape, norm);
-                    Arg::Ptr(*o)
-                });
-                vec![bias.unwrap_or(Arg::Null), Arg::Ptr(y)]
-            };
-            let mut args = vec![
-                Arg::I64(rows as i64),
-                Arg::I64(d as i64),
-                Arg::F32(*epsilon),
-                Arg::I32(rms as i32),
-                Arg::Nd(nd),
-                Arg::Ptr(x),
-                Arg::Ptr(c.ins[1].0),
-            ];
-            args.extend(tail);
-            let family = if grad { "norm_grad" } else { "norm" };
-            if rows * d > 0 {
-                w.push(lanes(format!("{family}_{}", dt(xt.dtype)), rows, args));
-            } else if !grad {
-                // (no normalized elements: the forward is its input)
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            }
-        }
-        Op::Reduce { op: rop, axes, .. } => {
-            let mut axes = axes.clone();
-            axes.sort_unstable();
-            axes.dedup();
-            let s = &xt.shape;
-            check_rank(s)?;
-            let cs = contiguous(s);
-            let kept: Vec<usize> = (0..s.len()).filter(|d| !axes.contains(d)).collect();
-            let mut kn = Nd::new(&kept.iter().map(|&d| s[d]).collect::<Vec<_>>());
-            kn.s[0] = kept.iter().map(|&d| cs[d]).collect();
-            let mut rn = Nd::new(&axes.iter().map(|&d| s[d]).collect::<Vec<_>>());
-            rn.s[0] = axes.iter().map(|&d| cs[d]).collect();
-            let nout: usize = kept.iter().map(|&d| s[d]).product();
-            let nred: usize = axes.iter().map(|&d| s[d]).product();
-            let code = ReduceOp::ALL.iter().position(|r| r == rop).unwrap_or(0) as i32;
-            let args = vec![
-                Arg::I32(code),
-                Arg::I64(nout as i64),
-                Arg::I64(nred as i64),
-                // (merging keeps every output's and every reduced element's offset, and the
-                // order a thread visits the reduced elements in: the same sums, bit for bit)
-                Arg::Nd(kn.coalesced(None)),
-                Arg::Nd(rn.coalesced(None)),
-                Arg::Ptr(x),
-                Arg::Ptr(y),
-            ];
-            let kernel = format!("reduce_{}", dt(xt.dtype));
-            if xt.dtype.is_float() {
-                w.push(lanes(kernel, nout, args));
-            } else {
-                w.push(elementwise(kernel, nout, args));
-            }
-        }
-        Op::ArgMax { axis, .. } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            if d == 0 {
-                return Err(format!("ArgMax over axis {axis} of size 0"));
-            }
-            w.push(elementwise(
-                format!("argmax_{}", dt(xt.dtype)),
-                o * i,
-                vec![
-                    Arg::I64(o as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(i as i64),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
+        | Op::RmsNormGrad { axis, epsilon } => norm(op, c, axis, epsilon),
+        Op::Reduce { op: rop, axes, .. } => reduce(c, rop, axes),
+        Op::ArgMax { axis, .. } => argmax(c, axis),
         Op::CumSum {
             axis,
             exclusive,
             reverse,
-        } => {
-            if xt.dtype == DType::Bool {
-                return Err("CumSum is not defined for bool".into());
-            }
-            let (o, d, i) = around(&xt.shape, *axis);
-            w.push(elementwise(
-                format!("cumsum_{}", dt(xt.dtype)),
-                o * i,
-                vec![
-                    Arg::I64(o as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(i as i64),
-                    Arg::I32(*exclusive as i32),
-                    Arg::I32(*reverse as i32),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
-        Op::Transpose { perm } => {
-            let cs = contiguous(&xt.shape);
-            let s_in = perm.iter().map(|&p| cs[p]).collect();
-            w.extend(copy_nd(
-                xt.dtype,
-                &yt.shape,
-                s_in,
-                contiguous(&yt.shape),
-                vec![0; perm.len()],
-                (x, 0),
-                (y, 0),
-            )?);
-        }
+        } => cumsum(c, axis, exclusive, reverse),
+        Op::Transpose { perm } => transpose(c, perm),
         Op::Slice {
             axes,
             starts,
             steps,
             ..
-        } => {
-            let cs = contiguous(&xt.shape);
-            let mut s_in = cs.clone();
-            let mut base = 0i64;
-            for k in 0..axes.len() {
-                base += starts[k] * cs[axes[k]];
-                s_in[axes[k]] = cs[axes[k]] * steps[k];
-            }
-            let r = yt.rank();
-            w.extend(copy_nd(
-                xt.dtype,
-                &yt.shape,
-                s_in,
-                contiguous(&yt.shape),
-                vec![0; r],
-                (x, base),
-                (y, 0),
-            )?);
-        }
-        Op::Concat { axis } => {
-            let os = contiguous(&yt.shape);
-            let mut at = 0i64;
-            for &(io, it) in &c.ins {
-                let r = it.rank();
-                w.extend(copy_nd(
-                    it.dtype,
-                    &it.shape,
-                    contiguous(&it.shape),
-                    os.clone(),
-                    vec![0; r],
-                    (io, 0),
-                    (y, at * os[*axis]),
-                )?);
-                at += it.shape[*axis] as i64;
-            }
-        }
-        Op::Split { axis, .. } => {
-            let cs = contiguous(&xt.shape);
-            let mut at = 0i64;
-            for &(oo, ot) in &c.outs {
-                let r = ot.rank();
-                w.extend(copy_nd(
-                    ot.dtype,
-                    &ot.shape,
-                    cs.clone(),
-                    contiguous(&ot.shape),
-                    vec![0; r],
-                    (x, at * cs[*axis]),
-                    (oo, 0),
-                )?);
-                at += ot.shape[*axis] as i64;
-            }
-        }
-        Op::Expand { shape } => {
-            w.extend(copy_nd(
-                xt.dtype,
-                shape,
-                bcast(&xt.shape, shape),
-                contiguous(shape),
-                vec![0; shape.len()],
-                (x, 0),
-                (y, 0),
-            )?);
-        }
-        Op::Tile { .. } => {
-            let modulo = xt.shape.iter().map(|&d| d as i64).collect();
-            w.extend(copy_nd(
-                xt.dtype,
-                &yt.shape,
-                contiguous(&xt.shape),
-                contiguous(&yt.shape),
-                modulo,
-                (x, 0),
-                (y, 0),
-            )?);
-        }
-        Op::Trilu { upper, k } => {
-            let r = xt.rank();
-            let (rows, cols) = (xt.shape[r - 2], xt.shape[r - 1]);
-            w.push(elementwise(
-                format!("trilu_{}", bsz(xt.dtype)),
-                n,
-                vec![
-                    Arg::I64(n as i64),
-                    Arg::I64(rows as i64),
-                    Arg::I64(cols as i64),
-                    Arg::I32(*upper as i32),
-                    Arg::I64(*k),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
-        Op::Gather { axis } => {
-            let (io, it) = c.ins[1];
-            let (o, d, i) = around(&xt.shape, *axis);
-            let mut args = vec![
-                Arg::I64(o as i64),
-                Arg::I64(d as i64),
-                Arg::I64(it.numel() as i64),
-                Arg::I64(i as i64),
-            ];
-            args.extend(idx_args(io, it));
-            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
-            args.extend(err());
-            w.push(elementwise(format!("gather_{}", bsz(xt.dtype)), n, args));
-        }
-        Op::GatherElements { axis } => {
-            let (io, it) = c.ins[1];
-            check_rank(&it.shape)?;
-            let mut nd = Nd::new(&it.shape);
-            nd.s[0] = contiguous(&xt.shape);
-            let mut args = vec![
-                Arg::I64(n as i64),
-                Arg::Nd(nd),
-                Arg::I32(*axis as i32),
-                Arg::I64(xt.shape[*axis] as i64),
-            ];
-            args.extend(idx_args(io, it));
-            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
-            args.extend(err());
-            w.push(elementwise(
-                format!("gather_elements_{}", bsz(xt.dtype)),
-                n,
-                args,
-            ));
-        }
-        Op::GatherND { batch_dims } => {
-            let (io, it) = c.ins[1];
-            let b = *batch_dims;
-            let last = it.shape[it.rank() - 1];
-            check_rank(&xt.shape[b..b + last])?;
-            let ds = &xt.shape;
-            let slice: usize = ds[b + last..].iter().product();
-            let tpb: usize = it.shape[b..it.rank() - 1].iter().product();
-            let batch_stride: usize = ds[b..].iter().product();
-            let mut nd = Nd::new(&ds[b..b + last]);
-            nd.s[0] = (0..last)
-                .map(|k| ds[b + k + 1..].iter().product::<usize>() as i64)
-                .collect();
-            let mut args = vec![
-                Arg::I64(n as i64),
-                Arg::I64(slice.max(1) as i64),
-                Arg::I64(tpb.max(1) as i64),
-                Arg::I64(batch_stride as i64),
-                Arg::I32(last as i32),
-                Arg::Nd(nd),
-            ];
-            args.extend(idx_args(io, it));
-            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
-            args.extend(err());
-            w.push(elementwise(format!("gather_nd_{}", bsz(xt.dtype)), n, args));
-        }
-        Op::ScatterElements { axis, add } => {
-            let (io, it) = c.ins[1];
-            let (uo, _) = c.ins[2];
-            check_rank(&it.shape)?;
-            w.push(Work::Copy {
-                src: x,
-                dst: y,
-                bytes: yt.size_bytes() as u64,
-            });
-            let mut lane_shape = it.shape.clone();
-            lane_shape[*axis] = 1;
-            let lanes_n = numel(&lane_shape);
-            if it.numel() > 0 {
-                let mut nd = Nd::new(&lane_shape);
-                nd.s[0] = contiguous(&xt.shape);
-                nd.s[1] = contiguous(&it.shape);
-                let mut args = vec![
-                    Arg::I64(lanes_n as i64),
-                    Arg::Nd(nd),
-                    Arg::I32(*axis as i32),
-                    Arg::I64(it.shape[*axis] as i64),
-                    Arg::I64(xt.shape[*axis] as i64),
-                ];
-                args.extend(idx_args(io, it));
-                args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
-                args.extend(err());
-                w.push(elementwise(
-                    format!("scatter_elements_{}", dt(xt.dtype)),
-                    lanes_n,
-                    args,
-                ));
-            }
-        }
-        Op::ScatterND { add } => {
-            let (io, it) = c.ins[1];
-            let (uo, _) = c.ins[2];
-            let last = it.shape[it.rank() - 1];
-            check_rank(&xt.shape[..last])?;
-            // the result may lie in the data's own bytes (an in-place pair): then no copy
-            if x != y {
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            }
-            let slice: usize = xt.shape[last..].iter().product();
-            let tuples: usize = it.shape[..it.rank() - 1].iter().product();
-            if slice > 0 && tuples > 0 {
-                let mut nd = Nd::new(&xt.shape[..last]);
-                nd.s[0] = (0..last)
-                    .map(|k| xt.shape[k + 1..].iter().product::<usize>() as i64)
-                    .collect();
-                let mut args = vec![
-                    Arg::I64(slice as i64),
-                    Arg::I64(tuples as i64),
-                    Arg::I32(last as i32),
-                    Arg::Nd(nd),
-                ];
-                args.extend(idx_args(io, it));
-                args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
-                args.extend(err());
-                w.push(elementwise(
-                    format!("scatter_nd_{}", dt(xt.dtype)),
-                    slice,
-                    args,
-                ));
-            }
-        }
-        Op::OneHot { axis, depth } => {
-            let (vo, vt) = c.ins[1];
-            let outer: usize = xt.shape[..*axis].iter().product();
-            let inner: usize = xt.shape[*axis..].iter().product();
-            let mut args = vec![
-                Arg::I64(outer as i64),
-                Arg::I64(*depth as i64),
-                Arg::I64(inner as i64),
-            ];
-            args.extend(idx_args(x, xt));
-            args.extend([Arg::Ptr(vo), Arg::Ptr(y)]);
-            w.push(elementwise(format!("one_hot_{}", dt(vt.dtype)), n, args));
-        }
+        } => slice(c, axes, starts, steps),
+        Op::Concat { axis } => concat(c, axis),
+        Op::Split { axis, .. } => split(c, axis),
+        Op::Expand { shape } => expand(c, shape),
+        Op::Tile { .. } => tile(c),
+        Op::Trilu { upper, k } => trilu(c, upper, k),
+        Op::Gather { axis } => gather(c, axis),
+        Op::GatherElements { axis } => gather_elements(c, axis),
+        Op::GatherND { batch_dims } => gather_nd(c, batch_dims),
+        Op::ScatterElements { axis, add } => scatter_elements(c, axis, add),
+        Op::ScatterND { add } => scatter_nd(c, add),
+        Op::OneHot { axis, depth } => one_hot(c, axis, depth),
         Op::TopK {
             axis, k, largest, ..
-        } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            if *k > 0 && o * i > 0 {
-                w.push(elementwise(
-                    format!("topk_{}", dt(xt.dtype)),
-                    o * i,
-                    vec![
-                        Arg::I64(o as i64),
-                        Arg::I64(d as i64),
-                        Arg::I64(i as i64),
-                        Arg::I64(*k as i64),
-                        Arg::I32(*largest as i32),
-                        Arg::Ptr(x),
-                        Arg::Ptr(y),
-                        Arg::Ptr(c.outs[1].0),
-                    ],
-                ));
-            }
-        }
-        Op::Fill { value, dtype, .. } => {
-            w.push(elementwise(
-                format!("fill_{}", dt(*dtype)),
-                n,
-                vec![
-                    Arg::I64(n as i64),
-                    Arg::Bits {
-                        bits: fill_bits(*dtype, *value),
-                        len: dtype.size_bytes(),
-                    },
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
+        } => topk(c, axis, k, largest),
+        Op::Fill { value, dtype, .. } => fill(c, value, dtype),
         Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
-            w.extend(lower_attention(op, c, *scale, *causal)?);
+            lower_attention(op, c, *scale, *causal)
         }
         // Lowered by the caller (streams and communicators), never here. Listed by name so
         // that a new op does not compile until it is lowered above or listed.
@@ -1015,13 +492,736 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
         | Op::AllToAll { .. }
         | Op::Broadcast { .. }
         | Op::RecordEvent { .. }
-        | Op::WaitEvent { .. } => {
-            return Err(format!(
-                "internal: {} reached the compute lowering",
-                op.name()
-            ))
-        }
+        | Op::WaitEvent { .. } => Err(format!(
+            "internal: {} reached the compute lowering",
+            op.name()
+        )),
     }
+}
+
+impl<'a> NodeCtx<'a> {
+    /// The first input (offset 0 and an empty type for an op without inputs: Fill).
+    fn x(&self) -> (u64, &'a TensorType) {
+        self.ins.first().copied().unwrap_or((0, &EMPTY))
+    }
+
+    /// The first output.
+    fn y(&self) -> (u64, &'a TensorType) {
+        self.outs.first().copied().unwrap_or((0, &EMPTY))
+    }
+
+    /// The error-flag arguments of a kernel that reports bad indices.
+    fn err(&self) -> [Arg; 2] {
+        [Arg::ErrFlag, Arg::I32(self.code)]
+    }
+}
+
+fn copy_through(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, _) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    // a reshape may share its input's bytes (the memory plan's views): nothing to copy
+    if n > 0 && x != y {
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    }
+    Ok(w)
+}
+
+fn unary(c: &NodeCtx, u: &UnaryOp) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let code = u.code() as i32;
+    let kernel = if *u == UnaryOp::IsNaN {
+        format!("isnan_{}", dt(xt.dtype))
+    } else {
+        format!("unary_{}", dt(xt.dtype))
+    };
+    let mut args = vec![];
+    if *u != UnaryOp::IsNaN {
+        args.push(Arg::I32(code));
+    }
+    args.extend([Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)]);
+    w.push(elementwise(kernel, n, args));
+    Ok(w)
+}
+
+fn binary(c: &NodeCtx, b: &BinaryOp) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (bo, bt) = c.ins[1];
+    check_rank(&yt.shape)?;
+    if xt.dtype == DType::Bool
+        && matches!(
+            b,
+            BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow | BinaryOp::Mod
+        )
+    {
+        return Err(format!("{} is not defined for bool operands", b.name()));
+    }
+    let code = b.code() as i32;
+    let mut nd = Nd::new(&yt.shape);
+    nd.s[0] = bcast(&xt.shape, &yt.shape);
+    nd.s[1] = bcast(&bt.shape, &yt.shape);
+    let mut args = vec![
+        Arg::I32(code),
+        Arg::I64(n as i64),
+        Arg::Nd(nd.coalesced(None)),
+        Arg::Ptr(x),
+        Arg::Ptr(bo),
+        Arg::Ptr(y),
+    ];
+    let kernel = if b.is_predicate() {
+        format!("compare_{}", dt(xt.dtype))
+    } else {
+        args.extend(c.err());
+        format!("binary_{}", dt(xt.dtype))
+    };
+    w.push(walk_kernel(kernel, n, args));
+    Ok(w)
+}
+
+fn where_select(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    check_rank(&yt.shape)?;
+    let mut nd = Nd::new(&yt.shape);
+    for k in 0..3 {
+        nd.s[k] = bcast(&c.ins[k].1.shape, &yt.shape);
+    }
+    w.push(walk_kernel(
+        format!("where_{}", dt(yt.dtype)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::Nd(nd.coalesced(None)),
+            Arg::Ptr(c.ins[0].0),
+            Arg::Ptr(c.ins[1].0),
+            Arg::Ptr(c.ins[2].0),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn cast(c: &NodeCtx, to: &DType) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    if *to == xt.dtype {
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    } else {
+        w.push(elementwise(
+            format!("cast_{}_{}", dt(xt.dtype), dt(*to)),
+            n,
+            vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)],
+        ));
+    }
+    Ok(w)
+}
+
+fn softmax(op: &Op, c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    let log = matches!(op, Op::LogSoftmax { .. }) as i32;
+    if d > 0 {
+        w.push(lanes(
+            format!("softmax_{}", dt(xt.dtype)),
+            o * i,
+            vec![
+                Arg::I64(o as i64),
+                Arg::I64(d as i64),
+                Arg::I64(i as i64),
+                Arg::I32(log),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+            ],
+        ));
+    }
+    Ok(w)
+}
+
+fn gelu_tanh_grad(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (dy, _) = c.ins[1];
+    if n > 0 {
+        w.push(elementwise(
+            format!("gelu_tanh_grad_{}", dt(xt.dtype)),
+            n,
+            vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(dy), Arg::Ptr(y)],
+        ));
+    }
+    Ok(w)
+}
+
+fn adamw(
+    c: &NodeCtx,
+    beta1: &f64,
+    beta2: &f64,
+    eps: &f64,
+    weight_decay: &f64,
+) -> Result<Vec<Work>, String> {
+    let (_, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    if n > 0 {
+        let mut args = vec![
+            Arg::I64(n as i64),
+            Arg::F32((1.0 - beta1) as f32),
+            Arg::F32(*beta2 as f32),
+            Arg::F32((1.0 - beta2) as f32),
+            Arg::F32(*eps as f32),
+            Arg::Bits {
+                bits: weight_decay.to_bits(),
+                len: 8,
+            },
+        ];
+        args.extend(c.ins.iter().map(|(off, _)| Arg::Ptr(*off)));
+        args.extend(c.outs.iter().map(|(off, _)| Arg::Ptr(*off)));
+        w.push(elementwise("adamw_f32".into(), n, args));
+    }
+    Ok(w)
+}
+
+fn cross_entropy(op: &Op, c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    let grad = matches!(op, Op::SoftmaxCrossEntropyGrad { .. });
+    let (lo, lt) = c.ins[1];
+    // the loss gradient (the loss's own buffer when there is none: never read)
+    let dy = c.ins.get(2).map_or(y, |(off, _)| *off);
+    if o * i > 0 {
+        let mut args = vec![
+            Arg::I64(o as i64),
+            Arg::I64(d as i64),
+            Arg::I64(i as i64),
+            Arg::I32(grad as i32),
+            Arg::Ptr(x),
+        ];
+        args.extend(idx_args(lo, lt));
+        args.extend([Arg::Ptr(dy), Arg::Ptr(y)]);
+        args.extend(c.err());
+        w.push(lanes(format!("xent_{}", dt(xt.dtype)), o * i, args));
+    }
+    Ok(w)
+}
+
+fn norm(op: &Op, c: &NodeCtx, axis: &usize, epsilon: &f32) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let grad = matches!(op, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. });
+    let rms = matches!(op, Op::RmsNorm { .. } | Op::RmsNormGrad { .. });
+    let norm = &xt.shape[*axis..];
+    check_rank(norm)?;
+    let rows: usize = xt.shape[..*axis].iter().product();
+    let d: usize = norm.iter().product();
+    let mut nd = Nd::new(norm);
+    nd.s[0] = bcast(&c.ins[1].1.shape, norm);
+    // the forward's optional bias (s1 of the walk); the gradient's dy and outputs
+    let tail = if grad {
+        vec![
+            Arg::Ptr(c.ins[2].0),
+            Arg::Ptr(c.outs[0].0),
+            Arg::Ptr(c.outs[1].0),
+        ]
+    } else {
+        let bias = c.ins.get(2).map(|(o, t)| {
+            nd.s[1] = bcast(&t.shape, norm);
+            Arg::Ptr(*o)
+        });
+        vec![bias.unwrap_or(Arg::Null), Arg::Ptr(y)]
+    };
+    let mut args = vec![
+        Arg::I64(rows as i64),
+        Arg::I64(d as i64),
+        Arg::F32(*epsilon),
+        Arg::I32(rms as i32),
+        Arg::Nd(nd),
+        Arg::Ptr(x),
+        Arg::Ptr(c.ins[1].0),
+    ];
+    args.extend(tail);
+    let family = if grad { "norm_grad" } else { "norm" };
+    if rows * d > 0 {
+        w.push(lanes(format!("{family}_{}", dt(xt.dtype)), rows, args));
+    } else if !grad {
+        // (no normalized elements: the forward is its input)
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    }
+    Ok(w)
+}
+
+fn reduce(c: &NodeCtx, rop: &ReduceOp, axes: &[usize]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let mut axes = axes.to_vec();
+    axes.sort_unstable();
+    axes.dedup();
+    let s = &xt.shape;
+    check_rank(s)?;
+    let cs = contiguous(s);
+    let kept: Vec<usize> = (0..s.len()).filter(|d| !axes.contains(d)).collect();
+    let mut kn = Nd::new(&kept.iter().map(|&d| s[d]).collect::<Vec<_>>());
+    kn.s[0] = kept.iter().map(|&d| cs[d]).collect();
+    let mut rn = Nd::new(&axes.iter().map(|&d| s[d]).collect::<Vec<_>>());
+    rn.s[0] = axes.iter().map(|&d| cs[d]).collect();
+    let nout: usize = kept.iter().map(|&d| s[d]).product();
+    let nred: usize = axes.iter().map(|&d| s[d]).product();
+    let code = ReduceOp::ALL.iter().position(|r| r == rop).unwrap_or(0) as i32;
+    let args = vec![
+        Arg::I32(code),
+        Arg::I64(nout as i64),
+        Arg::I64(nred as i64),
+        // (merging keeps every output's and every reduced element's offset, and the
+        // order a thread visits the reduced elements in: the same sums, bit for bit)
+        Arg::Nd(kn.coalesced(None)),
+        Arg::Nd(rn.coalesced(None)),
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+    ];
+    let kernel = format!("reduce_{}", dt(xt.dtype));
+    if xt.dtype.is_float() {
+        w.push(lanes(kernel, nout, args));
+    } else {
+        w.push(elementwise(kernel, nout, args));
+    }
+    Ok(w)
+}
+
+fn argmax(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    if d == 0 {
+        return Err(format!("ArgMax over axis {axis} of size 0"));
+    }
+    w.push(elementwise(
+        format!("argmax_{}", dt(xt.dtype)),
+        o * i,
+        vec![
+            Arg::I64(o as i64),
+            Arg::I64(d as i64),
+            Arg::I64(i as i64),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn cumsum(
+    c: &NodeCtx,
+    axis: &usize,
+    exclusive: &bool,
+    reverse: &bool,
+) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    if xt.dtype == DType::Bool {
+        return Err("CumSum is not defined for bool".into());
+    }
+    let (o, d, i) = around(&xt.shape, *axis);
+    w.push(elementwise(
+        format!("cumsum_{}", dt(xt.dtype)),
+        o * i,
+        vec![
+            Arg::I64(o as i64),
+            Arg::I64(d as i64),
+            Arg::I64(i as i64),
+            Arg::I32(*exclusive as i32),
+            Arg::I32(*reverse as i32),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn transpose(c: &NodeCtx, perm: &[usize]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let cs = contiguous(&xt.shape);
+    let s_in = perm.iter().map(|&p| cs[p]).collect();
+    w.extend(copy_nd(
+        xt.dtype,
+        &yt.shape,
+        s_in,
+        contiguous(&yt.shape),
+        vec![0; perm.len()],
+        (x, 0),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn slice(c: &NodeCtx, axes: &[usize], starts: &[i64], steps: &[i64]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let cs = contiguous(&xt.shape);
+    let mut s_in = cs.clone();
+    let mut base = 0i64;
+    for k in 0..axes.len() {
+        base += starts[k] * cs[axes[k]];
+        s_in[axes[k]] = cs[axes[k]] * steps[k];
+    }
+    let r = yt.rank();
+    w.extend(copy_nd(
+        xt.dtype,
+        &yt.shape,
+        s_in,
+        contiguous(&yt.shape),
+        vec![0; r],
+        (x, base),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn concat(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let os = contiguous(&yt.shape);
+    let mut at = 0i64;
+    for &(io, it) in &c.ins {
+        let r = it.rank();
+        w.extend(copy_nd(
+            it.dtype,
+            &it.shape,
+            contiguous(&it.shape),
+            os.clone(),
+            vec![0; r],
+            (io, 0),
+            (y, at * os[*axis]),
+        )?);
+        at += it.shape[*axis] as i64;
+    }
+    Ok(w)
+}
+
+fn split(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let mut w: Vec<Work> = Vec::new();
+    let cs = contiguous(&xt.shape);
+    let mut at = 0i64;
+    for &(oo, ot) in &c.outs {
+        let r = ot.rank();
+        w.extend(copy_nd(
+            ot.dtype,
+            &ot.shape,
+            cs.clone(),
+            contiguous(&ot.shape),
+            vec![0; r],
+            (x, at * cs[*axis]),
+            (oo, 0),
+        )?);
+        at += ot.shape[*axis] as i64;
+    }
+    Ok(w)
+}
+
+fn expand(c: &NodeCtx, shape: &[usize]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    w.extend(copy_nd(
+        xt.dtype,
+        shape,
+        bcast(&xt.shape, shape),
+        contiguous(shape),
+        vec![0; shape.len()],
+        (x, 0),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn tile(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let modulo = xt.shape.iter().map(|&d| d as i64).collect();
+    w.extend(copy_nd(
+        xt.dtype,
+        &yt.shape,
+        contiguous(&xt.shape),
+        contiguous(&yt.shape),
+        modulo,
+        (x, 0),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn trilu(c: &NodeCtx, upper: &bool, k: &i64) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let r = xt.rank();
+    let (rows, cols) = (xt.shape[r - 2], xt.shape[r - 1]);
+    w.push(elementwise(
+        format!("trilu_{}", bsz(xt.dtype)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+            Arg::I32(*upper as i32),
+            Arg::I64(*k),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn gather(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let (o, d, i) = around(&xt.shape, *axis);
+    let mut args = vec![
+        Arg::I64(o as i64),
+        Arg::I64(d as i64),
+        Arg::I64(it.numel() as i64),
+        Arg::I64(i as i64),
+    ];
+    args.extend(idx_args(io, it));
+    args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+    args.extend(c.err());
+    w.push(elementwise(format!("gather_{}", bsz(xt.dtype)), n, args));
+    Ok(w)
+}
+
+fn gather_elements(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    check_rank(&it.shape)?;
+    let mut nd = Nd::new(&it.shape);
+    nd.s[0] = contiguous(&xt.shape);
+    let mut args = vec![
+        Arg::I64(n as i64),
+        Arg::Nd(nd),
+        Arg::I32(*axis as i32),
+        Arg::I64(xt.shape[*axis] as i64),
+    ];
+    args.extend(idx_args(io, it));
+    args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+    args.extend(c.err());
+    w.push(elementwise(
+        format!("gather_elements_{}", bsz(xt.dtype)),
+        n,
+        args,
+    ));
+    Ok(w)
+}
+
+fn gather_nd(c: &NodeCtx, batch_dims: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let b = *batch_dims;
+    let last = it.shape[it.rank() - 1];
+    check_rank(&xt.shape[b..b + last])?;
+    let ds = &xt.shape;
+    let slice: usize = ds[b + last..].iter().product();
+    let tpb: usize = it.shape[b..it.rank() - 1].iter().product();
+    let batch_stride: usize = ds[b..].iter().product();
+    let mut nd = Nd::new(&ds[b..b + last]);
+    nd.s[0] = (0..last)
+        .map(|k| ds[b + k + 1..].iter().product::<usize>() as i64)
+        .collect();
+    let mut args = vec![
+        Arg::I64(n as i64),
+        Arg::I64(slice.max(1) as i64),
+        Arg::I64(tpb.max(1) as i64),
+        Arg::I64(batch_stride as i64),
+        Arg::I32(last as i32),
+        Arg::Nd(nd),
+    ];
+    args.extend(idx_args(io, it));
+    args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+    args.extend(c.err());
+    w.push(elementwise(format!("gather_nd_{}", bsz(xt.dtype)), n, args));
+    Ok(w)
+}
+
+fn scatter_elements(c: &NodeCtx, axis: &usize, add: &bool) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let (uo, _) = c.ins[2];
+    check_rank(&it.shape)?;
+    w.push(Work::Copy {
+        src: x,
+        dst: y,
+        bytes: yt.size_bytes() as u64,
+    });
+    let mut lane_shape = it.shape.clone();
+    lane_shape[*axis] = 1;
+    let lanes_n = numel(&lane_shape);
+    if it.numel() > 0 {
+        let mut nd = Nd::new(&lane_shape);
+        nd.s[0] = contiguous(&xt.shape);
+        nd.s[1] = contiguous(&it.shape);
+        let mut args = vec![
+            Arg::I64(lanes_n as i64),
+            Arg::Nd(nd),
+            Arg::I32(*axis as i32),
+            Arg::I64(it.shape[*axis] as i64),
+            Arg::I64(xt.shape[*axis] as i64),
+        ];
+        args.extend(idx_args(io, it));
+        args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
+        args.extend(c.err());
+        w.push(elementwise(
+            format!("scatter_elements_{}", dt(xt.dtype)),
+            lanes_n,
+            args,
+        ));
+    }
+    Ok(w)
+}
+
+fn scatter_nd(c: &NodeCtx, add: &bool) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let (uo, _) = c.ins[2];
+    let last = it.shape[it.rank() - 1];
+    check_rank(&xt.shape[..last])?;
+    // the result may lie in the data's own bytes (an in-place pair): then no copy
+    if x != y {
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    }
+    let slice: usize = xt.shape[last..].iter().product();
+    let tuples: usize = it.shape[..it.rank() - 1].iter().product();
+    if slice > 0 && tuples > 0 {
+        let mut nd = Nd::new(&xt.shape[..last]);
+        nd.s[0] = (0..last)
+            .map(|k| xt.shape[k + 1..].iter().product::<usize>() as i64)
+            .collect();
+        let mut args = vec![
+            Arg::I64(slice as i64),
+            Arg::I64(tuples as i64),
+            Arg::I32(last as i32),
+            Arg::Nd(nd),
+        ];
+        args.extend(idx_args(io, it));
+        args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
+        args.extend(c.err());
+        w.push(elementwise(
+            format!("scatter_nd_{}", dt(xt.dtype)),
+            slice,
+            args,
+        ));
+    }
+    Ok(w)
+}
+
+fn one_hot(c: &NodeCtx, axis: &usize, depth: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (vo, vt) = c.ins[1];
+    let outer: usize = xt.shape[..*axis].iter().product();
+    let inner: usize = xt.shape[*axis..].iter().product();
+    let mut args = vec![
+        Arg::I64(outer as i64),
+        Arg::I64(*depth as i64),
+        Arg::I64(inner as i64),
+    ];
+    args.extend(idx_args(x, xt));
+    args.extend([Arg::Ptr(vo), Arg::Ptr(y)]);
+    w.push(elementwise(format!("one_hot_{}", dt(vt.dtype)), n, args));
+    Ok(w)
+}
+
+fn topk(c: &NodeCtx, axis: &usize, k: &usize, largest: &bool) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    if *k > 0 && o * i > 0 {
+        w.push(elementwise(
+            format!("topk_{}", dt(xt.dtype)),
+            o * i,
+            vec![
+                Arg::I64(o as i64),
+                Arg::I64(d as i64),
+                Arg::I64(i as i64),
+                Arg::I64(*k as i64),
+                Arg::I32(*largest as i32),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::Ptr(c.outs[1].0),
+            ],
+        ));
+    }
+    Ok(w)
+}
+
+fn fill(c: &NodeCtx, value: &f64, dtype: &DType) -> Result<Vec<Work>, String> {
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    w.push(elementwise(
+        format!("fill_{}", dt(*dtype)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::Bits {
+                bits: fill_bits(*dtype, *value),
+                len: dtype.size_bytes(),
+            },
+            Arg::Ptr(y),
+        ],
+    ));
     Ok(w)
 }
 
