@@ -10,6 +10,7 @@ use hzp_passes::compile::{
 };
 use hzp_passes::cost::cluster::{parse_bytes, ClusterSpec};
 use hzp_passes::dist::spmd::ReduceGrads;
+use hzp_passes::plan::memory::MemoryPlan;
 use hzp_passes::plan::planner::{self, ShardOverride, Strategy};
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -728,175 +729,201 @@ pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()
         .filter_map(|a| cluster.link_for_axis(a).ok().map(|l| l.name.clone()))
         .collect();
     match format {
-        Format::Json => {
-            let v = serde_json::json!({
-                "model": plan.model,
-                "strategy": plan.strategy,
-                "mesh": plan.mesh.to_string(),
-                "groups": {
-                    "params": plan.groups.params.to_string(),
-                    "grads": plan.groups.grads.to_string(),
-                    "optim": plan.groups.optim.to_string(),
-                },
-                "grads_accumulated_in": plan.layouts.iter().filter_map(|l| l.accumulate_group.as_ref().map(|g| (l.name.clone(), g.to_string()))).collect::<BTreeMap<_, _>>(),
-                "arena_bytes": plan.arena_bytes,
-                "peak_by_kind": mem.peak_by_kind.iter().map(|(k, v)| (k.name().to_string(), *v)).collect::<BTreeMap<_, _>>(),
-                "nodes_per_stream": nodes_per_stream(p),
-                "collectives": collectives(p),
-                "cluster": cluster.name,
-                "bytes_per_rank_per_link": per_link.iter().map(|(l, b)| (l.clone(), b.round() as u64)).collect::<BTreeMap<_, _>>(),
-                "content_hash": plan.content_hash,
-            });
-            let mut v = v;
-            if plan.strategy == "acco" {
-                v["acco"] = serde_json::json!({
-                    "micro_batches_per_phase": plan.micro_batches / 2,
-                    "state_bytes_per_rank": acco_state_bytes(p),
-                });
-            }
-            if let Some(am) = &plan.asyncmesh {
-                let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
-                v["asyncmesh"] = serde_json::json!({
-                    "slow_axis": am.slow_axis,
-                    "sync_every": am.sync_every,
-                    "sparsity": am.sparsity,
-                    "ema_beta": am.ema_beta,
-                    "slow_axis_bytes_per_step": slow,
-                    "fast_axes_bytes_per_step": fast,
-                });
-            }
-            if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
-                let owners: BTreeMap<String, usize> = part
-                    .owners()
-                    .into_iter()
-                    .map(|(name, (_, rank, _))| (name, rank))
-                    .collect();
-                v["muon_placement"] = serde_json::json!({
-                    "placement": "canzona",
-                    "ranks": part.o,
-                    "ns_flops_per_rank": part.useful_flops(),
-                    "ns_flops_executed_per_rank": part.executed_flops(),
-                    "imbalance_max_over_mean": part.imbalance(),
-                    "owners": owners,
-                });
-            }
-            outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+        Format::Json => inspect_json(&plan, &mem, &cluster, &per_link),
+        Format::Text => inspect_text(path, &plan, &mem, &cluster, &per_link, &intra),
+    }
+}
+
+/// `hzp inspect --format json`.
+fn inspect_json(
+    plan: &Plan,
+    mem: &MemoryPlan,
+    cluster: &ClusterSpec,
+    per_link: &[(String, f64)],
+) -> Result<()> {
+    let p = &plan.program;
+    let v = serde_json::json!({
+        "model": plan.model,
+        "strategy": plan.strategy,
+        "mesh": plan.mesh.to_string(),
+        "groups": {
+            "params": plan.groups.params.to_string(),
+            "grads": plan.groups.grads.to_string(),
+            "optim": plan.groups.optim.to_string(),
+        },
+        "grads_accumulated_in": plan.layouts.iter().filter_map(|l| l.accumulate_group.as_ref().map(|g| (l.name.clone(), g.to_string()))).collect::<BTreeMap<_, _>>(),
+        "arena_bytes": plan.arena_bytes,
+        "peak_by_kind": mem.peak_by_kind.iter().map(|(k, v)| (k.name().to_string(), *v)).collect::<BTreeMap<_, _>>(),
+        "nodes_per_stream": nodes_per_stream(p),
+        "collectives": collectives(p),
+        "cluster": cluster.name,
+        "bytes_per_rank_per_link": per_link.iter().map(|(l, b)| (l.clone(), b.round() as u64)).collect::<BTreeMap<_, _>>(),
+        "content_hash": plan.content_hash,
+    });
+    let mut v = v;
+    if plan.strategy == "acco" {
+        v["acco"] = serde_json::json!({
+            "micro_batches_per_phase": plan.micro_batches / 2,
+            "state_bytes_per_rank": acco_state_bytes(p),
+        });
+    }
+    if let Some(am) = &plan.asyncmesh {
+        let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
+        v["asyncmesh"] = serde_json::json!({
+            "slow_axis": am.slow_axis,
+            "sync_every": am.sync_every,
+            "sparsity": am.sparsity,
+            "ema_beta": am.ema_beta,
+            "slow_axis_bytes_per_step": slow,
+            "fast_axes_bytes_per_step": fast,
+        });
+    }
+    if let Some(part) = hzp_passes::train::canzona::of_plan(plan) {
+        let owners: BTreeMap<String, usize> = part
+            .owners()
+            .into_iter()
+            .map(|(name, (_, rank, _))| (name, rank))
+            .collect();
+        v["muon_placement"] = serde_json::json!({
+            "placement": "canzona",
+            "ranks": part.o,
+            "ns_flops_per_rank": part.useful_flops(),
+            "ns_flops_executed_per_rank": part.executed_flops(),
+            "imbalance_max_over_mean": part.imbalance(),
+            "owners": owners,
+        });
+    }
+    outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
+    Ok(())
+}
+
+/// `hzp inspect`'s text: the plan's header, its AsyncMesh, Canzona and ACCO summaries,
+/// memory, collectives, bytes per link class and each stream's nodes.
+fn inspect_text(
+    path: &Path,
+    plan: &Plan,
+    mem: &MemoryPlan,
+    cluster: &ClusterSpec,
+    per_link: &[(String, f64)],
+    intra: &[String],
+) -> Result<()> {
+    let p = &plan.program;
+    outln!(
+        "plan {} (format version {}, hash {})",
+        path.display(),
+        plan.version,
+        &plan.content_hash[..16.min(plan.content_hash.len())]
+    );
+    outln!(
+        "  model {}  strategy {}  mesh {}",
+        plan.model,
+        plan.strategy,
+        plan.mesh
+    );
+    outln!(
+        "  groups: params {}  grads {}  optim {}",
+        plan.groups.params,
+        plan.grads_label(),
+        plan.groups.optim
+    );
+    if let Some(am) = &plan.asyncmesh {
+        let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
+        // this rank's fp32 master shards: what the replicas' averaging is a part of
+        let master: u64 = plan
+            .layouts
+            .iter()
+            .map(|l| {
+                let o = plan.mesh.group_size(&l.optim_group).unwrap_or(1).max(1);
+                4 * (l.padded / o) as u64
+            })
+            .sum();
+        outln!(
+            "  asyncmesh: replicas along `{}`, sparsity {} per {} step(s), EMA beta {}",
+            am.slow_axis,
+            am.sparsity,
+            am.sync_every,
+            am.ema_beta
+        );
+        outln!(
+            "  communication per step (collective payload per rank): over the slow \
+         axis `{}` {} ({:.2}% of the rank's {} of fp32 master shards; sparse \
+         averaging and the reported loss), over the fast axes {}",
+            am.slow_axis,
+            hzp_ir::plan::format_bytes(slow),
+            100.0 * slow as f64 / master.max(1) as f64,
+            hzp_ir::plan::format_bytes(master),
+            hzp_ir::plan::format_bytes(fast)
+        );
+    }
+    if let Some(part) = hzp_passes::train::canzona::of_plan(plan) {
+        outln!();
+        for l in part.describe() {
+            outln!("{l}");
         }
-        Format::Text => {
-            outln!(
-                "plan {} (format version {}, hash {})",
-                path.display(),
-                plan.version,
-                &plan.content_hash[..16.min(plan.content_hash.len())]
-            );
-            outln!(
-                "  model {}  strategy {}  mesh {}",
-                plan.model,
-                plan.strategy,
-                plan.mesh
-            );
-            outln!(
-                "  groups: params {}  grads {}  optim {}",
-                plan.groups.params,
-                plan.grads_label(),
-                plan.groups.optim
-            );
-            if let Some(am) = &plan.asyncmesh {
-                let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
-                // this rank's fp32 master shards: what the replicas' averaging is a part of
-                let master: u64 = plan
-                    .layouts
-                    .iter()
-                    .map(|l| {
-                        let o = plan.mesh.group_size(&l.optim_group).unwrap_or(1).max(1);
-                        4 * (l.padded / o) as u64
-                    })
-                    .sum();
-                outln!(
-                    "  asyncmesh: replicas along `{}`, sparsity {} per {} step(s), EMA beta {}",
-                    am.slow_axis,
-                    am.sparsity,
-                    am.sync_every,
-                    am.ema_beta
-                );
-                outln!(
-                    "  communication per step (collective payload per rank): over the slow \
-                 axis `{}` {} ({:.2}% of the rank's {} of fp32 master shards; sparse \
-                 averaging and the reported loss), over the fast axes {}",
-                    am.slow_axis,
-                    hzp_ir::plan::format_bytes(slow),
-                    100.0 * slow as f64 / master.max(1) as f64,
-                    hzp_ir::plan::format_bytes(master),
-                    hzp_ir::plan::format_bytes(fast)
-                );
-            }
-            if let Some(part) = hzp_passes::train::canzona::of_plan(&plan) {
-                outln!();
-                for l in part.describe() {
-                    outln!("{l}");
+    }
+    if plan.strategy == "acco" {
+        outln!();
+        for l in acco_summary(plan) {
+            outln!("{l}");
+        }
+    }
+    outln!(
+        "\nmemory per rank: arena {}",
+        hzp_ir::plan::format_bytes(plan.arena_bytes)
+    );
+    for (k, v) in &mem.peak_by_kind {
+        outln!("  {:<12} {}", k.name(), hzp_ir::plan::format_bytes(*v));
+    }
+    outln!("\ncollectives per step");
+    for r in collectives(p) {
+        outln!(
+            "  {:<14} {:<16} on {:<14} x{:<5} {}",
+            r.op,
+            r.group,
+            r.stream,
+            r.count,
+            hzp_ir::plan::format_bytes(r.bytes)
+        );
+    }
+    outln!(
+        "\nbytes sent per rank per step, by link class ({})",
+        cluster.name
+    );
+    for (l, b) in per_link {
+        let class = if intra.contains(l) {
+            "inside a node"
+        } else {
+            "across nodes"
+        };
+        outln!(
+            "  {:<14} {:>12}  {class}",
+            l,
+            hzp_ir::plan::format_bytes(b.round() as u64)
+        );
+    }
+    print_streams(p)
+}
+
+/// Each stream's nodes in order, with their op and output types (events by number).
+fn print_streams(p: &Program) -> Result<()> {
+    for stream in [
+        StreamKind::Compute,
+        StreamKind::AllGather,
+        StreamKind::ReduceScatter,
+    ] {
+        let ops: Vec<&hzp_ir::Node> = p.nodes.iter().filter(|n| n.stream == stream).collect();
+        outln!("\nstream {} ({} ops)", stream.name(), ops.len());
+        for n in ops {
+            let detail = match &n.op {
+                Op::RecordEvent { event } => format!("record event {event}"),
+                Op::WaitEvent { event } => format!("wait event {event}"),
+                op => {
+                    let outs: Vec<String> =
+                        n.outputs.iter().map(|&o| p.ty(o).to_string()).collect();
+                    format!("{} -> {}", op.name(), outs.join(", "))
                 }
-            }
-            if plan.strategy == "acco" {
-                outln!();
-                for l in acco_summary(&plan) {
-                    outln!("{l}");
-                }
-            }
-            outln!(
-                "\nmemory per rank: arena {}",
-                hzp_ir::plan::format_bytes(plan.arena_bytes)
-            );
-            for (k, v) in &mem.peak_by_kind {
-                outln!("  {:<12} {}", k.name(), hzp_ir::plan::format_bytes(*v));
-            }
-            outln!("\ncollectives per step");
-            for r in collectives(p) {
-                outln!(
-                    "  {:<14} {:<16} on {:<14} x{:<5} {}",
-                    r.op,
-                    r.group,
-                    r.stream,
-                    r.count,
-                    hzp_ir::plan::format_bytes(r.bytes)
-                );
-            }
-            outln!(
-                "\nbytes sent per rank per step, by link class ({})",
-                cluster.name
-            );
-            for (l, b) in &per_link {
-                let class = if intra.contains(l) {
-                    "inside a node"
-                } else {
-                    "across nodes"
-                };
-                outln!(
-                    "  {:<14} {:>12}  {class}",
-                    l,
-                    hzp_ir::plan::format_bytes(b.round() as u64)
-                );
-            }
-            for stream in [
-                StreamKind::Compute,
-                StreamKind::AllGather,
-                StreamKind::ReduceScatter,
-            ] {
-                let ops: Vec<&hzp_ir::Node> =
-                    p.nodes.iter().filter(|n| n.stream == stream).collect();
-                outln!("\nstream {} ({} ops)", stream.name(), ops.len());
-                for n in ops {
-                    let detail = match &n.op {
-                        Op::RecordEvent { event } => format!("record event {event}"),
-                        Op::WaitEvent { event } => format!("wait event {event}"),
-                        op => {
-                            let outs: Vec<String> =
-                                n.outputs.iter().map(|&o| p.ty(o).to_string()).collect();
-                            format!("{} -> {}", op.name(), outs.join(", "))
-                        }
-                    };
-                    outln!("  {:<48} {}", n.name, detail);
-                }
-            }
+            };
+            outln!("  {:<48} {}", n.name, detail);
         }
     }
     Ok(())
