@@ -1040,33 +1040,8 @@ pub fn train(
 ) -> Result<()> {
     use crate::session::{self as ss, Evaluator, Metrics};
     let text = format == Format::Text;
-    // The arrays: --inputs, and with --data a placeholder for the token input at the shape
-    // --shape gives (the model is imported at that shape; the data fills it every step).
-    let mut arrays = match inputs {
-        Some(p) => read_npz(p)?,
-        None => Vec::new(),
-    };
+    let arrays = train_arrays(args, inputs, session)?;
     let source = inputs.unwrap_or(Path::new("--shape"));
-    let token_name = session
-        .data_input
-        .clone()
-        .unwrap_or_else(|| "input_ids".to_string());
-    if session.data.is_some() && !arrays.iter().any(|(k, _)| *k == token_name) {
-        let shapes = parse_shapes(&args.shapes)?;
-        let shape = shapes.get(&token_name).ok_or_else(|| {
-            miette!(
-                "--data: give the batch shape of `{token_name}` with --shape {token_name}=BxT (B rows of T tokens per step)"
-            )
-        })?;
-        arrays.push((
-            token_name.clone(),
-            Tensor::zeros(&hzp_ir::TensorType::new(hzp_ir::DType::I64, shape.clone())),
-        ));
-    } else if session.data.is_none() && inputs.is_none() {
-        return Err(miette!(
-            "hzp train needs the batch: --inputs IN.npz (the same batch every step) or --data TOKENS.bin with --shape input_ids=BxT"
-        ));
-    }
     let prep = prepare_arrays(args, arrays, source, t, true)?;
     let mut ins = files::model_roles(&args.model, "the model");
     ins.extend(inputs.map(|p| ("--inputs".to_string(), p.to_path_buf())));
@@ -1188,6 +1163,41 @@ pub(crate) fn flag_list(v: &[String]) -> Vec<String> {
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .collect()
+}
+
+/// The arrays of `hzp train`: --inputs, and with --data a placeholder for the token input at
+/// the shape --shape gives (the model is imported at that shape; the data fills it every
+/// step).
+fn train_arrays(
+    args: &ModelArgs,
+    inputs: Option<&Path>,
+    session: &crate::session::LoopArgs,
+) -> Result<Vec<(String, Tensor)>> {
+    let mut arrays = match inputs {
+        Some(p) => read_npz(p)?,
+        None => Vec::new(),
+    };
+    let token_name = session
+        .data_input
+        .clone()
+        .unwrap_or_else(|| "input_ids".to_string());
+    if session.data.is_some() && !arrays.iter().any(|(k, _)| *k == token_name) {
+        let shapes = parse_shapes(&args.shapes)?;
+        let shape = shapes.get(&token_name).ok_or_else(|| {
+            miette!(
+                "--data: give the batch shape of `{token_name}` with --shape {token_name}=BxT (B rows of T tokens per step)"
+            )
+        })?;
+        arrays.push((
+            token_name.clone(),
+            Tensor::zeros(&hzp_ir::TensorType::new(hzp_ir::DType::I64, shape.clone())),
+        ));
+    } else if session.data.is_none() && inputs.is_none() {
+        return Err(miette!(
+            "hzp train needs the batch: --inputs IN.npz (the same batch every step) or --data TOKENS.bin with --shape input_ids=BxT"
+        ));
+    }
+    Ok(arrays)
 }
 
 /// `--freeze`, `--untie` and `--retie` on a forward program (what `grad`, `train` and

@@ -755,7 +755,7 @@ fn acco_summary(plan: &hzp_ir::Plan) -> Vec<String> {
 }
 
 pub fn inspect(path: &Path, cluster: Option<&Path>, format: Format) -> Result<()> {
-    let plan = crate::run::read_plan(path)?;
+    let plan = crate::plan_file::read_plan(path)?;
     let p = &plan.program;
     let persistent = hzp_passes::plan::memory::default_persistent(p);
     let kinds = |v: hzp_ir::ValueId| hzp_passes::compile::buffer_kind(p, v);

@@ -125,45 +125,52 @@ fn status_code(s: ExitStatus) -> i32 {
     1
 }
 
-/// Runs `hzp launch`. Returns the exit code to exit with.
-pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
-    let fail = |m: String| miette::miette!("hzp launch: {m}");
+/// The flags' checks: counts, ranks and the world size in range, a command that is neither
+/// `launch` itself nor a CPU run.
+fn check_args(a: &LaunchArgs) -> Result<(), String> {
     if a.nproc_per_node == 0 {
-        return Err(fail("--nproc-per-node must be at least 1".into()));
+        return Err("--nproc-per-node must be at least 1".into());
     }
     if a.nnodes == 0 || a.node_rank >= a.nnodes {
-        return Err(fail(format!(
+        return Err(format!(
             "--node-rank {} is not below --nnodes {}",
             a.node_rank, a.nnodes
-        )));
+        ));
     }
     if a.command.first().is_some_and(|c| c == "launch") {
-        return Err(fail("the command to launch is `launch` itself".into()));
+        return Err("the command to launch is `launch` itself".into());
     }
     if a.nproc_per_node > MAX_NPROC_PER_NODE {
-        return Err(fail(format!(
+        return Err(format!(
             "--nproc-per-node {} is more processes than one node runs (at most {MAX_NPROC_PER_NODE}: one per GPU)",
             a.nproc_per_node
-        )));
+        ));
     }
     if a.nnodes > MAX_WORLD {
-        return Err(fail(format!(
+        return Err(format!(
             "--nnodes {} is more nodes than a mesh has ranks (at most {MAX_WORLD})",
             a.nnodes
-        )));
+        ));
     }
     match a.nproc_per_node.checked_mul(a.nnodes) {
         Some(w) if w <= MAX_WORLD => {}
         _ => {
-            return Err(fail(format!(
+            return Err(format!(
                 "--nproc-per-node {} x --nnodes {} is a world of more than {MAX_WORLD} ranks, the largest mesh hzp plans",
                 a.nproc_per_node, a.nnodes
-            )))
+            ))
         }
     }
     if let Some(why) = cpu_run(&a.command) {
-        return Err(fail(why));
+        return Err(why);
     }
+    Ok(())
+}
+
+/// Runs `hzp launch`. Returns the exit code to exit with.
+pub fn launch(a: &LaunchArgs) -> miette::Result<i32> {
+    let fail = |m: String| miette::miette!("hzp launch: {m}");
+    check_args(a).map_err(fail)?;
     let port = match a.master_port {
         Some(0) => return Err(fail("--master-port 0 is not a port".into())),
         Some(p) => p,

@@ -8,7 +8,9 @@ mod compile;
 mod data_cmd;
 mod files;
 mod launch;
+mod plan_file;
 mod run;
+mod run_args;
 mod session;
 mod simulate;
 mod train_loop;
@@ -322,7 +324,7 @@ enum Command {
     },
     /// Run a compiled plan on its ranks (threads of this process, CPU): loss per step,
     /// step time, per-stream busy time and exposed communication.
-    Run(run::RunArgs),
+    Run(run_args::RunArgs),
     /// Start one hzp process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...
     /// set (torchrun style); output is prefixed by rank; the first failure stops the rest.
     Launch(launch::LaunchArgs),

@@ -1,7 +1,11 @@
 //! `hzp run`: execute a compiled plan on W ranks (threads of this process) on the CPU.
 
+use crate::plan_file::{
+    apply_plan_edits, eval_program, load_forward, load_imported, plan_ties, read_plan,
+};
+use crate::run_args::RunArgs;
 use crate::Format;
-use hzp_frontends::{load_model, npz, LoadOptions};
+use hzp_frontends::npz;
 use hzp_ir::plan::Plan;
 use hzp_ir::{Group, Op, Program, Tensor};
 use hzp_passes::cost::cluster::{
@@ -20,95 +24,6 @@ use std::time::Duration;
 
 /// The cluster `--link` starts from (its device is irrelevant: only links are used).
 const BASE_CLUSTER: &str = include_str!("../examples/clusters/h100-dgx.toml");
-
-/// Flags of `hzp run`.
-#[derive(clap::Args, Clone, Debug)]
-pub struct RunArgs {
-    /// A plan written by `hzp compile -o`.
-    pub plan: PathBuf,
-    /// The global batch: arrays keyed by input name, axis 0 split across the ranks (the
-    /// same batch every step; with --data, the inputs other than the tokens).
-    #[arg(long, value_name = "IN.npz")]
-    pub inputs: Option<PathBuf>,
-    /// Number of optimizer steps in all (a resumed run counts the steps done before).
-    #[arg(long, default_value_t = 1)]
-    pub steps: usize,
-    /// The learning rate (the maximum of a schedule); default: the plan's `--lr`.
-    #[arg(long)]
-    pub lr: Option<f64>,
-    #[command(flatten)]
-    pub session: crate::session::LoopArgs,
-    /// Write checkpoints into this folder (step-NNNNNN/: one safetensors file per rank and
-    /// a manifest written last).
-    #[arg(long, value_name = "DIR")]
-    pub checkpoint_dir: Option<PathBuf>,
-    /// A checkpoint every K steps (and after the last step).
-    #[arg(long, value_name = "K")]
-    pub checkpoint_every: Option<usize>,
-    /// Keep only the newest N checkpoints.
-    #[arg(long, value_name = "N")]
-    pub keep: Option<usize>,
-    /// Continue from the newest complete checkpoint in --checkpoint-dir (another plan of the
-    /// same model reshards it on load).
-    #[arg(long)]
-    pub resume: bool,
-    /// End this invocation after step N (with a checkpoint, when writing them), as if it
-    /// were stopped there: the schedule still spans --steps, and --resume goes on.
-    #[arg(long, value_name = "N")]
-    pub stop_at: Option<usize>,
-    /// cpu, or cuda (needs a build with --features cuda).
-    #[arg(long, default_value = "cpu", value_parser = crate::choices(&[("cpu", &[]), ("cuda", &[])]))]
-    pub backend: String,
-    /// Save the trained parameters (keyed by initializer name) to this .npz.
-    #[arg(long, value_name = "P.npz")]
-    pub save_params: Option<PathBuf>,
-    /// Write a Chrome trace (Perfetto) of every node: pid = rank, tid = stream.
-    #[arg(long, value_name = "run.json")]
-    pub trace: Option<PathBuf>,
-    /// async: collectives on background threads, one per comm stream (the plan's schedule);
-    /// sync: collectives on the compute thread, in program order (the baseline).
-    #[arg(long, default_value = "async", value_parser = crate::choices(&[("async", &[]), ("sync", &[])]))]
-    pub comm: String,
-    /// Emulate the links of this cluster spec: every collective takes at least the time the
-    /// alpha-beta cost model gives.
-    #[arg(long, value_name = "SPEC.toml", conflicts_with = "link")]
-    pub emulate_links: Option<PathBuf>,
-    /// Emulate links by bandwidth: intra=300GB/s,inter=25GB/s[,latency=5us] (intra: the
-    /// innermost mesh axis; inter: the others).
-    #[arg(long, value_name = "intra=..,inter=..")]
-    pub link: Option<String>,
-    /// Stop the run when a collective, event wait or step barrier takes longer than this
-    /// (seconds, or 500ms / 30s / 5m); every rank stops and prints its flight record.
-    #[arg(long, default_value = "300", value_name = "T")]
-    pub collective_timeout: String,
-    /// On a failed run, write each rank's flight record (its last collectives and their
-    /// state) to DIR/rank-<r>.json.
-    #[arg(long, value_name = "DIR")]
-    pub flight_recorder: Option<PathBuf>,
-    /// With --backend cuda: run every rank of the plan in this process on the one GPU, each
-    /// with its own arena and streams, collectives through a local device communicator
-    /// (checks a multi-rank plan on a machine with one GPU).
-    #[arg(long)]
-    pub ranks_on_one_gpu: bool,
-    /// With --backend cuda, the kernels of a plan's fused attention: flash (FlashAttention-2
-    /// style, f32 arithmetic; the same as HZP_CUDA_ATTENTION=1) or pasa (PASA's forward
-    /// fully in fp16, for plans compiled with --precision fp16). Without it the CUDA backend
-    /// refuses fused attention (not yet checked on a GPU).
-    #[arg(long, value_parser = crate::choices(&[("flash", &[]), ("pasa", &[])]))]
-    pub attention: Option<String>,
-    /// With --backend cuda, fuse runs of elementwise nodes into kernels generated for the
-    /// plan (the same as HZP_CUDA_FUSE=1; off by default until it has run on a GPU).
-    #[arg(long)]
-    pub fuse_elementwise: bool,
-    /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
-    #[arg(long, value_name = "P.npz")]
-    pub params: Option<PathBuf>,
-    /// Read the parameters from this model instead of the one the plan names.
-    #[arg(long, value_name = "MODEL")]
-    pub model: Option<String>,
-    #[arg(long, value_enum, default_value_t)]
-    pub format: Format,
-}
 
 /// A [`LinkModel`] from the cost model: the fastest algorithm's alpha-beta time.
 struct CostLinks(CostModel);
@@ -196,125 +111,6 @@ pub fn links_from_flag(s: &str, mesh: &hzp_ir::Mesh) -> Result<ClusterSpec> {
     }
     spec.mesh = mesh.clone();
     Ok(spec)
-}
-
-/// Reads and checks a plan file.
-/// Reads and verifies a plan: `run`, `inspect` and `simulate` accept only a plan the
-/// verifier accepts (a hand-edited plan with a recomputed hash included).
-pub fn read_plan(path: &Path) -> Result<Plan> {
-    let text = hzp_frontends::limits::read_regular_string(path)
-        .map_err(|e| miette!("cannot read {}: {e}", path.display()))?;
-    let plan = Plan::from_json(&text, &path.display().to_string()).map_err(|e| miette!("{e}"))?;
-    let vopts = hzp_passes::plan::verify::VerifyOptions {
-        budget: None,
-        communicator_per_stream: true,
-    };
-    if let Err(v) = hzp_passes::plan::verify::verify_plan_with(&plan, &vopts) {
-        let list: Vec<String> = v.iter().map(|x| format!("  - {x}")).collect();
-        return Err(miette!(
-            "{} does not verify, so hzp will not use it (was it edited by hand?):\n{}",
-            path.display(),
-            list.join("\n")
-        ));
-    }
-    Ok(plan)
-}
-
-/// The model's forward program at the plan's per-rank micro-batch shapes.
-fn load_forward(model: &str, plan: &Plan) -> Result<Program> {
-    let mut fwd = load_imported(model, plan)?;
-    apply_plan_edits(&mut fwd, plan)?;
-    Ok(fwd)
-}
-
-/// What `hzp compile` did to the model after import (`--freeze`, `--untie`; recorded in the
-/// plan), done again on `fwd`, so that its parameters are the plan's. (`--retie` is undone
-/// where it matters: see [`plan_ties`].)
-fn apply_plan_edits(fwd: &mut Program, plan: &Plan) -> Result<()> {
-    let Some(edits) = &plan.model_edits else {
-        return Ok(());
-    };
-    hzp_passes::train::ties::freeze(fwd, &edits.freeze).map_err(|e| miette!("{e}"))?;
-    for name in &edits.untie {
-        hzp_passes::train::ties::untie(fwd, name).map_err(|e| {
-            miette!(
-                "the plan was compiled with --untie {name}, which this model does not allow: {e}"
-            )
-        })?;
-    }
-    Ok(())
-}
-
-/// The model as imported at the plan's per-rank micro-batch shapes, with the name map the
-/// plan was compiled with; no edit applied (what the plan's fingerprint is of).
-fn load_imported(model: &str, plan: &Plan) -> Result<Program> {
-    let m = plan.micro_batches.max(1);
-    let p = &plan.program;
-    let shapes = p
-        .inputs
-        .iter()
-        .map(|&v| {
-            let val = p.value(v);
-            let mut s = val.ty.shape.clone();
-            if let Some(d) = s.first_mut() {
-                *d /= m;
-            }
-            (val.name.clone(), s)
-        })
-        .collect();
-    // the model's attention in the form the plan has it (fused unless compiled with
-    // --no-fuse-attention)
-    let fused = p
-        .nodes
-        .iter()
-        .any(|n| matches!(n.op, hzp_ir::Op::Attention { .. }));
-    let opts = LoadOptions {
-        shapes,
-        no_fuse_attention: !fused,
-        names: plan
-            .model_edits
-            .as_ref()
-            .and_then(|e| e.names.as_ref())
-            .map(PathBuf::from),
-        ..Default::default()
-    };
-    load_model(model, &opts).map_err(miette::Report::new)
-}
-
-/// The model's forward and loss at the plan's per-rank micro-batch shapes, in the plan's
-/// compute precision: what evaluation runs with the current parameters. Weights an exporter
-/// stored twice and the plan trains as one (`--retie`) are tied again here.
-pub(crate) fn eval_program(args: &RunArgs, plan: &Plan) -> Result<Program> {
-    let model = args.model.clone().unwrap_or_else(|| plan.model.clone());
-    if model.starts_with("preset:") {
-        return Err(miette!(
-            "--val-data: the plan was compiled from {model}, which has no forward weights to evaluate with; pass --model FILE"
-        ));
-    }
-    let mut fwd = load_forward(&model, plan)?;
-    let ties = plan_ties(&fwd, plan);
-    hzp_passes::train::ties::retie(&mut fwd, &ties).map_err(|e| miette!("{e}"))?;
-    let compute = plan
-        .program
-        .precision
-        .as_ref()
-        .map_or(hzp_ir::DType::F32, |pr| pr.compute);
-    let spec = plan.loss.as_deref().ok_or_else(|| {
-        miette!("the plan does not record its loss (compiled by an older hzp?): recompile it to evaluate")
-    })?;
-    let loss = crate::commands::loss_from_spec(spec)?;
-    let lowered = hzp_passes::train::lower_precision(&fwd, compute).map_err(|e| miette!("{e}"))?;
-    hzp_passes::train::attach_loss(&lowered, &loss).map_err(|e| miette!("{e}"))
-}
-
-/// The weights of `fwd` an exporter stored twice that the plan trains as one (it was
-/// compiled with `--retie`): the canonical one is a parameter of the plan, the copy is not.
-fn plan_ties(fwd: &Program, plan: &Plan) -> Vec<hzp_passes::train::ties::Tie> {
-    let trained = |n: &str| plan.layouts.iter().any(|l| l.name == n);
-    hzp_passes::train::ties::find_ties(fwd)
-        .into_iter()
-        .filter(|t| trained(&t.canonical) && !trained(&t.copy))
-        .collect()
 }
 
 /// The trained parameters as `--save-params` writes them: with the copies of retied weights

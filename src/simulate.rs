@@ -382,7 +382,7 @@ pub fn simulate_cmd(a: &SimulateArgs) -> Result<()> {
     .filter_map(|(r, p)| p.map(|p| (r, p)))
     .collect();
     crate::files::check_outputs(&outs, &ins)?;
-    let plan = crate::run::read_plan(&a.plan)?;
+    let plan = crate::plan_file::read_plan(&a.plan)?;
     let spec = crate::compile::load_cluster(a.cluster.as_deref())?;
     let mut opts = a.sim.options()?;
     opts.serialize = a.serialize;

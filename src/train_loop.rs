@@ -2,7 +2,7 @@
 //! schedule, evaluation, metrics, checkpoints and resume (see `session` and
 //! `hzp_runtime::checkpoint`).
 
-use crate::run::RunArgs;
+use crate::run_args::RunArgs;
 use crate::session::{self, Evaluator, Metrics, TokenFeed};
 use hzp_ir::plan::Plan;
 use hzp_ir::{Tensor, TensorType};
@@ -163,7 +163,11 @@ impl StepLoop<'_> {
         }
         Ok(match val_feed {
             Some(vf) => {
-                let e = Evaluator::new(crate::run::eval_program(args, plan)?, vf, s.eval_batches)?;
+                let e = Evaluator::new(
+                    crate::plan_file::eval_program(args, plan)?,
+                    vf,
+                    s.eval_batches,
+                )?;
                 self.println(format!("evaluation: {}", e.describe()))?;
                 Some(e)
             }

@@ -646,8 +646,8 @@ mod tests {
         assert_eq!(n, want, "{body}");
         hzp_ir::verify(&f).unwrap();
         let ins = inputs(&p);
-        let a = hzp_runtime::eval::evaluate(&p, &ins).unwrap();
-        let b = hzp_runtime::eval::evaluate(&f, &ins).unwrap();
+        let a = hzp_kernels::eval::evaluate(&p, &ins).unwrap();
+        let b = hzp_kernels::eval::evaluate(&f, &ins).unwrap();
         for ((na, x), (nb, y)) in a.iter().zip(&b) {
             assert_eq!(na, nb);
             for (u, w) in x.to_f64_vec().iter().zip(y.to_f64_vec()) {

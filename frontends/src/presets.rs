@@ -1410,7 +1410,7 @@ mod tests {
             prm.data = Some(t.clone());
         }
         let get = |k: &str| io.iter().find(|(n, _)| n == k).unwrap().1.clone();
-        let out = hzp_runtime::eval::evaluate(&p, &[("input_ids".to_string(), get("input_ids"))])
+        let out = hzp_kernels::eval::evaluate(&p, &[("input_ids".to_string(), get("input_ids"))])
             .unwrap_or_else(|e| panic!("{preset}: {e}"));
         let want = get("torch_out");
         let got = &out[0].1;

@@ -99,7 +99,7 @@ fn onnx_node_conformance_cases() {
             }
             Ok(Ok(p)) => p,
         };
-        let run = std::panic::catch_unwind(|| hzp_runtime::eval::evaluate(&p, &ins));
+        let run = std::panic::catch_unwind(|| hzp_kernels::eval::evaluate(&p, &ins));
         let got = match run {
             Err(_) => {
                 failures.push(format!("{name}: evaluation panicked"));

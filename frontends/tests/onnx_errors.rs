@@ -459,7 +459,7 @@ fn runtime_shapes_from_given_inputs_specialize_the_program() {
             ("k".to_string(), k.clone()),
         ]
     };
-    let e = hzp_runtime::eval::evaluate(&p, &ins(Tensor::i64(vec![2], vec![6, 1]))).unwrap_err();
+    let e = hzp_kernels::eval::evaluate(&p, &ins(Tensor::i64(vec![2], vec![6, 1]))).unwrap_err();
     let msg = e.to_string();
     assert!(
         msg.contains("input `s` is [6, 1]") && msg.contains("specialized on `s` = [3, 2]"),

@@ -262,7 +262,7 @@ fn imported_models_reproduce_pytorch_outputs() {
             .find(|(n, _)| n == "torch_out")
             .expect("torch_out")
             .1;
-        let outs = hzp_runtime::eval::evaluate(&p, &inputs)
+        let outs = hzp_kernels::eval::evaluate(&p, &inputs)
             .unwrap_or_else(|e| panic!("{}: evaluation failed: {e}", f.display()));
         let out_name = &m.graph.as_ref().unwrap().output[0].name;
         let got = &outs.iter().find(|(n, _)| n == out_name).unwrap().1;

@@ -254,35 +254,9 @@ pub fn compile_plan(
     }
     // asyncmesh: the step of one replica is planned and built on the mesh without the slow
     // axis; the sparse averaging across it is added after (see `dist::asyncmesh`)
-    let replica_opts;
+    let replica_opts = replica_options(opts)?;
     let whole = opts;
-    let opts = match (&opts.asyncmesh, opts.strategy) {
-        (Some(am), Strategy::AsyncMesh) => {
-            am.validate(&opts.mesh)?;
-            replica_opts = CompileOptions {
-                mesh: crate::dist::asyncmesh::fast_mesh(&opts.mesh, &am.slow_axis),
-                ..opts.clone()
-            };
-            &replica_opts
-        }
-        (None, Strategy::AsyncMesh) => {
-            return Err(
-                "--strategy asyncmesh needs --slow-axis (the mesh axis whose ranks \
-                 are the replicas)"
-                    .to_string()
-                    .into(),
-            )
-        }
-        (Some(_), _) => {
-            return Err(format!(
-                "--slow-axis, --sync-every, --sparsity and --ema-beta apply to --strategy \
-                 asyncmesh only, not {}",
-                opts.strategy
-            )
-            .into())
-        }
-        (None, _) => opts,
-    };
+    let opts = replica_opts.as_ref().unwrap_or(opts);
     let (mut report, shard_opts) = plan_groups(fwd, opts, on)?;
     on(CompileEvent::Phase("plan shard groups"))?;
 
@@ -405,6 +379,34 @@ pub fn compile_plan(
         report,
         peak_by_kind,
     })
+}
+
+/// Under `--strategy asyncmesh`, the options of one replica's step: the mesh without the
+/// slow axis. `None` for every other strategy; an error for AsyncMesh options without that
+/// strategy or that strategy without them.
+fn replica_options(opts: &CompileOptions) -> Result<Option<CompileOptions>, CompileError> {
+    match (&opts.asyncmesh, opts.strategy) {
+        (Some(am), Strategy::AsyncMesh) => {
+            am.validate(&opts.mesh)?;
+            Ok(Some(CompileOptions {
+                mesh: crate::dist::asyncmesh::fast_mesh(&opts.mesh, &am.slow_axis),
+                ..opts.clone()
+            }))
+        }
+        (None, Strategy::AsyncMesh) => Err(
+            "--strategy asyncmesh needs --slow-axis (the mesh axis whose ranks \
+             are the replicas)"
+                .to_string()
+                .into(),
+        ),
+        (Some(_), _) => Err(format!(
+            "--slow-axis, --sync-every, --sparsity and --ema-beta apply to --strategy \
+             asyncmesh only, not {}",
+            opts.strategy
+        )
+        .into()),
+        (None, _) => Ok(None),
+    }
 }
 
 /// Stage 1: the planner's choice of shard groups (and its report), with the options it

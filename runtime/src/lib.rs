@@ -5,14 +5,14 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;
-pub mod cpu;
 /// CUDA + NCCL backend: probing, rendezvous and lowering always; the executor with `cuda`.
 pub mod cuda;
-pub mod eval;
 pub mod exec;
-pub mod fuse;
-pub mod index_check;
 pub mod reference;
 pub mod schedule;
 pub mod train;
 pub mod watchdog;
+
+/// The CPU kernels, the evaluator, its fusion and the index checks live in `hzp-kernels`
+/// (which the importer uses without the runtime); re-exported here under their old paths.
+pub use hzp_kernels::{cpu, eval, fuse, index_check};

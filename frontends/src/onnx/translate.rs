@@ -507,7 +507,7 @@ fn fold_op(op: &Op, ts: &[&Tensor]) -> FResult<Vec<Tensor>> {
             shape: shape.clone(),
             data: t.data.clone(),
         }]),
-        _ => hzp_runtime::cpu::eval_op(op, ts).map_err(|e| {
+        _ => hzp_kernels::cpu::eval_op(op, ts).map_err(|e| {
             node_err(format!(
                 "evaluating {} on constants at import time failed: {e}",
                 op.name()

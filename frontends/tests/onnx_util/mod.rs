@@ -169,5 +169,5 @@ pub fn run(p: &Program, inputs: &[(&str, Tensor)]) -> Vec<(String, Tensor)> {
         .iter()
         .map(|(n, t)| (n.to_string(), t.clone()))
         .collect();
-    hzp_runtime::eval::evaluate(p, &ins).unwrap_or_else(|e| panic!("evaluation failed: {e}"))
+    hzp_kernels::eval::evaluate(p, &ins).unwrap_or_else(|e| panic!("evaluation failed: {e}"))
 }

@@ -169,6 +169,73 @@ pub fn acco_step(
         )));
     }
     let lr = q.add_input(LR_INPUT, TensorType::scalar(DType::F32));
+    let (params, layouts) = declare_params(&mut q, &micro, &spec, w, compute, grad_dtype);
+    let f = DType::F32;
+    let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
+    for c in &micro.consts {
+        let name = hzp_ir::NameSet::from_program(&q).fresh(&micro.value(c.value).name);
+        consts.insert(c.value, q.add_const(name, c.data.clone()));
+    }
+    let step = q.add_state("adamw.step", TensorType::scalar(f), None);
+    let primed = q.add_state(PRIMED, TensorType::scalar(f), None);
+
+    let mut e = Emitter::new(&mut q);
+    let b = Builder {
+        micro: &micro,
+        params: &params,
+        globals: &globals,
+        consts: &consts,
+        world: &world,
+        w,
+        m,
+        grad_dtype,
+        compute,
+        loss_node,
+        adamw: Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        },
+        lr,
+    };
+    let built = b.emit(&mut e, step, primed).map_err(err)?;
+    drop(e);
+    q.outputs = vec![built.loss];
+    q.values[built.loss.index()].name = "loss".into();
+    q.updates = built.updates;
+    q.eliminate_dead_code();
+    assign_streams(&mut q);
+    hzp_ir::verify(&q).map_err(|e| err(format!("the ACCO step failed verification: {e}")))?;
+    // issued in the order emitted: that order is the overlap (see the module docs)
+    let order: Vec<NodeId> = (0..q.nodes.len()).map(|i| NodeId(i as u32)).collect();
+    let q = insert_events_with(&q, &order, &[]);
+    hzp_ir::verify(&q).map_err(|e| {
+        err(format!(
+            "the ACCO step failed verification after scheduling: {e}"
+        ))
+    })?;
+    Ok(ShardedStep {
+        program: q,
+        layouts,
+        groups: spec,
+        rewrite_report: None,
+        row_exchanged: Vec::new(),
+    })
+}
+
+/// Declares each parameter's per-rank values (the f32 master shard, the compute-dtype
+/// shard and estimate, the gradient buffer, the gradient estimate's shard and the AdamW
+/// moments) in `q`, with its layout.
+fn declare_params(
+    q: &mut Program,
+    micro: &Program,
+    spec: &ShardGroups,
+    w: usize,
+    compute: DType,
+    grad_dtype: DType,
+) -> (Vec<Param>, Vec<ParamLayout>) {
+    let world = &spec.optim;
     let f = DType::F32;
     let mut params = Vec::with_capacity(micro.params.len());
     let mut layouts = Vec::with_capacity(micro.params.len());
@@ -225,57 +292,7 @@ pub fn acco_step(
             v: vv,
         });
     }
-    let mut consts: HashMap<ValueId, ValueId> = HashMap::new();
-    for c in &micro.consts {
-        let name = hzp_ir::NameSet::from_program(&q).fresh(&micro.value(c.value).name);
-        consts.insert(c.value, q.add_const(name, c.data.clone()));
-    }
-    let step = q.add_state("adamw.step", TensorType::scalar(f), None);
-    let primed = q.add_state(PRIMED, TensorType::scalar(f), None);
-
-    let mut e = Emitter::new(&mut q);
-    let b = Builder {
-        micro: &micro,
-        params: &params,
-        globals: &globals,
-        consts: &consts,
-        world: &world,
-        w,
-        m,
-        grad_dtype,
-        compute,
-        loss_node,
-        adamw: Op::AdamW {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        },
-        lr,
-    };
-    let built = b.emit(&mut e, step, primed).map_err(err)?;
-    drop(e);
-    q.outputs = vec![built.loss];
-    q.values[built.loss.index()].name = "loss".into();
-    q.updates = built.updates;
-    q.eliminate_dead_code();
-    assign_streams(&mut q);
-    hzp_ir::verify(&q).map_err(|e| err(format!("the ACCO step failed verification: {e}")))?;
-    // issued in the order emitted: that order is the overlap (see the module docs)
-    let order: Vec<NodeId> = (0..q.nodes.len()).map(|i| NodeId(i as u32)).collect();
-    let q = insert_events_with(&q, &order, &[]);
-    hzp_ir::verify(&q).map_err(|e| {
-        err(format!(
-            "the ACCO step failed verification after scheduling: {e}"
-        ))
-    })?;
-    Ok(ShardedStep {
-        program: q,
-        layouts,
-        groups: spec,
-        rewrite_report: None,
-        row_exchanged: Vec::new(),
-    })
+    (params, layouts)
 }
 
 struct Builder<'a> {

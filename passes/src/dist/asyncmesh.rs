@@ -194,29 +194,7 @@ pub fn add_sparse_averaging(
     let mut q = p.clone();
     q.mesh = Some(mesh.clone());
     let kept = kept_orderings(p);
-    let err = |e: String| format!("asyncmesh: {e}");
-    // the parameters' master shards, their new values and the nodes that compute those
-    let mut masters = Vec::with_capacity(params.len());
-    for name in params {
-        let m = q
-            .find_value(name)
-            .ok_or_else(|| err(format!("the step has no parameter `{name}`")))?;
-        let upd = q
-            .updates
-            .iter()
-            .position(|u| u.target == m)
-            .ok_or_else(|| err(format!("the step does not update `{name}`")))?;
-        let new = q.updates[upd].value;
-        let prod = q
-            .producer(new)
-            .ok_or_else(|| err(format!("`{name}`'s new value is not computed by the step")))?;
-        if q.nodes[prod.index()].stream != StreamKind::Compute {
-            return Err(err(format!(
-                "`{name}`'s optimizer step is not on the compute stream"
-            )));
-        }
-        masters.push((m, upd, new, prod));
-    }
+    let masters = find_masters(&q, params)?;
     let n_before = q.nodes.len();
     let mut b = Adder {
         q: &mut q,
@@ -233,48 +211,7 @@ pub fn add_sparse_averaging(
         &[step, one],
         &mut prologue,
     )?;
-    let mut idx_of: BTreeMap<(usize, usize), ValueId> = BTreeMap::new();
-    let mut chunks = Vec::with_capacity(masters.len());
-    let mut us = Vec::with_capacity(masters.len());
-    let mut lens = Vec::with_capacity(masters.len());
-    for (i, &(m, ..)) in masters.iter().enumerate() {
-        let n = b.q.ty(m).numel();
-        let k = o.chunk_len(n);
-        let idx = match idx_of.get(&(n, k)) {
-            Some(&v) => v,
-            None => {
-                let kc = b.konst(
-                    &format!("asyncmesh.k{k}"),
-                    Tensor::i64(vec![], vec![k as i64]),
-                );
-                let nc = b.konst(
-                    &format!("asyncmesh.n{n}"),
-                    Tensor::i64(vec![], vec![n as i64]),
-                );
-                let ar = b.konst(
-                    &format!("asyncmesh.arange{k}"),
-                    Tensor::i64(vec![k], (0..k as i64).collect()),
-                );
-                let base = format!("asyncmesh/idx.{n}.{k}");
-                let s = b.node(&base, Op::Binary(BinaryOp::Mul), &[step, kc], &mut prologue)?;
-                let s = b.node(&base, Op::Binary(BinaryOp::Add), &[s, ar], &mut prologue)?;
-                let v = b.node(&base, Op::Binary(BinaryOp::Mod), &[s, nc], &mut prologue)?;
-                idx_of.insert((n, k), v);
-                v
-            }
-        };
-        // what the replica sends: its chunk moved forward by its EMA step, θ[idx] + u[idx]
-        let ty = b.q.ty(m).clone();
-        let u =
-            b.q.add_state(format!("asyncmesh.u/{}", params[i]), ty, None);
-        let base = format!("asyncmesh/chunk/{}", params[i]);
-        let c = b.node(&base, Op::Gather { axis: 0 }, &[m, idx], &mut prologue)?;
-        let cu = b.node(&base, Op::Gather { axis: 0 }, &[u, idx], &mut prologue)?;
-        let send = b.node(&base, Op::Binary(BinaryOp::Add), &[c, cu], &mut prologue)?;
-        chunks.push((send, idx, cu));
-        us.push(u);
-        lens.push(k);
-    }
+    let (chunks, us, lens) = add_chunks(&mut b, &masters, params, o, step, &mut prologue)?;
     let bucket = if chunks.len() == 1 {
         chunks[0].0
     } else {
@@ -318,42 +255,17 @@ pub fn add_sparse_averaging(
     let mut offset = 0usize;
     for (i, &(m, upd, new, prod)) in masters.iter().enumerate() {
         let name = &params[i];
-        let (k, idx, cu, u) = (lens[i], chunks[i].1, chunks[i].2, us[i]);
-        let base = format!("asyncmesh/correct/{name}");
-        let mut list = Vec::new();
-        let d = b.node(&base, Op::Binary(BinaryOp::Sub), &[new, m], &mut list)?;
-        let bu = b.node(&base, Op::Binary(BinaryOp::Mul), &[u, beta], &mut list)?;
-        let du = b.node(&base, Op::Binary(BinaryOp::Mul), &[d, one_minus], &mut list)?;
-        let u_new = b.node(&base, Op::Binary(BinaryOp::Add), &[bu, du], &mut list)?;
-        let avg = if masters.len() == 1 {
-            summed
-        } else {
-            b.node(
-                &base,
-                Op::Slice {
-                    axes: vec![0],
-                    starts: vec![offset as i64],
-                    ends: vec![(offset + k) as i64],
-                    steps: vec![1],
-                },
-                &[summed],
-                &mut list,
-            )?
-        };
+        let (k, (_, idx, cu), u) = (lens[i], chunks[i], us[i]);
+        // this parameter's part of the all-reduced bucket (all of it for one parameter)
+        let part = (masters.len() > 1).then_some((offset, k));
         offset += k;
-        let avg = b.node(&base, Op::Binary(BinaryOp::Mul), &[avg, inv_r], &mut list)?;
-        // mean(θ + u) + (θ' − θ)[idx] − u[idx]: the replica's own step, with its EMA step
-        // traded for the replicas' mean EMA step
-        let dc = b.node(&base, Op::Gather { axis: 0 }, &[d, idx], &mut list)?;
-        let vals = b.node(&base, Op::Binary(BinaryOp::Add), &[avg, dc], &mut list)?;
-        let vals = b.node(&base, Op::Binary(BinaryOp::Sub), &[vals, cu], &mut list)?;
-        let theta = b.node(
-            &base,
-            Op::ScatterElements {
-                axis: 0,
-                add: false,
-            },
-            &[new, idx, vals],
+        let mut list = Vec::new();
+        let (u_new, theta) = add_correction(
+            &mut b,
+            &format!("asyncmesh/correct/{name}"),
+            [m, new, idx, cu, u],
+            (summed, part),
+            [beta, one_minus, inv_r],
             &mut list,
         )?;
         b.q.updates[upd].value = theta;
@@ -364,30 +276,7 @@ pub fn add_sparse_averaging(
         replace.insert(new, theta);
         after.entry(prod).or_default().extend(list);
     }
-    // The reported loss: the mean of the replicas' losses.
-    let mut loss_nodes: Vec<NodeId> = Vec::new();
-    let mut loss_end: Vec<NodeId> = Vec::new();
-    let mut loss_after: Option<(NodeId, ValueId)> = None;
-    if let Some(&l) = b.q.outputs.first() {
-        if let Some(prod) = b.q.producer(l) {
-            let sum = b.node(
-                "asyncmesh/loss",
-                Op::AllReduce {
-                    group: slow.clone(),
-                    reduce: ReduceOp::Sum,
-                },
-                &[l],
-                &mut loss_nodes,
-            )?;
-            let mean = b.node(
-                "asyncmesh/loss",
-                Op::Binary(BinaryOp::Mul),
-                &[sum, inv_r],
-                &mut loss_end,
-            )?;
-            loss_after = Some((prod, mean));
-        }
-    }
+    let (loss_nodes, loss_end, loss_after) = add_mean_loss(&mut b, &slow, inv_r)?;
     drop(b);
     // every node this pass added reads the values as they were; the step's own readers of a
     // new master value read the averaged one
@@ -411,8 +300,211 @@ pub fn add_sparse_averaging(
     // right after its optimizer node (before any event it records, so the re-gather reading
     // it waits for the correction), the loss's all-reduce right after the loss, its mean at
     // the end.
-    let mut order: Vec<NodeId> = prologue.clone();
-    order.extend(&issue);
+    let order = step_order(
+        p,
+        &prologue,
+        &issue,
+        &after,
+        loss_after,
+        &loss_nodes,
+        &loss_end,
+    );
+    let out = insert_events_with(&q, &order, &kept);
+    hzp_ir::verify(&out).map_err(|e| err(format!("the step failed verification: {e}")))?;
+    Ok(out)
+}
+
+/// `asyncmesh: {e}`
+fn err(e: String) -> String {
+    format!("asyncmesh: {e}")
+}
+
+/// Per parameter: the chunk a replica sends, the chunk's indices, the EMA step's chunk.
+type Chunk = (ValueId, ValueId, ValueId);
+
+/// The chunks, the parameters' EMA-step states and the chunk lengths.
+type Chunks = (Vec<Chunk>, Vec<ValueId>, Vec<usize>);
+
+/// The loss's all-reduce nodes, its mean's nodes, and the loss's producer with the mean.
+type MeanLoss = (Vec<NodeId>, Vec<NodeId>, Option<(NodeId, ValueId)>);
+
+/// A parameter's master shard, the index of its update, its new value and the node that
+/// computes that.
+type Master = (ValueId, usize, ValueId, NodeId);
+
+/// The parameters' master shards, their new values and the nodes that compute those.
+fn find_masters(q: &Program, params: &[String]) -> Result<Vec<Master>, String> {
+    let mut masters = Vec::with_capacity(params.len());
+    for name in params {
+        let m = q
+            .find_value(name)
+            .ok_or_else(|| err(format!("the step has no parameter `{name}`")))?;
+        let upd = q
+            .updates
+            .iter()
+            .position(|u| u.target == m)
+            .ok_or_else(|| err(format!("the step does not update `{name}`")))?;
+        let new = q.updates[upd].value;
+        let prod = q
+            .producer(new)
+            .ok_or_else(|| err(format!("`{name}`'s new value is not computed by the step")))?;
+        if q.nodes[prod.index()].stream != StreamKind::Compute {
+            return Err(err(format!(
+                "`{name}`'s optimizer step is not on the compute stream"
+            )));
+        }
+        masters.push((m, upd, new, prod));
+    }
+    Ok(masters)
+}
+
+/// What a replica sends per parameter (its chunk moved forward by its EMA step, with the
+/// chunk's indices and the EMA step's chunk), the parameters' EMA-step states and the chunk
+/// lengths; the nodes go to `prologue`.
+fn add_chunks(
+    b: &mut Adder,
+    masters: &[Master],
+    params: &[String],
+    o: &AsyncMeshOptions,
+    step: ValueId,
+    prologue: &mut Vec<NodeId>,
+) -> Result<Chunks, String> {
+    let mut idx_of: BTreeMap<(usize, usize), ValueId> = BTreeMap::new();
+    let mut chunks = Vec::with_capacity(masters.len());
+    let mut us = Vec::with_capacity(masters.len());
+    let mut lens = Vec::with_capacity(masters.len());
+    for (i, &(m, ..)) in masters.iter().enumerate() {
+        let n = b.q.ty(m).numel();
+        let k = o.chunk_len(n);
+        let idx = match idx_of.get(&(n, k)) {
+            Some(&v) => v,
+            None => {
+                let kc = b.konst(
+                    &format!("asyncmesh.k{k}"),
+                    Tensor::i64(vec![], vec![k as i64]),
+                );
+                let nc = b.konst(
+                    &format!("asyncmesh.n{n}"),
+                    Tensor::i64(vec![], vec![n as i64]),
+                );
+                let ar = b.konst(
+                    &format!("asyncmesh.arange{k}"),
+                    Tensor::i64(vec![k], (0..k as i64).collect()),
+                );
+                let base = format!("asyncmesh/idx.{n}.{k}");
+                let s = b.node(&base, Op::Binary(BinaryOp::Mul), &[step, kc], prologue)?;
+                let s = b.node(&base, Op::Binary(BinaryOp::Add), &[s, ar], prologue)?;
+                let v = b.node(&base, Op::Binary(BinaryOp::Mod), &[s, nc], prologue)?;
+                idx_of.insert((n, k), v);
+                v
+            }
+        };
+        // what the replica sends: its chunk moved forward by its EMA step, θ[idx] + u[idx]
+        let ty = b.q.ty(m).clone();
+        let u =
+            b.q.add_state(format!("asyncmesh.u/{}", params[i]), ty, None);
+        let base = format!("asyncmesh/chunk/{}", params[i]);
+        let c = b.node(&base, Op::Gather { axis: 0 }, &[m, idx], prologue)?;
+        let cu = b.node(&base, Op::Gather { axis: 0 }, &[u, idx], prologue)?;
+        let send = b.node(&base, Op::Binary(BinaryOp::Add), &[c, cu], prologue)?;
+        chunks.push((send, idx, cu));
+        us.push(u);
+        lens.push(k);
+    }
+    Ok((chunks, us, lens))
+}
+
+/// One parameter's correction, right after its optimizer step: its new EMA step
+/// `u' = beta u + (1 - beta) (θ' − θ)` and its averaged new value
+/// `θ'[idx] = mean(θ + u) + (θ' − θ)[idx] − u[idx]` (the replica's own step, with its EMA
+/// step traded for the replicas' mean EMA step), from `[θ, θ', idx, u[idx], u]`, the summed
+/// bucket with this parameter's `(offset, len)` in it, and `[beta, 1 - beta, 1 / replicas]`.
+/// Returns `(u', θ')`; the nodes go to `list`.
+fn add_correction(
+    b: &mut Adder,
+    base: &str,
+    [m, new, idx, cu, u]: [ValueId; 5],
+    (summed, part): (ValueId, Option<(usize, usize)>),
+    [beta, one_minus, inv_r]: [ValueId; 3],
+    list: &mut Vec<NodeId>,
+) -> Result<(ValueId, ValueId), String> {
+    let d = b.node(base, Op::Binary(BinaryOp::Sub), &[new, m], list)?;
+    let bu = b.node(base, Op::Binary(BinaryOp::Mul), &[u, beta], list)?;
+    let du = b.node(base, Op::Binary(BinaryOp::Mul), &[d, one_minus], list)?;
+    let u_new = b.node(base, Op::Binary(BinaryOp::Add), &[bu, du], list)?;
+    let avg = match part {
+        None => summed,
+        Some((offset, k)) => b.node(
+            base,
+            Op::Slice {
+                axes: vec![0],
+                starts: vec![offset as i64],
+                ends: vec![(offset + k) as i64],
+                steps: vec![1],
+            },
+            &[summed],
+            list,
+        )?,
+    };
+    let avg = b.node(base, Op::Binary(BinaryOp::Mul), &[avg, inv_r], list)?;
+    let dc = b.node(base, Op::Gather { axis: 0 }, &[d, idx], list)?;
+    let vals = b.node(base, Op::Binary(BinaryOp::Add), &[avg, dc], list)?;
+    let vals = b.node(base, Op::Binary(BinaryOp::Sub), &[vals, cu], list)?;
+    let theta = b.node(
+        base,
+        Op::ScatterElements {
+            axis: 0,
+            add: false,
+        },
+        &[new, idx, vals],
+        list,
+    )?;
+    Ok((u_new, theta))
+}
+
+/// The reported loss: the mean of the replicas' losses. Returns the all-reduce's nodes (run
+/// right after the loss), the mean's (run at the end) and the loss's producer with the mean.
+fn add_mean_loss(b: &mut Adder, slow: &Group, inv_r: ValueId) -> Result<MeanLoss, String> {
+    let mut loss_nodes: Vec<NodeId> = Vec::new();
+    let mut loss_end: Vec<NodeId> = Vec::new();
+    let mut loss_after: Option<(NodeId, ValueId)> = None;
+    if let Some(&l) = b.q.outputs.first() {
+        if let Some(prod) = b.q.producer(l) {
+            let sum = b.node(
+                "asyncmesh/loss",
+                Op::AllReduce {
+                    group: slow.clone(),
+                    reduce: ReduceOp::Sum,
+                },
+                &[l],
+                &mut loss_nodes,
+            )?;
+            let mean = b.node(
+                "asyncmesh/loss",
+                Op::Binary(BinaryOp::Mul),
+                &[sum, inv_r],
+                &mut loss_end,
+            )?;
+            loss_after = Some((prod, mean));
+        }
+    }
+    Ok((loss_nodes, loss_end, loss_after))
+}
+
+/// The order of the averaged step: the prologue and the all-reduce first, then the step
+/// with each epilogue right after its optimizer node, the loss's all-reduce right after the
+/// loss, its mean at the end (events are inserted afresh afterwards).
+fn step_order(
+    p: &Program,
+    prologue: &[NodeId],
+    issue: &[NodeId],
+    after: &HashMap<NodeId, Vec<NodeId>>,
+    loss_after: Option<(NodeId, ValueId)>,
+    loss_nodes: &[NodeId],
+    loss_end: &[NodeId],
+) -> Vec<NodeId> {
+    let mut order: Vec<NodeId> = prologue.to_vec();
+    order.extend(issue);
     for (i, n) in p.nodes.iter().enumerate() {
         if matches!(n.op, Op::RecordEvent { .. } | Op::WaitEvent { .. }) {
             continue;
@@ -423,13 +515,11 @@ pub fn add_sparse_averaging(
             order.extend(list);
         }
         if loss_after.map(|x| x.0) == Some(id) {
-            order.extend(&loss_nodes);
+            order.extend(loss_nodes);
         }
     }
-    order.extend(&loss_end);
-    let out = insert_events_with(&q, &order, &kept);
-    hzp_ir::verify(&out).map_err(|e| err(format!("the step failed verification: {e}")))?;
-    Ok(out)
+    order.extend(loss_end);
+    order
 }
 
 /// Every (waiter, waited) ordering `p`'s events express, as pairs of non-event nodes: the

@@ -288,205 +288,12 @@ fn rule(
                 none(1)
             }
         }
-        Op::Unary(u) => {
-            let x = ins[0];
-            let y = outs[0];
-            let dt = e.ty(x).dtype;
-            let g = match u {
-                UnaryOp::Neg => Some(un(e, UnaryOp::Neg, dy0)?),
-                UnaryOp::Abs => {
-                    let s = un(e, UnaryOp::Sign, x)?;
-                    Some(mul(e, dy0, s)?)
-                }
-                UnaryOp::Exp => Some(mul(e, dy0, y)?),
-                UnaryOp::Log => Some(bin(e, BinaryOp::Div, dy0, x)?),
-                UnaryOp::Sqrt => {
-                    let t = bin(e, BinaryOp::Div, dy0, y)?;
-                    Some(mulc(e, t, 0.5)?)
-                }
-                UnaryOp::Rsqrt => {
-                    let y2 = mul(e, y, y)?;
-                    let y3 = mul(e, y2, y)?;
-                    let t = mul(e, dy0, y3)?;
-                    Some(mulc(e, t, -0.5)?)
-                }
-                UnaryOp::Reciprocal => {
-                    let y2 = mul(e, y, y)?;
-                    let t = mul(e, dy0, y2)?;
-                    Some(un(e, UnaryOp::Neg, t)?)
-                }
-                UnaryOp::Tanh => {
-                    let y2 = mul(e, y, y)?;
-                    let one = e.scalar(1.0, dt);
-                    let d = sub(e, one, y2)?;
-                    Some(mul(e, dy0, d)?)
-                }
-                UnaryOp::Sigmoid => {
-                    let one = e.scalar(1.0, dt);
-                    let d = sub(e, one, y)?;
-                    let d = mul(e, y, d)?;
-                    Some(mul(e, dy0, d)?)
-                }
-                UnaryOp::Erf => {
-                    // 2/sqrt(pi) * exp(-x^2)
-                    let x2 = mul(e, x, x)?;
-                    let nx2 = un(e, UnaryOp::Neg, x2)?;
-                    let ex = un(e, UnaryOp::Exp, nx2)?;
-                    let d = mulc(e, ex, 2.0 / std::f64::consts::PI.sqrt())?;
-                    Some(mul(e, dy0, d)?)
-                }
-                UnaryOp::Relu => {
-                    let zero = e.scalar(0.0, dt);
-                    let pos = bin(e, BinaryOp::Greater, x, zero)?;
-                    Some(where_(e, pos, dy0, zero)?)
-                }
-                UnaryOp::Gelu => {
-                    // Phi(x) + x * phi(x)
-                    let xs = mulc(e, x, std::f64::consts::FRAC_1_SQRT_2)?;
-                    let erf = un(e, UnaryOp::Erf, xs)?;
-                    let one = e.scalar(1.0, dt);
-                    let cdf = bin(e, BinaryOp::Add, erf, one)?;
-                    let cdf = mulc(e, cdf, 0.5)?;
-                    let x2 = mul(e, x, x)?;
-                    let a = mulc(e, x2, -0.5)?;
-                    let pdf = un(e, UnaryOp::Exp, a)?;
-                    let pdf = mulc(e, pdf, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
-                    let xp = mul(e, x, pdf)?;
-                    let d = bin(e, BinaryOp::Add, cdf, xp)?;
-                    Some(mul(e, dy0, d)?)
-                }
-                // one fused pass: dy * d/dx [0.5 x (1 + tanh(c (x + 0.044715 x^3)))]
-                UnaryOp::GeluTanh => Some(e.op(Op::GeluTanhGrad, &[x, dy0])?),
-                UnaryOp::Silu => {
-                    // s (1 + x (1 - s))
-                    let s = un(e, UnaryOp::Sigmoid, x)?;
-                    let one = e.scalar(1.0, dt);
-                    let oms = sub(e, one, s)?;
-                    let t = mul(e, x, oms)?;
-                    let t = bin(e, BinaryOp::Add, t, one)?;
-                    let d = mul(e, s, t)?;
-                    Some(mul(e, dy0, d)?)
-                }
-                UnaryOp::Sin => {
-                    let c = un(e, UnaryOp::Cos, x)?;
-                    Some(mul(e, dy0, c)?)
-                }
-                UnaryOp::Cos => {
-                    let s = un(e, UnaryOp::Sin, x)?;
-                    let t = mul(e, dy0, s)?;
-                    Some(un(e, UnaryOp::Neg, t)?)
-                }
-                // Piecewise constant: zero gradient almost everywhere.
-                UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Sign => None,
-                UnaryOp::Not | UnaryOp::IsNaN => None,
-            };
-            vec![g]
-        }
-        Op::Binary(b) => {
-            let (x, y, out) = (ins[0], ins[1], outs[0]);
-            let (sx, sy) = (in_shape(e, 0), in_shape(e, 1));
-            let (gx, gy) = match b {
-                BinaryOp::Add => (Some(dy0), Some(dy0)),
-                BinaryOp::Sub => (Some(dy0), Some(un(e, UnaryOp::Neg, dy0)?)),
-                BinaryOp::Mul => (
-                    if want[0] { Some(mul(e, dy0, y)?) } else { None },
-                    if want[1] { Some(mul(e, dy0, x)?) } else { None },
-                ),
-                BinaryOp::Div => {
-                    let gx = bin(e, BinaryOp::Div, dy0, y)?;
-                    let gy = if want[1] {
-                        let t = mul(e, gx, out)?;
-                        Some(un(e, UnaryOp::Neg, t)?)
-                    } else {
-                        None
-                    };
-                    (Some(gx), gy)
-                }
-                BinaryOp::Pow => {
-                    let gx = if want[0] {
-                        let one = e.scalar(1.0, e.ty(y).dtype);
-                        let ym1 = sub(e, y, one)?;
-                        let pw = bin(e, BinaryOp::Pow, x, ym1)?;
-                        let t = mul(e, pw, y)?;
-                        Some(mul(e, dy0, t)?)
-                    } else {
-                        None
-                    };
-                    let gy = if want[1] {
-                        let lx = un(e, UnaryOp::Log, x)?;
-                        let t = mul(e, out, lx)?;
-                        Some(mul(e, dy0, t)?)
-                    } else {
-                        None
-                    };
-                    (gx, gy)
-                }
-                BinaryOp::Max | BinaryOp::Min => {
-                    let cmp = if *b == BinaryOp::Max {
-                        BinaryOp::GreaterOrEqual
-                    } else {
-                        BinaryOp::LessOrEqual
-                    };
-                    let mask = bin(e, cmp, x, y)?;
-                    let zero = e.scalar(0.0, e.ty(dy0).dtype);
-                    (
-                        Some(where_(e, mask, dy0, zero)?),
-                        Some(where_(e, mask, zero, dy0)?),
-                    )
-                }
-                BinaryOp::Mod => (Some(dy0), None),
-                // comparisons and logic give booleans: no gradient flows through them
-                BinaryOp::Equal
-                | BinaryOp::Less
-                | BinaryOp::LessOrEqual
-                | BinaryOp::Greater
-                | BinaryOp::GreaterOrEqual
-                | BinaryOp::And
-                | BinaryOp::Or
-                | BinaryOp::Xor => (None, None),
-            };
-            let gx = match gx {
-                Some(g) if want[0] => Some(unbroadcast(e, g, &sx)?),
-                _ => None,
-            };
-            let gy = match gy {
-                Some(g) if want[1] => Some(unbroadcast(e, g, &sy)?),
-                _ => None,
-            };
-            vec![gx, gy]
-        }
-        Op::Where => {
-            let zero = e.scalar(0.0, e.ty(dy0).dtype);
-            let c = ins[0];
-            let gx = if want[1] {
-                let g = where_(e, c, dy0, zero)?;
-                Some(unbroadcast(e, g, &in_shape(e, 1))?)
-            } else {
-                None
-            };
-            let gy = if want[2] {
-                let g = where_(e, c, zero, dy0)?;
-                Some(unbroadcast(e, g, &in_shape(e, 2))?)
-            } else {
-                None
-            };
-            vec![None, gx, gy]
-        }
+        Op::Unary(u) => unary_rule(e, node, dy0, u)?,
+        Op::Binary(b) => binary_rule(e, node, dy0, want, b)?,
+        Op::Where => where_rule(e, node, dy0, want)?,
         Op::MatMul => matmul_rule(e, ins[0], ins[1], dy0, want)?,
-        Op::Softmax { axis } => {
-            let y = outs[0];
-            let t = mul(e, dy0, y)?;
-            let s = reduce_keep(e, ReduceOp::Sum, t, vec![*axis])?;
-            let d = sub(e, dy0, s)?;
-            vec![Some(mul(e, y, d)?)]
-        }
-        Op::LogSoftmax { axis } => {
-            let y = outs[0];
-            let p = un(e, UnaryOp::Exp, y)?;
-            let s = reduce_keep(e, ReduceOp::Sum, dy0, vec![*axis])?;
-            let t = mul(e, p, s)?;
-            vec![Some(sub(e, dy0, t)?)]
-        }
+        Op::Softmax { axis } => softmax_rule(e, outs[0], dy0, *axis)?,
+        Op::LogSoftmax { axis } => log_softmax_rule(e, outs[0], dy0, *axis)?,
         Op::SoftmaxCrossEntropy { axis } => {
             let g = e.op(
                 Op::SoftmaxCrossEntropyGrad { axis: *axis },
@@ -501,124 +308,27 @@ fn rule(
             op,
             axes,
             keep_dims,
-        } => {
-            let x = ins[0];
-            let xs = e.shape(x);
-            let keep_shape: Vec<usize> = xs
-                .iter()
-                .enumerate()
-                .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
-                .collect();
-            let _ = keep_dims;
-            let dyk = reshape(e, dy0, &keep_shape)?;
-            let count: usize = axes.iter().map(|&a| xs[a]).product();
-            let g = match op {
-                ReduceOp::Sum => e.op(Op::Expand { shape: xs.clone() }, &[dyk])?,
-                ReduceOp::Mean => {
-                    let d = mulc(e, dyk, 1.0 / count as f64)?;
-                    e.op(Op::Expand { shape: xs.clone() }, &[d])?
-                }
-                ReduceOp::Max | ReduceOp::Min => {
-                    // Split evenly between tied extrema.
-                    let yk = reshape(e, outs[0], &keep_shape)?;
-                    let mask = bin(e, BinaryOp::Equal, x, yk)?;
-                    let dt = e.ty(x).dtype;
-                    let mf = e.op(Op::Cast { to: dt }, &[mask])?;
-                    let cnt = reduce_keep(e, ReduceOp::Sum, mf, axes.clone())?;
-                    let share = bin(e, BinaryOp::Div, dyk, cnt)?;
-                    mul(e, mf, share)?
-                }
-                ReduceOp::Prod => return Err("no gradient rule for Reduce prod".into()),
-            };
-            vec![Some(g)]
-        }
+        } => reduce_rule(e, node, dy0, op, axes, keep_dims)?,
         Op::Reshape { .. } => vec![Some(reshape(e, dy0, &in_shape(e, 0))?)],
-        Op::Transpose { perm } => {
-            let mut inv = vec![0; perm.len()];
-            for (i, &p) in perm.iter().enumerate() {
-                inv[p] = i;
-            }
-            vec![Some(transpose(e, dy0, inv)?)]
-        }
+        Op::Transpose { perm } => transpose_rule(e, dy0, perm)?,
         Op::Expand { .. } => vec![Some(unbroadcast(e, dy0, &in_shape(e, 0))?)],
-        Op::Tile { repeats } => {
-            let xs = in_shape(e, 0);
-            let mut inter = Vec::new();
-            for (&r, &d) in repeats.iter().zip(&xs) {
-                inter.push(r);
-                inter.push(d);
-            }
-            let t = reshape(e, dy0, &inter)?;
-            let axes: Vec<usize> = (0..xs.len()).map(|i| 2 * i).collect();
-            let s = e.op(
-                Op::Reduce {
-                    op: ReduceOp::Sum,
-                    axes,
-                    keep_dims: false,
-                },
-                &[t],
-            )?;
-            vec![Some(reshape(e, s, &xs)?)]
-        }
-        Op::Concat { axis } => {
-            let mut off = 0i64;
-            let mut r = Vec::new();
-            for (i, &wanted) in want.iter().enumerate() {
-                let len = in_shape(e, i)[*axis] as i64;
-                if wanted {
-                    r.push(Some(e.op(
-                        Op::Slice {
-                            axes: vec![*axis],
-                            starts: vec![off],
-                            ends: vec![off + len],
-                            steps: vec![1],
-                        },
-                        &[dy0],
-                    )?));
-                } else {
-                    r.push(None);
-                }
-                off += len;
-            }
-            r
-        }
-        Op::Split { axis, .. } => {
-            let mut parts = Vec::new();
-            for (k, &o) in outs.iter().enumerate() {
-                parts.push(match dys[k] {
-                    Some(d) => d,
-                    None => {
-                        let ty = e.ty(o).clone();
-                        e.zeros(&ty)?
-                    }
-                });
-            }
-            vec![Some(e.op(Op::Concat { axis: *axis }, &parts)?)]
-        }
+        Op::Tile { repeats } => tile_rule(e, node, dy0, repeats)?,
+        Op::Concat { axis } => concat_rule(e, node, dy0, want, axis)?,
+        Op::Split { axis, .. } => split_rule(e, node, dys, axis)?,
         Op::Slice {
             axes,
             starts,
             ends,
             steps,
+        } => slice_rule(e, node, dy0, axes, starts, ends, steps)?,
+        // the same op on the gradient
+        Op::Trilu { .. }
+        | Op::AllReduce {
+            reduce: ReduceOp::Sum,
+            ..
         } => {
-            let xs = in_shape(e, 0);
-            let mut cur = dy0;
-            for (((&a, &st), &en), &step) in axes.iter().zip(starts).zip(ends).zip(steps) {
-                if step == 1 && en >= st {
-                    cur = pad_axis(e, cur, a, st as usize, xs[a] - en as usize)?;
-                } else {
-                    cur = strided_slice_grad(e, cur, a, st, step, xs[a])?;
-                }
-            }
-            vec![Some(cur)]
+            vec![Some(e.op(node.op.clone(), &[dy0])?)]
         }
-        Op::Trilu { upper, k } => vec![Some(e.op(
-            Op::Trilu {
-                upper: *upper,
-                k: *k,
-            },
-            &[dy0],
-        )?)],
         Op::CumSum {
             axis,
             exclusive,
@@ -631,113 +341,17 @@ fn rule(
             },
             &[dy0],
         )?)],
-        Op::Gather { axis } => {
-            if !want[0] {
-                return Ok(none(2));
-            }
-            vec![Some(gather_rule(e, ins[0], ins[1], dy0, *axis)?), None]
-        }
-        Op::GatherElements { axis } => {
-            let ty = e.ty(ins[0]).clone();
-            let z = e.zeros(&ty)?;
-            vec![
-                Some(e.op(
-                    Op::ScatterElements {
-                        axis: *axis,
-                        add: true,
-                    },
-                    &[z, ins[1], dy0],
-                )?),
-                None,
-            ]
-        }
-        Op::GatherND { batch_dims } => {
-            if *batch_dims != 0 {
-                return Err("no gradient rule for GatherND with batch_dims > 0".into());
-            }
-            let ty = e.ty(ins[0]).clone();
-            let z = e.zeros(&ty)?;
-            vec![
-                Some(e.op(Op::ScatterND { add: true }, &[z, ins[1], dy0])?),
-                None,
-            ]
-        }
-        Op::TopK { axis, .. } => {
-            let Some(dv) = dys[0] else {
-                return Ok(none(1));
-            };
-            let ty = e.ty(ins[0]).clone();
-            let z = e.zeros(&ty)?;
-            vec![Some(e.op(
-                Op::ScatterElements {
-                    axis: *axis,
-                    add: true,
-                },
-                &[z, outs[1], dv],
-            )?)]
-        }
+        Op::Gather { axis } => gather_op_rule(e, node, dy0, want, axis)?,
+        Op::GatherElements { axis } => gather_elements_rule(e, node, dy0, axis)?,
+        Op::GatherND { batch_dims } => gather_nd_rule(e, node, dy0, batch_dims)?,
+        Op::TopK { axis, .. } => topk_rule(e, node, dys, axis)?,
         Op::ScatterElements { add: false, axis } => {
-            // data: the output gradient where nothing was written over it; updates: the
-            // output gradient at the written positions
-            let gd = if want[0] {
-                let ty = e.ty(ins[2]).clone();
-                let z = e.zeros(&ty)?;
-                Some(e.op(
-                    Op::ScatterElements {
-                        axis: *axis,
-                        add: false,
-                    },
-                    &[dy0, ins[1], z],
-                )?)
-            } else {
-                None
-            };
-            let gu = if want[2] {
-                Some(e.op(Op::GatherElements { axis: *axis }, &[dy0, ins[1]])?)
-            } else {
-                None
-            };
-            vec![gd, None, gu]
+            scatter_elements_rule(e, node, dy0, want, axis)?
         }
-        Op::ScatterND { add: false } => {
-            let gd = if want[0] {
-                let ty = e.ty(ins[2]).clone();
-                let z = e.zeros(&ty)?;
-                Some(e.op(Op::ScatterND { add: false }, &[dy0, ins[1], z])?)
-            } else {
-                None
-            };
-            let gu = if want[2] {
-                Some(e.op(Op::GatherND { batch_dims: 0 }, &[dy0, ins[1]])?)
-            } else {
-                None
-            };
-            vec![gd, None, gu]
-        }
+        Op::ScatterND { add: false } => scatter_nd_rule(e, node, dy0, want)?,
         Op::ScatterElements { add: true, .. } | Op::ScatterND { add: true } => {
-            // data passes through; updates' gradient gathers the output gradient
-            let gu = if want[2] {
-                Some(match &node.op {
-                    Op::ScatterElements { axis, .. } => {
-                        e.op(Op::GatherElements { axis: *axis }, &[dy0, ins[1]])?
-                    }
-                    _ => e.op(Op::GatherND { batch_dims: 0 }, &[dy0, ins[1]])?,
-                })
-            } else {
-                None
-            };
-            vec![Some(dy0), None, gu]
+            scatter_add_rule(e, node, dy0, want)?
         }
-        Op::AllReduce {
-            group,
-            reduce: ReduceOp::Sum,
-        } => vec![Some(e.op(
-            Op::AllReduce {
-                group: group.clone(),
-                reduce: ReduceOp::Sum,
-            },
-            &[dy0],
-        )?)],
         Op::AllGather { group, axis } => vec![Some(e.op(
             Op::ReduceScatter {
                 group: group.clone(),
@@ -783,6 +397,535 @@ fn rule(
         | Op::WaitEvent { .. } => return Err(format!("no gradient rule for {}", node.op.name())),
     };
     Ok(r)
+}
+
+fn softmax_rule(e: &mut Emitter, y: ValueId, dy0: ValueId, axis: usize) -> R<Vec<Option<ValueId>>> {
+    let t = mul(e, dy0, y)?;
+    let s = reduce_keep(e, ReduceOp::Sum, t, vec![axis])?;
+    let d = sub(e, dy0, s)?;
+    Ok(vec![Some(mul(e, y, d)?)])
+}
+
+fn log_softmax_rule(
+    e: &mut Emitter,
+    y: ValueId,
+    dy0: ValueId,
+    axis: usize,
+) -> R<Vec<Option<ValueId>>> {
+    let p = un(e, UnaryOp::Exp, y)?;
+    let s = reduce_keep(e, ReduceOp::Sum, dy0, vec![axis])?;
+    let t = mul(e, p, s)?;
+    Ok(vec![Some(sub(e, dy0, t)?)])
+}
+
+/// The inverse permutation on the gradient.
+fn transpose_rule(e: &mut Emitter, dy0: ValueId, perm: &[usize]) -> R<Vec<Option<ValueId>>> {
+    let mut inv = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[p] = i;
+    }
+    Ok(vec![Some(transpose(e, dy0, inv)?)])
+}
+
+fn unary_rule(e: &mut Emitter, node: &Node, dy0: ValueId, u: &UnaryOp) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let outs = &node.outputs;
+    let x = ins[0];
+    let y = outs[0];
+    let dt = e.ty(x).dtype;
+    let g = match u {
+        UnaryOp::Neg => Some(un(e, UnaryOp::Neg, dy0)?),
+        UnaryOp::Abs => {
+            let s = un(e, UnaryOp::Sign, x)?;
+            Some(mul(e, dy0, s)?)
+        }
+        UnaryOp::Exp => Some(mul(e, dy0, y)?),
+        UnaryOp::Log => Some(bin(e, BinaryOp::Div, dy0, x)?),
+        UnaryOp::Sqrt => {
+            let t = bin(e, BinaryOp::Div, dy0, y)?;
+            Some(mulc(e, t, 0.5)?)
+        }
+        UnaryOp::Rsqrt => {
+            let y2 = mul(e, y, y)?;
+            let y3 = mul(e, y2, y)?;
+            let t = mul(e, dy0, y3)?;
+            Some(mulc(e, t, -0.5)?)
+        }
+        UnaryOp::Reciprocal => {
+            let y2 = mul(e, y, y)?;
+            let t = mul(e, dy0, y2)?;
+            Some(un(e, UnaryOp::Neg, t)?)
+        }
+        UnaryOp::Tanh => {
+            let y2 = mul(e, y, y)?;
+            let one = e.scalar(1.0, dt);
+            let d = sub(e, one, y2)?;
+            Some(mul(e, dy0, d)?)
+        }
+        UnaryOp::Sigmoid => {
+            let one = e.scalar(1.0, dt);
+            let d = sub(e, one, y)?;
+            let d = mul(e, y, d)?;
+            Some(mul(e, dy0, d)?)
+        }
+        UnaryOp::Erf => {
+            // 2/sqrt(pi) * exp(-x^2)
+            let x2 = mul(e, x, x)?;
+            let nx2 = un(e, UnaryOp::Neg, x2)?;
+            let ex = un(e, UnaryOp::Exp, nx2)?;
+            let d = mulc(e, ex, 2.0 / std::f64::consts::PI.sqrt())?;
+            Some(mul(e, dy0, d)?)
+        }
+        UnaryOp::Relu => {
+            let zero = e.scalar(0.0, dt);
+            let pos = bin(e, BinaryOp::Greater, x, zero)?;
+            Some(where_(e, pos, dy0, zero)?)
+        }
+        UnaryOp::Gelu => {
+            // Phi(x) + x * phi(x)
+            let xs = mulc(e, x, std::f64::consts::FRAC_1_SQRT_2)?;
+            let erf = un(e, UnaryOp::Erf, xs)?;
+            let one = e.scalar(1.0, dt);
+            let cdf = bin(e, BinaryOp::Add, erf, one)?;
+            let cdf = mulc(e, cdf, 0.5)?;
+            let x2 = mul(e, x, x)?;
+            let a = mulc(e, x2, -0.5)?;
+            let pdf = un(e, UnaryOp::Exp, a)?;
+            let pdf = mulc(e, pdf, 1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+            let xp = mul(e, x, pdf)?;
+            let d = bin(e, BinaryOp::Add, cdf, xp)?;
+            Some(mul(e, dy0, d)?)
+        }
+        // one fused pass: dy * d/dx [0.5 x (1 + tanh(c (x + 0.044715 x^3)))]
+        UnaryOp::GeluTanh => Some(e.op(Op::GeluTanhGrad, &[x, dy0])?),
+        UnaryOp::Silu => {
+            // s (1 + x (1 - s))
+            let s = un(e, UnaryOp::Sigmoid, x)?;
+            let one = e.scalar(1.0, dt);
+            let oms = sub(e, one, s)?;
+            let t = mul(e, x, oms)?;
+            let t = bin(e, BinaryOp::Add, t, one)?;
+            let d = mul(e, s, t)?;
+            Some(mul(e, dy0, d)?)
+        }
+        UnaryOp::Sin => {
+            let c = un(e, UnaryOp::Cos, x)?;
+            Some(mul(e, dy0, c)?)
+        }
+        UnaryOp::Cos => {
+            let s = un(e, UnaryOp::Sin, x)?;
+            let t = mul(e, dy0, s)?;
+            Some(un(e, UnaryOp::Neg, t)?)
+        }
+        // Piecewise constant: zero gradient almost everywhere.
+        UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Sign => None,
+        UnaryOp::Not | UnaryOp::IsNaN => None,
+    };
+    Ok(vec![g])
+}
+
+fn binary_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+    b: &BinaryOp,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let outs = &node.outputs;
+    let in_shape = |e: &Emitter, i: usize| e.shape(ins[i]);
+    let (x, y, out) = (ins[0], ins[1], outs[0]);
+    let (sx, sy) = (in_shape(e, 0), in_shape(e, 1));
+    let (gx, gy) = match b {
+        BinaryOp::Add => (Some(dy0), Some(dy0)),
+        BinaryOp::Sub => (Some(dy0), Some(un(e, UnaryOp::Neg, dy0)?)),
+        BinaryOp::Mul => (
+            if want[0] { Some(mul(e, dy0, y)?) } else { None },
+            if want[1] { Some(mul(e, dy0, x)?) } else { None },
+        ),
+        BinaryOp::Div => {
+            let gx = bin(e, BinaryOp::Div, dy0, y)?;
+            let gy = if want[1] {
+                let t = mul(e, gx, out)?;
+                Some(un(e, UnaryOp::Neg, t)?)
+            } else {
+                None
+            };
+            (Some(gx), gy)
+        }
+        BinaryOp::Pow => {
+            let gx = if want[0] {
+                let one = e.scalar(1.0, e.ty(y).dtype);
+                let ym1 = sub(e, y, one)?;
+                let pw = bin(e, BinaryOp::Pow, x, ym1)?;
+                let t = mul(e, pw, y)?;
+                Some(mul(e, dy0, t)?)
+            } else {
+                None
+            };
+            let gy = if want[1] {
+                let lx = un(e, UnaryOp::Log, x)?;
+                let t = mul(e, out, lx)?;
+                Some(mul(e, dy0, t)?)
+            } else {
+                None
+            };
+            (gx, gy)
+        }
+        BinaryOp::Max | BinaryOp::Min => {
+            let cmp = if *b == BinaryOp::Max {
+                BinaryOp::GreaterOrEqual
+            } else {
+                BinaryOp::LessOrEqual
+            };
+            let mask = bin(e, cmp, x, y)?;
+            let zero = e.scalar(0.0, e.ty(dy0).dtype);
+            (
+                Some(where_(e, mask, dy0, zero)?),
+                Some(where_(e, mask, zero, dy0)?),
+            )
+        }
+        BinaryOp::Mod => (Some(dy0), None),
+        // comparisons and logic give booleans: no gradient flows through them
+        BinaryOp::Equal
+        | BinaryOp::Less
+        | BinaryOp::LessOrEqual
+        | BinaryOp::Greater
+        | BinaryOp::GreaterOrEqual
+        | BinaryOp::And
+        | BinaryOp::Or
+        | BinaryOp::Xor => (None, None),
+    };
+    let gx = match gx {
+        Some(g) if want[0] => Some(unbroadcast(e, g, &sx)?),
+        _ => None,
+    };
+    let gy = match gy {
+        Some(g) if want[1] => Some(unbroadcast(e, g, &sy)?),
+        _ => None,
+    };
+    Ok(vec![gx, gy])
+}
+
+fn where_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let in_shape = |e: &Emitter, i: usize| e.shape(ins[i]);
+    let zero = e.scalar(0.0, e.ty(dy0).dtype);
+    let c = ins[0];
+    let gx = if want[1] {
+        let g = where_(e, c, dy0, zero)?;
+        Some(unbroadcast(e, g, &in_shape(e, 1))?)
+    } else {
+        None
+    };
+    let gy = if want[2] {
+        let g = where_(e, c, zero, dy0)?;
+        Some(unbroadcast(e, g, &in_shape(e, 2))?)
+    } else {
+        None
+    };
+    Ok(vec![None, gx, gy])
+}
+
+fn reduce_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    op: &ReduceOp,
+    axes: &[usize],
+    keep_dims: &bool,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let outs = &node.outputs;
+    let x = ins[0];
+    let xs = e.shape(x);
+    let keep_shape: Vec<usize> = xs
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+        .collect();
+    let _ = keep_dims;
+    let dyk = reshape(e, dy0, &keep_shape)?;
+    let count: usize = axes.iter().map(|&a| xs[a]).product();
+    let g = match op {
+        ReduceOp::Sum => e.op(Op::Expand { shape: xs.clone() }, &[dyk])?,
+        ReduceOp::Mean => {
+            let d = mulc(e, dyk, 1.0 / count as f64)?;
+            e.op(Op::Expand { shape: xs.clone() }, &[d])?
+        }
+        ReduceOp::Max | ReduceOp::Min => {
+            // Split evenly between tied extrema.
+            let yk = reshape(e, outs[0], &keep_shape)?;
+            let mask = bin(e, BinaryOp::Equal, x, yk)?;
+            let dt = e.ty(x).dtype;
+            let mf = e.op(Op::Cast { to: dt }, &[mask])?;
+            let cnt = reduce_keep(e, ReduceOp::Sum, mf, axes.to_vec())?;
+            let share = bin(e, BinaryOp::Div, dyk, cnt)?;
+            mul(e, mf, share)?
+        }
+        ReduceOp::Prod => return Err("no gradient rule for Reduce prod".into()),
+    };
+    Ok(vec![Some(g)])
+}
+
+fn tile_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    repeats: &[usize],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let in_shape = |e: &Emitter, i: usize| e.shape(ins[i]);
+    let xs = in_shape(e, 0);
+    let mut inter = Vec::new();
+    for (&r, &d) in repeats.iter().zip(&xs) {
+        inter.push(r);
+        inter.push(d);
+    }
+    let t = reshape(e, dy0, &inter)?;
+    let axes: Vec<usize> = (0..xs.len()).map(|i| 2 * i).collect();
+    let s = e.op(
+        Op::Reduce {
+            op: ReduceOp::Sum,
+            axes,
+            keep_dims: false,
+        },
+        &[t],
+    )?;
+    Ok(vec![Some(reshape(e, s, &xs)?)])
+}
+
+fn concat_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+    axis: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let in_shape = |e: &Emitter, i: usize| e.shape(ins[i]);
+    let mut off = 0i64;
+    let mut r = Vec::new();
+    for (i, &wanted) in want.iter().enumerate() {
+        let len = in_shape(e, i)[*axis] as i64;
+        if wanted {
+            r.push(Some(e.op(
+                Op::Slice {
+                    axes: vec![*axis],
+                    starts: vec![off],
+                    ends: vec![off + len],
+                    steps: vec![1],
+                },
+                &[dy0],
+            )?));
+        } else {
+            r.push(None);
+        }
+        off += len;
+    }
+    Ok(r)
+}
+
+fn split_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dys: &[Option<ValueId>],
+    axis: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let outs = &node.outputs;
+    let mut parts = Vec::new();
+    for (k, &o) in outs.iter().enumerate() {
+        parts.push(match dys[k] {
+            Some(d) => d,
+            None => {
+                let ty = e.ty(o).clone();
+                e.zeros(&ty)?
+            }
+        });
+    }
+    Ok(vec![Some(e.op(Op::Concat { axis: *axis }, &parts)?)])
+}
+
+fn slice_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    axes: &[usize],
+    starts: &[i64],
+    ends: &[i64],
+    steps: &[i64],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let in_shape = |e: &Emitter, i: usize| e.shape(ins[i]);
+    let xs = in_shape(e, 0);
+    let mut cur = dy0;
+    for (((&a, &st), &en), &step) in axes.iter().zip(starts).zip(ends).zip(steps) {
+        if step == 1 && en >= st {
+            cur = pad_axis(e, cur, a, st as usize, xs[a] - en as usize)?;
+        } else {
+            cur = strided_slice_grad(e, cur, a, st, step, xs[a])?;
+        }
+    }
+    Ok(vec![Some(cur)])
+}
+
+fn gather_op_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+    axis: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let none = |n: usize| vec![None; n];
+    if !want[0] {
+        return Ok(none(2));
+    }
+    Ok(vec![
+        Some(gather_rule(e, ins[0], ins[1], dy0, *axis)?),
+        None,
+    ])
+}
+
+fn gather_elements_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    axis: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let ty = e.ty(ins[0]).clone();
+    let z = e.zeros(&ty)?;
+    Ok(vec![
+        Some(e.op(
+            Op::ScatterElements {
+                axis: *axis,
+                add: true,
+            },
+            &[z, ins[1], dy0],
+        )?),
+        None,
+    ])
+}
+
+fn gather_nd_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    batch_dims: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    if *batch_dims != 0 {
+        return Err("no gradient rule for GatherND with batch_dims > 0".into());
+    }
+    let ty = e.ty(ins[0]).clone();
+    let z = e.zeros(&ty)?;
+    Ok(vec![
+        Some(e.op(Op::ScatterND { add: true }, &[z, ins[1], dy0])?),
+        None,
+    ])
+}
+
+fn topk_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dys: &[Option<ValueId>],
+    axis: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let outs = &node.outputs;
+    let none = |n: usize| vec![None; n];
+    let Some(dv) = dys[0] else {
+        return Ok(none(1));
+    };
+    let ty = e.ty(ins[0]).clone();
+    let z = e.zeros(&ty)?;
+    Ok(vec![Some(e.op(
+        Op::ScatterElements {
+            axis: *axis,
+            add: true,
+        },
+        &[z, outs[1], dv],
+    )?)])
+}
+
+fn scatter_elements_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+    axis: &usize,
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    // data: the output gradient where nothing was written over it; updates: the
+    // output gradient at the written positions
+    let gd = if want[0] {
+        let ty = e.ty(ins[2]).clone();
+        let z = e.zeros(&ty)?;
+        Some(e.op(
+            Op::ScatterElements {
+                axis: *axis,
+                add: false,
+            },
+            &[dy0, ins[1], z],
+        )?)
+    } else {
+        None
+    };
+    let gu = if want[2] {
+        Some(e.op(Op::GatherElements { axis: *axis }, &[dy0, ins[1]])?)
+    } else {
+        None
+    };
+    Ok(vec![gd, None, gu])
+}
+
+fn scatter_nd_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let gd = if want[0] {
+        let ty = e.ty(ins[2]).clone();
+        let z = e.zeros(&ty)?;
+        Some(e.op(Op::ScatterND { add: false }, &[dy0, ins[1], z])?)
+    } else {
+        None
+    };
+    let gu = if want[2] {
+        Some(e.op(Op::GatherND { batch_dims: 0 }, &[dy0, ins[1]])?)
+    } else {
+        None
+    };
+    Ok(vec![gd, None, gu])
+}
+
+fn scatter_add_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    // data passes through; updates' gradient gathers the output gradient
+    let gu = if want[2] {
+        Some(match &node.op {
+            Op::ScatterElements { axis, .. } => {
+                e.op(Op::GatherElements { axis: *axis }, &[dy0, ins[1]])?
+            }
+            _ => e.op(Op::GatherND { batch_dims: 0 }, &[dy0, ins[1]])?,
+        })
+    } else {
+        None
+    };
+    Ok(vec![Some(dy0), None, gu])
 }
 
 /// `g` with `before` and `after` zeros added along `axis`.

@@ -20,7 +20,7 @@
 //! runs: [`Partition::executed_flops`] is what each rank computes,
 //! [`Partition::useful_flops`] what its owned matrices need.
 
-use crate::train::muon::MuonMatrix;
+use crate::train::muon_matrix::MuonMatrix;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One bucket: matrices of one shape up to a transpose.

@@ -10,6 +10,7 @@
 pub mod autodiff;
 pub mod canzona;
 pub mod muon;
+pub mod muon_matrix;
 pub mod simplify;
 pub mod ties;
 

@@ -31,7 +31,7 @@
 //! thread writes it. A run with any other overlap, or with more than 16 outside operands, is
 //! split into the longest prefixes that can be kernels (`runs`).
 
-use super::lower::{bcast, flat_grid, Arg, Launch, Work};
+use super::work::{bcast, flat_grid, Arg, Launch, Work};
 use hzp_ir::{BinaryOp, DType, Node, Op, Program, StreamKind, UnaryOp, ValueId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
@@ -226,29 +226,86 @@ fn build(
     let shape = p.ty(p.nodes[last].outputs[0]).shape.clone();
     let n: u64 = shape.iter().map(|&d| d as u64).product();
     // a stored output may share bytes with an operand only as the same unbroadcast tensor
+    if !overlaps_allowed(p, loc, members, &stored, &operands, &shape) {
+        return None;
+    }
+    let name = format!("fused_{id}");
+    let s = kernel_source(p, members, &produced, &operands, &stored, &name, &shape)?;
+    let mut args: Vec<Arg> = operands
+        .iter()
+        .map(|&v| Arg::Ptr(loc[v.index()].0))
+        .collect();
+    args.extend(
+        stored
+            .iter()
+            .map(|&k| Arg::Ptr(loc[p.nodes[members[k]].outputs[0].index()].0)),
+    );
+    Some(Run {
+        nodes: members.to_vec(),
+        stored: stored
+            .iter()
+            .map(|&k| p.nodes[members[k]].outputs[0])
+            .collect(),
+        operands,
+        launch: Launch {
+            kernel: name,
+            grid: flat_grid(n as usize),
+            block: 256,
+            args,
+        },
+        source: s,
+    })
+}
+
+/// Whether every stored output of the run that shares bytes with an operand shares them
+/// only as the same unbroadcast tensor (same bytes, shape and dtype).
+fn overlaps_allowed(
+    p: &Program,
+    loc: &[(u64, u64)],
+    members: &[usize],
+    stored: &[usize],
+    operands: &[ValueId],
+    shape: &[usize],
+) -> bool {
     let range = |v: ValueId| {
         let (o, b) = loc[v.index()];
         (o, o + b.max(p.ty(v).size_bytes() as u64))
     };
-    for &k in &stored {
+    for &k in stored {
         let y = p.nodes[members[k]].outputs[0];
         let (y0, y1) = range(y);
-        for &x in &operands {
+        for &x in operands {
             let (x0, x1) = range(x);
             if x0 < y1 && y0 < x1 {
                 let same = x0 == y0 && p.ty(x).shape == shape && p.ty(x).dtype == p.ty(y).dtype;
                 if !same {
-                    return None;
+                    return false;
                 }
             }
         }
     }
+    true
+}
+
+/// The CUDA source of the run's kernel `name`: one thread per element of `shape`, each
+/// operand read once at its broadcast offset, every member computed in f32 and rounded to
+/// its dtype, the stored outputs written. `None` when a member is not a fusible op.
+fn kernel_source(
+    p: &Program,
+    members: &[usize],
+    produced: &BTreeMap<ValueId, usize>,
+    operands: &[ValueId],
+    stored: &[usize],
+    name: &str,
+    shape: &[usize],
+) -> Option<String> {
+    let n: u64 = shape.iter().map(|&d| d as u64).product();
+    let (first, last) = (members[0], *members.last()?);
     let strides: Vec<Vec<i64>> = operands
         .iter()
-        .map(|&v| bcast(&p.ty(v).shape, &shape))
+        .map(|&v| bcast(&p.ty(v).shape, shape))
         .collect();
-    let (dims, ss) = coalesce(&shape, &strides);
-    let name = format!("fused_{id}");
+    let (dims, ss) = coalesce(shape, &strides);
     let max_off = operands
         .iter()
         .map(|&v| p.ty(v).numel() as u64)
@@ -344,35 +401,12 @@ fn build(
         };
         let _ = writeln!(s, "        const float v{k} = {rounded};  // {}", nd.name);
     }
-    for &k in &stored {
+    for &k in stored {
         let yd = p.ty(p.nodes[members[k]].outputs[0]).dtype;
         let _ = writeln!(s, "        y{k}[i] = from_f<{}>(v{k});", ctype(yd));
     }
     let _ = writeln!(s, "    }}\n}}");
-    let mut args: Vec<Arg> = operands
-        .iter()
-        .map(|&v| Arg::Ptr(loc[v.index()].0))
-        .collect();
-    args.extend(
-        stored
-            .iter()
-            .map(|&k| Arg::Ptr(loc[p.nodes[members[k]].outputs[0].index()].0)),
-    );
-    Some(Run {
-        nodes: members.to_vec(),
-        stored: stored
-            .iter()
-            .map(|&k| p.nodes[members[k]].outputs[0])
-            .collect(),
-        operands,
-        launch: Launch {
-            kernel: name,
-            grid: flat_grid(n as usize),
-            block: 256,
-            args,
-        },
-        source: s,
-    })
+    Some(s)
 }
 
 /// The work of every node of `p` under `runs`: the run's kernel on its last node, nothing on

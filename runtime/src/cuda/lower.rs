@@ -10,296 +10,17 @@
 //! split and concat on axis 0; Sub/Div/Pow/Mod of bools; CumSum of bools; ArgMax over an
 //! empty axis.
 
-use super::kernels::{
-    ATTENTION_KEYS, ATTENTION_MAX_HEAD, ATTENTION_ROWS, ATTENTION_THREADS, MAXD, REDUCE_THREADS,
-};
+use super::kernels::{ATTENTION_KEYS, ATTENTION_MAX_HEAD, ATTENTION_ROWS, ATTENTION_THREADS, MAXD};
 use hzp_ir::{
     numel, BinaryOp, DType, Mesh, Node, Op, Plan, Program, ReduceOp, Tensor, TensorType, UnaryOp,
 };
 use std::collections::BTreeMap;
 
-/// An n-d walk (the `Nd` struct of the kernel sources): a shape and up to four strides.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Nd {
-    pub shape: Vec<i64>,
-    pub s: [Vec<i64>; 4],
-}
-
-impl Nd {
-    fn new(shape: &[usize]) -> Nd {
-        let n = shape.len();
-        Nd {
-            shape: shape.iter().map(|&d| d as i64).collect(),
-            s: [vec![0; n], vec![0; n], vec![0; n], vec![0; n]],
-        }
-    }
-
-    /// The same walk over fewer dims: dims of size 1 dropped, and each pair of neighbouring
-    /// dims merged where every stride array steps through both as through one (the outer
-    /// stride is the inner one times the inner size), so the kernels divide the linear index
-    /// fewer times. `modulo`: a stride array read as per-dim moduli (copy_nd's Tile), which
-    /// must be 0 on both dims of a merge. Every element keeps its offsets: the walk visits
-    /// the same (offset, offset, ..) tuples in the same order.
-    /// `HZP_CUDA_NO_COALESCE=1` keeps the walk as it is (to measure what merging saves).
-    fn coalesced(&self, modulo: Option<usize>) -> Nd {
-        if std::env::var_os("HZP_CUDA_NO_COALESCE").is_some_and(|v| v == "1") {
-            return self.clone();
-        }
-        let mut out = Nd::new(&[]);
-        for k in 0..self.shape.len() {
-            let size = self.shape[k];
-            if size == 1 {
-                continue;
-            }
-            if let Some(last) = out.shape.len().checked_sub(1) {
-                let merges = (0..4).all(|a| {
-                    if Some(a) == modulo {
-                        out.s[a][last] == 0 && self.s[a][k] == 0
-                    } else {
-                        out.s[a][last] == self.s[a][k] * size
-                    }
-                });
-                if merges {
-                    out.shape[last] *= size;
-                    for a in 0..4 {
-                        out.s[a][last] = self.s[a][k];
-                    }
-                    continue;
-                }
-            }
-            out.shape.push(size);
-            for a in 0..4 {
-                out.s[a].push(self.s[a][k]);
-            }
-        }
-        if out.shape.is_empty() {
-            out.shape.push(1);
-            for a in 0..4 {
-                out.s[a].push(0);
-            }
-        }
-        out
-    }
-
-    /// The struct's bytes as the kernel takes it by value: `int rank` (padded to 8), then
-    /// five arrays of `MAXD` i64.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + 5 * 8 * MAXD);
-        out.extend_from_slice(&(self.shape.len() as i32).to_le_bytes());
-        out.extend_from_slice(&[0u8; 4]);
-        for arr in std::iter::once(&self.shape).chain(self.s.iter()) {
-            for k in 0..MAXD {
-                out.extend_from_slice(&arr.get(k).copied().unwrap_or(0).to_le_bytes());
-            }
-        }
-        out
-    }
-}
-
-/// A kernel argument.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Arg {
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    /// A device pointer: the arena's base plus this byte offset.
-    Ptr(u64),
-    /// A null pointer (an absent optional operand).
-    Null,
-    /// The pointer to the rank's error word (see [`LoweredPlan::err_offset`]).
-    ErrFlag,
-    /// An n-d walk, by value.
-    Nd(Nd),
-    /// A value of `len` bytes (1, 2, 4 or 8), little-endian in the low bytes.
-    Bits {
-        bits: u64,
-        len: usize,
-    },
-}
-
-/// One kernel launch (1-d grid).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Launch {
-    pub kernel: String,
-    pub grid: u32,
-    pub block: u32,
-    pub args: Vec<Arg>,
-}
-
-/// A batched matrix product `C = A B` (row-major, as numpy's matmul), run as cuBLAS's
-/// column-major `C^T = B^T A^T`: for each entry of `calls`, `batch` products at the given
-/// offsets, strides in elements.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Gemm {
-    pub dtype: DType,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub batch: usize,
-    pub stride_a: i64,
-    pub stride_b: i64,
-    pub stride_c: i64,
-    /// Whether `a` (`b`) is stored transposed: as `[.., k, m]` (`[.., n, k]`) row-major, a
-    /// transposed operand the plan keeps in its input's bytes
-    /// (`hzp_ir::views::transposed_operands`), read through cuBLAS's transpose flag.
-    pub trans_a: bool,
-    pub trans_b: bool,
-    /// (a, b, c) byte offsets of each strided-batched call.
-    pub calls: Vec<(u64, u64, u64)>,
-}
-
-/// The arguments of one `cublasGemmStridedBatchedEx` call (column-major, as cuBLAS reads
-/// them): `C = op(X) op(Y)` with `X` the call's first operand, `m x k` after `op`, `Y`
-/// `k x n`, `C` `m x n` with leading dimension `ldc`; each of the `batch` products steps
-/// every pointer by its stride (elements). Offsets are bytes into the arena.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct CublasGemm {
-    pub trans_x: bool,
-    pub trans_y: bool,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub x: u64,
-    pub ldx: usize,
-    pub stride_x: i64,
-    pub y: u64,
-    pub ldy: usize,
-    pub stride_y: i64,
-    pub c: u64,
-    pub ldc: usize,
-    pub stride_c: i64,
-    pub batch: usize,
-}
-
-impl Gemm {
-    /// The cuBLAS calls that compute this row-major product: row-major `C[m,n] = A[m,k]
-    /// B[k,n]` is column-major `C^T = B^T A^T`, so cuBLAS's first operand is `B`. Row-major
-    /// `B` `[k,n]` is column-major `B^T` (ld `n`); stored transposed (`[n,k]`, `trans_b`) it
-    /// is column-major `B` (ld `k`), which cuBLAS transposes. Likewise `A`: `A^T` (ld `k`), or
-    /// stored `[k,m]`: `A` (ld `m`).
-    pub fn cublas_calls(&self) -> Vec<CublasGemm> {
-        let (trans_y, ldy) = if self.trans_a {
-            (true, self.m)
-        } else {
-            (false, self.k)
-        };
-        let (trans_x, ldx) = if self.trans_b {
-            (true, self.k)
-        } else {
-            (false, self.n)
-        };
-        self.calls
-            .iter()
-            .map(|&(a, b, c)| CublasGemm {
-                trans_x,
-                trans_y,
-                m: self.n,
-                n: self.m,
-                k: self.k,
-                x: b,
-                ldx,
-                stride_x: self.stride_b,
-                y: a,
-                ldy,
-                stride_y: self.stride_a,
-                c,
-                ldc: self.n,
-                stride_c: self.stride_c,
-                batch: self.batch,
-            })
-            .collect()
-    }
-}
-
-/// A collective on this rank's instance of `group` on `stream`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Collective {
-    pub kind: CollKind,
-    /// Key of the communicator (see [`LoweredPlan::comms`]).
-    pub comm: usize,
-    pub send: u64,
-    pub recv: u64,
-    /// Elements this rank sends (AllGather: its shard; ReduceScatter: the whole input;
-    /// AllReduce/Broadcast: the tensor; AllToAll: the whole input).
-    pub count: usize,
-    pub dtype: DType,
-    pub reduce: ReduceOp,
-    pub root: usize,
-    /// The group's size.
-    pub size: usize,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CollKind {
-    AllGather,
-    ReduceScatter,
-    AllReduce,
-    AllToAll,
-    Broadcast,
-}
-
-/// One piece of a node's work, in issue order.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Work {
-    Kernel(Launch),
-    /// Device-to-device copy of `bytes` bytes.
-    Copy {
-        src: u64,
-        dst: u64,
-        bytes: u64,
-    },
-    Gemm(Gemm),
-    Collective(Collective),
-    /// Record plan event number `.0` (dense index) on the node's stream.
-    Record(usize),
-    /// The node's stream waits for plan event `.0` (dense index).
-    Wait(usize),
-}
-
-/// A node's work.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NodeWork {
-    pub node: usize,
-    pub name: String,
-    pub op: &'static str,
-    /// Stream index (0 compute, 1 all-gather, 2 reduce-scatter).
-    pub stream: usize,
-    pub work: Vec<Work>,
-}
-
-/// A communicator this rank joins: the group's axes, the stream, this rank's instance (its
-/// members, in group order) and its place in it.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct CommKey {
-    pub stream: usize,
-    pub axes: Vec<String>,
-    pub members: Vec<usize>,
-    pub member: usize,
-}
-
-/// A plan lowered for one rank.
-#[derive(Clone, Debug)]
-pub struct LoweredPlan {
-    pub rank: usize,
-    pub nodes: Vec<NodeWork>,
-    /// Number of distinct plan events (dense indices).
-    pub n_events: usize,
-    /// Plan event index -> the stream that records it.
-    pub event_stream: Vec<usize>,
-    /// The rank's communicators, in the order every rank creates them.
-    pub comms: Vec<CommKey>,
-    /// Bytes to allocate: the arena plus the error word.
-    pub alloc_bytes: u64,
-    /// Offset of the 4-byte error word (after the arena, aligned).
-    pub err_offset: u64,
-    /// (value offset, target offset, bytes) per update, in the plan's order.
-    pub updates: Vec<(u64, u64, u64)>,
-    /// Buffer of each value: (offset, bytes); bytes 0 for empty values.
-    pub loc: Vec<(u64, u64)>,
-    /// The generated kernels of the fused runs ([`super::fuse`]), compiled with the fixed
-    /// sources; empty without fusion. The same for every rank of a plan.
-    pub fused_source: String,
-}
+use super::work::{around, bcast, bsz, contiguous, elementwise, lane_grid, lanes, walk_kernel};
+pub use super::work::{
+    dt, Arg, CollKind, Collective, CommKey, CublasGemm, Gemm, Launch, LoweredPlan, Nd, NodeWork,
+    Work,
+};
 
 /// Stream index of a node.
 fn stream_idx(s: hzp_ir::StreamKind) -> usize {
@@ -308,100 +29,6 @@ fn stream_idx(s: hzp_ir::StreamKind) -> usize {
         hzp_ir::StreamKind::AllGather => 1,
         hzp_ir::StreamKind::ReduceScatter => 2,
     }
-}
-
-/// Kernel-name suffix of a dtype.
-pub fn dt(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::I64 => "i64",
-        DType::I32 => "i32",
-        DType::Bool => "b8",
-    }
-}
-
-/// Kernel-name suffix of an element size (movement kernels).
-fn bsz(d: DType) -> &'static str {
-    match d.size_bytes() {
-        1 => "b1",
-        2 => "b2",
-        4 => "b4",
-        _ => "b8",
-    }
-}
-
-fn contiguous(shape: &[usize]) -> Vec<i64> {
-    let mut s = vec![0i64; shape.len()];
-    let mut acc = 1i64;
-    for k in (0..shape.len()).rev() {
-        s[k] = acc;
-        acc *= shape[k] as i64;
-    }
-    s
-}
-
-/// Strides of `x` (contiguous) broadcast to `out` (right-aligned; 0 on broadcast dims).
-pub(super) fn bcast(x: &[usize], out: &[usize]) -> Vec<i64> {
-    let cs = contiguous(x);
-    let off = out.len() - x.len();
-    (0..out.len())
-        .map(|k| {
-            if k < off || (x[k - off] == 1 && out[k] != 1) {
-                0
-            } else {
-                cs[k - off]
-            }
-        })
-        .collect()
-}
-
-fn around(shape: &[usize], axis: usize) -> (usize, usize, usize) {
-    (
-        shape[..axis].iter().product(),
-        shape[axis],
-        shape[axis + 1..].iter().product(),
-    )
-}
-
-/// Blocks of 256 threads for one thread per element (a grid-stride loop covers the rest).
-pub(super) fn flat_grid(n: usize) -> u32 {
-    n.div_ceil(256).clamp(1, 1 << 20) as u32
-}
-
-fn lane_grid(lanes: usize) -> u32 {
-    lanes.clamp(1, 1 << 20) as u32
-}
-
-/// A kernel over an n-d walk whose float kernels take `walk_runs`' warp tiles of 4 elements
-/// per lane (`common.cuh`): a quarter of `elementwise`'s blocks. Blocks of 256 threads (a
-/// whole number of warps, which the tiles need); any grid is correct.
-fn walk_kernel(kernel: String, n: usize, args: Vec<Arg>) -> Work {
-    Work::Kernel(Launch {
-        kernel,
-        grid: flat_grid(n.div_ceil(4)),
-        block: 256,
-        args,
-    })
-}
-
-fn elementwise(kernel: String, n: usize, args: Vec<Arg>) -> Work {
-    Work::Kernel(Launch {
-        kernel,
-        grid: flat_grid(n),
-        block: 256,
-        args,
-    })
-}
-
-fn lanes(kernel: String, lanes: usize, args: Vec<Arg>) -> Work {
-    Work::Kernel(Launch {
-        kernel,
-        grid: lane_grid(lanes),
-        block: REDUCE_THREADS,
-        args,
-    })
 }
 
 /// The bytes of one element of `dtype` holding `value` converted as Fill converts it.
@@ -798,587 +425,64 @@ fn idx_args(off: u64, ty: &TensorType) -> [Arg; 2] {
     [Arg::Ptr(off), Arg::I32((ty.dtype == DType::I64) as i32)]
 }
 
+/// The work of one compute node: one function per op or op family.
 fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
-    let (x, xt) = c.ins.first().copied().unwrap_or((0, &EMPTY));
-    let (y, yt) = c.outs.first().copied().unwrap_or((0, &EMPTY));
-    let n = yt.numel();
-    let err = || [Arg::ErrFlag, Arg::I32(c.code)];
-    let mut w: Vec<Work> = Vec::new();
+    let n = c.y().1.numel();
     match op {
-        Op::Identity | Op::Copy | Op::Reshape { .. } => {
-            // a reshape may share its input's bytes (the memory plan's views): nothing to copy
-            if n > 0 && x != y {
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            }
-        }
-        Op::Free => {}
-        _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => {}
-        Op::Unary(u) => {
-            let code = u.code() as i32;
-            let kernel = if *u == UnaryOp::IsNaN {
-                format!("isnan_{}", dt(xt.dtype))
-            } else {
-                format!("unary_{}", dt(xt.dtype))
-            };
-            let mut args = vec![];
-            if *u != UnaryOp::IsNaN {
-                args.push(Arg::I32(code));
-            }
-            args.extend([Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)]);
-            w.push(elementwise(kernel, n, args));
-        }
-        Op::Binary(b) => {
-            let (bo, bt) = c.ins[1];
-            check_rank(&yt.shape)?;
-            if xt.dtype == DType::Bool
-                && matches!(
-                    b,
-                    BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow | BinaryOp::Mod
-                )
-            {
-                return Err(format!("{} is not defined for bool operands", b.name()));
-            }
-            let code = b.code() as i32;
-            let mut nd = Nd::new(&yt.shape);
-            nd.s[0] = bcast(&xt.shape, &yt.shape);
-            nd.s[1] = bcast(&bt.shape, &yt.shape);
-            let mut args = vec![
-                Arg::I32(code),
-                Arg::I64(n as i64),
-                Arg::Nd(nd.coalesced(None)),
-                Arg::Ptr(x),
-                Arg::Ptr(bo),
-                Arg::Ptr(y),
-            ];
-            let kernel = if b.is_predicate() {
-                format!("compare_{}", dt(xt.dtype))
-            } else {
-                args.extend(err());
-                format!("binary_{}", dt(xt.dtype))
-            };
-            w.push(walk_kernel(kernel, n, args));
-        }
-        Op::Where => {
-            check_rank(&yt.shape)?;
-            let mut nd = Nd::new(&yt.shape);
-            for k in 0..3 {
-                nd.s[k] = bcast(&c.ins[k].1.shape, &yt.shape);
-            }
-            w.push(walk_kernel(
-                format!("where_{}", dt(yt.dtype)),
-                n,
-                vec![
-                    Arg::I64(n as i64),
-                    Arg::Nd(nd.coalesced(None)),
-                    Arg::Ptr(c.ins[0].0),
-                    Arg::Ptr(c.ins[1].0),
-                    Arg::Ptr(c.ins[2].0),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
-        Op::Cast { to } => {
-            if *to == xt.dtype {
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            } else {
-                w.push(elementwise(
-                    format!("cast_{}_{}", dt(xt.dtype), dt(*to)),
-                    n,
-                    vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)],
-                ));
-            }
-        }
-        Op::MatMul => w.push(Work::Gemm(lower_matmul(c)?)),
-        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            let log = matches!(op, Op::LogSoftmax { .. }) as i32;
-            if d > 0 {
-                w.push(lanes(
-                    format!("softmax_{}", dt(xt.dtype)),
-                    o * i,
-                    vec![
-                        Arg::I64(o as i64),
-                        Arg::I64(d as i64),
-                        Arg::I64(i as i64),
-                        Arg::I32(log),
-                        Arg::Ptr(x),
-                        Arg::Ptr(y),
-                    ],
-                ));
-            }
-        }
-        Op::GeluTanhGrad => {
-            let (dy, _) = c.ins[1];
-            if n > 0 {
-                w.push(elementwise(
-                    format!("gelu_tanh_grad_{}", dt(xt.dtype)),
-                    n,
-                    vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(dy), Arg::Ptr(y)],
-                ));
-            }
-        }
+        Op::Identity | Op::Copy | Op::Reshape { .. } => copy_through(c),
+        Op::Free => Ok(Vec::new()),
+        _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => Ok(Vec::new()),
+        Op::Unary(u) => unary(c, u),
+        Op::Binary(b) => binary(c, b),
+        Op::Where => where_select(c),
+        Op::Cast { to } => cast(c, to),
+        Op::MatMul => Ok(vec![Work::Gemm(lower_matmul(c)?)]),
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => softmax(op, c, axis),
+        Op::GeluTanhGrad => gelu_tanh_grad(c),
         Op::AdamW {
             beta1,
             beta2,
             eps,
             weight_decay,
-        } => {
-            if n > 0 {
-                let mut args = vec![
-                    Arg::I64(n as i64),
-                    Arg::F32((1.0 - beta1) as f32),
-                    Arg::F32(*beta2 as f32),
-                    Arg::F32((1.0 - beta2) as f32),
-                    Arg::F32(*eps as f32),
-                    Arg::Bits {
-                        bits: weight_decay.to_bits(),
-                        len: 8,
-                    },
-                ];
-                args.extend(c.ins.iter().map(|(off, _)| Arg::Ptr(*off)));
-                args.extend(c.outs.iter().map(|(off, _)| Arg::Ptr(*off)));
-                w.push(elementwise("adamw_f32".into(), n, args));
-            }
-        }
+        } => adamw(c, beta1, beta2, eps, weight_decay),
         Op::SoftmaxCrossEntropy { axis } | Op::SoftmaxCrossEntropyGrad { axis } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            let grad = matches!(op, Op::SoftmaxCrossEntropyGrad { .. });
-            let (lo, lt) = c.ins[1];
-            // the loss gradient (the loss's own buffer when there is none: never read)
-            let dy = c.ins.get(2).map_or(y, |(off, _)| *off);
-            if o * i > 0 {
-                let mut args = vec![
-                    Arg::I64(o as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(i as i64),
-                    Arg::I32(grad as i32),
-                    Arg::Ptr(x),
-                ];
-                args.extend(idx_args(lo, lt));
-                args.extend([Arg::Ptr(dy), Arg::Ptr(y)]);
-                args.extend(err());
-                w.push(lanes(format!("xent_{}", dt(xt.dtype)), o * i, args));
-            }
+            cross_entropy(op, c, axis)
         }
         Op::LayerNorm { axis, epsilon }
         | Op::RmsNorm { axis, epsilon }
         | Op::LayerNormGrad { axis, epsilon }
-        | Op::RmsNormGrad { axis, epsilon } => {
-            let grad = matches!(op, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. });
-            let rms = matches!(op, Op::RmsNorm { .. } | Op::RmsNormGrad { .. });
-            let norm = &xt.shape[*axis..];
-            check_rank(norm)?;
-            let rows: usize = xt.shape[..*axis].iter().product();
-            let d: usize = norm.iter().product();
-            let mut nd = Nd::new(norm);
-            nd.s[0] = bcast(&c.ins[1].1.shape, norm);
-            // the forward's optional bias (s1 of the walk); the gradient's dy and outputs
-            let tail = if grad {
-                vec![
-                    Arg::Ptr(c.ins[2].0),
-                    Arg::Ptr(c.outs[0].0),
-                    Arg::Ptr(c.outs[1].0),
-                ]
-            } else {
-                let bias = c.ins.get(2).map(|(o, t)| {
-                    nd.s[1] = bcast(&t.shape, norm);
-                    Arg::Ptr(*o)
-                });
-                vec![bias.unwrap_or(Arg::Null), Arg::Ptr(y)]
-            };
-            let mut args = vec![
-                Arg::I64(rows as i64),
-                Arg::I64(d as i64),
-                Arg::F32(*epsilon),
-                Arg::I32(rms as i32),
-                Arg::Nd(nd),
-                Arg::Ptr(x),
-                Arg::Ptr(c.ins[1].0),
-            ];
-            args.extend(tail);
-            let family = if grad { "norm_grad" } else { "norm" };
-            if rows * d > 0 {
-                w.push(lanes(format!("{family}_{}", dt(xt.dtype)), rows, args));
-            } else if !grad {
-                // (no normalized elements: the forward is its input)
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            }
-        }
-        Op::Reduce { op: rop, axes, .. } => {
-            let mut axes = axes.clone();
-            axes.sort_unstable();
-            axes.dedup();
-            let s = &xt.shape;
-            check_rank(s)?;
-            let cs = contiguous(s);
-            let kept: Vec<usize> = (0..s.len()).filter(|d| !axes.contains(d)).collect();
-            let mut kn = Nd::new(&kept.iter().map(|&d| s[d]).collect::<Vec<_>>());
-            kn.s[0] = kept.iter().map(|&d| cs[d]).collect();
-            let mut rn = Nd::new(&axes.iter().map(|&d| s[d]).collect::<Vec<_>>());
-            rn.s[0] = axes.iter().map(|&d| cs[d]).collect();
-            let nout: usize = kept.iter().map(|&d| s[d]).product();
-            let nred: usize = axes.iter().map(|&d| s[d]).product();
-            let code = ReduceOp::ALL.iter().position(|r| r == rop).unwrap_or(0) as i32;
-            let args = vec![
-                Arg::I32(code),
-                Arg::I64(nout as i64),
-                Arg::I64(nred as i64),
-                // (merging keeps every output's and every reduced element's offset, and the
-                // order a thread visits the reduced elements in: the same sums, bit for bit)
-                Arg::Nd(kn.coalesced(None)),
-                Arg::Nd(rn.coalesced(None)),
-                Arg::Ptr(x),
-                Arg::Ptr(y),
-            ];
-            let kernel = format!("reduce_{}", dt(xt.dtype));
-            if xt.dtype.is_float() {
-                w.push(lanes(kernel, nout, args));
-            } else {
-                w.push(elementwise(kernel, nout, args));
-            }
-        }
-        Op::ArgMax { axis, .. } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            if d == 0 {
-                return Err(format!("ArgMax over axis {axis} of size 0"));
-            }
-            w.push(elementwise(
-                format!("argmax_{}", dt(xt.dtype)),
-                o * i,
-                vec![
-                    Arg::I64(o as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(i as i64),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
+        | Op::RmsNormGrad { axis, epsilon } => norm(op, c, axis, epsilon),
+        Op::Reduce { op: rop, axes, .. } => reduce(c, rop, axes),
+        Op::ArgMax { axis, .. } => argmax(c, axis),
         Op::CumSum {
             axis,
             exclusive,
             reverse,
-        } => {
-            if xt.dtype == DType::Bool {
-                return Err("CumSum is not defined for bool".into());
-            }
-            let (o, d, i) = around(&xt.shape, *axis);
-            w.push(elementwise(
-                format!("cumsum_{}", dt(xt.dtype)),
-                o * i,
-                vec![
-                    Arg::I64(o as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(i as i64),
-                    Arg::I32(*exclusive as i32),
-                    Arg::I32(*reverse as i32),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
-        Op::Transpose { perm } => {
-            let cs = contiguous(&xt.shape);
-            let s_in = perm.iter().map(|&p| cs[p]).collect();
-            w.extend(copy_nd(
-                xt.dtype,
-                &yt.shape,
-                s_in,
-                contiguous(&yt.shape),
-                vec![0; perm.len()],
-                (x, 0),
-                (y, 0),
-            )?);
-        }
+        } => cumsum(c, axis, exclusive, reverse),
+        Op::Transpose { perm } => transpose(c, perm),
         Op::Slice {
             axes,
             starts,
             steps,
             ..
-        } => {
-            let cs = contiguous(&xt.shape);
-            let mut s_in = cs.clone();
-            let mut base = 0i64;
-            for k in 0..axes.len() {
-                base += starts[k] * cs[axes[k]];
-                s_in[axes[k]] = cs[axes[k]] * steps[k];
-            }
-            let r = yt.rank();
-            w.extend(copy_nd(
-                xt.dtype,
-                &yt.shape,
-                s_in,
-                contiguous(&yt.shape),
-                vec![0; r],
-                (x, base),
-                (y, 0),
-            )?);
-        }
-        Op::Concat { axis } => {
-            let os = contiguous(&yt.shape);
-            let mut at = 0i64;
-            for &(io, it) in &c.ins {
-                let r = it.rank();
-                w.extend(copy_nd(
-                    it.dtype,
-                    &it.shape,
-                    contiguous(&it.shape),
-                    os.clone(),
-                    vec![0; r],
-                    (io, 0),
-                    (y, at * os[*axis]),
-                )?);
-                at += it.shape[*axis] as i64;
-            }
-        }
-        Op::Split { axis, .. } => {
-            let cs = contiguous(&xt.shape);
-            let mut at = 0i64;
-            for &(oo, ot) in &c.outs {
-                let r = ot.rank();
-                w.extend(copy_nd(
-                    ot.dtype,
-                    &ot.shape,
-                    cs.clone(),
-                    contiguous(&ot.shape),
-                    vec![0; r],
-                    (x, at * cs[*axis]),
-                    (oo, 0),
-                )?);
-                at += ot.shape[*axis] as i64;
-            }
-        }
-        Op::Expand { shape } => {
-            w.extend(copy_nd(
-                xt.dtype,
-                shape,
-                bcast(&xt.shape, shape),
-                contiguous(shape),
-                vec![0; shape.len()],
-                (x, 0),
-                (y, 0),
-            )?);
-        }
-        Op::Tile { .. } => {
-            let modulo = xt.shape.iter().map(|&d| d as i64).collect();
-            w.extend(copy_nd(
-                xt.dtype,
-                &yt.shape,
-                contiguous(&xt.shape),
-                contiguous(&yt.shape),
-                modulo,
-                (x, 0),
-                (y, 0),
-            )?);
-        }
-        Op::Trilu { upper, k } => {
-            let r = xt.rank();
-            let (rows, cols) = (xt.shape[r - 2], xt.shape[r - 1]);
-            w.push(elementwise(
-                format!("trilu_{}", bsz(xt.dtype)),
-                n,
-                vec![
-                    Arg::I64(n as i64),
-                    Arg::I64(rows as i64),
-                    Arg::I64(cols as i64),
-                    Arg::I32(*upper as i32),
-                    Arg::I64(*k),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
-        Op::Gather { axis } => {
-            let (io, it) = c.ins[1];
-            let (o, d, i) = around(&xt.shape, *axis);
-            let mut args = vec![
-                Arg::I64(o as i64),
-                Arg::I64(d as i64),
-                Arg::I64(it.numel() as i64),
-                Arg::I64(i as i64),
-            ];
-            args.extend(idx_args(io, it));
-            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
-            args.extend(err());
-            w.push(elementwise(format!("gather_{}", bsz(xt.dtype)), n, args));
-        }
-        Op::GatherElements { axis } => {
-            let (io, it) = c.ins[1];
-            check_rank(&it.shape)?;
-            let mut nd = Nd::new(&it.shape);
-            nd.s[0] = contiguous(&xt.shape);
-            let mut args = vec![
-                Arg::I64(n as i64),
-                Arg::Nd(nd),
-                Arg::I32(*axis as i32),
-                Arg::I64(xt.shape[*axis] as i64),
-            ];
-            args.extend(idx_args(io, it));
-            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
-            args.extend(err());
-            w.push(elementwise(
-                format!("gather_elements_{}", bsz(xt.dtype)),
-                n,
-                args,
-            ));
-        }
-        Op::GatherND { batch_dims } => {
-            let (io, it) = c.ins[1];
-            let b = *batch_dims;
-            let last = it.shape[it.rank() - 1];
-            check_rank(&xt.shape[b..b + last])?;
-            let ds = &xt.shape;
-            let slice: usize = ds[b + last..].iter().product();
-            let tpb: usize = it.shape[b..it.rank() - 1].iter().product();
-            let batch_stride: usize = ds[b..].iter().product();
-            let mut nd = Nd::new(&ds[b..b + last]);
-            nd.s[0] = (0..last)
-                .map(|k| ds[b + k + 1..].iter().product::<usize>() as i64)
-                .collect();
-            let mut args = vec![
-                Arg::I64(n as i64),
-                Arg::I64(slice.max(1) as i64),
-                Arg::I64(tpb.max(1) as i64),
-                Arg::I64(batch_stride as i64),
-                Arg::I32(last as i32),
-                Arg::Nd(nd),
-            ];
-            args.extend(idx_args(io, it));
-            args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
-            args.extend(err());
-            w.push(elementwise(format!("gather_nd_{}", bsz(xt.dtype)), n, args));
-        }
-        Op::ScatterElements { axis, add } => {
-            let (io, it) = c.ins[1];
-            let (uo, _) = c.ins[2];
-            check_rank(&it.shape)?;
-            w.push(Work::Copy {
-                src: x,
-                dst: y,
-                bytes: yt.size_bytes() as u64,
-            });
-            let mut lane_shape = it.shape.clone();
-            lane_shape[*axis] = 1;
-            let lanes_n = numel(&lane_shape);
-            if it.numel() > 0 {
-                let mut nd = Nd::new(&lane_shape);
-                nd.s[0] = contiguous(&xt.shape);
-                nd.s[1] = contiguous(&it.shape);
-                let mut args = vec![
-                    Arg::I64(lanes_n as i64),
-                    Arg::Nd(nd),
-                    Arg::I32(*axis as i32),
-                    Arg::I64(it.shape[*axis] as i64),
-                    Arg::I64(xt.shape[*axis] as i64),
-                ];
-                args.extend(idx_args(io, it));
-                args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
-                args.extend(err());
-                w.push(elementwise(
-                    format!("scatter_elements_{}", dt(xt.dtype)),
-                    lanes_n,
-                    args,
-                ));
-            }
-        }
-        Op::ScatterND { add } => {
-            let (io, it) = c.ins[1];
-            let (uo, _) = c.ins[2];
-            let last = it.shape[it.rank() - 1];
-            check_rank(&xt.shape[..last])?;
-            // the result may lie in the data's own bytes (an in-place pair): then no copy
-            if x != y {
-                w.push(Work::Copy {
-                    src: x,
-                    dst: y,
-                    bytes: yt.size_bytes() as u64,
-                });
-            }
-            let slice: usize = xt.shape[last..].iter().product();
-            let tuples: usize = it.shape[..it.rank() - 1].iter().product();
-            if slice > 0 && tuples > 0 {
-                let mut nd = Nd::new(&xt.shape[..last]);
-                nd.s[0] = (0..last)
-                    .map(|k| xt.shape[k + 1..].iter().product::<usize>() as i64)
-                    .collect();
-                let mut args = vec![
-                    Arg::I64(slice as i64),
-                    Arg::I64(tuples as i64),
-                    Arg::I32(last as i32),
-                    Arg::Nd(nd),
-                ];
-                args.extend(idx_args(io, it));
-                args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
-                args.extend(err());
-                w.push(elementwise(
-                    format!("scatter_nd_{}", dt(xt.dtype)),
-                    slice,
-                    args,
-                ));
-            }
-        }
-        Op::OneHot { axis, depth } => {
-            let (vo, vt) = c.ins[1];
-            let outer: usize = xt.shape[..*axis].iter().product();
-            let inner: usize = xt.shape[*axis..].iter().product();
-            let mut args = vec![
-                Arg::I64(outer as i64),
-                Arg::I64(*depth as i64),
-                Arg::I64(inner as i64),
-            ];
-            args.extend(idx_args(x, xt));
-            args.extend([Arg::Ptr(vo), Arg::Ptr(y)]);
-            w.push(elementwise(format!("one_hot_{}", dt(vt.dtype)), n, args));
-        }
+        } => slice(c, axes, starts, steps),
+        Op::Concat { axis } => concat(c, axis),
+        Op::Split { axis, .. } => split(c, axis),
+        Op::Expand { shape } => expand(c, shape),
+        Op::Tile { .. } => tile(c),
+        Op::Trilu { upper, k } => trilu(c, upper, k),
+        Op::Gather { axis } => gather(c, axis),
+        Op::GatherElements { axis } => gather_elements(c, axis),
+        Op::GatherND { batch_dims } => gather_nd(c, batch_dims),
+        Op::ScatterElements { axis, add } => scatter_elements(c, axis, add),
+        Op::ScatterND { add } => scatter_nd(c, add),
+        Op::OneHot { axis, depth } => one_hot(c, axis, depth),
         Op::TopK {
             axis, k, largest, ..
-        } => {
-            let (o, d, i) = around(&xt.shape, *axis);
-            if *k > 0 && o * i > 0 {
-                w.push(elementwise(
-                    format!("topk_{}", dt(xt.dtype)),
-                    o * i,
-                    vec![
-                        Arg::I64(o as i64),
-                        Arg::I64(d as i64),
-                        Arg::I64(i as i64),
-                        Arg::I64(*k as i64),
-                        Arg::I32(*largest as i32),
-                        Arg::Ptr(x),
-                        Arg::Ptr(y),
-                        Arg::Ptr(c.outs[1].0),
-                    ],
-                ));
-            }
-        }
-        Op::Fill { value, dtype, .. } => {
-            w.push(elementwise(
-                format!("fill_{}", dt(*dtype)),
-                n,
-                vec![
-                    Arg::I64(n as i64),
-                    Arg::Bits {
-                        bits: fill_bits(*dtype, *value),
-                        len: dtype.size_bytes(),
-                    },
-                    Arg::Ptr(y),
-                ],
-            ));
-        }
+        } => topk(c, axis, k, largest),
+        Op::Fill { value, dtype, .. } => fill(c, value, dtype),
         Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
-            w.extend(lower_attention(op, c, *scale, *causal)?);
+            lower_attention(op, c, *scale, *causal)
         }
         // Lowered by the caller (streams and communicators), never here. Listed by name so
         // that a new op does not compile until it is lowered above or listed.
@@ -1388,13 +492,736 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
         | Op::AllToAll { .. }
         | Op::Broadcast { .. }
         | Op::RecordEvent { .. }
-        | Op::WaitEvent { .. } => {
-            return Err(format!(
-                "internal: {} reached the compute lowering",
-                op.name()
-            ))
-        }
+        | Op::WaitEvent { .. } => Err(format!(
+            "internal: {} reached the compute lowering",
+            op.name()
+        )),
     }
+}
+
+impl<'a> NodeCtx<'a> {
+    /// The first input (offset 0 and an empty type for an op without inputs: Fill).
+    fn x(&self) -> (u64, &'a TensorType) {
+        self.ins.first().copied().unwrap_or((0, &EMPTY))
+    }
+
+    /// The first output.
+    fn y(&self) -> (u64, &'a TensorType) {
+        self.outs.first().copied().unwrap_or((0, &EMPTY))
+    }
+
+    /// The error-flag arguments of a kernel that reports bad indices.
+    fn err(&self) -> [Arg; 2] {
+        [Arg::ErrFlag, Arg::I32(self.code)]
+    }
+}
+
+fn copy_through(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, _) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    // a reshape may share its input's bytes (the memory plan's views): nothing to copy
+    if n > 0 && x != y {
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    }
+    Ok(w)
+}
+
+fn unary(c: &NodeCtx, u: &UnaryOp) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let code = u.code() as i32;
+    let kernel = if *u == UnaryOp::IsNaN {
+        format!("isnan_{}", dt(xt.dtype))
+    } else {
+        format!("unary_{}", dt(xt.dtype))
+    };
+    let mut args = vec![];
+    if *u != UnaryOp::IsNaN {
+        args.push(Arg::I32(code));
+    }
+    args.extend([Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)]);
+    w.push(elementwise(kernel, n, args));
+    Ok(w)
+}
+
+fn binary(c: &NodeCtx, b: &BinaryOp) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (bo, bt) = c.ins[1];
+    check_rank(&yt.shape)?;
+    if xt.dtype == DType::Bool
+        && matches!(
+            b,
+            BinaryOp::Sub | BinaryOp::Div | BinaryOp::Pow | BinaryOp::Mod
+        )
+    {
+        return Err(format!("{} is not defined for bool operands", b.name()));
+    }
+    let code = b.code() as i32;
+    let mut nd = Nd::new(&yt.shape);
+    nd.s[0] = bcast(&xt.shape, &yt.shape);
+    nd.s[1] = bcast(&bt.shape, &yt.shape);
+    let mut args = vec![
+        Arg::I32(code),
+        Arg::I64(n as i64),
+        Arg::Nd(nd.coalesced(None)),
+        Arg::Ptr(x),
+        Arg::Ptr(bo),
+        Arg::Ptr(y),
+    ];
+    let kernel = if b.is_predicate() {
+        format!("compare_{}", dt(xt.dtype))
+    } else {
+        args.extend(c.err());
+        format!("binary_{}", dt(xt.dtype))
+    };
+    w.push(walk_kernel(kernel, n, args));
+    Ok(w)
+}
+
+fn where_select(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    check_rank(&yt.shape)?;
+    let mut nd = Nd::new(&yt.shape);
+    for k in 0..3 {
+        nd.s[k] = bcast(&c.ins[k].1.shape, &yt.shape);
+    }
+    w.push(walk_kernel(
+        format!("where_{}", dt(yt.dtype)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::Nd(nd.coalesced(None)),
+            Arg::Ptr(c.ins[0].0),
+            Arg::Ptr(c.ins[1].0),
+            Arg::Ptr(c.ins[2].0),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn cast(c: &NodeCtx, to: &DType) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    if *to == xt.dtype {
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    } else {
+        w.push(elementwise(
+            format!("cast_{}_{}", dt(xt.dtype), dt(*to)),
+            n,
+            vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(y)],
+        ));
+    }
+    Ok(w)
+}
+
+fn softmax(op: &Op, c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    let log = matches!(op, Op::LogSoftmax { .. }) as i32;
+    if d > 0 {
+        w.push(lanes(
+            format!("softmax_{}", dt(xt.dtype)),
+            o * i,
+            vec![
+                Arg::I64(o as i64),
+                Arg::I64(d as i64),
+                Arg::I64(i as i64),
+                Arg::I32(log),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+            ],
+        ));
+    }
+    Ok(w)
+}
+
+fn gelu_tanh_grad(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (dy, _) = c.ins[1];
+    if n > 0 {
+        w.push(elementwise(
+            format!("gelu_tanh_grad_{}", dt(xt.dtype)),
+            n,
+            vec![Arg::I64(n as i64), Arg::Ptr(x), Arg::Ptr(dy), Arg::Ptr(y)],
+        ));
+    }
+    Ok(w)
+}
+
+fn adamw(
+    c: &NodeCtx,
+    beta1: &f64,
+    beta2: &f64,
+    eps: &f64,
+    weight_decay: &f64,
+) -> Result<Vec<Work>, String> {
+    let (_, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    if n > 0 {
+        let mut args = vec![
+            Arg::I64(n as i64),
+            Arg::F32((1.0 - beta1) as f32),
+            Arg::F32(*beta2 as f32),
+            Arg::F32((1.0 - beta2) as f32),
+            Arg::F32(*eps as f32),
+            Arg::Bits {
+                bits: weight_decay.to_bits(),
+                len: 8,
+            },
+        ];
+        args.extend(c.ins.iter().map(|(off, _)| Arg::Ptr(*off)));
+        args.extend(c.outs.iter().map(|(off, _)| Arg::Ptr(*off)));
+        w.push(elementwise("adamw_f32".into(), n, args));
+    }
+    Ok(w)
+}
+
+fn cross_entropy(op: &Op, c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    let grad = matches!(op, Op::SoftmaxCrossEntropyGrad { .. });
+    let (lo, lt) = c.ins[1];
+    // the loss gradient (the loss's own buffer when there is none: never read)
+    let dy = c.ins.get(2).map_or(y, |(off, _)| *off);
+    if o * i > 0 {
+        let mut args = vec![
+            Arg::I64(o as i64),
+            Arg::I64(d as i64),
+            Arg::I64(i as i64),
+            Arg::I32(grad as i32),
+            Arg::Ptr(x),
+        ];
+        args.extend(idx_args(lo, lt));
+        args.extend([Arg::Ptr(dy), Arg::Ptr(y)]);
+        args.extend(c.err());
+        w.push(lanes(format!("xent_{}", dt(xt.dtype)), o * i, args));
+    }
+    Ok(w)
+}
+
+fn norm(op: &Op, c: &NodeCtx, axis: &usize, epsilon: &f32) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let grad = matches!(op, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. });
+    let rms = matches!(op, Op::RmsNorm { .. } | Op::RmsNormGrad { .. });
+    let norm = &xt.shape[*axis..];
+    check_rank(norm)?;
+    let rows: usize = xt.shape[..*axis].iter().product();
+    let d: usize = norm.iter().product();
+    let mut nd = Nd::new(norm);
+    nd.s[0] = bcast(&c.ins[1].1.shape, norm);
+    // the forward's optional bias (s1 of the walk); the gradient's dy and outputs
+    let tail = if grad {
+        vec![
+            Arg::Ptr(c.ins[2].0),
+            Arg::Ptr(c.outs[0].0),
+            Arg::Ptr(c.outs[1].0),
+        ]
+    } else {
+        let bias = c.ins.get(2).map(|(o, t)| {
+            nd.s[1] = bcast(&t.shape, norm);
+            Arg::Ptr(*o)
+        });
+        vec![bias.unwrap_or(Arg::Null), Arg::Ptr(y)]
+    };
+    let mut args = vec![
+        Arg::I64(rows as i64),
+        Arg::I64(d as i64),
+        Arg::F32(*epsilon),
+        Arg::I32(rms as i32),
+        Arg::Nd(nd),
+        Arg::Ptr(x),
+        Arg::Ptr(c.ins[1].0),
+    ];
+    args.extend(tail);
+    let family = if grad { "norm_grad" } else { "norm" };
+    if rows * d > 0 {
+        w.push(lanes(format!("{family}_{}", dt(xt.dtype)), rows, args));
+    } else if !grad {
+        // (no normalized elements: the forward is its input)
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    }
+    Ok(w)
+}
+
+fn reduce(c: &NodeCtx, rop: &ReduceOp, axes: &[usize]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let mut axes = axes.to_vec();
+    axes.sort_unstable();
+    axes.dedup();
+    let s = &xt.shape;
+    check_rank(s)?;
+    let cs = contiguous(s);
+    let kept: Vec<usize> = (0..s.len()).filter(|d| !axes.contains(d)).collect();
+    let mut kn = Nd::new(&kept.iter().map(|&d| s[d]).collect::<Vec<_>>());
+    kn.s[0] = kept.iter().map(|&d| cs[d]).collect();
+    let mut rn = Nd::new(&axes.iter().map(|&d| s[d]).collect::<Vec<_>>());
+    rn.s[0] = axes.iter().map(|&d| cs[d]).collect();
+    let nout: usize = kept.iter().map(|&d| s[d]).product();
+    let nred: usize = axes.iter().map(|&d| s[d]).product();
+    let code = ReduceOp::ALL.iter().position(|r| r == rop).unwrap_or(0) as i32;
+    let args = vec![
+        Arg::I32(code),
+        Arg::I64(nout as i64),
+        Arg::I64(nred as i64),
+        // (merging keeps every output's and every reduced element's offset, and the
+        // order a thread visits the reduced elements in: the same sums, bit for bit)
+        Arg::Nd(kn.coalesced(None)),
+        Arg::Nd(rn.coalesced(None)),
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+    ];
+    let kernel = format!("reduce_{}", dt(xt.dtype));
+    if xt.dtype.is_float() {
+        w.push(lanes(kernel, nout, args));
+    } else {
+        w.push(elementwise(kernel, nout, args));
+    }
+    Ok(w)
+}
+
+fn argmax(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    if d == 0 {
+        return Err(format!("ArgMax over axis {axis} of size 0"));
+    }
+    w.push(elementwise(
+        format!("argmax_{}", dt(xt.dtype)),
+        o * i,
+        vec![
+            Arg::I64(o as i64),
+            Arg::I64(d as i64),
+            Arg::I64(i as i64),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn cumsum(
+    c: &NodeCtx,
+    axis: &usize,
+    exclusive: &bool,
+    reverse: &bool,
+) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    if xt.dtype == DType::Bool {
+        return Err("CumSum is not defined for bool".into());
+    }
+    let (o, d, i) = around(&xt.shape, *axis);
+    w.push(elementwise(
+        format!("cumsum_{}", dt(xt.dtype)),
+        o * i,
+        vec![
+            Arg::I64(o as i64),
+            Arg::I64(d as i64),
+            Arg::I64(i as i64),
+            Arg::I32(*exclusive as i32),
+            Arg::I32(*reverse as i32),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn transpose(c: &NodeCtx, perm: &[usize]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let cs = contiguous(&xt.shape);
+    let s_in = perm.iter().map(|&p| cs[p]).collect();
+    w.extend(copy_nd(
+        xt.dtype,
+        &yt.shape,
+        s_in,
+        contiguous(&yt.shape),
+        vec![0; perm.len()],
+        (x, 0),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn slice(c: &NodeCtx, axes: &[usize], starts: &[i64], steps: &[i64]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let cs = contiguous(&xt.shape);
+    let mut s_in = cs.clone();
+    let mut base = 0i64;
+    for k in 0..axes.len() {
+        base += starts[k] * cs[axes[k]];
+        s_in[axes[k]] = cs[axes[k]] * steps[k];
+    }
+    let r = yt.rank();
+    w.extend(copy_nd(
+        xt.dtype,
+        &yt.shape,
+        s_in,
+        contiguous(&yt.shape),
+        vec![0; r],
+        (x, base),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn concat(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let os = contiguous(&yt.shape);
+    let mut at = 0i64;
+    for &(io, it) in &c.ins {
+        let r = it.rank();
+        w.extend(copy_nd(
+            it.dtype,
+            &it.shape,
+            contiguous(&it.shape),
+            os.clone(),
+            vec![0; r],
+            (io, 0),
+            (y, at * os[*axis]),
+        )?);
+        at += it.shape[*axis] as i64;
+    }
+    Ok(w)
+}
+
+fn split(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let mut w: Vec<Work> = Vec::new();
+    let cs = contiguous(&xt.shape);
+    let mut at = 0i64;
+    for &(oo, ot) in &c.outs {
+        let r = ot.rank();
+        w.extend(copy_nd(
+            ot.dtype,
+            &ot.shape,
+            cs.clone(),
+            contiguous(&ot.shape),
+            vec![0; r],
+            (x, at * cs[*axis]),
+            (oo, 0),
+        )?);
+        at += ot.shape[*axis] as i64;
+    }
+    Ok(w)
+}
+
+fn expand(c: &NodeCtx, shape: &[usize]) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    w.extend(copy_nd(
+        xt.dtype,
+        shape,
+        bcast(&xt.shape, shape),
+        contiguous(shape),
+        vec![0; shape.len()],
+        (x, 0),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn tile(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let modulo = xt.shape.iter().map(|&d| d as i64).collect();
+    w.extend(copy_nd(
+        xt.dtype,
+        &yt.shape,
+        contiguous(&xt.shape),
+        contiguous(&yt.shape),
+        modulo,
+        (x, 0),
+        (y, 0),
+    )?);
+    Ok(w)
+}
+
+fn trilu(c: &NodeCtx, upper: &bool, k: &i64) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let r = xt.rank();
+    let (rows, cols) = (xt.shape[r - 2], xt.shape[r - 1]);
+    w.push(elementwise(
+        format!("trilu_{}", bsz(xt.dtype)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+            Arg::I32(*upper as i32),
+            Arg::I64(*k),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ],
+    ));
+    Ok(w)
+}
+
+fn gather(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let (o, d, i) = around(&xt.shape, *axis);
+    let mut args = vec![
+        Arg::I64(o as i64),
+        Arg::I64(d as i64),
+        Arg::I64(it.numel() as i64),
+        Arg::I64(i as i64),
+    ];
+    args.extend(idx_args(io, it));
+    args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+    args.extend(c.err());
+    w.push(elementwise(format!("gather_{}", bsz(xt.dtype)), n, args));
+    Ok(w)
+}
+
+fn gather_elements(c: &NodeCtx, axis: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    check_rank(&it.shape)?;
+    let mut nd = Nd::new(&it.shape);
+    nd.s[0] = contiguous(&xt.shape);
+    let mut args = vec![
+        Arg::I64(n as i64),
+        Arg::Nd(nd),
+        Arg::I32(*axis as i32),
+        Arg::I64(xt.shape[*axis] as i64),
+    ];
+    args.extend(idx_args(io, it));
+    args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+    args.extend(c.err());
+    w.push(elementwise(
+        format!("gather_elements_{}", bsz(xt.dtype)),
+        n,
+        args,
+    ));
+    Ok(w)
+}
+
+fn gather_nd(c: &NodeCtx, batch_dims: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let b = *batch_dims;
+    let last = it.shape[it.rank() - 1];
+    check_rank(&xt.shape[b..b + last])?;
+    let ds = &xt.shape;
+    let slice: usize = ds[b + last..].iter().product();
+    let tpb: usize = it.shape[b..it.rank() - 1].iter().product();
+    let batch_stride: usize = ds[b..].iter().product();
+    let mut nd = Nd::new(&ds[b..b + last]);
+    nd.s[0] = (0..last)
+        .map(|k| ds[b + k + 1..].iter().product::<usize>() as i64)
+        .collect();
+    let mut args = vec![
+        Arg::I64(n as i64),
+        Arg::I64(slice.max(1) as i64),
+        Arg::I64(tpb.max(1) as i64),
+        Arg::I64(batch_stride as i64),
+        Arg::I32(last as i32),
+        Arg::Nd(nd),
+    ];
+    args.extend(idx_args(io, it));
+    args.extend([Arg::Ptr(x), Arg::Ptr(y)]);
+    args.extend(c.err());
+    w.push(elementwise(format!("gather_nd_{}", bsz(xt.dtype)), n, args));
+    Ok(w)
+}
+
+fn scatter_elements(c: &NodeCtx, axis: &usize, add: &bool) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let (uo, _) = c.ins[2];
+    check_rank(&it.shape)?;
+    w.push(Work::Copy {
+        src: x,
+        dst: y,
+        bytes: yt.size_bytes() as u64,
+    });
+    let mut lane_shape = it.shape.clone();
+    lane_shape[*axis] = 1;
+    let lanes_n = numel(&lane_shape);
+    if it.numel() > 0 {
+        let mut nd = Nd::new(&lane_shape);
+        nd.s[0] = contiguous(&xt.shape);
+        nd.s[1] = contiguous(&it.shape);
+        let mut args = vec![
+            Arg::I64(lanes_n as i64),
+            Arg::Nd(nd),
+            Arg::I32(*axis as i32),
+            Arg::I64(it.shape[*axis] as i64),
+            Arg::I64(xt.shape[*axis] as i64),
+        ];
+        args.extend(idx_args(io, it));
+        args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
+        args.extend(c.err());
+        w.push(elementwise(
+            format!("scatter_elements_{}", dt(xt.dtype)),
+            lanes_n,
+            args,
+        ));
+    }
+    Ok(w)
+}
+
+fn scatter_nd(c: &NodeCtx, add: &bool) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (io, it) = c.ins[1];
+    let (uo, _) = c.ins[2];
+    let last = it.shape[it.rank() - 1];
+    check_rank(&xt.shape[..last])?;
+    // the result may lie in the data's own bytes (an in-place pair): then no copy
+    if x != y {
+        w.push(Work::Copy {
+            src: x,
+            dst: y,
+            bytes: yt.size_bytes() as u64,
+        });
+    }
+    let slice: usize = xt.shape[last..].iter().product();
+    let tuples: usize = it.shape[..it.rank() - 1].iter().product();
+    if slice > 0 && tuples > 0 {
+        let mut nd = Nd::new(&xt.shape[..last]);
+        nd.s[0] = (0..last)
+            .map(|k| xt.shape[k + 1..].iter().product::<usize>() as i64)
+            .collect();
+        let mut args = vec![
+            Arg::I64(slice as i64),
+            Arg::I64(tuples as i64),
+            Arg::I32(last as i32),
+            Arg::Nd(nd),
+        ];
+        args.extend(idx_args(io, it));
+        args.extend([Arg::Ptr(uo), Arg::Ptr(y), Arg::I32(*add as i32)]);
+        args.extend(c.err());
+        w.push(elementwise(
+            format!("scatter_nd_{}", dt(xt.dtype)),
+            slice,
+            args,
+        ));
+    }
+    Ok(w)
+}
+
+fn one_hot(c: &NodeCtx, axis: &usize, depth: &usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    let (vo, vt) = c.ins[1];
+    let outer: usize = xt.shape[..*axis].iter().product();
+    let inner: usize = xt.shape[*axis..].iter().product();
+    let mut args = vec![
+        Arg::I64(outer as i64),
+        Arg::I64(*depth as i64),
+        Arg::I64(inner as i64),
+    ];
+    args.extend(idx_args(x, xt));
+    args.extend([Arg::Ptr(vo), Arg::Ptr(y)]);
+    w.push(elementwise(format!("one_hot_{}", dt(vt.dtype)), n, args));
+    Ok(w)
+}
+
+fn topk(c: &NodeCtx, axis: &usize, k: &usize, largest: &bool) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (y, _) = c.y();
+    let mut w: Vec<Work> = Vec::new();
+    let (o, d, i) = around(&xt.shape, *axis);
+    if *k > 0 && o * i > 0 {
+        w.push(elementwise(
+            format!("topk_{}", dt(xt.dtype)),
+            o * i,
+            vec![
+                Arg::I64(o as i64),
+                Arg::I64(d as i64),
+                Arg::I64(i as i64),
+                Arg::I64(*k as i64),
+                Arg::I32(*largest as i32),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::Ptr(c.outs[1].0),
+            ],
+        ));
+    }
+    Ok(w)
+}
+
+fn fill(c: &NodeCtx, value: &f64, dtype: &DType) -> Result<Vec<Work>, String> {
+    let (y, yt) = c.y();
+    let n = yt.numel();
+    let mut w: Vec<Work> = Vec::new();
+    w.push(elementwise(
+        format!("fill_{}", dt(*dtype)),
+        n,
+        vec![
+            Arg::I64(n as i64),
+            Arg::Bits {
+                bits: fill_bits(*dtype, *value),
+                len: dtype.size_bytes(),
+            },
+            Arg::Ptr(y),
+        ],
+    ));
     Ok(w)
 }
 

@@ -18,6 +18,7 @@ pub mod lower;
 pub mod probe;
 pub mod rendezvous;
 pub mod transport;
+pub mod work;
 
 #[cfg(feature = "cuda")]
 mod device;

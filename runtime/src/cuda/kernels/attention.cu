@@ -311,7 +311,7 @@ __device__ void attn_dkv_k(AtDims a, const T* q, const T* k, const T* v, const T
 FLOAT_TYPES(ATTENTION_FLOAT)
 
 // PASA (Pseudo-Average Shifting Attention, arXiv 2503.01873): the forward in fp16 for f16
-// operands, every kept value rounded to fp16 as `runtime/src/cpu/pasa.rs` describes and
+// operands, every kept value rounded to fp16 as `runtime/kernels/src/cpu/pasa.rs` describes and
 // emulates step by step (its module comment is the specification; this kernel runs the same
 // roundings, with dot products summed by the lanes' butterfly instead of in order). Per key
 // tile of AT_BC keys: the tile's pseudo-average h = fp16(beta fp16(mean of its key rows))
