@@ -8,6 +8,7 @@ mod compile;
 mod data_cmd;
 mod files;
 mod launch;
+mod procs;
 mod run;
 mod session;
 mod simulate;
