@@ -782,8 +782,8 @@ unsafe fn reduce_run(
             let dst = std::slice::from_raw_parts_mut(dst, count);
             let p0 = inputs[0];
             dst.copy_from_slice(std::slice::from_raw_parts(p0.add(from), count));
-            for j in 1..n {
-                let x = std::slice::from_raw_parts(inputs[j].add(from), count);
+            for &pj in &inputs[1..] {
+                let x = std::slice::from_raw_parts(pj.add(from), count);
                 match how {
                     ReduceOp::Sum | ReduceOp::Max | ReduceOp::Mean => {
                         dst.iter_mut().zip(x).for_each(|(a, &b)| *a |= b)

@@ -353,6 +353,9 @@ impl TcpCommunicator {
     }
 }
 
+/// A connection's key: (communicator index, the peer's rank).
+type Link = (usize, usize);
+
 /// A communicator to connect: its index (the same in every process) and its members'
 /// global ranks, in member order.
 pub struct CommSpec {
@@ -403,7 +406,7 @@ pub fn connect(
         .map(|c| c.members.iter().filter(|&&m| m < rank).count())
         .sum();
     let deadline = Instant::now() + timeout;
-    let mut streams: std::collections::HashMap<(usize, usize), TcpStream> = Default::default();
+    let mut streams: std::collections::HashMap<Link, TcpStream> = Default::default();
     std::thread::scope(|sc| -> Result<(), String> {
         let acceptor = sc.spawn(|| accept_all(&listener, rank, expected, specs, deadline));
         let mut out = Vec::new();
@@ -501,7 +504,7 @@ fn accept_all(
     expected: usize,
     specs: &[CommSpec],
     deadline: Instant,
-) -> Result<Vec<((usize, usize), TcpStream)>, String> {
+) -> Result<Vec<(Link, TcpStream)>, String> {
     listener
         .set_nonblocking(true)
         .map_err(|e| format!("rank {rank}: {e}"))?;
