@@ -13,10 +13,11 @@ use std::time::Duration;
     after_help = "Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT \
 (and GROUP_RANK = the node rank), as torchrun sets them. Example:\n  \
 hzp launch --nproc-per-node 8 -- run plan.json --inputs batch.npz --steps 10 --backend cuda\n\
+On the CPU backend (a plan of 2 ranks): hzp launch --nproc-per-node 2 -- run plan.json --inputs batch.npz\n\
 Two nodes: run `hzp launch --nproc-per-node 8 --nnodes 2 --node-rank R --master-addr HOST0 --master-port 29500 -- ...` on each."
 )]
 pub struct LaunchArgs {
-    /// Processes to start on this node (one per GPU).
+    /// Processes to start on this node (one per GPU; on the CPU backend, one per rank).
     #[arg(long, value_name = "N")]
     pub nproc_per_node: usize,
     /// Number of nodes.
@@ -40,33 +41,6 @@ pub struct LaunchArgs {
 pub const MAX_NPROC_PER_NODE: usize = 1024;
 /// Largest world `hzp launch` starts: the largest mesh the planner accepts.
 pub const MAX_WORLD: usize = hzp_ir::Mesh::MAX_RANKS;
-
-/// Why the child command cannot run under a launcher: `run` on the CPU backend runs every
-/// rank of the plan as threads of one process, so N processes would each run the whole plan.
-fn cpu_run(command: &[String]) -> Option<String> {
-    if command.first().map(String::as_str) != Some("run") {
-        return None;
-    }
-    let mut backend = "cpu";
-    let mut it = command.iter().skip(1);
-    while let Some(arg) = it.next() {
-        if arg == "--" {
-            break;
-        }
-        if let Some(v) = arg.strip_prefix("--backend=") {
-            backend = v;
-        } else if arg == "--backend" {
-            if let Some(v) = it.next() {
-                backend = v;
-            }
-        }
-    }
-    (backend != "cuda").then(|| {
-        format!(
-            "`hzp run` with the {backend} backend runs every rank of the plan as threads of one process; start it once, without `hzp launch` (the launcher is for `run ... --backend cuda`, one process per GPU)"
-        )
-    })
-}
 
 fn free_port() -> std::io::Result<u16> {
     let l = std::net::TcpListener::bind(("127.0.0.1", 0))?;
@@ -125,8 +99,8 @@ fn status_code(s: ExitStatus) -> i32 {
     1
 }
 
-/// The flags' checks: counts, ranks and the world size in range, a command that is neither
-/// `launch` itself nor a CPU run.
+/// The flags' checks: counts, ranks and the world size in range, a command that is not
+/// `launch` itself.
 fn check_args(a: &LaunchArgs) -> Result<(), String> {
     if a.nproc_per_node == 0 {
         return Err("--nproc-per-node must be at least 1".into());
@@ -160,9 +134,6 @@ fn check_args(a: &LaunchArgs) -> Result<(), String> {
                 a.nproc_per_node, a.nnodes
             ))
         }
-    }
-    if let Some(why) = cpu_run(&a.command) {
-        return Err(why);
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ mod data_cmd;
 mod files;
 mod launch;
 mod plan_file;
+mod procs;
 mod run;
 mod run_args;
 mod session;
@@ -31,7 +32,8 @@ use std::path::PathBuf;
     long_about = "hzp reads a model (an ONNX file exported from PyTorch, hzp's own .hzp text IR, \
 or preset:NAME for shapes-only GPT/Llama/MoE configs) and turns it into IR that it can print, \
 summarize, evaluate and train on the CPU, compile into a per-rank AsyncHZP plan, simulate on a \
-modeled cluster, and run on N ranks (threads of one process on the CPU; one process per GPU \
+modeled cluster, and run on N ranks (threads of one process on the CPU, or one process per rank \
+under hzp launch, torchrun or srun; one process per GPU \
 with the cuda backend, which needs a build with --features cuda: checked on one H100 / H200, \
 every rank of a plan on that GPU; NCCL across several GPUs has not run yet)."
 )]

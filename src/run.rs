@@ -1,4 +1,5 @@
-//! `hzp run`: execute a compiled plan on W ranks (threads of this process) on the CPU.
+//! `hzp run`: execute a compiled plan on W ranks on the CPU: threads of this process, or,
+//! under a launcher (`hzp launch`, torchrun, srun), one process per rank (see `procs`).
 
 use crate::plan_file::{
     apply_plan_edits, eval_program, load_forward, load_imported, plan_ties, read_plan,
@@ -215,14 +216,11 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// The launcher this process looks started by, as words, when it is one of several
-/// processes: `WORLD_SIZE` (torchrun, `hzp launch`), `SLURM_STEP_NUM_TASKS` (srun; not
-/// `SLURM_NTASKS`, which an sbatch script running one process sees too),
-/// `OMPI_COMM_WORLD_SIZE` (Open MPI) or `PMI_SIZE` (MPICH, Intel MPI) above 1.
+/// The MPI launcher this process looks started by, as words, when it is one of several
+/// processes: `OMPI_COMM_WORLD_SIZE` (Open MPI) or `PMI_SIZE` (MPICH, Intel MPI) above 1
+/// (`hzp launch`, torchrun and srun are read by `procs::discover`).
 pub fn launched_by(get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
     for (var, who) in [
-        ("WORLD_SIZE", "hzp launch or torchrun"),
-        ("SLURM_STEP_NUM_TASKS", "srun"),
         ("OMPI_COMM_WORLD_SIZE", "mpirun"),
         ("PMI_SIZE", "an MPI launcher"),
     ] {
@@ -252,13 +250,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "cuda" => true,
         other => return Err(miette!("unknown backend `{other}` (expected cpu or cuda)")),
     };
-    if !cuda {
-        if let Some(why) = launched_by(&|k| std::env::var(k).ok()) {
-            return Err(miette!(
-                "{why}, but the CPU backend runs every rank of the plan as threads of this one process, so each of the launched processes would run the whole plan; start `hzp run` once, without a launcher (or use --backend cuda, which runs one rank per process)"
-            ));
+    let dist = if cuda {
+        None
+    } else {
+        let get = |k: &str| std::env::var(k).ok();
+        if let Some(why) = launched_by(&get) {
+            if crate::procs::discover(&get).ok().flatten().is_none() {
+                return Err(miette!(
+                    "{why}; hzp reads the variables of `hzp launch`, torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and srun, not MPI's: start the processes with one of those"
+                ));
+            }
         }
-    }
+        crate::procs::discover(&get).map_err(|e| miette!("{e}"))?
+    };
     if args.attention.is_some() && !cuda {
         return Err(miette!(
             "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"
@@ -311,7 +315,37 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let text = args.format == Format::Text;
     let opts = exec_options(args, comm, link, timeout, fault);
-    let mut ex = Executor::new(&plan, &params, opts).map_err(|e| miette!("{e}"))?;
+    let mut procs = match &dist {
+        None => None,
+        Some(env) => {
+            if args.trace.is_some() {
+                return Err(miette!(
+                    "--trace writes every rank's timeline from one process; under a launcher each process runs one rank: run the plan once without a launcher to trace it"
+                ));
+            }
+            let w = plan.mesh.world_size();
+            if env.world_size != w {
+                return Err(miette!(
+                    "the launcher started {} processes (rank {} of {}), but the plan's mesh {} has {w} rank{}: on the CPU backend start one process per rank (e.g. `hzp launch --nproc-per-node {w} -- run ...`)",
+                    env.world_size,
+                    env.rank,
+                    env.world_size,
+                    plan.mesh,
+                    if w == 1 { "" } else { "s" }
+                ));
+            }
+            if env.rank != 0 {
+                // rank 0 reports the run
+                crate::stdio::quiet();
+            }
+            Some(crate::procs::Procs::connect(env, &plan, timeout)?)
+        }
+    };
+    let mut ex = match procs.as_mut() {
+        None => Executor::new(&plan, &params, opts),
+        Some(p) => Executor::new_process(&plan, &params, opts, &mut p.rv),
+    }
+    .map_err(|e| miette!("{e}"))?;
     let stats = if plain {
         let batch = hzp_passes::train::with_lr(&plan.program, &fixed, lr_max);
         ex.set_inputs(&batch).map_err(|e| {
@@ -327,7 +361,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if text {
             outln!("{}", run_header(args, &plan, "running"));
         }
-        let r = crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule);
+        let r =
+            crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule, procs.as_mut());
         flight_on_error(r, &ex, args)?
     };
 
@@ -348,7 +383,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         print_step_summary(&stats)?;
     }
-    let saved = write_run_outputs(args, &plan, &ex, &outs, text)?;
+    let saved = write_run_outputs(args, &plan, &ex, &outs, text, procs.as_mut())?;
     if !text {
         print_run_json(args, &plan, &stats, saved)?;
     }
@@ -626,10 +661,22 @@ fn write_run_outputs(
     ex: &Executor,
     outs: &[PathBuf],
     text: bool,
+    procs: Option<&mut crate::procs::Procs>,
 ) -> Result<Option<usize>> {
     let mut saved = None;
     if let Some(out) = &args.save_params {
-        let p = saved_parameters(args, plan, ex.parameters())?;
+        let params = match procs {
+            None => ex.parameters(),
+            Some(p) => {
+                let all = p.parameters(ex)?;
+                if p.rank() != 0 {
+                    // rank 0 writes the file
+                    return Ok(None);
+                }
+                all
+            }
+        };
+        let p = saved_parameters(args, plan, params)?;
         crate::files::write_params(out, outs, &p)?;
         saved = Some(p.len());
         if text {

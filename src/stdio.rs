@@ -6,8 +6,20 @@
 use std::fmt::Arguments;
 use std::io::Write;
 
+/// Set in the processes of a multi-process run other than rank 0's: their stdout says
+/// nothing (rank 0 prints the run's report; errors and notes still go to stderr).
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on `out` writes nothing (see [`QUIET`]).
+pub fn quiet() {
+    QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Writes formatted text to stdout.
 pub fn out(args: Arguments<'_>) -> miette::Result<()> {
+    if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(());
+    }
     let mut o = std::io::stdout().lock();
     o.write_fmt(args)
         .map_err(|e| miette::miette!("cannot write to stdout: {e}"))

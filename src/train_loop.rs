@@ -20,8 +20,11 @@ pub fn run_loop(
     ex: &mut Executor,
     fixed: &[(String, Tensor)],
     schedule: &LrSchedule,
+    mut procs: Option<&mut crate::procs::Procs>,
 ) -> Result<Vec<StepStats>> {
     let p = &plan.program;
+    // in a multi-process run, rank 0 reports (stdout, --log, evaluation)
+    let rank0 = procs.as_ref().is_none_or(|p| p.rank() == 0);
     let s = &args.session;
     let mut lp = StepLoop {
         args,
@@ -39,7 +42,7 @@ pub fn run_loop(
     let ckpt_dir = args.checkpoint_dir.as_deref();
     check_checkpoint_flags(args)?;
     let start = match (args.resume, ckpt_dir) {
-        (true, Some(dir)) => lp.resume(ex, dir)?,
+        (true, Some(dir)) => lp.resume(ex, dir, procs.as_deref_mut())?,
         _ => 0,
     };
     let end = args.stop_at.map_or(args.steps, |n| n.min(args.steps));
@@ -51,7 +54,7 @@ pub fn run_loop(
         return Ok(Vec::new());
     }
 
-    let mut metrics = Metrics::open(s.log.as_deref())?;
+    let mut metrics = Metrics::open(s.log.as_deref().filter(|_| rank0))?;
     let pb = if lp.text {
         session::progress(args.steps, start)
     } else {
@@ -71,7 +74,15 @@ pub fn run_loop(
         let done = step + 1;
         let val_loss = match (&mut evaluator, eval_every) {
             (Some(e), Some(k)) if done.is_multiple_of(k) || done == args.steps => {
-                Some(e.loss(&ex.parameters())?)
+                let params = match procs.as_deref_mut() {
+                    None => ex.parameters(),
+                    Some(p) => p.parameters(ex)?,
+                };
+                if rank0 {
+                    Some(e.loss(&params)?)
+                } else {
+                    None
+                }
             }
             _ => None,
         };
@@ -83,7 +94,7 @@ pub fn run_loop(
             tokens: lp.feed.as_ref().map(|f| f.rows * f.seq),
             grad_norm: norm_name
                 .as_deref()
-                .and_then(|n| ex.value(0, n))
+                .and_then(|n| ex.value(ex.local_ranks().first().copied().unwrap_or(0), n))
                 .and_then(|t| t.to_f64_vec().first().copied()),
             val_loss,
         };
@@ -103,7 +114,7 @@ pub fn run_loop(
                 .checkpoint_every
                 .is_some_and(|k| done.is_multiple_of(k));
             if due || done == end {
-                lp.save_checkpoint(ex, dir, done, lr, &pb)?;
+                lp.save_checkpoint(ex, dir, done, lr, &pb, procs.as_deref_mut())?;
             }
         }
     }
@@ -185,10 +196,18 @@ impl StepLoop<'_> {
 
     /// `--resume`: restores the newest checkpoint in `dir` (if any) and the data position;
     /// returns the step to start at.
-    fn resume(&mut self, ex: &mut Executor, dir: &Path) -> Result<usize> {
-        let Some(c) =
-            checkpoint::latest(dir, &mut |n| eprintln!("note: {n}")).map_err(|e| miette!("{e}"))?
-        else {
+    fn resume(
+        &mut self,
+        ex: &mut Executor,
+        dir: &Path,
+        procs: Option<&mut crate::procs::Procs>,
+    ) -> Result<usize> {
+        let found =
+            checkpoint::latest(dir, &mut |n| eprintln!("note: {n}")).map_err(|e| miette!("{e}"))?;
+        if let Some(p) = procs {
+            p.agree_on_resume(found.as_ref().map(|c| (c.manifest.step, c.path.as_path())))?;
+        }
+        let Some(c) = found else {
             eprintln!(
                 "note: --resume: no checkpoint in {} yet; starting at step 0",
                 dir.display()
@@ -309,6 +328,7 @@ impl StepLoop<'_> {
         done: usize,
         lr: f64,
         pb: &Option<indicatif::ProgressBar>,
+        procs: Option<&mut crate::procs::Procs>,
     ) -> Result<()> {
         let (args, plan, s) = (self.args, self.plan, &self.args.session);
         let manifest = Manifest {
@@ -340,13 +360,19 @@ impl StepLoop<'_> {
             files: Vec::new(),
             manifest_sha256: String::new(),
         };
-        let per_rank: Vec<Vec<(String, Tensor)>> = (0..plan.mesh.world_size())
-            .map(|r| ex.persistent(r))
-            .collect();
         let t0 = std::time::Instant::now();
-        let (path, bytes) =
-            checkpoint::save(dir, manifest, &per_rank).map_err(|e| miette!("{e}"))?;
-        if let Some(keep) = args.keep {
+        let rank0 = procs.as_ref().is_none_or(|p| p.rank() == 0);
+        let (path, bytes) = match procs {
+            // every process writes its ranks' files; rank 0 the manifest, last
+            Some(p) => p.save_checkpoint(ex, dir, manifest)?,
+            None => {
+                let per_rank: Vec<Vec<(String, Tensor)>> = (0..plan.mesh.world_size())
+                    .map(|r| ex.persistent(r))
+                    .collect();
+                checkpoint::save(dir, manifest, &per_rank).map_err(|e| miette!("{e}"))?
+            }
+        };
+        if let (Some(keep), true) = (args.keep, rank0) {
             let mut notes = Vec::new();
             checkpoint::prune(
                 dir,

@@ -148,43 +148,6 @@ fn launch_checks_its_flags() {
     assert!(err.contains("no-such-model.hzp"), "{err}");
 }
 
-#[test]
-fn launch_refuses_a_cpu_run_which_would_run_the_whole_plan_in_every_process() {
-    for args in [
-        vec!["run", "plan.json", "--inputs", "b.npz"],
-        vec!["run", "plan.json", "--backend", "cpu"],
-        vec!["run", "plan.json", "--backend=cpu", "--steps", "2"],
-    ] {
-        let mut all = vec!["launch", "--nproc-per-node", "2", "--"];
-        all.extend(&args);
-        let (code, out, err) = hzp(&all);
-        assert_eq!(code, 1, "{all:?}: {err}");
-        assert!(
-            err.contains("runs every rank of the plan as threads of one process")
-                && err.contains("without `hzp launch`"),
-            "{all:?}: {err}"
-        );
-        // refused before any process started
-        assert!(!out.contains("[rank ") && !err.contains("[rank "), "{err}");
-    }
-    // --backend cuda passes the check (and fails in the ranks: no such plan)
-    let (code, _, err) = hzp(&[
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "run",
-        "no-such-plan.json",
-        "--backend",
-        "cuda",
-    ]);
-    assert_eq!(code, 1, "{err}");
-    assert!(
-        err.contains("[rank ") && err.contains("no-such-plan.json"),
-        "{err}"
-    );
-}
-
 /// `hzp` with extra environment variables.
 fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_hzp"))
@@ -206,28 +169,246 @@ fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
 }
 
 #[test]
-fn a_cpu_run_started_as_one_of_several_processes_is_refused() {
+fn a_cpu_run_reads_the_launchers_variables_and_says_what_is_missing() {
     let run = ["run", "no-such-plan.json", "--steps", "1"];
+    // torchrun's, srun's or no launcher's: it gets as far as reading the plan
     for env in [
         vec![("RANK", "1"), ("WORLD_SIZE", "2")],
-        vec![("SLURM_STEP_NUM_TASKS", "4"), ("SLURM_PROCID", "3")],
-        vec![("OMPI_COMM_WORLD_SIZE", "8")],
+        vec![
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_STEP_NODELIST", "node[01-02]"),
+        ],
+        vec![("RANK", "0"), ("WORLD_SIZE", "1")],
+        vec![],
     ] {
-        let (code, err) = hzp_env(&run, &env);
-        assert_eq!(code, 1, "{env:?}: {err}");
-        assert!(
-            err.contains("CPU backend runs every rank of the plan as threads of this one process")
-                && err.contains("without a launcher"),
-            "{env:?}: {err}"
-        );
-        assert!(!err.contains("no-such-plan.json"), "{env:?}: {err}");
-    }
-    // one process of one (or no launcher at all) runs: it gets as far as reading the plan
-    for env in [vec![("RANK", "0"), ("WORLD_SIZE", "1")], vec![]] {
         let (code, err) = hzp_env(&run, &env);
         assert_eq!(code, 1, "{env:?}: {err}");
         assert!(err.contains("no-such-plan.json"), "{env:?}: {err}");
     }
+    for (env, words) in [
+        (
+            vec![("OMPI_COMM_WORLD_SIZE", "8")],
+            vec!["mpirun", "RANK, WORLD_SIZE"],
+        ),
+        (
+            vec![("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_PROCID", "0")],
+            vec!["MASTER_ADDR", "SLURM_STEP_NODELIST"],
+        ),
+        (
+            vec![("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_PROCID", "2")],
+            vec!["SLURM_PROCID=2 is not below SLURM_STEP_NUM_TASKS=2"],
+        ),
+        (vec![("RANK", "x"), ("WORLD_SIZE", "2")], vec!["RANK=\"x\""]),
+    ] {
+        let (code, err) = hzp_env(&run, &env);
+        assert_eq!(code, 1, "{env:?}: {err}");
+        for w in words {
+            assert!(err.contains(w), "{env:?}: `{w}` in {err}");
+        }
+        assert!(!err.contains("no-such-plan.json"), "{env:?}: {err}");
+    }
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
+/// Two `hzp run` processes with the environment `env(rank)`, as a launcher starts them;
+/// returns rank 0's stdout (both must succeed).
+fn two_processes(args: &[String], env: &dyn Fn(usize) -> Vec<(String, String)>) -> String {
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_hzp"))
+                .args(args)
+                .env_remove("RANK")
+                .env_remove("WORLD_SIZE")
+                .env_remove("MASTER_PORT")
+                .env_remove("MASTER_ADDR")
+                .env_remove("SLURM_PROCID")
+                .env_remove("SLURM_STEP_NUM_TASKS")
+                .envs(env(r))
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {r}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert!(outs[1].stdout.is_empty(), "rank 1 printed: {:?}", outs[1]);
+    String::from_utf8_lossy(&outs[0].stdout).into_owned()
+}
+
+fn losses(json: &str) -> Vec<f64> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+/// Every parameter of an .npz, as bits.
+fn param_bits(p: &std::path::Path) -> Vec<(String, Vec<u32>)> {
+    let mut v: Vec<(String, Vec<u32>)> = hzp_frontends::npz::read(p)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_f32_vec().iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The CPU backend as one process per rank: under `hzp launch`, and as torchrun and srun
+/// start it (their variables set by hand), a 2-rank plan gives the losses and the trained
+/// parameters of the threaded run bit for bit; with checkpoints written by both processes
+/// and `--resume` (srun) as well; a launcher's world that is not the plan's is an error.
+#[test]
+fn cpu_runs_as_one_process_per_rank_equal_the_threaded_run() {
+    let d = tempdir().join("procs");
+    std::fs::create_dir_all(&d).unwrap();
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let model = repo.join("tests/models/gpt2_tiny.legacy.op17.onnx");
+    let io = repo.join("tests/models/gpt2_tiny.io.npz");
+    let plan = d.join("plan.json");
+    let s = |p: &std::path::Path| p.display().to_string();
+    let (code, _, err) = hzp(&[
+        "compile",
+        &s(&model),
+        "--inputs",
+        &s(&io),
+        "--mesh",
+        "gpu=2",
+        "-o",
+        &s(&plan),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let run = |save: &str, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "run",
+            &s(&plan),
+            "--inputs",
+            &s(&io),
+            "--steps",
+            "3",
+            "--lr",
+            "0.01",
+            "--format",
+            "json",
+            "--save-params",
+            &s(&d.join(save)),
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    // the threaded run
+    let (code, out, err) = hzp(&run("threads.npz", &[])
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>());
+    assert_eq!(code, 0, "{err}");
+    let want = losses(&out);
+    assert_eq!(want.len(), 3);
+    let want_params = param_bits(&d.join("threads.npz"));
+
+    // hzp launch: rank 0's report, prefixed
+    let mut a = vec![
+        "launch".to_string(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--".into(),
+    ];
+    a.extend(run("launch.npz", &[]));
+    let (code, out, err) = hzp(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("[rank 1]"), "{out}");
+    let json: String = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] "))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert_eq!(losses(&json), want, "hzp launch");
+    assert_eq!(param_bits(&d.join("launch.npz")), want_params, "hzp launch");
+
+    // torchrun's variables
+    let port = free_port();
+    let out = two_processes(&run("torchrun.npz", &[]), &|r| {
+        vec![
+            ("RANK".into(), r.to_string()),
+            ("LOCAL_RANK".into(), r.to_string()),
+            ("WORLD_SIZE".into(), "2".into()),
+            ("LOCAL_WORLD_SIZE".into(), "2".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.clone()),
+        ]
+    });
+    assert_eq!(losses(&out), want, "torchrun");
+    assert_eq!(param_bits(&d.join("torchrun.npz")), want_params, "torchrun");
+
+    // srun's, stopped after step 2 with a checkpoint, then resumed to step 3
+    let ck = d.join("ck");
+    let port = free_port();
+    let slurm = |r: usize| {
+        vec![
+            ("SLURM_PROCID".into(), r.to_string()),
+            ("SLURM_LOCALID".into(), r.to_string()),
+            ("SLURM_STEP_NUM_TASKS".into(), "2".into()),
+            ("SLURM_STEP_NODELIST".into(), "localhost".into()),
+            ("MASTER_PORT".into(), port.clone()),
+        ]
+    };
+    let ckf = ["--checkpoint-dir", &s(&ck), "--checkpoint-every", "1"];
+    let mut first = ckf.to_vec();
+    first.extend(["--stop-at", "2"]);
+    let out = two_processes(&run("srun-stopped.npz", &first), &slurm);
+    assert_eq!(losses(&out), want[..2], "srun, steps 1-2");
+    let (code, shown, err) = hzp(&["checkpoint", "show", &s(&ck)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(shown.contains("step-000002"), "{shown}");
+    let mut resume = ckf.to_vec();
+    resume.push("--resume");
+    let out = two_processes(&run("srun.npz", &resume), &slurm);
+    assert_eq!(losses(&out), want[2..], "srun, resumed");
+    assert_eq!(
+        param_bits(&d.join("srun.npz")),
+        want_params,
+        "srun, resumed"
+    );
+
+    // a world that is not the plan's mesh
+    let (code, err) = hzp_env(
+        &run("x.npz", &[])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+        &[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_PORT", &free_port()),
+        ],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("started 3 processes") && err.contains("gpu=2 has 2 ranks"),
+        "{err}"
+    );
 }
 
 /// The processes whose parent is `pid` (from /proc), with their command lines.

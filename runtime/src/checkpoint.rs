@@ -345,11 +345,48 @@ fn write_new(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 /// checkpoint exists. The files go into a hidden `.step-NNNNNN.partial-RUN-...` folder
 /// first, renamed when complete. Returns the checkpoint's folder and its total bytes.
 /// Retention is [`prune`]'s.
+///
+/// A run of several processes writes the same checkpoint in three parts: one process
+/// [`begin`]s it, every process writes its ranks' files into that folder with
+/// [`write_rank`], and once all are written the first [`finish`]es it with their entries.
 pub fn save(
     dir: &Path,
-    mut manifest: Manifest,
+    manifest: Manifest,
     per_rank: &[Vec<(String, Tensor)>],
 ) -> Result<(PathBuf, u64), CheckpointError> {
+    let tmp = begin(dir, &manifest)?;
+    let world = per_rank.len();
+    let (plan_hash, step) = (&manifest.plan_hash, manifest.step);
+    // the ranks' files are serialized, hashed and written side by side
+    let written: Vec<Result<FileEntry, CheckpointError>> = std::thread::scope(|sc| {
+        let jobs: Vec<_> = per_rank
+            .iter()
+            .enumerate()
+            .map(|(r, values)| {
+                let tmp = &tmp;
+                sc.spawn(move || write_rank(tmp, r, world, plan_hash, step, values))
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err(io(&tmp, "a thread writing a rank's file failed")))
+            })
+            .collect()
+    });
+    let files = match written.into_iter().collect::<Result<Vec<_>, _>>() {
+        Ok(f) => f,
+        Err(e) => {
+            abandon(&tmp);
+            return Err(e);
+        }
+    };
+    finish(dir, &tmp, manifest, files)
+}
+
+/// Starts checkpoint `manifest.step` of `dir`: checks that it does not exist and creates its
+/// hidden temporary folder, which it returns.
+pub fn begin(dir: &Path, manifest: &Manifest) -> Result<PathBuf, CheckpointError> {
     if let Ok(m) = std::fs::metadata(dir) {
         if !m.is_dir() {
             return Err(io(dir, "exists and is not a folder"));
@@ -374,64 +411,76 @@ pub fn save(
         manifest.step
     ));
     std::fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
-    let world = per_rank.len();
+    Ok(tmp)
+}
+
+/// Writes rank `r`'s file (of `world`) of the checkpoint being written in `tmp` (see
+/// [`begin`]) and returns its manifest entry.
+pub fn write_rank(
+    tmp: &Path,
+    r: usize,
+    world: usize,
+    plan_hash: &str,
+    step: usize,
+    values: &[(String, Tensor)],
+) -> Result<FileEntry, CheckpointError> {
+    let name = rank_file(r);
+    let meta = HashMap::from([
+        (META_RANK.to_string(), r.to_string()),
+        (META_WORLD.to_string(), world.to_string()),
+        (META_PLAN.to_string(), plan_hash.to_string()),
+        (META_STEP.to_string(), step.to_string()),
+    ]);
+    let bytes = to_safetensors_with(values, Some(meta)).map_err(|e| io(&tmp.join(&name), e))?;
+    write_new(&tmp.join(&name), &bytes)?;
+    let mut tensors: Vec<TensorEntry> = values
+        .iter()
+        .map(|(n, t)| TensorEntry {
+            name: n.clone(),
+            dtype: t.dtype(),
+            shape: t.shape.clone(),
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(FileEntry {
+        name,
+        rank: r,
+        bytes: bytes.len() as u64,
+        sha256: sha256_hex(&bytes),
+        tensors,
+    })
+}
+
+/// Removes the temporary folder of a checkpoint that failed.
+pub fn abandon(tmp: &Path) {
+    let _ = std::fs::remove_dir_all(tmp);
+}
+
+/// Completes the checkpoint being written in `tmp` once every rank's file is there:
+/// `files` (every rank's entry, in rank order) go into the manifest, which is sealed and
+/// written last, and the folder is renamed to `step-NNNNNN`. On failure the temporary folder
+/// is removed. Returns the checkpoint's folder and its total bytes.
+pub fn finish(
+    dir: &Path,
+    tmp: &Path,
+    mut manifest: Manifest,
+    files: Vec<FileEntry>,
+) -> Result<(PathBuf, u64), CheckpointError> {
+    let final_dir = dir.join(step_dir_name(manifest.step));
     let result = (|| {
-        let mut total = 0u64;
-        manifest.files.clear();
-        let (plan_hash, step) = (&manifest.plan_hash, manifest.step);
-        // the ranks' files are serialized, hashed and written side by side
-        let written: Vec<Result<FileEntry, CheckpointError>> = std::thread::scope(|sc| {
-            let jobs: Vec<_> = per_rank
-                .iter()
-                .enumerate()
-                .map(|(r, values)| {
-                    let tmp = &tmp;
-                    sc.spawn(move || {
-                        let name = rank_file(r);
-                        let meta = HashMap::from([
-                            (META_RANK.to_string(), r.to_string()),
-                            (META_WORLD.to_string(), world.to_string()),
-                            (META_PLAN.to_string(), plan_hash.clone()),
-                            (META_STEP.to_string(), step.to_string()),
-                        ]);
-                        let bytes = to_safetensors_with(values, Some(meta))
-                            .map_err(|e| io(&tmp.join(&name), e))?;
-                        write_new(&tmp.join(&name), &bytes)?;
-                        let mut tensors: Vec<TensorEntry> = values
-                            .iter()
-                            .map(|(n, t)| TensorEntry {
-                                name: n.clone(),
-                                dtype: t.dtype(),
-                                shape: t.shape.clone(),
-                            })
-                            .collect();
-                        tensors.sort_by(|a, b| a.name.cmp(&b.name));
-                        Ok(FileEntry {
-                            name,
-                            rank: r,
-                            bytes: bytes.len() as u64,
-                            sha256: sha256_hex(&bytes),
-                            tensors,
-                        })
-                    })
-                })
-                .collect();
-            jobs.into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(io(&tmp, "a thread writing a rank's file failed")))
-                })
-                .collect()
-        });
-        for f in written {
-            let f = f?;
-            total += f.bytes;
-            manifest.files.push(f);
+        let ranks: Vec<usize> = files.iter().map(|f| f.rank).collect();
+        if ranks != (0..files.len()).collect::<Vec<_>>() {
+            return Err(io(
+                tmp,
+                format!("the rank files came as ranks {ranks:?}, not one per rank in order"),
+            ));
         }
-        let json = manifest.sealed_json().map_err(|e| io(&tmp, e))?;
+        let mut total: u64 = files.iter().map(|f| f.bytes).sum();
+        manifest.files = files;
+        let json = manifest.sealed_json().map_err(|e| io(tmp, e))?;
         write_new(&tmp.join(MANIFEST), json.as_bytes())?;
         total += json.len() as u64;
-        std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
+        std::fs::rename(tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
         if let Ok(d) = std::fs::File::open(dir) {
             let _ = d.sync_all();
         }
@@ -440,7 +489,7 @@ pub fn save(
     let total = match result {
         Ok(t) => t,
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
+            abandon(tmp);
             return Err(e);
         }
     };

@@ -17,6 +17,8 @@
 //! Links can be emulated: a [`LinkModel`] says how long a collective takes, and the call does
 //! not return before that time has passed since the last member arrived.
 
+pub mod tcp;
+
 use half::{bf16, f16};
 use hzp_ir::{DType, Group, Op, ReduceOp};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -323,70 +325,193 @@ impl Communicator {
     /// Between the two barriers of [`Communicator::run`], with checked operands.
     unsafe fn compute(&self, me: usize, op: &Op, dtype: DType, s: &[usize]) -> Result<(), String> {
         let n = self.n;
-        let es = dtype.size_bytes();
+        let inputs: Vec<*const u8> = (0..n).map(|j| self.input(j).0).collect();
         let out = self.output(me);
-        match op {
-            Op::AllGather { axis, .. } => {
-                let outer: usize = s[..*axis].iter().product();
-                let blk = s[*axis..].iter().product::<usize>() * es;
-                for j in 0..n {
-                    let (src, _) = self.input(j);
-                    for o in 0..outer {
-                        std::ptr::copy_nonoverlapping(
-                            src.add(o * blk),
-                            out.add((o * n + j) * blk),
-                            blk,
-                        );
-                    }
-                }
+        if let Op::AllReduce { reduce, .. } = op {
+            // Split by elements: this member reduces its chunk once, into its own output,
+            // then copies it to the others' outputs (the same arithmetic per element as
+            // every member reducing the whole).
+            let es = dtype.size_bytes();
+            let total: usize = s.iter().product();
+            let (lo, hi) = (total * me / n, total * (me + 1) / n);
+            let dst = out.add(lo * es);
+            reduce_run(&inputs, dtype, *reduce, lo, dst, hi - lo);
+            for j in (0..n).filter(|&j| j != me) {
+                std::ptr::copy_nonoverlapping(dst, self.output(j).add(lo * es), (hi - lo) * es);
             }
-            Op::ReduceScatter { axis, reduce, .. } => {
-                let outer: usize = s[..*axis].iter().product();
-                let inner: usize = s[*axis + 1..].iter().product();
-                let len = s[*axis] / n;
-                let run = len * inner;
-                for o in 0..outer {
-                    let src = (o * s[*axis] + me * len) * inner;
-                    reduce_run(self, dtype, *reduce, src, &[out.add(o * run * es)], run)?;
-                }
-            }
-            Op::AllReduce { reduce, .. } => {
-                let total: usize = s.iter().product();
-                let (lo, hi) = (total * me / n, total * (me + 1) / n);
-                // Reduce this member's chunk once, into its own output, then copy it to the
-                // others' outputs.
-                let dst = out.add(lo * es);
-                reduce_run(self, dtype, *reduce, lo, &[dst], hi - lo)?;
-                for j in (0..n).filter(|&j| j != me) {
-                    std::ptr::copy_nonoverlapping(dst, self.output(j).add(lo * es), (hi - lo) * es);
-                }
-            }
-            Op::AllToAll {
-                split_axis,
-                concat_axis,
-                ..
-            } => {
-                // Member j's piece `me` along split_axis goes to block j along concat_axis.
-                let mut piece = s.to_vec();
-                piece[*split_axis] /= n;
-                let mut out_shape = piece.clone();
-                out_shape[*concat_axis] *= n;
-                for j in 0..n {
-                    let (src, _) = self.input(j);
-                    let mut src_at = vec![0; s.len()];
-                    src_at[*split_axis] = me * piece[*split_axis];
-                    let mut dst_at = vec![0; s.len()];
-                    dst_at[*concat_axis] = j * piece[*concat_axis];
-                    copy_block(src, s, &src_at, out, &out_shape, &dst_at, &piece, es);
-                }
-            }
-            Op::Broadcast { root, .. } => {
-                let (src, len) = self.input(*root);
-                std::ptr::copy_nonoverlapping(src, out, len);
-            }
-            other => return Err(format!("{} is not a collective", other.name())),
+            return Ok(());
         }
-        Ok(())
+        member_result(me, op, dtype, s, &inputs, out)
+    }
+}
+
+/// Member `me`'s result of collective `op` from every member's input (`inputs[j]`: member
+/// j's bytes, `dtype` and shape `s` each) into `out`: the one arithmetic of every
+/// communicator (the threads' [`Communicator`] and the processes' [`tcp::TcpCommunicator`]),
+/// reductions in member order, so both give the same bits.
+///
+/// # Safety
+/// The operands were checked with [`check_args`]; every input holds `s` elements, `out` the
+/// result, and nothing writes them meanwhile.
+pub(crate) unsafe fn member_result(
+    me: usize,
+    op: &Op,
+    dtype: DType,
+    s: &[usize],
+    inputs: &[*const u8],
+    out: *mut u8,
+) -> Result<(), String> {
+    let n = inputs.len();
+    let es = dtype.size_bytes();
+    match op {
+        Op::AllGather { axis, .. } => {
+            let outer: usize = s[..*axis].iter().product();
+            let blk = s[*axis..].iter().product::<usize>() * es;
+            for (j, &src) in inputs.iter().enumerate() {
+                for o in 0..outer {
+                    std::ptr::copy_nonoverlapping(
+                        src.add(o * blk),
+                        out.add((o * n + j) * blk),
+                        blk,
+                    );
+                }
+            }
+        }
+        Op::ReduceScatter { axis, reduce, .. } => {
+            let outer: usize = s[..*axis].iter().product();
+            let inner: usize = s[*axis + 1..].iter().product();
+            let len = s[*axis] / n;
+            let run = len * inner;
+            for o in 0..outer {
+                let src = (o * s[*axis] + me * len) * inner;
+                reduce_run(inputs, dtype, *reduce, src, out.add(o * run * es), run);
+            }
+        }
+        Op::AllReduce { reduce, .. } => {
+            let total: usize = s.iter().product();
+            reduce_run(inputs, dtype, *reduce, 0, out, total);
+        }
+        Op::AllToAll {
+            split_axis,
+            concat_axis,
+            ..
+        } => {
+            // Member j's piece `me` along split_axis goes to block j along concat_axis.
+            let mut piece = s.to_vec();
+            piece[*split_axis] /= n;
+            let mut out_shape = piece.clone();
+            out_shape[*concat_axis] *= n;
+            for (j, &src) in inputs.iter().enumerate() {
+                let mut src_at = vec![0; s.len()];
+                src_at[*split_axis] = me * piece[*split_axis];
+                let mut dst_at = vec![0; s.len()];
+                dst_at[*concat_axis] = j * piece[*concat_axis];
+                copy_block(src, s, &src_at, out, &out_shape, &dst_at, &piece, es);
+            }
+        }
+        Op::Broadcast { root, .. } => {
+            let len = s.iter().product::<usize>() * es;
+            std::ptr::copy_nonoverlapping(inputs[*root], out, len);
+        }
+        other => return Err(format!("{} is not a collective", other.name())),
+    }
+    Ok(())
+}
+
+/// The communicator of one group instance on one stream, as the executor holds it: the
+/// members are threads of this process ([`Communicator`]), or this process's member talks to
+/// the others over TCP ([`tcp::TcpCommunicator`]). Both compute results with the same
+/// arithmetic (`member_result`), so they give the same bits.
+pub enum GroupComm {
+    Threads(Communicator),
+    Tcp(tcp::TcpCommunicator),
+}
+
+impl GroupComm {
+    /// The members' global ranks, in member order.
+    pub fn members(&self) -> &[usize] {
+        match self {
+            GroupComm::Threads(c) => c.members(),
+            GroupComm::Tcp(c) => c.members(),
+        }
+    }
+
+    /// Calls member `m` has entered (over TCP only this process's member is known; the
+    /// others count as 0).
+    pub fn calls_of(&self, m: usize) -> u64 {
+        match self {
+            GroupComm::Threads(c) => c.calls_of(m),
+            GroupComm::Tcp(c) if c.member() == m => c.calls(),
+            GroupComm::Tcp(_) => 0,
+        }
+    }
+
+    /// Which members a call of member `m` waits for, in words (for the watchdog).
+    pub fn waiting_note(&self, m: usize) -> String {
+        match self {
+            GroupComm::Threads(c) => {
+                let calls = c.calls();
+                let mine = calls.get(m).copied().unwrap_or(0);
+                let behind: Vec<String> = c
+                    .members()
+                    .iter()
+                    .zip(&calls)
+                    .filter(|(_, &k)| k < mine)
+                    .map(|(r, k)| format!("rank {r} ({k})"))
+                    .collect();
+                if behind.is_empty() {
+                    "every member has issued it".into()
+                } else {
+                    format!(
+                        "not issued by {} (calls entered on this communicator; rank {}: {mine})",
+                        behind.join(", "),
+                        c.members().get(m).copied().unwrap_or(0)
+                    )
+                }
+            }
+            GroupComm::Tcp(c) => match c.waiting_for() {
+                Some(r) => format!(
+                    "waiting for rank {r}'s data (call {} on this communicator)",
+                    c.calls()
+                ),
+                None => "every member's data has arrived".into(),
+            },
+        }
+    }
+
+    /// Runs one collective as member `me` (see [`Communicator::run`]).
+    ///
+    /// # Safety
+    /// As [`Communicator::run`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        me: usize,
+        op: &Op,
+        dtype: DType,
+        in_shape: &[usize],
+        input: *const u8,
+        input_len: usize,
+        output: *mut u8,
+        output_len: usize,
+        link: Option<(&dyn LinkModel, &Group)>,
+        abort: &AtomicBool,
+        node: usize,
+        on_start: Option<&dyn Fn()>,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                GroupComm::Threads(c) => c.run(
+                    me, op, dtype, in_shape, input, input_len, output, output_len, link, abort,
+                    node, on_start,
+                ),
+                GroupComm::Tcp(c) => c.run(
+                    me, op, dtype, in_shape, input, input_len, output, output_len, link, abort,
+                    node, on_start,
+                ),
+            }
+        }
     }
 }
 
@@ -549,31 +674,31 @@ pub(crate) fn block_runs(
     }
 }
 
-/// Reduces elements `from..from + count` of every member's input, in member order, into
-/// each of `dsts`.
+/// Reduces elements `from..from + count` of every member's input (`inputs`, in member
+/// order) into `dst`.
 ///
 /// # Safety
-/// Inside the barriers of a checked collective.
+/// Every input holds at least `from + count` elements of `dtype`, `dst` `count`.
 unsafe fn reduce_run(
-    c: &Communicator,
+    inputs: &[*const u8],
     dtype: DType,
     how: ReduceOp,
     from: usize,
-    dsts: &[*mut u8],
+    dst: *mut u8,
     count: usize,
-) -> Result<(), String> {
+) {
     if count == 0 {
-        return Ok(());
+        return;
     }
-    let n = c.n;
+    let n = inputs.len();
     macro_rules! go {
         ($t:ty, $add:expr, $mul:expr, $max:expr, $min:expr, $inv:expr) => {{
-            let dst = std::slice::from_raw_parts_mut(dsts[0] as *mut $t, count);
-            let (p0, _) = c.input(0);
+            let dst = std::slice::from_raw_parts_mut(dst as *mut $t, count);
+            let p0 = inputs[0];
             let first = std::slice::from_raw_parts((p0 as *const $t).add(from), count);
             dst.copy_from_slice(first);
             for j in 1..n {
-                let (pj, _) = c.input(j);
+                let pj = inputs[j];
                 let x = std::slice::from_raw_parts((pj as *const $t).add(from), count);
                 match how {
                     ReduceOp::Sum | ReduceOp::Mean => {
@@ -587,9 +712,6 @@ unsafe fn reduce_run(
             if how == ReduceOp::Mean {
                 let s: $t = $inv(n);
                 dst.iter_mut().for_each(|a| *a = $mul(*a, s));
-            }
-            for &d in &dsts[1..] {
-                std::ptr::copy_nonoverlapping(dst.as_ptr(), d as *mut $t, count);
             }
         }};
     }
@@ -657,11 +779,10 @@ unsafe fn reduce_run(
         ),
         DType::Bool => {
             // bool bytes are 0/1; sum = or, prod/min = and, max = or
-            let dst = std::slice::from_raw_parts_mut(dsts[0], count);
-            let (p0, _) = c.input(0);
+            let dst = std::slice::from_raw_parts_mut(dst, count);
+            let p0 = inputs[0];
             dst.copy_from_slice(std::slice::from_raw_parts(p0.add(from), count));
-            for j in 1..n {
-                let (pj, _) = c.input(j);
+            for &pj in &inputs[1..] {
                 let x = std::slice::from_raw_parts(pj.add(from), count);
                 match how {
                     ReduceOp::Sum | ReduceOp::Max | ReduceOp::Mean => {
@@ -672,10 +793,6 @@ unsafe fn reduce_run(
                     }
                 }
             }
-            for &d in &dsts[1..] {
-                std::ptr::copy_nonoverlapping(dst.as_ptr(), d, count);
-            }
         }
     }
-    Ok(())
 }

@@ -367,6 +367,12 @@ impl Rendezvous {
         self.world
     }
 
+    /// The address of this process on the interface it reaches the group by (rank 0: the
+    /// one the others connected to); `None` for a process alone.
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.peers.first()?.local_addr().ok().map(|a| a.ip())
+    }
+
     /// Timeout of every later read and write.
     pub fn set_timeout(&mut self, t: Duration) -> R<()> {
         self.timeout = t;

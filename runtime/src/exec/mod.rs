@@ -22,8 +22,10 @@
 pub mod arena;
 pub mod sync;
 
-use crate::comm::{Communicator, LinkModel};
+use crate::comm::tcp::{self, CommSpec};
+use crate::comm::{Communicator, GroupComm, LinkModel};
 use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
+use crate::cuda::rendezvous::Rendezvous;
 use crate::watchdog::{
     CollRecord, CollState, Fault, FaultKind, FlightRecorder, FlightReport, RankRecord, StuckHook,
 };
@@ -196,8 +198,14 @@ pub struct Executor {
     world: usize,
     nodes: Vec<NodeRt>,
     loc: Vec<Loc>,
+    /// The ranks this process runs (every rank, or one under a launcher), ascending.
+    local: Vec<usize>,
+    /// Per rank: its index in `arenas` when this process runs it.
+    slot: Vec<Option<usize>>,
+    /// The arenas of the local ranks.
     arenas: Vec<Arena>,
-    comms: Vec<Communicator>,
+    /// Per (stream, group instance): its communicator, when a local rank is a member.
+    comms: Vec<Option<GroupComm>>,
     comm_of: Vec<Vec<Option<CommRef>>>,
     n_events: usize,
     /// (value, target) pairs of updates; through `staging` when values and targets overlap.
@@ -463,12 +471,11 @@ fn check_no_overwrite(
 /// Per-rank communicator table of each collective node.
 type CommTable = Vec<Vec<Option<CommRef>>>;
 
-/// Communicators: one per (stream, group instance); and each rank's communicator of each
-/// collective node.
-fn communicators(p: &Program, mesh: &Mesh) -> Result<(Vec<Communicator>, CommTable), ExecError> {
+/// Communicators: the members of one per (stream, group instance); and each rank's
+/// communicator of each collective node.
+fn communicators(p: &Program, mesh: &Mesh) -> Result<(Vec<Vec<usize>>, CommTable), ExecError> {
     let world = mesh.world_size();
-    let labels: Arc<[String]> = p.nodes.iter().map(|n| n.name.clone()).collect();
-    let mut comms: Vec<Communicator> = Vec::new();
+    let mut comms: Vec<Vec<usize>> = Vec::new();
     let mut comm_key: HashMap<(usize, Vec<usize>), usize> = HashMap::new();
     let mut comm_of = vec![vec![None; p.nodes.len()]; world];
     for (ni, n) in p.nodes.iter().enumerate() {
@@ -485,13 +492,59 @@ fn communicators(p: &Program, mesh: &Mesh) -> Result<(Vec<Communicator>, CommTab
             debug_assert_eq!(size, members.len());
             let key = (n.stream.index(), members.clone());
             let comm = *comm_key.entry(key).or_insert_with(|| {
-                comms.push(Communicator::with_members(members, Some(labels.clone())));
+                comms.push(members);
                 comms.len() - 1
             });
             row[ni] = Some(CommRef { comm, member });
         }
     }
     Ok((comms, comm_of))
+}
+
+/// The communicators of the local ranks (`slot[r]`: whether rank r runs here) from their
+/// members: threads of this process when every member runs here, TCP to the other
+/// processes (connected through `rv`) otherwise.
+fn connect_comms(
+    p: &Program,
+    members: Vec<Vec<usize>>,
+    slot: &[Option<usize>],
+    rv: Option<&mut Rendezvous>,
+    opts: &ExecOptions,
+) -> Result<Vec<Option<GroupComm>>, ExecError> {
+    let labels: Arc<[String]> = p.nodes.iter().map(|n| n.name.clone()).collect();
+    let here = |m: &usize| slot.get(*m).copied().flatten().is_some();
+    let mut comms: Vec<Option<GroupComm>> = Vec::with_capacity(members.len());
+    let mut remote = Vec::new();
+    for (index, m) in members.into_iter().enumerate() {
+        let n_here = m.iter().filter(|r| here(r)).count();
+        if n_here == m.len() {
+            comms.push(Some(GroupComm::Threads(Communicator::with_members(
+                m,
+                Some(labels.clone()),
+            ))));
+        } else if n_here == 0 {
+            comms.push(None);
+        } else if n_here == 1 {
+            comms.push(None);
+            remote.push(CommSpec { index, members: m });
+        } else {
+            return Err(plan_err(format!(
+                "the communicator of ranks {m:?} has {n_here} members in this process and others elsewhere; run one rank per process"
+            )));
+        }
+    }
+    if remote.is_empty() {
+        return Ok(comms);
+    }
+    let rv =
+        rv.ok_or_else(|| plan_err("internal: ranks of other processes without a rendezvous"))?;
+    let timeout = opts
+        .collective_timeout
+        .unwrap_or(crate::watchdog::DEFAULT_TIMEOUT);
+    for (index, c) in tcp::connect(rv, &remote, labels, timeout).map_err(ExecError::Run)? {
+        comms[index] = Some(GroupComm::Tcp(c));
+    }
+    Ok(comms)
 }
 
 /// The updates as (value, target) copies, and the per-rank staging arenas if any.
@@ -634,11 +687,12 @@ fn step_stats(
         let st = st.into_inner().unwrap_or_else(|e| e.into_inner());
         let mut busy = [0u64; 3];
         let mut exposed = 0u64;
-        for r in 0..w {
+        // ranks of other processes have nothing recorded here
+        for per_rank in st.chunks(3) {
             for s in 0..3 {
-                busy[s] += st[r * 3 + s][0];
+                busy[s] += per_rank[s][0];
             }
-            exposed += st[r * 3][1];
+            exposed += per_rank[0][1];
         }
         let mean = |x: u64| Duration::from_nanos(x / w as u64);
         out.push(StepStats {
@@ -661,6 +715,29 @@ impl Executor {
         full_params: &[(String, Tensor)],
         opts: ExecOptions,
     ) -> Result<Executor, ExecError> {
+        Executor::build(plan, full_params, opts, None)
+    }
+
+    /// As [`Executor::new`], for one process of a multi-process run: this process runs rank
+    /// `rv.rank()` of the plan (the launcher started one process per rank, `rv` connects
+    /// them) and its collectives go over TCP to the other processes
+    /// ([`crate::comm::tcp`]), with the same results as the threads of [`Executor::new`].
+    /// Every process must call it with the same plan.
+    pub fn new_process(
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        opts: ExecOptions,
+        rv: &mut Rendezvous,
+    ) -> Result<Executor, ExecError> {
+        Executor::build(plan, full_params, opts, Some(rv))
+    }
+
+    fn build(
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+        opts: ExecOptions,
+        rv: Option<&mut Rendezvous>,
+    ) -> Result<Executor, ExecError> {
         let p = &plan.program;
         check_mesh(plan)?;
         let mesh = plan.mesh.clone();
@@ -670,11 +747,31 @@ impl Executor {
         let loc = value_locations(plan)?;
         let event_idx = event_indices(p)?;
         let nodes = runtime_nodes(p, &loc, &event_idx)?;
-        let (comms, comm_of) = communicators(p, &mesh)?;
-        let arenas = (0..world)
+        let (members, comm_of) = communicators(p, &mesh)?;
+        let local: Vec<usize> = match &rv {
+            None => (0..world).collect(),
+            Some(rv) => {
+                if rv.world_size() != world {
+                    return Err(plan_err(format!(
+                        "the launcher started {} process{}, the plan's mesh {mesh} has {world} rank{}: start one process per rank",
+                        rv.world_size(),
+                        if rv.world_size() == 1 { "" } else { "es" },
+                        if world == 1 { "" } else { "s" }
+                    )));
+                }
+                vec![rv.rank()]
+            }
+        };
+        let mut slot = vec![None; world];
+        for (i, &r) in local.iter().enumerate() {
+            slot[r] = Some(i);
+        }
+        let comms = connect_comms(p, members, &slot, rv, &opts)?;
+        let arenas = local
+            .iter()
             .map(|_| Arena::new(arena_bytes).map_err(plan_err))
             .collect::<Result<Vec<_>, _>>()?;
-        let (updates, staging) = update_copies(p, &loc, world)?;
+        let (updates, staging) = update_copies(p, &loc, local.len())?;
         let first_collective = nodes
             .iter()
             .position(|n| matches!(n.kind, Kind::Collective));
@@ -697,6 +794,8 @@ impl Executor {
             world,
             nodes,
             loc,
+            local,
+            slot,
             arenas,
             comms,
             comm_of,
@@ -737,21 +836,40 @@ impl Executor {
             )));
         }
         // SAFETY: no thread runs; the range is this value's buffer, inside the arena.
-        let out = unsafe { self.arenas[rank].bytes_mut(l.off, l.bytes) };
+        let out = unsafe { self.arena(rank)?.bytes_mut(l.off, l.bytes) };
         write_tensor(t, out).map_err(ExecError::Run)
     }
 
     fn read(&self, rank: usize, v: ValueId) -> Tensor {
         let l = self.loc[v.index()];
         // SAFETY: no thread runs (only called between runs).
-        let b = unsafe { self.arenas[rank].bytes(l.off, l.bytes) };
+        let a = self.arena(rank).expect("a rank this process runs");
+        let b = unsafe { a.bytes(l.off, l.bytes) };
         tensor_from_bytes(self.program.ty(v), b)
+    }
+
+    /// The arena of `rank`, one this process runs.
+    fn arena(&self, rank: usize) -> Result<&Arena, ExecError> {
+        self.slot
+            .get(rank)
+            .copied()
+            .flatten()
+            .map(|i| &self.arenas[i])
+            .ok_or_else(|| ExecError::Run(format!("rank {rank} runs in another process")))
+    }
+
+    /// The ranks this process runs: every rank of the plan, or (under a launcher) one.
+    pub fn local_ranks(&self) -> &[usize] {
+        &self.local
     }
 
     /// Master shards, compute shards, other states and constants into every arena.
     fn place_persistent(&mut self, full: &[(String, Tensor)]) -> Result<(), ExecError> {
         let shards = cut_parameters(&self.program, &self.mesh, &self.layouts, full)?;
         for (r, per_rank) in shards.into_iter().enumerate() {
+            if self.slot[r].is_none() {
+                continue;
+            }
             for (v, t) in per_rank {
                 self.write(r, v, &t)?;
             }
@@ -762,7 +880,7 @@ impl Executor {
             .iter()
             .map(|c| (c.value, c.data.clone()))
             .collect();
-        for r in 0..self.world {
+        for &r in &self.local {
             for (v, t) in &consts {
                 self.write(r, *v, t)?;
             }
@@ -804,10 +922,10 @@ impl Executor {
             let src = data_bytes(&t.data);
             // A scalar (the learning rate) is every rank's; other inputs are cut on axis 0.
             let replicated = want.rank() == 0;
-            for r in 0..w {
+            for (i, &r) in self.local.iter().enumerate() {
                 let at = if replicated { 0 } else { r * l.bytes };
                 // SAFETY: between runs; this input's buffer.
-                let out = unsafe { self.arenas[r].bytes_mut(l.off, l.bytes) };
+                let out = unsafe { self.arenas[i].bytes_mut(l.off, l.bytes) };
                 out.copy_from_slice(&src[at..at + l.bytes]);
             }
         }
@@ -851,7 +969,7 @@ impl Executor {
         }
         let walls = walls.into_inner().unwrap_or_else(|e| e.into_inner());
         let losses = losses.into_inner().unwrap_or_else(|e| e.into_inner());
-        let out = step_stats(stats, &walls, &losses, base_step, self.world);
+        let out = step_stats(stats, &walls, &losses, base_step, self.local.len());
         self.steps_run += steps;
         if self.opts.trace {
             for t in traces.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -869,7 +987,7 @@ impl Executor {
     fn thread_lists(&self) -> Vec<(usize, usize, Vec<usize>)> {
         let sync_mode = self.opts.comm == CommMode::Sync;
         let mut lists: Vec<(usize, usize, Vec<usize>)> = Vec::new();
-        for r in 0..self.world {
+        for &r in &self.local {
             if sync_mode {
                 let all = (0..self.nodes.len())
                     .filter(|&i| !matches!(self.nodes[i].kind, Kind::Record(_) | Kind::Wait(_)))
@@ -995,6 +1113,9 @@ impl Executor {
 
     /// Rank `rank`'s program outputs (the loss first), by name.
     pub fn outputs(&self, rank: usize) -> Vec<(String, Tensor)> {
+        if self.slot.get(rank).copied().flatten().is_none() {
+            return Vec::new();
+        }
         self.program
             .outputs
             .iter()
@@ -1007,6 +1128,28 @@ impl Executor {
     /// the mean over the replicas (every instance of the optimizer group), as decentralized
     /// training reports its model.
     pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        self.parameters_with(&HashMap::new())
+    }
+
+    /// [`Executor::parameters`] in one process of a multi-process run: the master shards of
+    /// the ranks of other processes come from `others` (rank -> its
+    /// [`Executor::master_shards`]). Parameters a rank needed for is missing from are left
+    /// out.
+    pub fn parameters_with(
+        &self,
+        others: &HashMap<usize, Vec<(String, Tensor)>>,
+    ) -> Vec<(String, Tensor)> {
+        let shard = |m: usize, v: ValueId| -> Option<Tensor> {
+            if self.slot.get(m).copied().flatten().is_some() {
+                return Some(self.read(m, v));
+            }
+            let name = &self.program.value(v).name;
+            others
+                .get(&m)?
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, t)| t.clone())
+        };
         self.layouts
             .iter()
             .filter_map(|l| {
@@ -1014,7 +1157,7 @@ impl Executor {
                 let whole = |first: usize| -> Result<Vec<f32>, ()> {
                     let mut flat: Vec<f32> = Vec::with_capacity(l.padded);
                     for m in self.mesh.group_members(&l.optim_group, first).ok_or(())? {
-                        flat.extend(self.read(m, v).to_f32_vec());
+                        flat.extend(shard(m, v).ok_or(())?.to_f32_vec());
                     }
                     flat.truncate(l.numel);
                     Ok(flat)
@@ -1023,6 +1166,20 @@ impl Executor {
                     assemble_layout(&self.mesh, l, self.world, self.replicas_differ, whole).ok()?;
                 Some((l.name.clone(), Tensor::f32(l.shape.clone(), flat)))
             })
+            .collect()
+    }
+
+    /// The parameter master shards of `rank` (a rank this process runs; empty otherwise),
+    /// by name: what [`Executor::parameters_with`] needs of it.
+    pub fn master_shards(&self, rank: usize) -> Vec<(String, Tensor)> {
+        if self.slot.get(rank).copied().flatten().is_none() {
+            return Vec::new();
+        }
+        let p = &self.program;
+        p.params
+            .iter()
+            .filter(|x| self.layouts.iter().any(|l| l.name == p.value(x.value).name))
+            .map(|x| (p.value(x.value).name.clone(), self.read(rank, x.value)))
             .collect()
     }
 
@@ -1045,6 +1202,9 @@ impl Executor {
     /// compute shards, optimizer moments, the step counter), by name, in program order:
     /// what a checkpoint keeps of the rank.
     pub fn persistent(&self, rank: usize) -> Vec<(String, Tensor)> {
+        if self.slot.get(rank).copied().flatten().is_none() {
+            return Vec::new();
+        }
         let p = &self.program;
         p.params
             .iter()
@@ -1056,6 +1216,7 @@ impl Executor {
 
     /// Sets the persistent values of every rank (as [`Executor::persistent`] gives them):
     /// `per_rank[r]` must name each of rank r's parameters and states once, with its type.
+    /// Every rank's values are checked; those of the ranks this process runs are set.
     pub fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
         if per_rank.len() != self.world {
             return Err(ExecError::Params(format!(
@@ -1095,6 +1256,9 @@ impl Executor {
             }
         }
         for (r, values) in per_rank.iter().enumerate() {
+            if self.slot[r].is_none() {
+                continue;
+            }
             for &v in &persistent {
                 let name = &self.program.value(v).name;
                 let (_, t) = values
@@ -1116,11 +1280,13 @@ impl Executor {
     /// other values what the last step left).
     pub fn value(&self, rank: usize, name: &str) -> Option<Tensor> {
         let v = self.program.find_value(name)?;
-        (rank < self.world).then(|| self.read(rank, v))
+        self.slot.get(rank)?.as_ref()?;
+        Some(self.read(rank, v))
     }
 
     fn apply_updates(&self, rank: usize) {
-        let a = &self.arenas[rank];
+        let Some(i) = self.slot[rank] else { return };
+        let a = &self.arenas[i];
         match &self.staging {
             None => {
                 for &(v, t) in &self.updates {
@@ -1134,7 +1300,7 @@ impl Executor {
                 }
             }
             Some(st) => {
-                let s = &st[rank];
+                let s = &st[i];
                 let mut at = 0;
                 for &(v, _) in &self.updates {
                     // SAFETY: as above; the staging arena is this rank's own.
@@ -1189,6 +1355,7 @@ impl Executor {
                             members: self
                                 .comms
                                 .get(e.comm as usize)
+                                .and_then(Option::as_ref)
                                 .map(|c| c.members().to_vec())
                                 .unwrap_or_default(),
                             comm_seq: e.comm_seq,
@@ -1249,23 +1416,9 @@ impl Executor {
                             self.describe_collective(*r, ni, step)
                         );
                         if let Some(c) = self.comm_of[*r][ni] {
-                            let comm = &self.comms[c.comm];
-                            let calls = comm.calls();
-                            let mine = calls.get(c.member).copied().unwrap_or(0);
-                            let behind: Vec<String> = comm
-                                .members()
-                                .iter()
-                                .zip(&calls)
-                                .filter(|(_, &k)| k < mine)
-                                .map(|(m, k)| format!("rank {m} ({k})"))
-                                .collect();
-                            if behind.is_empty() {
-                                msg += "; every member has issued it";
-                            } else {
-                                msg += &format!(
-                                    "; not issued by {} (calls entered on this communicator; rank {r}: {mine})",
-                                    behind.join(", ")
-                                );
+                            if let Some(comm) = &self.comms[c.comm] {
+                                msg += "; ";
+                                msg += &comm.waiting_note(c.member);
                             }
                         }
                         msg
@@ -1291,7 +1444,8 @@ impl Executor {
             node.outs.first().map_or(0, |(l, _)| l.bytes),
         );
         let members = self.comm_of[rank][ni]
-            .map(|c| format!("{:?}", self.comms[c.comm].members()))
+            .and_then(|c| self.comms[c.comm].as_ref())
+            .map(|c| format!("{:?}", c.members()))
             .unwrap_or_default();
         format!(
             "`{}` ({} over group {}, ranks {members}, {bytes} bytes, step {step})",
@@ -1462,7 +1616,7 @@ impl<'a> ThreadCtx<'a> {
         scratch: &mut Scratch<'a>,
     ) -> Result<(), ExecError> {
         let ex = self.ex;
-        let leader = self.rank == 0 && self.stream == 0;
+        let leader = ex.local.first() == Some(&self.rank) && self.stream == 0;
         let run_err = ExecError::Run;
         for (k, step_stats) in stats.iter().enumerate().take(steps) {
             let stamp = (base_step + k + 1) as u64;
@@ -1582,9 +1736,9 @@ impl<'a> ThreadCtx<'a> {
         let ex = self.ex;
         let node = &ex.nodes[ni];
         let op = &ex.program.nodes[ni].op;
-        let arena = &ex.arenas[self.rank];
+        let arena = ex.arena(self.rank).map_err(|e| e.to_string())?;
         let c = ex.comm_of[self.rank][ni].ok_or("no communicator")?;
-        let comm = &ex.comms[c.comm];
+        let comm = ex.comms[c.comm].as_ref().ok_or("no communicator")?;
         let (i, ity) = &node.ins[0];
         let (o, _) = &node.outs[0];
         let mut in_len = i.bytes;
@@ -1665,7 +1819,7 @@ impl<'a> ThreadCtx<'a> {
     fn exec_node(&self, ni: usize, step: u64, scratch: &mut Scratch<'a>) -> Result<(), String> {
         let ex = self.ex;
         let node = &ex.nodes[ni];
-        let arena = &ex.arenas[self.rank];
+        let arena = ex.arena(self.rank).map_err(|e| e.to_string())?;
         let op = &ex.program.nodes[ni].op;
         match node.kind {
             Kind::Move => {
