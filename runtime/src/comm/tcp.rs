@@ -563,3 +563,88 @@ fn accept_all(
     }
     Ok(got)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::rendezvous::DistEnv;
+    use hzp_ir::ReduceOp;
+
+    /// Two processes' members on this machine (threads here): rank 1 runs `peer` with its
+    /// communicator, rank 0 calls one all-reduce; returns rank 0's result.
+    fn all_reduce_against(timeout: Duration, peer: fn(TcpCommunicator)) -> Result<(), String> {
+        let port = TcpListener::bind(("127.0.0.1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let env = move |rank| DistEnv {
+            rank,
+            world_size: 2,
+            local_rank: rank,
+            local_world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        };
+        let comm = move |rank| -> TcpCommunicator {
+            let mut rv = Rendezvous::connect(&env(rank), Duration::from_secs(20)).unwrap();
+            let specs = [CommSpec {
+                index: 0,
+                members: vec![0, 1],
+            }];
+            let labels: Arc<[String]> = vec!["grad/AllReduce".to_string()].into();
+            connect(&mut rv, &specs, labels, timeout)
+                .unwrap()
+                .pop()
+                .unwrap()
+                .1
+        };
+        let other = std::thread::spawn(move || peer(comm(1)));
+        let c = comm(0);
+        let input = [1.0f32; 4];
+        let mut output = [0.0f32; 4];
+        let op = Op::AllReduce {
+            group: Group::new(["gpu"]),
+            reduce: ReduceOp::Sum,
+        };
+        let abort = AtomicBool::new(false);
+        // SAFETY: both buffers live on this stack frame until the call returns.
+        let r = unsafe {
+            c.run(
+                c.member(),
+                &op,
+                DType::F32,
+                &[4],
+                input.as_ptr().cast(),
+                16,
+                output.as_mut_ptr().cast(),
+                16,
+                None,
+                &abort,
+                0,
+                None,
+            )
+        };
+        other.join().unwrap();
+        r
+    }
+
+    #[test]
+    fn a_peer_whose_process_ended_is_named() {
+        let e = all_reduce_against(Duration::from_secs(20), drop).unwrap_err();
+        assert!(e.contains("rank 1") && e.contains("closed"), "{e}");
+        assert!(e.contains("grad/AllReduce"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_that_never_calls_times_out_naming_it() {
+        let start = Instant::now();
+        let e = all_reduce_against(Duration::from_millis(500), |c| {
+            std::thread::sleep(Duration::from_secs(2));
+            drop(c)
+        })
+        .unwrap_err();
+        assert!(e.contains("rank 1"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(30), "{e}");
+    }
+}
