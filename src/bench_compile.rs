@@ -32,9 +32,10 @@ pub struct BenchCompileArgs {
     /// Cluster spec (TOML). Default: the 8xH100 DGX spec.
     #[arg(long, value_name = "SPEC.toml")]
     pub cluster: Option<PathBuf>,
-    /// Memory budget per rank.
-    #[arg(long, default_value = "80GiB")]
-    pub memory: String,
+    /// Memory budget per rank, e.g. 80GiB. Default: the cluster's device memory (as `hzp
+    /// compile --memory`).
+    #[arg(long)]
+    pub memory: Option<String>,
     /// The strategy, as `hzp compile --strategy`.
     #[arg(long, default_value = "asynchzp", ignore_case = true, value_parser = crate::strategy_choices())]
     pub strategy: String,
@@ -58,9 +59,10 @@ pub struct BenchCompileArgs {
 /// with the bench's own flags set.
 fn compile_args(a: &BenchCompileArgs, mesh: &str) -> Result<CompileArgs> {
     let mut c = CompileArgs::for_mesh(mesh);
-    hzp_passes::cost::cluster::parse_bytes(&a.memory)
-        .map_err(|e| miette!("--memory {}: {e}", a.memory))?;
-    c.memory = Some(a.memory.clone());
+    if let Some(m) = &a.memory {
+        hzp_passes::cost::cluster::parse_bytes(m).map_err(|e| miette!("--memory {m}: {e}"))?;
+    }
+    c.memory = a.memory.clone();
     c.strategy = Some(a.strategy.clone());
     c.recompute = a.recompute.clone();
     c.no_rewrite = a.no_rewrite;
@@ -213,7 +215,7 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
          counts (each compiles every count once), plan JSON made (not written)",
         a.model,
         a.strategy,
-        a.memory,
+        budget_text(a),
         if a.recompute == "auto" {
             String::new()
         } else {
@@ -273,6 +275,13 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The budget as the header prints it: `--memory`, or the device memory it defaults to.
+fn budget_text(a: &BenchCompileArgs) -> String {
+    a.memory
+        .clone()
+        .unwrap_or_else(|| "the device memory".to_string())
 }
 
 /// The meshes asked for: `--meshes`, and the old spelling `--mesh` with a note.
@@ -347,7 +356,7 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
         "compile {} (strategy {}, budget {}{}{}), {} compile(s) per mesh, plan JSON made (not written)",
         a.model,
         a.strategy,
-        a.memory,
+        budget_text(a),
         if a.recompute == "auto" { String::new() } else { format!(", recompute {}", a.recompute) },
         if a.no_rewrite { ", no rewrite" } else { "" },
         repeat
@@ -390,7 +399,10 @@ fn print_table(a: &BenchCompileArgs, rows: &[Row], repeat: usize, resets: bool) 
         );
     }
     if rows.iter().any(|r| !r.fits) {
-        outln!("  * the plan's arena is over the budget ({})", a.memory);
+        outln!(
+            "  * the plan's arena is over the budget ({})",
+            budget_text(a)
+        );
     }
     if !resets {
         outln!("  peak RSS: the peak of the process so far (it could not be reset per mesh)");
