@@ -343,7 +343,8 @@ pub fn layer_of_params(p: &Program) -> LayerGrouping {
     let mut value_layer: Vec<Option<usize>> = vec![None; p.values.len()];
     let mut unnamed: Vec<usize> = Vec::new();
     let mut numbered: Vec<bool> = Vec::new();
-    let regions = repeated_blocks(p);
+    let sources = param_sources(p);
+    let regions = repeated_blocks(p, &sources);
     let mut in_block = vec![false; p.params.len()];
     // The layer of each node with a parameter read in a block: that block's, even where the
     // parameter is one an exporter merged and so belongs to an earlier block.
@@ -428,11 +429,14 @@ pub fn layer_of_params(p: &Program) -> LayerGrouping {
     // Execution order: by each layer's first node that reads an activation (an exporter
     // may hoist every weight's transpose to the top), else its first node; unused layers
     // keep their order, last.
-    let acts = reads_activations(p);
     let mut first_node = vec![(usize::MAX, usize::MAX); names.len()];
     for (n, l) in second.of_node.iter().enumerate() {
         if let Some(l) = *l {
-            let key = if acts[n] { (n, n) } else { (usize::MAX, n) };
+            let key = if reads_activations(&p.nodes[n], &sources) {
+                (n, n)
+            } else {
+                (usize::MAX, n)
+            };
             first_node[l] = first_node[l].min(key);
         }
     }
@@ -496,43 +500,12 @@ struct Region {
 /// regions). A parameter belongs to the block of its first read, so an initializer an
 /// exporter merged across layers joins the first layer that reads it, and the read pattern
 /// of every layer stays the same whether or not its weights were merged or renamed.
-fn repeated_blocks(p: &Program) -> Vec<Region> {
-    let param_of: HashMap<ValueId, usize> = p
-        .params
-        .iter()
-        .enumerate()
-        .map(|(i, q)| (q.value, i))
-        .collect();
-    // Per value: the parameters it is computed from alone (a transpose, cast or `1 + w` of
-    // a weight), or `None` once it depends on a graph input or a state. A read is where such
-    // a value meets the activations, so an exporter that hoists every weight's transpose to
-    // the top of the graph does not change the order of the reads.
-    let mut from_params: Vec<Option<Vec<usize>>> = p
-        .values
-        .iter()
-        .map(|v| match v.def {
-            ValueDef::Const => Some(Vec::new()),
-            _ => None,
-        })
-        .collect();
-    for (v, &i) in &param_of {
-        from_params[v.index()] = Some(vec![i]);
-    }
+fn repeated_blocks(p: &Program, from_params: &[Option<Vec<usize>>]) -> Vec<Region> {
     let mut sig_ids: HashMap<(&str, usize, DType, &[usize]), u32> = HashMap::new();
     // (parameter, signature, node)
     let mut reads: Vec<(usize, u32, usize)> = Vec::new();
     for (ni, n) in p.nodes.iter().enumerate() {
-        if n.inputs.iter().all(|v| from_params[v.index()].is_some()) {
-            let mut all: Vec<usize> = n
-                .inputs
-                .iter()
-                .flat_map(|v| from_params[v.index()].clone().unwrap_or_default())
-                .collect();
-            all.sort_unstable();
-            all.dedup();
-            for o in &n.outputs {
-                from_params[o.index()] = Some(all.clone());
-            }
+        if !reads_activations(n, from_params) {
             continue;
         }
         for (slot, v) in n.inputs.iter().enumerate() {
@@ -736,22 +709,44 @@ fn block_names(p: &Program, regions: &[Region]) -> Vec<Vec<String>> {
 
 /// For each node: whether an input depends on a graph input or a state (else the node
 /// computes from parameters and constants alone).
-fn reads_activations(p: &Program) -> Vec<bool> {
-    let mut act: Vec<bool> = p
+/// Per value: the parameters (indices into `Program::params`) it is computed from alone (a
+/// transpose, cast or `1 + w` of a weight; constants from none), or `None` once it depends
+/// on a graph input or a state. Where such a value meets the activations is where the
+/// parameters are read, so an exporter that hoists every weight's transpose to the top of
+/// the graph does not change the order of the reads.
+fn param_sources(p: &Program) -> Vec<Option<Vec<usize>>> {
+    let mut from: Vec<Option<Vec<usize>>> = p
         .values
         .iter()
-        .map(|v| matches!(v.def, ValueDef::Input | ValueDef::State))
-        .collect();
-    p.nodes
-        .iter()
-        .map(|n| {
-            let a = n.inputs.iter().any(|v| act[v.index()]);
-            for o in &n.outputs {
-                act[o.index()] = a;
-            }
-            a
+        .map(|v| match v.def {
+            ValueDef::Const => Some(Vec::new()),
+            _ => None,
         })
-        .collect()
+        .collect();
+    for (i, q) in p.params.iter().enumerate() {
+        from[q.value.index()] = Some(vec![i]);
+    }
+    for n in &p.nodes {
+        if reads_activations(n, &from) {
+            continue;
+        }
+        let mut all: Vec<usize> = n
+            .inputs
+            .iter()
+            .flat_map(|v| from[v.index()].clone().unwrap_or_default())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        for o in &n.outputs {
+            from[o.index()] = Some(all.clone());
+        }
+    }
+    from
+}
+
+/// Whether an input of `n` depends on a graph input or a state (see [`param_sources`]).
+fn reads_activations(n: &hzp_ir::Node, from_params: &[Option<Vec<usize>>]) -> bool {
+    n.inputs.iter().any(|v| from_params[v.index()].is_none())
 }
 
 fn is_param(p: &Program, v: ValueId) -> bool {

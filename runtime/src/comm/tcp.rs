@@ -638,13 +638,12 @@ mod tests {
 
     #[test]
     fn a_peer_that_never_calls_times_out_naming_it() {
-        let start = Instant::now();
-        let e = all_reduce_against(Duration::from_millis(500), |c| {
-            std::thread::sleep(Duration::from_secs(2));
+        // the peer stays connected (so only the timeout can end the wait) for 3 s
+        let e = all_reduce_against(Duration::from_millis(300), |c| {
+            std::thread::sleep(Duration::from_secs(3));
             drop(c)
         })
         .unwrap_err();
-        assert!(e.contains("rank 1"), "{e}");
-        assert!(start.elapsed() < Duration::from_secs(30), "{e}");
+        assert!(e.contains("rank 1") && e.contains("nothing moved"), "{e}");
     }
 }
