@@ -76,7 +76,8 @@ pub struct RunArgs {
     /// With --backend cuda, the kernels of a plan's fused attention: flash (FlashAttention-2
     /// style, f32 arithmetic; the same as HZP_CUDA_ATTENTION=1) or pasa (PASA's forward
     /// fully in fp16, for plans compiled with --precision fp16). Without it the CUDA backend
-    /// refuses fused attention (not yet checked on a GPU).
+    /// refuses fused attention: hzp's kernels equal the CPU backend on a GPU but are scalar,
+    /// slower than attention written out (compile with --no-fuse-attention).
     #[arg(long, value_parser = crate::choices(&[("flash", &[]), ("pasa", &[])]))]
     pub attention: Option<String>,
     /// With --backend cuda, fuse runs of elementwise nodes into kernels generated for the

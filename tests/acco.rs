@@ -1,4 +1,4 @@
-//! `--strategy acco` (issue 22): losses of `hzp run` on 1, 2 and 2x2 ranks equal a PyTorch
+//! `--strategy acco`: losses of `hzp run` on 1, 2 and 2x2 ranks equal a PyTorch
 //! reference written from the paper's pseudo-code (tests/models/make_acco_refs.py); the step
 //! program's order puts each phase's reduction, optimizer and all-gather beside the other
 //! half's compute; the simulator sees the overlap; checkpoints resume bitwise; what is not

@@ -1,4 +1,4 @@
-//! `--strategy asyncmesh` (issue 22): sparse asynchronous averaging across a slow mesh axis.
+//! `--strategy asyncmesh`: sparse asynchronous averaging across a slow mesh axis.
 //! The run of a plan equals the reference of tests/models/make_asyncmesh_refs.py (written
 //! from the pseudo-code in passes/src/dist/asyncmesh.rs, torch's AdamW per replica) in its
 //! losses, the replicas' mean (what is saved), each replica's shards and the EMA state; the compiled

@@ -1,4 +1,4 @@
-//! The CLI on hostile input (issue 19): files it must not destroy, numbers it must refuse,
+//! The CLI on hostile input: files it must not destroy, numbers it must refuse,
 //! limits it must enforce, and exit codes (1 for every user error, never 101).
 
 mod common;

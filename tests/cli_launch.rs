@@ -10,7 +10,7 @@ fn hzp(args: &[&str]) -> (i32, String, String) {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
-    // No CLI run may end in a panic (Rust's exit code 101; issue 19).
+    // No CLI run may end in a panic (Rust's exit code 101).
     assert_ne!(
         out.status.code(),
         Some(101),

@@ -111,7 +111,7 @@ fn hzp(c: &Case, cmd: &str, extra: &[&str]) -> Result<String, String> {
         command.args(["--freeze", &c.unmapped.join(",")]);
     }
     let out = command.args(extra).output().unwrap();
-    // a failure is reported, never a panic (Rust's exit code 101; issue 19)
+    // a failure is reported, never a panic (Rust's exit code 101)
     assert_ne!(
         out.status.code(),
         Some(101),

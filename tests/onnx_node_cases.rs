@@ -73,7 +73,7 @@ fn run_case(dir: &Path, out: &Path) -> Result<(), String> {
         .arg(out)
         .output()
         .map_err(|e| format!("cannot run hzp: {e}"))?;
-    // a failure is reported, never a panic (Rust's exit code 101; issue 19)
+    // a failure is reported, never a panic (Rust's exit code 101)
     assert_ne!(
         res.status.code(),
         Some(101),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch model of AsyncMesh's averaging rule, beside synchronous training (issue 22).
+"""PyTorch model of AsyncMesh's averaging rule, beside synchronous training.
 
 An oracle for the question "is asyncmesh's loss gap hzp's or the algorithm's?". It trains
 the tiny GPT-2 of tests/models/ (make_refs.build_own: the same weights hzp's benchmark starts

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Compile time of `hzp compile preset:gpt,layers=L --mesh gpu=8` for L = 96, 192, 384, 768
-# (or the layer counts given), with the ratio per doubling (issue 19's target: at most 2.3)
+# (or the layer counts given), with the ratio per doubling (the target: at most 2.3)
 # and the compiler's phases (HZP_PROFILE_COMPILE=1).
 #   examples/bench/compile_layers.sh            # release build, 96 192 384 768
 #   HZP=target/debug/hzp examples/bench/compile_layers.sh 24 48 96

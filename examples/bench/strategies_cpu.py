@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training-run benchmark of hzp's strategies on the CPU with emulated links (issue 22).
+"""Training-run benchmark of hzp's strategies on the CPU with emulated links.
 
 A benchmark, not a test. It trains the byte-level tiny GPT-2 of tests/models/ on the Python
 standard library's sources (README, "Train on a text corpus") over 4 ranks (node=2,gpu=2)

@@ -1,20 +1,22 @@
 #!/bin/bash
-# Issue 17's GPU verification, in one device call: multi-rank plans run with every rank on
+# The GPU verification, in one device call: multi-rank plans run with every rank on
 # the one lent GPU (`hzp run --backend cuda --ranks-on-one-gpu`) give the single-rank plan's
 # losses and parameters (fp32, 1e-5 relative); async vs --comm sync step times; the NCCL
 # path at world size 1. Made from ../shared/device/gpu_check.sh; payload in .device/ (made
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit explicit-fuse explicit-bf16 profile data (data: a training run from a token file on
+# explicit explicit-fuse explicit-bf16 profile data bench (bench: examples/bench/gpu_vs_torch.py,
+# PyTorch eager and torch.compile vs hzp on this card, JSON in $OUT/gpu_vs_torch.json,
+# BENCH_CONFIGS (gpt2s), BENCH_STEPS (10), BENCH_S (its time limit, 300); data: a training run from a token file on
 # CUDA, per-step losses vs the CPU backend; explicit: every tiny model with attention
 # written out, CUDA vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; explicit-bf16: the
 # same compiled with --precision bf16, within 2e-2; profile: GPT-2 small's GPU time per
 # op kind, HZP_CUDA_PROFILE=1, modes PROFILE_MODES, e.g. "explicit explicit-fuse bf16
 # bf16-fuse")
 # (all by default; gpt2s alone takes the longest;
-# acco: issue 22's ACCO plans on CUDA against the CPU backend;
-# attn: issue 16's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
+# acco: ACCO plans on CUDA against the CPU backend;
+# attn: hzp's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
 # pasa: the PASA fp16 kernel against exact attention (.device/cuda_pasa, the test binary of
 # runtime/tests/cuda_pasa.rs) and an fp16 plan trained with --attention pasa vs flash),
 # MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
@@ -140,7 +142,7 @@ if want nccl1; then
 fi
 if want acco; then
   # ACCO's halves depend on the rank count, so the reference is the same plan on the CPU
-  el "== ACCO (issue 22): one gpu=2 and one node=2,gpu=2 plan, CUDA (all ranks on one GPU) vs the CPU backend"
+  el "== ACCO: one gpu=2 and one node=2,gpu=2 plan, CUDA (all ranks on one GPU) vs the CPU backend"
   # ACCO splits each rank's batch into twice the micro-batches: 8 rows for node=2,gpu=2
   [ -f $W/gpt2_tiny.io8.npz ] || tile $M/gpt2_tiny.io.npz $W/gpt2_tiny.io8.npz 4
   for mesh in gpu=2 node=2,gpu=2; do
@@ -190,7 +192,7 @@ PY
   fi
 fi
 if want pasa; then
-  el "== PASA (issue 16): attn_fwd_pasa_f16 vs exact f64 attention and its CPU emulation on overflow-prone inputs; beta=0 (plain fp16) must overflow"
+  el "== PASA: attn_fwd_pasa_f16 vs exact f64 attention and its CPU emulation on overflow-prone inputs; beta=0 (plain fp16) must overflow"
   if [ -x $D/cuda_pasa ]; then
     HZP_REQUIRE_GPU=1 timeout $T $D/cuda_pasa --nocapture --test-threads 1 >$W/cuda_pasa.out 2>&1
     rc=$?
@@ -289,6 +291,12 @@ ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr and vok
 print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}, val_loss at steps {[s for s, _ in vb]} within {dv:.1e}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
 PY
   done
+fi
+if want bench; then
+  el "== same card, same call: PyTorch eager and torch.compile vs hzp (fp32, bf16), examples/bench/gpu_vs_torch.py"
+  timeout ${BENCH_S:-300} python3 $D/gpu_vs_torch.py --hzp $H --configs ${BENCH_CONFIGS:-gpt2s} \
+    --steps ${BENCH_STEPS:-10} --work $W/bench --out $O/gpu_vs_torch.json \
+    && el "RESULT bench: PASS (wrote gpu_vs_torch.json)" || el "RESULT bench: FAIL rc=$?"
 fi
 (cd $W && tar czf $O/multi_rank_runs.tgz --exclude='*.npz' --exclude='*.onnx' --exclude='*.json.data' . 2>/dev/null)
 grep '^\[.*RESULT\|^RESULT' "$O/multi_rank.txt" | sed -E 's/^\[[0-9]+s\] //' > "$O/results.txt"

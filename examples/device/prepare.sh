@@ -10,6 +10,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 cargo build --release --features cuda --bin hzp
 rm -rf .device; mkdir -p .device
+# the commit the binaries are built at (uncommitted changes marked), for the result files
+(git rev-parse --short HEAD; git diff --quiet HEAD || echo "+changes") | paste -sd" " > .device/COMMIT
 cp "${CARGO_TARGET_DIR:-target}/release/hzp" .device/hzp; strip .device/hzp || true
 # the PASA kernel check (runtime/tests/cuda_pasa.rs) as a test binary
 pasa=$(cargo test --release -p hzp-runtime --features cuda --test cuda_pasa --no-run --message-format=json \
@@ -18,7 +20,7 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_pasa": print(m["executable"])')
 cp "$pasa" .device/cuda_pasa; strip .device/cuda_pasa || true
-cp examples/bench/train_vs_torch.py "$here"/multi_rank_check.sh "$here"/compare_ranks.py "$here"/make_gpt2s.py .device/
+cp examples/bench/train_vs_torch.py examples/bench/gpu_vs_torch.py "$here"/multi_rank_check.sh "$here"/compare_ranks.py "$here"/make_gpt2s.py .device/
 # the PyTorch-vs-hzp speed bench of ../shared/device (GPT-2 configs), when it is beside us:
 # python3 .device/gpu_bench.py --hzp .device/hzp --work /tmp/bench --out $OUT --configs gpt2s
 shared=$(cd "$here/../.." && pwd)/../shared/device/gpu_bench.py

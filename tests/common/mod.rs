@@ -133,7 +133,7 @@ pub fn json_losses(stdout: &str) -> Vec<f64> {
 /// Runs the `hzp` binary with `args` and extra environment `env`, stdin closed. Returns the
 /// exit code, stdout, and stderr with miette's wrapping undone (its `│` gutter dropped and
 /// every run of whitespace one space), so tests can look for phrases. No CLI run may end in
-/// a panic (Rust's exit code 101; issue 19): asserted here, for every test that runs hzp.
+/// a panic (Rust's exit code 101): asserted here, for every test that runs hzp.
 pub fn hzp_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let out = std::process::Command::new(hzp_bin())
         .args(args)

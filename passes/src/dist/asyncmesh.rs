@@ -1,5 +1,5 @@
-//! AsyncMesh: asynchronous sparse parameter averaging across a slow mesh axis (issue 22,
-//! after "AsyncMesh: Fully Asynchronous Optimization for Data and Pipeline Parallelism",
+//! AsyncMesh: asynchronous sparse parameter averaging across a slow mesh axis
+//! (after "AsyncMesh: Fully Asynchronous Optimization for Data and Pipeline Parallelism",
 //! arXiv 2601.22442). This is hzp's reading of the method; where the paper's full text was
 //! not available the choices below are ours and say so.
 //!

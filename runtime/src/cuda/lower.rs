@@ -51,7 +51,8 @@ pub fn fill_bits(dtype: DType, value: f64) -> u64 {
 /// choice of `hzp run --attention`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CudaAttention {
-    /// Refused, naming the options (the default: the kernels have not run on a GPU yet).
+    /// Refused, naming the options (the default: hzp's kernels equal the CPU backend on a GPU
+    /// but are scalar, slower than attention written out as products and softmax).
     #[default]
     Off,
     /// `attn_fwd`, then `attn_dq` and `attn_dkv` (`--attention flash`, or
@@ -1306,10 +1307,11 @@ fn lower_matmul(c: &NodeCtx) -> Result<Gemm, String> {
 fn lower_attention(op: &Op, c: &NodeCtx, scale: f64, causal: bool) -> Result<Vec<Work>, String> {
     if c.attention == CudaAttention::Off {
         return Err(format!(
-            "{} (fused attention) on the CUDA backend is not verified on a GPU yet: compile \
-             the model with --no-fuse-attention to keep attention as explicit products and \
-             softmax, or run with --attention flash (or HZP_CUDA_ATTENTION=1) for the \
-             experimental kernels, --attention pasa for PASA in fp16",
+            "{} (fused attention): hzp's CUDA attention kernels are correct but scalar, \
+             slower than attention written out, so they run only when asked: compile the \
+             model with --no-fuse-attention to keep attention as products and softmax on \
+             cuBLAS, or run with --attention flash (or HZP_CUDA_ATTENTION=1) for hzp's \
+             kernels, --attention pasa for PASA in fp16",
             op.name()
         ));
     }
