@@ -45,3 +45,38 @@ fn every_kernel_compiles_with_nvrtc() {
         assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
     }
 }
+
+/// Every kernel is compiled without contracting `a * b + c` (`--fmad=false`), as the CPU
+/// backend and the kernels' C++ emulation compute it: a probe kernel's PTX has a separate
+/// multiply and add, no `fma`.
+#[test]
+fn kernels_round_products_and_sums_apart() {
+    let p = probe();
+    if *p.state(Lib::Nvrtc) == LibState::Missing {
+        assert!(
+            std::env::var_os("HZP_REQUIRE_NVRTC").is_none(),
+            "HZP_REQUIRE_NVRTC is set but libnvrtc.so.12 was not found (searched {:?})",
+            p.searched
+        );
+        skip::skip(
+            "kernels_round_products_and_sums_apart",
+            skip::Missing::Nvrtc,
+            "libnvrtc.so.12 not found",
+        );
+        return;
+    }
+    p.preload(&[Lib::Nvrtc]).unwrap();
+    let probe_src =
+        "extern \"C\" __global__ void probe_fmad(float* a) { a[0] = a[1] * a[2] + a[3]; }";
+    let ptx = hzp_runtime::cuda::compile("--gpu-architecture=compute_80", false, probe_src)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let text = String::from_utf8_lossy(&ptx);
+    let start = text.find(".entry probe_fmad(").expect("the probe kernel");
+    let body = &text[start..];
+    let body = &body[..body.find("\n}").map_or(body.len(), |e| e + 2)];
+    assert!(
+        body.contains("mul.rn.f32") || body.contains("mul.f32"),
+        "{body}"
+    );
+    assert!(!body.contains("fma."), "a contracted multiply-add:\n{body}");
+}

@@ -1417,6 +1417,10 @@ pub fn compile_kernels(major: i32, minor: i32, extra: &str) -> Result<Vec<u8>, E
     .map_err(|e| run_err(format!("NVRTC: {e}")))
 }
 
+/// How NVRTC treats `a * b + c` in every kernel hzp compiles: rounded twice, never fused
+/// (see [`compile`]).
+pub const NVRTC_FMAD: &str = "--fmad=false";
+
 /// Compiles the kernel sources followed by `extra` with NVRTC for `arch` (e.g.
 /// `--gpu-architecture=compute_80`); returns the cubin (`cubin`) or the PTX. Errors carry
 /// NVRTC's log.
@@ -1424,9 +1428,12 @@ pub fn compile(arch: &str, cubin: bool, extra: &str) -> Result<Vec<u8>, String> 
     let src = CString::new(format!("{}\n{extra}", kernels::source()))
         .map_err(|_| "the kernel source holds a NUL byte")?;
     let name = CString::new("hzp_kernels.cu").expect("no NUL");
-    let opts: Vec<CString> = [arch, "--std=c++17", "--use_fast_math=false"]
+    // No contraction of a * b + c into one rounding (`--fmad=false`): the CPU backend and
+    // the C++ emulation of the generated kernels (tests/cuda_fusion.rs, `-ffp-contract=off`)
+    // round the product and the sum apart, so the GPU must too for their bits to agree.
+    // NVRTC's default is no fast math.
+    let opts: Vec<CString> = [arch, "--std=c++17", NVRTC_FMAD]
         .iter()
-        .filter(|o| !o.contains("fast_math"))
         .map(|o| CString::new(*o).expect("no NUL"))
         .collect();
     let ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
