@@ -386,8 +386,8 @@ impl Program {
                         "input `{name}` is {}, but the program was specialized on `{name}` = {} \
                          when it was imported (its value decides shapes); import the model again \
                          with the new value (`--bind {name}=...` or `--inputs`)",
-                        crate::text::literal_string(t),
-                        crate::text::literal_string(want)
+                        crate::tensor::literal_string(t),
+                        crate::tensor::literal_string(want)
                     ));
                 }
             }

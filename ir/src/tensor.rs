@@ -167,3 +167,61 @@ impl Tensor {
         self
     }
 }
+
+/// A float as the text form writes it: `nan`, `inf`, `-inf`, else the shortest form that
+/// reads back to the same f32.
+fn write_f32(out: &mut String, x: f32) {
+    use std::fmt::Write as _;
+    if x.is_nan() {
+        out.push_str("nan");
+    } else if x.is_infinite() {
+        out.push_str(if x > 0.0 { "inf" } else { "-inf" });
+    } else {
+        let _ = write!(out, "{x:?}");
+    }
+}
+
+/// A tensor's values as the text form writes a literal (`[1, 2, 3]`), for messages.
+pub(crate) fn literal_string(t: &Tensor) -> String {
+    let mut s = String::new();
+    write_literal(&mut s, t);
+    s
+}
+
+/// Appends `t`'s literal (`[1, 2, 3]`) to `out`.
+pub(crate) fn write_literal(out: &mut String, t: &Tensor) {
+    use std::fmt::Write as _;
+    out.push('[');
+    let sep = |out: &mut String, i: usize| {
+        if i > 0 {
+            out.push_str(", ");
+        }
+    };
+    match &t.data {
+        Data::F32(v) => v.iter().enumerate().for_each(|(i, x)| {
+            sep(out, i);
+            write_f32(out, *x);
+        }),
+        Data::BF16(v) => v.iter().enumerate().for_each(|(i, x)| {
+            sep(out, i);
+            write_f32(out, x.to_f32());
+        }),
+        Data::F16(v) => v.iter().enumerate().for_each(|(i, x)| {
+            sep(out, i);
+            write_f32(out, x.to_f32());
+        }),
+        Data::I64(v) => v.iter().enumerate().for_each(|(i, x)| {
+            sep(out, i);
+            let _ = write!(out, "{x}");
+        }),
+        Data::I32(v) => v.iter().enumerate().for_each(|(i, x)| {
+            sep(out, i);
+            let _ = write!(out, "{x}");
+        }),
+        Data::Bool(v) => v.iter().enumerate().for_each(|(i, x)| {
+            sep(out, i);
+            out.push_str(if *x { "true" } else { "false" });
+        }),
+    }
+    out.push(']');
+}

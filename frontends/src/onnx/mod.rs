@@ -55,6 +55,7 @@
 //! a `seed` attribute, the FNV-1a hash of the node's first output name seeds it): the mask is
 //! a constant of the program, the same in every evaluation and training step.
 
+mod ctx;
 mod error;
 mod graph;
 mod mt19937;
@@ -113,7 +114,7 @@ pub fn supported_op_types() -> Vec<&'static str> {
 }
 
 /// The opsets of the default ONNX domain the importer reads.
-pub const OPSETS: std::ops::RangeInclusive<i64> = translate::MIN_OPSET..=translate::MAX_OPSET;
+pub const OPSETS: std::ops::RangeInclusive<i64> = ctx::MIN_OPSET..=ctx::MAX_OPSET;
 
 /// Imports an ONNX file. The program is named after the file stem; external data is read
 /// from the file's folder.

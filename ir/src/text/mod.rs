@@ -85,9 +85,7 @@ pub use printer::print;
 
 /// A tensor's values as the text form writes a literal (`[1, 2, 3]`), for messages.
 pub fn literal_string(t: &crate::Tensor) -> String {
-    let mut s = String::new();
-    printer::write_literal(&mut s, t);
-    s
+    crate::tensor::literal_string(t)
 }
 
 use crate::program::Program;

@@ -5,7 +5,7 @@ use super::lexer::{is_word_char, is_word_start};
 use crate::dtype::TensorType;
 use crate::op::{Attr, Op, StreamKind};
 use crate::program::{Program, ValueDef, ValueId};
-use crate::tensor::{Data, Tensor};
+use crate::tensor::{write_literal, Tensor};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -378,50 +378,4 @@ fn write_f64(out: &mut String, x: f64) {
         // `{:?}` is the shortest form that reads back exactly, and always has `.` or `e`.
         let _ = write!(out, "{x:?}");
     }
-}
-
-fn write_f32(out: &mut String, x: f32) {
-    if x.is_nan() {
-        out.push_str("nan");
-    } else if x.is_infinite() {
-        out.push_str(if x > 0.0 { "inf" } else { "-inf" });
-    } else {
-        let _ = write!(out, "{x:?}");
-    }
-}
-
-pub(super) fn write_literal(out: &mut String, t: &Tensor) {
-    out.push('[');
-    let sep = |out: &mut String, i: usize| {
-        if i > 0 {
-            out.push_str(", ");
-        }
-    };
-    match &t.data {
-        Data::F32(v) => v.iter().enumerate().for_each(|(i, x)| {
-            sep(out, i);
-            write_f32(out, *x);
-        }),
-        Data::BF16(v) => v.iter().enumerate().for_each(|(i, x)| {
-            sep(out, i);
-            write_f32(out, x.to_f32());
-        }),
-        Data::F16(v) => v.iter().enumerate().for_each(|(i, x)| {
-            sep(out, i);
-            write_f32(out, x.to_f32());
-        }),
-        Data::I64(v) => v.iter().enumerate().for_each(|(i, x)| {
-            sep(out, i);
-            let _ = write!(out, "{x}");
-        }),
-        Data::I32(v) => v.iter().enumerate().for_each(|(i, x)| {
-            sep(out, i);
-            let _ = write!(out, "{x}");
-        }),
-        Data::Bool(v) => v.iter().enumerate().for_each(|(i, x)| {
-            sep(out, i);
-            out.push_str(if *x { "true" } else { "false" });
-        }),
-    }
-    out.push(']');
 }

@@ -7,9 +7,9 @@
 //! up-front check and `hzp show`'s list) and [`translate`] read, so they cannot disagree.
 //! To add an op: write its rule in its family's file and add it to that file's `OPS`.
 
+use super::ctx::{Ctx, NodeCx, Slot};
 use super::error::{node_err, FResult, Fail, ImportErrorKind};
 use super::proto::data_type as dt;
-use super::translate::{Ctx, NodeCx, Slot};
 use hzp_ir::{broadcast_shapes, BinaryOp, DType, Op, ReduceOp, Tensor, UnaryOp};
 
 mod attention;

@@ -8,8 +8,8 @@
 //! elements. A position computed at run time is refused, naming the node and the input.
 
 use super::{emit1, err, int_scalar, non_neg, norm_axis, one, out_name, reshape_tmp, Outs, Rule};
+use crate::onnx::ctx::{Ctx, NodeCx, Slot};
 use crate::onnx::error::{node_err, FResult};
-use crate::onnx::translate::{Ctx, NodeCx, Slot};
 use hzp_ir::{Op, Tensor};
 use std::rc::Rc;
 
