@@ -285,35 +285,9 @@ fn shape_str(t: &Tensor) -> String {
     t.ty().to_string()
 }
 
-/// Checks every node's results against the memory budget (`--input-budget`) before a
-/// program runs on the CPU evaluator, so a node whose result cannot fit (a constant-driven
-/// Expand, Tile, OneHot or Concat of a huge shape) is an error naming it, not an aborted
-/// allocation.
+/// [`hzp_frontends::limits::check_result_sizes`], as a CLI error.
 pub fn check_result_sizes(p: &Program) -> Result<()> {
-    for n in &p.nodes {
-        for &v in &n.outputs {
-            let ty = p.ty(v);
-            let bytes = ty
-                .shape
-                .iter()
-                .try_fold(ty.dtype.size_bytes() as u64, |a, &d| {
-                    a.checked_mul(d as u64)
-                })
-                .unwrap_or(u64::MAX);
-            hzp_frontends::limits::check_budget(
-                &format!(
-                    "node `{}` ({}) makes a result of {} {:?} that",
-                    n.name,
-                    n.op.name(),
-                    ty.dtype,
-                    ty.shape
-                ),
-                bytes,
-            )
-            .map_err(|e| miette!("{e}"))?;
-        }
-    }
-    Ok(())
+    hzp_frontends::limits::check_result_sizes(p).map_err(|e| miette!("{e}"))
 }
 
 pub fn eval(

@@ -444,7 +444,7 @@ impl Evaluator {
     /// holds less than a batch: its windows repeat); default 4, or fewer when the file
     /// holds fewer.
     pub fn new(program: Program, feed: TokenFeed, batches: Option<usize>) -> Result<Evaluator> {
-        crate::commands::check_result_sizes(&program)?;
+        hzp_frontends::limits::check_result_sizes(&program).map_err(|e| miette::miette!("{e}"))?;
         let held = feed.batches().max(1);
         let batches = match batches {
             None => DEFAULT_EVAL_BATCHES.min(held),

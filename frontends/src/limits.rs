@@ -67,6 +67,36 @@ pub fn check_budget(what: &str, bytes: u64) -> Result<(), String> {
     ))
 }
 
+/// Checks every node's results against the memory budget (`--input-budget`) before a
+/// program runs on the CPU evaluator, so a node whose result cannot fit (a constant-driven
+/// Expand, Tile, OneHot or Concat of a huge shape) is an error naming it, not an aborted
+/// allocation.
+pub fn check_result_sizes(p: &hzp_ir::Program) -> Result<(), String> {
+    for n in &p.nodes {
+        for &v in &n.outputs {
+            let ty = p.ty(v);
+            let bytes = ty
+                .shape
+                .iter()
+                .try_fold(ty.dtype.size_bytes() as u64, |a, &d| {
+                    a.checked_mul(d as u64)
+                })
+                .unwrap_or(u64::MAX);
+            check_budget(
+                &format!(
+                    "node `{}` ({}) makes a result of {} {:?} that",
+                    n.name,
+                    n.op.name(),
+                    ty.dtype,
+                    ty.shape
+                ),
+                bytes,
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// What a non-regular file is, in words.
 fn kind(m: &std::fs::Metadata) -> &'static str {
     #[cfg(unix)]
