@@ -8,6 +8,7 @@ pub mod comm;
 /// CUDA + NCCL backend: probing, rendezvous and lowering always; the executor with `cuda`.
 pub mod cuda;
 pub mod exec;
+pub mod executor;
 pub mod reference;
 pub mod schedule;
 pub mod train;
