@@ -331,7 +331,7 @@ impl CudaExecutor {
         let world = plan.mesh.world_size();
         if dist.world_size != world || rv.world_size() != world || rv.rank() != dist.rank {
             return Err(ExecError::Plan(format!(
-                "the plan's mesh {} has {world} ranks, but the launcher started {} process(es) (start {world}: hzp launch --nproc-per-node {world} -- run ...; or all ranks on one GPU: hzp run --backend cuda --ranks-on-one-gpu)",
+                "the plan's mesh {} has {world} ranks, but {} process(es) run it (start {world}: hzp launch --nproc-per-node {world} -- run ...; or all ranks on one GPU: hzp run --backend cuda --ranks-on-one-gpu)",
                 plan.mesh, dist.world_size
             )));
         }

@@ -171,10 +171,18 @@ fn open_one_gpu_built(
     full_params: &[(String, Tensor)],
     opts: &RunOptions,
 ) -> Result<Box<dyn PlanExecutor>, ExecError> {
+    probe::probe()
+        .preload(&COMPUTE_LIBS)
+        .map_err(ExecError::Run)?;
+    let copts = CudaOptions {
+        comm: opts.comm,
+        timeout: opts.timeout,
+        lower: opts.lower,
+    };
     Ok(Box::new(one_gpu::OneGpuExecutor::new(
         plan,
         full_params,
-        opts,
+        copts,
     )?))
 }
 

@@ -3,8 +3,9 @@
 //! the same lowering, streams, events and arena as under NCCL; collectives through the local
 //! device communicator), each step issued by one host thread per rank.
 
+use super::device::{compile_kernels, CudaExecutor, CudaOptions};
 use super::local::LocalGroup;
-use super::{compile_kernels, lower, CudaExecutor, CudaOptions, RunOptions, COMPUTE_LIBS};
+use super::lower;
 use crate::executor::{cut_parameters, ExecError, PlanExecutor, StepStats};
 use crate::watchdog::FlightReport;
 use cudarc::driver::{result as drv, CudaContext};
@@ -23,14 +24,13 @@ pub(super) struct OneGpuExecutor {
 }
 
 impl OneGpuExecutor {
+    /// `plan` from the full parameters, every rank on device 0 (the libraries probed and
+    /// preloaded by the caller).
     pub(super) fn new(
         plan: &Plan,
         full_params: &[(String, Tensor)],
-        opts: &RunOptions,
+        opts: CudaOptions,
     ) -> Result<OneGpuExecutor, ExecError> {
-        super::probe::probe()
-            .preload(&COMPUTE_LIBS)
-            .map_err(ExecError::Run)?;
         let world = plan.mesh.world_size();
         // every rank's lowering first: refuse what the backend cannot run before the device
         // (the generated kernels are the same for every rank: one image serves them all)
@@ -54,15 +54,10 @@ impl OneGpuExecutor {
             .map_err(|e| ExecError::Run(format!("CUDA: reading the compute capability: {e:?}")))?;
         let image = compile_kernels(major, minor, &fused_source)?;
         let group = Arc::new(LocalGroup::new(ctx.clone(), opts.timeout));
-        let copts = CudaOptions {
-            comm: opts.comm,
-            timeout: opts.timeout,
-            lower: opts.lower,
-        };
         let exs = shards
             .iter()
             .enumerate()
-            .map(|(r, sh)| CudaExecutor::new_local(plan, sh, copts.clone(), r, &group, &image))
+            .map(|(r, sh)| CudaExecutor::new_local(plan, sh, opts.clone(), r, &group, &image))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(OneGpuExecutor {
             plan: plan.clone(),

@@ -1,7 +1,7 @@
 //! Full parameters cut into each rank's shards as a plan's layouts say, and put back
 //! together: the same rules for every backend.
 
-use super::ExecError;
+use super::error::ExecError;
 use hzp_ir::{DType, Group, Mesh, ParamLayout, Program, Tensor, TensorType, ValueDef, ValueId};
 use std::collections::HashMap;
 

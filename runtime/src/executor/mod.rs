@@ -14,8 +14,10 @@
 //! [`PlanExecutor::master_shards`] of every process with [`parameters_from`].
 
 pub mod bytes;
+mod error;
 mod layout;
 
+pub use error::ExecError;
 pub use layout::{assemble_layout, cut_parameters, parameters_from};
 
 use crate::watchdog::FlightReport;
@@ -31,31 +33,6 @@ pub enum CommMode {
     Async,
     /// On the compute thread, in program order (the baseline).
     Sync,
-}
-
-/// Why a plan cannot run, or a step failed. Messages use the plan's names.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ExecError {
-    #[error("the plan cannot run: {0}")]
-    Plan(String),
-    #[error("{0}")]
-    Params(String),
-    #[error("{0}")]
-    Inputs(String),
-    #[error("step {step}, rank {rank}, node `{node}` ({op}): {message}")]
-    Node {
-        step: usize,
-        rank: usize,
-        node: String,
-        op: &'static str,
-        message: String,
-    },
-    #[error("{0}")]
-    Run(String),
-    /// A wait longer than the collective timeout (the message names the ranks and the
-    /// collective).
-    #[error("{0}")]
-    Timeout(String),
 }
 
 /// What one step cost (means over the ranks, except the wall time).
