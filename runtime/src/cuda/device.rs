@@ -20,7 +20,7 @@ use super::kernels;
 use super::local::{coll_bytes, describe, LocalComm, LocalGroup};
 use super::lower::{Arg, CollKind, Collective, Gemm, LoweredPlan, NodeWork, Work};
 use super::probe::{self, Lib};
-use super::rendezvous::{DistEnv, Rendezvous};
+use crate::comm::rendezvous::{DistEnv, Rendezvous};
 use crate::executor::bytes::{data_bytes, scalar_f64, tensor_from_bytes, write_tensor};
 use crate::executor::{cut_parameters, CommMode, ExecError, PlanExecutor, StepStats};
 use crate::watchdog::{CollRecord, CollState, FlightRecorder, FlightReport, RankRecord};

@@ -17,7 +17,8 @@ pub mod fuse;
 pub mod kernels;
 pub mod lower;
 pub mod probe;
-pub mod rendezvous;
+/// The process group of a multi-process run (in `comm`, shared with the CPU backend).
+pub use crate::comm::rendezvous;
 pub mod transport;
 pub mod work;
 

@@ -22,10 +22,10 @@
 pub mod arena;
 pub mod sync;
 
+use crate::comm::rendezvous::Rendezvous;
 use crate::comm::tcp::{self, CommSpec};
 use crate::comm::{Communicator, GroupComm, LinkModel};
 use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
-use crate::cuda::rendezvous::Rendezvous;
 pub use crate::executor::{
     assemble_layout, cut_parameters, CommMode, ExecError, PlanExecutor, StepStats, TraceEvent,
 };
