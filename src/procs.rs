@@ -1,4 +1,4 @@
-//! `hzp run` on the CPU as one process per rank under a launcher (`hzp launch`, torchrun,
+//! `hzp run` (either backend) as one process per rank under a launcher (`hzp launch`, torchrun,
 //! srun): where this process stands ([`discover`]), the connection to the others
 //! ([`Procs`]: the CUDA backend's TCP rendezvous at `MASTER_ADDR:MASTER_PORT`), and what the
 //! processes do together besides the step's collectives: gathering the parameters, agreeing
@@ -8,7 +8,7 @@ use hzp_ir::plan::Plan;
 use hzp_ir::Tensor;
 use hzp_runtime::checkpoint::{self, FileEntry, Manifest};
 use hzp_runtime::cuda::rendezvous::{DistEnv, Rendezvous, MAX_FRAME};
-use hzp_runtime::exec::Executor;
+use hzp_runtime::executor::PlanExecutor;
 use miette::{miette, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -109,7 +109,7 @@ pub fn first_host(list: &str) -> Option<String> {
     (!host.is_empty()).then_some(host)
 }
 
-/// This process's place in a multi-process CPU run and its connection to the others.
+/// This process's place in a multi-process run and its connection to the others.
 pub struct Procs {
     pub rv: Rendezvous,
 }
@@ -179,16 +179,12 @@ impl Procs {
     }
 
     /// The full parameters, on every process: the master shards of every rank gathered.
-    pub fn parameters(&mut self, ex: &Executor) -> Result<Vec<(String, Tensor)>> {
-        let mine: Vec<(String, Tensor)> = ex
-            .local_ranks()
-            .iter()
-            .flat_map(|&r| {
-                ex.master_shards(r)
-                    .into_iter()
-                    .map(move |(n, t)| (format!("{r}/{n}"), t))
-            })
-            .collect();
+    pub fn parameters(&mut self, ex: &dyn PlanExecutor) -> Result<Vec<(String, Tensor)>> {
+        let mut mine: Vec<(String, Tensor)> = Vec::new();
+        for &r in ex.local_ranks() {
+            let shards = ex.master_shards(r).map_err(|e| miette!("{e}"))?;
+            mine.extend(shards.into_iter().map(|(n, t)| (format!("{r}/{n}"), t)));
+        }
         let bytes = checkpoint::to_safetensors(&mine).map_err(|e| miette!("{e}"))?;
         let all = self.all_gather_blob(&bytes)?;
         let mut others: HashMap<usize, Vec<(String, Tensor)>> = HashMap::new();
@@ -203,7 +199,7 @@ impl Procs {
                 others.entry(r).or_default().push((name, t));
             }
         }
-        Ok(ex.parameters_with(&others))
+        ex.parameters_with(&others).map_err(|e| miette!("{e}"))
     }
 
     /// Every process found checkpoint `step` (None: none) to resume from, or the error says
@@ -239,7 +235,7 @@ impl Procs {
     /// one folder for every process (a shared file system on several nodes).
     pub fn save_checkpoint(
         &mut self,
-        ex: &Executor,
+        ex: &dyn PlanExecutor,
         dir: &Path,
         manifest: Manifest,
     ) -> Result<(PathBuf, u64)> {
@@ -275,17 +271,21 @@ impl Procs {
         }
         let mut entries: Vec<Result<FileEntry, String>> = Vec::new();
         for &r in ex.local_ranks() {
-            entries.push(
-                checkpoint::write_rank(
-                    &tmp,
-                    r,
-                    world,
-                    &manifest.plan_hash,
-                    manifest.step,
-                    &ex.persistent(r),
-                )
-                .map_err(|e| format!("rank {r}: {e}")),
-            );
+            let written = ex
+                .persistent(r)
+                .map_err(|e| e.to_string())
+                .and_then(|values| {
+                    checkpoint::write_rank(
+                        &tmp,
+                        r,
+                        world,
+                        &manifest.plan_hash,
+                        manifest.step,
+                        &values,
+                    )
+                    .map_err(|e| e.to_string())
+                });
+            entries.push(written.map_err(|e| format!("rank {r}: {e}")));
         }
         let json = serde_json::to_vec(
             &entries

@@ -1,21 +1,21 @@
-//! `hzp run`: execute a compiled plan on W ranks on the CPU: threads of this process, or,
-//! under a launcher (`hzp launch`, torchrun, srun), one process per rank (see `procs`).
+//! `hzp run`: execute a compiled plan on W ranks: on the CPU as threads of this process, on
+//! the GPU as every rank on one GPU (`--ranks-on-one-gpu`), or, under a launcher (`hzp
+//! launch`, torchrun, srun), one process per rank on either backend (see `procs`). Every
+//! backend is opened as a `PlanExecutor` and driven by the same step loop (`train_loop`).
 
-use crate::plan_file::{
-    apply_plan_edits, eval_program, load_forward, load_imported, plan_ties, read_plan,
-};
+use crate::plan_file::{apply_plan_edits, load_forward, load_imported, plan_ties, read_plan};
 use crate::run_args::RunArgs;
 use crate::Format;
 use hzp_frontends::npz;
 use hzp_ir::plan::Plan;
-use hzp_ir::{Group, Op, Program, Tensor};
+use hzp_ir::{Group, Op, Tensor};
 use hzp_passes::cost::cluster::{
     parse_duration, parse_rate, ClusterSpec, Link, MAX_LINK_LATENCY, MIN_LINK_BANDWIDTH,
 };
 use hzp_passes::cost::{CollectiveKind, CostModel};
 use hzp_runtime::comm::LinkModel;
-use hzp_runtime::exec::{CommMode, ExecOptions, Executor, StepStats, TraceEvent};
-use hzp_runtime::schedule::LrSchedule;
+use hzp_runtime::exec::{CommMode, ExecOptions, Executor};
+use hzp_runtime::executor::{PlanExecutor, StepStats, TraceEvent};
 use hzp_runtime::watchdog::FlightReport;
 use miette::{miette, IntoDiagnostic, Result};
 use std::collections::BTreeMap;
@@ -250,29 +250,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
         "cuda" => true,
         other => return Err(miette!("unknown backend `{other}` (expected cpu or cuda)")),
     };
-    let dist = if cuda {
-        None
-    } else {
-        let get = |k: &str| std::env::var(k).ok();
-        if let Some(why) = launched_by(&get) {
-            if crate::procs::discover(&get).ok().flatten().is_none() {
-                return Err(miette!(
-                    "{why}; hzp reads the variables of `hzp launch`, torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and srun, not MPI's: start the processes with one of those"
-                ));
-            }
+    let get = |k: &str| std::env::var(k).ok();
+    if let Some(why) = launched_by(&get) {
+        if crate::procs::discover(&get).ok().flatten().is_none() {
+            return Err(miette!(
+                "{why}; hzp reads the variables of `hzp launch`, torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and srun, not MPI's: start the processes with one of those"
+            ));
         }
-        crate::procs::discover(&get).map_err(|e| miette!("{e}"))?
-    };
-    if args.attention.is_some() && !cuda {
-        return Err(miette!(
-            "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"
-        ));
     }
-    if args.fuse_elementwise && !cuda {
-        return Err(miette!(
-            "--fuse-elementwise fuses the CUDA backend's kernels; the CPU backend runs each node with its own kernel (drop it or use --backend cuda)"
-        ));
-    }
+    let dist = crate::procs::discover(&get).map_err(|e| miette!("{e}"))?;
+    check_backend_flags(args, cuda)?;
     let comm = match args.comm.as_str() {
         "async" => CommMode::Async,
         "sync" => CommMode::Sync,
@@ -281,6 +268,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let timeout = hzp_runtime::watchdog::parse_timeout(&args.collective_timeout)
         .map_err(|e| miette!("--collective-timeout {e}"))?;
     let fault = hzp_runtime::watchdog::Fault::from_env().map_err(|e| miette!("{e}"))?;
+    if cuda && fault.is_some() {
+        return Err(miette!(
+            "HZP_FAULT injects faults into the CPU backend only; unset it for --backend cuda"
+        ));
+    }
     let plan = read_plan(&args.plan)?;
     let link = link_model(args, &plan)?;
     let outs = checked_outputs(args, &plan)?;
@@ -295,26 +287,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         && !args.resume
         && args.stop_at.is_none()
         && args.lr.is_none();
-    if cuda {
-        if args.checkpoint_dir.is_some() || args.resume || args.stop_at.is_some() {
-            return Err(miette!(
-                "--checkpoint-dir, --resume and --stop-at run on the CPU backend only: the CUDA backend trains from --inputs or --data with --lr, --lr-schedule, --val-data and --log (checkpoints on CUDA are not built yet)"
-            ));
-        }
-        if fault.is_some() {
-            return Err(miette!(
-                "HZP_FAULT injects faults into the CPU backend only; unset it for --backend cuda"
-            ));
-        }
-        return run_cuda(args, &plan, &params, &fixed, comm, &schedule, timeout);
-    }
-    if args.ranks_on_one_gpu {
-        return Err(miette!(
-            "--ranks-on-one-gpu is an option of --backend cuda (the CPU backend always runs every rank in this process)"
-        ));
-    }
     let text = args.format == Format::Text;
-    let opts = exec_options(args, comm, link, timeout, fault);
     let mut procs = match &dist {
         None => None,
         Some(env) => {
@@ -323,10 +296,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
                     "--trace writes every rank's timeline from one process; under a launcher each process runs one rank: run the plan once without a launcher to trace it"
                 ));
             }
+            if args.ranks_on_one_gpu {
+                return Err(miette!(
+                    "--ranks-on-one-gpu runs every rank of the plan in this one process, but a launcher started it as rank {} of {}: start one process without a launcher",
+                    env.rank,
+                    env.world_size
+                ));
+            }
             let w = plan.mesh.world_size();
             if env.world_size != w {
                 return Err(miette!(
-                    "the launcher started {} processes (rank {} of {}), but the plan's mesh {} has {w} rank{}: on the CPU backend start one process per rank (e.g. `hzp launch --nproc-per-node {w} -- run ...`)",
+                    "the launcher started {} processes (rank {} of {}), but the plan's mesh {} has {w} rank{}: start one process per rank (e.g. `hzp launch --nproc-per-node {w} -- run ...`)",
                     env.world_size,
                     env.rank,
                     env.world_size,
@@ -341,11 +321,32 @@ pub fn run(args: &RunArgs) -> Result<()> {
             Some(crate::procs::Procs::connect(env, &plan, timeout)?)
         }
     };
-    let mut ex = match procs.as_mut() {
-        None => Executor::new(&plan, &params, opts),
-        Some(p) => Executor::new_process(&plan, &params, opts, &mut p.rv),
-    }
-    .map_err(|e| miette!("{e}"))?;
+    let mut ex: Box<dyn PlanExecutor> = if cuda {
+        let ropts = hzp_runtime::cuda::RunOptions {
+            lower: cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?,
+            comm,
+            timeout,
+        };
+        open_cuda(
+            args,
+            &plan,
+            &params,
+            &ropts,
+            dist.as_ref(),
+            procs.as_mut(),
+            timeout,
+        )?
+    } else {
+        let opts = exec_options(args, comm, link, timeout, fault);
+        Box::new(
+            match procs.as_mut() {
+                None => Executor::new(&plan, &params, opts),
+                Some(p) => Executor::new_process(&plan, &params, opts, &mut p.rv),
+            }
+            .map_err(|e| miette!("{e}"))?,
+        )
+    };
+    let ex = ex.as_mut();
     let stats = if plain {
         let batch = hzp_passes::train::with_lr(&plan.program, &fixed, lr_max);
         ex.set_inputs(&batch).map_err(|e| {
@@ -355,20 +356,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
             )
         })?;
         let r = ex.run(args.steps).map_err(|e| miette!("{e}"));
-        flight_on_error(r, &ex, args)?
+        flight_on_error(r, ex, args)?
     } else {
         // the loop prints a line per step as it goes: the header comes first
         if text {
-            outln!("{}", run_header(args, &plan, "running"));
+            outln!("{}", run_header(args, &plan, ex, "running"));
         }
-        let r =
-            crate::train_loop::run_loop(args, &plan, &mut ex, &fixed, &schedule, procs.as_mut());
-        flight_on_error(r, &ex, args)?
+        let r = crate::train_loop::run_loop(args, &plan, ex, &fixed, &schedule, procs.as_mut());
+        flight_on_error(r, ex, args)?
     };
 
     if text {
         if plain {
-            outln!("{}", run_header(args, &plan, "ran"));
+            outln!("{}", run_header(args, &plan, ex, "ran"));
             for s in &stats {
                 outln!(
                     "step {:>4}  loss {}  ({:.1} ms)",
@@ -383,11 +383,69 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         print_step_summary(&stats)?;
     }
-    let saved = write_run_outputs(args, &plan, &ex, &outs, text, procs.as_mut())?;
+    let saved = write_run_outputs(args, &plan, ex, &outs, text, procs.as_mut())?;
     if !text {
         print_run_json(args, &plan, &stats, saved)?;
     }
     Ok(())
+}
+
+/// Options of one backend given to the other are refused, naming the backend they belong to.
+fn check_backend_flags(args: &RunArgs, cuda: bool) -> Result<()> {
+    if cuda {
+        if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
+            return Err(miette!(
+                "--emulate-links, --link and --trace are options of the CPU backend"
+            ));
+        }
+        return Ok(());
+    }
+    if args.attention.is_some() {
+        return Err(miette!(
+            "--attention chooses the CUDA backend's attention kernels; the CPU backend runs its own (drop --attention or use --backend cuda)"
+        ));
+    }
+    if args.fuse_elementwise {
+        return Err(miette!(
+            "--fuse-elementwise fuses the CUDA backend's kernels; the CPU backend runs each node with its own kernel (drop it or use --backend cuda)"
+        ));
+    }
+    if args.ranks_on_one_gpu {
+        return Err(miette!(
+            "--ranks-on-one-gpu is an option of --backend cuda (the CPU backend always runs every rank in this process)"
+        ));
+    }
+    Ok(())
+}
+
+/// `--backend cuda`: every rank on this machine's one GPU (`--ranks-on-one-gpu`), or this
+/// process's rank on its GPU, NCCL between the processes `procs` connects (a group of one
+/// without a launcher). Without the libraries, or in a build without the `cuda` feature, the
+/// runtime says which.
+fn open_cuda(
+    args: &RunArgs,
+    plan: &Plan,
+    params: &[(String, Tensor)],
+    ropts: &hzp_runtime::cuda::RunOptions,
+    dist: Option<&hzp_runtime::cuda::rendezvous::DistEnv>,
+    procs: Option<&mut crate::procs::Procs>,
+    timeout: Duration,
+) -> Result<Box<dyn PlanExecutor>> {
+    use hzp_runtime::cuda::rendezvous::{DistEnv, Rendezvous};
+    if args.ranks_on_one_gpu {
+        return hzp_runtime::cuda::open_one_gpu(plan, params, ropts).map_err(|e| miette!("{e}"));
+    }
+    let single = DistEnv::single();
+    let env = dist.unwrap_or(&single);
+    let mut alone;
+    let rv = match procs {
+        Some(p) => &mut p.rv,
+        None => {
+            alone = Rendezvous::connect(env, timeout).map_err(|e| miette!("{e}"))?;
+            &mut alone
+        }
+    };
+    hzp_runtime::cuda::open_process(plan, params, ropts, env, rv).map_err(|e| miette!("{e}"))
 }
 
 /// What `hzp compare --run-steps` measures of one plan.
@@ -581,10 +639,10 @@ fn exec_options(
 }
 
 /// The first line of the text report: `{verb} PLAN (model on mesh, W ranks, ...)`.
-fn run_header(args: &RunArgs, plan: &Plan, verb: &str) -> String {
+fn run_header(args: &RunArgs, plan: &Plan, ex: &dyn PlanExecutor, verb: &str) -> String {
     let w = plan.mesh.world_size();
     format!(
-        "{verb} {} ({} on {}, {w} rank{}, strategy {}{}) on the CPU, communication {}{}",
+        "{verb} {} ({} on {}, {w} rank{}, strategy {}{}) on {}, communication {}{}",
         args.plan.display(),
         plan.model,
         plan.mesh,
@@ -598,6 +656,7 @@ fn run_header(args: &RunArgs, plan: &Plan, verb: &str) -> String {
             ),
             None => String::new(),
         },
+        ex.device(),
         args.comm,
         match (&args.emulate_links, &args.link) {
             (Some(p), _) => format!(", links emulated from {}", p.display()),
@@ -658,7 +717,7 @@ fn print_step_summary(stats: &[StepStats]) -> Result<()> {
 fn write_run_outputs(
     args: &RunArgs,
     plan: &Plan,
-    ex: &Executor,
+    ex: &dyn PlanExecutor,
     outs: &[PathBuf],
     text: bool,
     procs: Option<&mut crate::procs::Procs>,
@@ -666,7 +725,7 @@ fn write_run_outputs(
     let mut saved = None;
     if let Some(out) = &args.save_params {
         let params = match procs {
-            None => ex.parameters(),
+            None => ex.parameters().map_err(|e| miette!("{e}"))?,
             Some(p) => {
                 let all = p.parameters(ex)?;
                 if p.rank() != 0 {
@@ -761,10 +820,10 @@ pub fn emit_flight_report(report: &FlightReport, dir: Option<&Path>) {
 }
 
 /// On a failed run, the executor's flight report goes out before the error.
-fn flight_on_error<T>(r: Result<T>, ex: &Executor, args: &RunArgs) -> Result<T> {
+fn flight_on_error<T>(r: Result<T>, ex: &dyn PlanExecutor, args: &RunArgs) -> Result<T> {
     if r.is_err() {
         if let Some(report) = ex.flight_report() {
-            emit_flight_report(report, args.flight_recorder.as_deref());
+            emit_flight_report(&report, args.flight_recorder.as_deref());
         }
     }
     r
@@ -790,319 +849,14 @@ pub(crate) fn cuda_lower_options(
     Ok(o)
 }
 
-/// The global batch of every step of a run that is not driven by the CPU step loop (the
-/// CUDA backend): the fixed `--inputs`, the `--data` windows of the step, and the
-/// schedule's learning rate: the batches `train_loop::run_loop` feeds the CPU executor in a
-/// run from step 0 (both through `session::step_batch`; the CUDA backend does not resume).
-pub(crate) struct StepBatches<'a> {
-    program: &'a Program,
-    fixed: &'a [(String, Tensor)],
-    feed: Option<crate::session::TokenFeed>,
-    schedule: LrSchedule,
-}
-
-impl<'a> StepBatches<'a> {
-    /// The batches, and with `--val-data` the held-out feed.
-    pub(crate) fn open(
-        args: &RunArgs,
-        plan: &'a Plan,
-        fixed: &'a [(String, Tensor)],
-        schedule: &LrSchedule,
-    ) -> Result<(Self, Option<crate::session::TokenFeed>)> {
-        let (feed, val) =
-            match crate::session::open_feeds(&args.session, &plan.program, plan.mesh.world_size())?
-            {
-                Some((f, v)) => (Some(f), v),
-                None => (None, None),
-            };
-        let b = StepBatches {
-            program: &plan.program,
-            fixed,
-            feed,
-            schedule: *schedule,
-        };
-        Ok((b, val))
-    }
-
-    /// What the token feed reads, when there is one.
-    pub(crate) fn data_line(&self) -> Option<String> {
-        self.feed.as_ref().map(|f| f.data_line())
-    }
-
-    /// Tokens of one step's batch, when they come from a token file.
-    pub(crate) fn tokens_per_step(&self) -> Option<usize> {
-        self.feed.as_ref().map(|f| f.rows * f.seq)
-    }
-
-    /// The global batch of step `step` (0-based): samples `step * rows ..` of the feed.
-    pub(crate) fn at(&mut self, step: usize) -> Result<Vec<(String, Tensor)>> {
-        let first = self.feed.as_ref().map_or(0, |f| (step * f.rows) as u64);
-        crate::session::step_batch(
-            self.program,
-            self.fixed,
-            self.feed.as_mut(),
-            first,
-            self.schedule.at(step),
-        )
-    }
-}
-
-/// `--backend cuda`: this process's rank of the plan on its GPU (see `hzp launch`). Without
-/// the libraries, or in a build without the `cuda` feature, the runtime says which.
-fn run_cuda(
-    args: &RunArgs,
-    plan: &Plan,
-    params: &[(String, Tensor)],
-    inputs: &[(String, Tensor)],
-    comm: CommMode,
-    schedule: &LrSchedule,
-    timeout: Duration,
-) -> Result<()> {
-    if args.emulate_links.is_some() || args.link.is_some() || args.trace.is_some() {
-        return Err(miette!(
-            "--emulate-links, --link and --trace are options of the CPU backend"
-        ));
-    }
-    let text = args.format == Format::Text;
-    let eval_every = args.session.eval_period(args.steps)?;
-    let (mut batches, val) = StepBatches::open(args, plan, inputs, schedule)?;
-    if text {
-        if let Some(line) = batches.data_line() {
-            outln!("{line}");
-        }
-    }
-    // --val-data: the forward and loss on the CPU with the parameters gathered from the
-    // GPUs (every rank gathers; the process of rank 0 evaluates)
-    let rank0 = args.ranks_on_one_gpu
-        || hzp_runtime::cuda::rendezvous::DistEnv::from_env().is_ok_and(|e| e.rank == 0);
-    let mut evaluator = match val {
-        Some(vf) if rank0 => {
-            let e = crate::session::Evaluator::new(
-                eval_program(args, plan)?,
-                vf,
-                args.session.eval_batches,
-            )?;
-            if text {
-                outln!("evaluation: {} (on the CPU)", e.describe());
-            }
-            Some(e)
-        }
-        _ => None,
-    };
-    let val_loss: std::cell::Cell<Option<f64>> = std::cell::Cell::new(None);
-    let steps_total = args.steps;
-    let eval_due = move |done: usize| {
-        eval_every.is_some_and(|k| done.is_multiple_of(k) || done == steps_total)
-    };
-    // the step lines and --log records of a training run (rank 0's: every process of
-    // `hzp launch` runs this, and they would all append to one --log file)
-    let mut metrics = crate::session::Metrics::open(args.session.log.as_deref())?;
-    let training = !args.session.is_plain() || args.lr.is_some();
-    let mut printed: Result<()> = Ok(());
-    let (rows_seq, sched) = (batches.tokens_per_step(), *schedule);
-    let mut on_step = |rank: usize, s: &StepStats| {
-        if printed.is_err() {
-            return;
-        }
-        let report = crate::session::StepReport {
-            step: s.step,
-            loss: s.loss,
-            lr: sched.at(s.step - 1),
-            seconds: s.wall.as_secs_f64(),
-            tokens: rows_seq,
-            grad_norm: None,
-            val_loss: if rank == 0 { val_loss.take() } else { None },
-        };
-        if text {
-            printed = if training {
-                crate::stdio::out(format_args!("[rank {rank}] {}\n", report.line()))
-            } else {
-                crate::stdio::out(format_args!(
-                    "[rank {rank}] step {:>4}  loss {}  ({:.1} ms)\n",
-                    s.step,
-                    s.loss.map_or("-".to_string(), |l| format!("{l:.6}")),
-                    ms(s.wall)
-                ))
-            };
-        }
-        if rank == 0 && printed.is_ok() {
-            printed = metrics.write(&report.json());
-        }
-    };
-    let mut feed = |step: usize| {
-        batches
-            .at(step)
-            .map_err(|e| hzp_runtime::exec::ExecError::Run(format!("step {}: {e}", step + 1)))
-    };
-    let mut on_params = |step: usize, params: &[(String, Tensor)]| {
-        if let Some(e) = evaluator.as_mut() {
-            let l = e.loss(params).map_err(|e| {
-                hzp_runtime::exec::ExecError::Run(format!("evaluation after step {step}: {e}"))
-            })?;
-            val_loss.set(Some(l));
-        }
-        Ok(())
-    };
-    let mut hooks = hzp_runtime::cuda::StepHooks {
-        on_step: &mut on_step,
-        on_params: eval_every.map(|_| hzp_runtime::cuda::ParamsHook {
-            params_after: &eval_due,
-            on_params: &mut on_params,
-        }),
-    };
-    let dir = args.flight_recorder.clone();
-    let lower = cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?;
-    let ropts = hzp_runtime::cuda::RunOptions {
-        lower,
-        comm,
-        timeout,
-        on_failure: Some(Arc::new(move |report: &FlightReport| {
-            emit_flight_report(report, dir.as_deref())
-        })),
-    };
-    if args.ranks_on_one_gpu {
-        let res = hzp_runtime::cuda::run_plan_one_gpu(
-            plan,
-            params,
-            &mut feed,
-            args.steps,
-            &ropts,
-            args.save_params.is_some(),
-            &mut hooks,
-        )
-        .map_err(|e| miette!("{e}"))?;
-        printed?;
-        return report_one_gpu(args, plan, &res);
-    }
-    let res = hzp_runtime::cuda::run_plan(
-        plan,
-        params,
-        &mut feed,
-        args.steps,
-        &ropts,
-        args.save_params.is_some(),
-        &mut hooks,
-    )
-    .map_err(|e| miette!("{e}"))?;
-    printed?;
-    if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
-        if res.rank == 0 {
-            let read: Vec<PathBuf> = run_inputs(args, plan).into_iter().map(|(_, p)| p).collect();
-            let p = saved_parameters(args, plan, p.clone())?;
-            crate::files::write_params(out, &read, &p)?;
-            if text {
-                outln!("saved {} parameters to {}", p.len(), out.display());
-            }
-        }
-    }
-    if !text && res.rank == 0 {
-        let v = serde_json::json!({
-            "plan": args.plan.display().to_string(),
-            "backend": "cuda",
-            "comm": args.comm,
-            "steps": args.steps,
-            "losses": res.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
-            "step_seconds": res.steps.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
-        });
-        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
-    }
-    Ok(())
-}
-
-/// The end of a `--ranks-on-one-gpu` run: the per-stream summary (means over the ranks and
-/// the steps after the first), the parameters, the JSON report with every rank's losses.
-fn report_one_gpu(
-    args: &RunArgs,
-    plan: &Plan,
-    res: &hzp_runtime::cuda::OneGpuResult,
-) -> Result<()> {
-    let text = args.format == Format::Text;
-    let w = res.steps.len();
-    // per step: the mean over the ranks (the wall time: the slowest rank)
-    let n_steps = res.steps.first().map_or(0, Vec::len);
-    let merged: Vec<StepStats> = (0..n_steps)
-        .map(|k| {
-            let of = |f: &dyn Fn(&StepStats) -> Duration| -> Duration {
-                res.steps.iter().map(|r| f(&r[k])).sum::<Duration>() / w.max(1) as u32
-            };
-            StepStats {
-                step: res.steps[0][k].step,
-                loss: res.steps[0][k].loss,
-                wall: res
-                    .steps
-                    .iter()
-                    .map(|r| r[k].wall)
-                    .max()
-                    .unwrap_or_default(),
-                busy: [of(&|s| s.busy[0]), of(&|s| s.busy[1]), of(&|s| s.busy[2])],
-                exposed_comm: of(&|s| s.exposed_comm),
-            }
-        })
-        .collect();
-    if text && !merged.is_empty() {
-        let m = measured(&merged);
-        let wall = mean(&m.iter().map(|s| s.wall).collect::<Vec<_>>());
-        outln!(
-            "ran {} ({} on {}, {w} ranks on one GPU, strategy {}), communication {}: per step, mean over {} step{} and the ranks{}:",
-            args.plan.display(),
-            plan.model,
-            plan.mesh,
-            plan.strategy,
-            args.comm,
-            m.len(),
-            if m.len() == 1 { "" } else { "s" },
-            if merged.len() > 1 { " (the first, warm-up, left out)" } else { "" }
-        );
-        outln!("  {:<16} {:>10}  {:>7}", "stream", "busy ms", "of step");
-        for (k, s) in hzp_ir::StreamKind::ALL.iter().enumerate() {
-            let b = mean(&m.iter().map(|x| x.busy[k]).collect::<Vec<_>>());
-            outln!(
-                "  {:<16} {:>10.3}  {:>6.1}%",
-                s.name(),
-                ms(b),
-                100.0 * b.as_secs_f64() / wall.as_secs_f64().max(1e-12)
-            );
-        }
-        let exposed = mean(&m.iter().map(|x| x.exposed_comm).collect::<Vec<_>>());
-        outln!(
-            "  exposed communication {:.3} ms; step {:.3} ms (the slowest rank)",
-            ms(exposed),
-            ms(wall)
-        );
-    }
-    if let (Some(out), Some(p)) = (&args.save_params, &res.params) {
-        let read: Vec<PathBuf> = run_inputs(args, plan).into_iter().map(|(_, p)| p).collect();
-        let p = saved_parameters(args, plan, p.clone())?;
-        crate::files::write_params(out, &read, &p)?;
-        if text {
-            outln!("saved {} parameters to {}", p.len(), out.display());
-        }
-    }
-    if !text {
-        let v = serde_json::json!({
-            "plan": args.plan.display().to_string(),
-            "backend": "cuda",
-            "ranks_on_one_gpu": true,
-            "comm": args.comm,
-            "steps": args.steps,
-            "losses": res.steps.first().map(|r| r.iter().map(|s| s.loss).collect::<Vec<_>>()),
-            "rank_losses": res.steps.iter().map(|r| r.iter().map(|s| s.loss).collect::<Vec<_>>()).collect::<Vec<_>>(),
-            "step_seconds": merged.iter().map(|s| s.wall.as_secs_f64()).collect::<Vec<_>>(),
-            "busy_seconds": merged.iter().map(|s| s.busy.iter().map(|b| b.as_secs_f64()).collect::<Vec<_>>()).collect::<Vec<_>>(),
-            "exposed_comm_seconds": merged.iter().map(|s| s.exposed_comm.as_secs_f64()).collect::<Vec<_>>(),
-        });
-        outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
-    }
-    Ok(())
-}
-
 /// Chrome Trace Event JSON: one complete ("X") event per node run, pid = rank, tid =
 /// stream (0 compute, 1 all-gather, 2 reduce-scatter), microseconds; args name the node, its
 /// op and the bytes it wrote (a collective: the bytes the cost model counts).
-pub fn trace_json(ex: &Executor, events: &[TraceEvent]) -> String {
+pub fn trace_json(ex: &dyn PlanExecutor, events: &[TraceEvent]) -> String {
     let p = ex.program();
-    let mut list = Vec::with_capacity(events.len() + 4 * ex.world_size());
-    for r in 0..ex.world_size() {
+    let world = ex.mesh().world_size();
+    let mut list = Vec::with_capacity(events.len() + 4 * world);
+    for r in 0..world {
         list.push(serde_json::json!({
             "name": "process_name", "ph": "M", "pid": r, "tid": 0,
             "args": {"name": format!("rank {r}")}

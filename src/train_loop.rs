@@ -7,7 +7,7 @@ use crate::session::{self, Evaluator, Metrics, TokenFeed};
 use hzp_ir::plan::Plan;
 use hzp_ir::{Tensor, TensorType};
 use hzp_runtime::checkpoint::{self, Checkpoint, DataPosition, Manifest};
-use hzp_runtime::exec::{Executor, StepStats};
+use hzp_runtime::executor::{PlanExecutor, StepStats};
 use hzp_runtime::schedule::LrSchedule;
 use miette::{miette, Result};
 use std::path::Path;
@@ -17,7 +17,7 @@ use std::path::Path;
 pub fn run_loop(
     args: &RunArgs,
     plan: &Plan,
-    ex: &mut Executor,
+    ex: &mut dyn PlanExecutor,
     fixed: &[(String, Tensor)],
     schedule: &LrSchedule,
     mut procs: Option<&mut crate::procs::Procs>,
@@ -38,7 +38,7 @@ pub fn run_loop(
         noted: Default::default(),
     };
     let eval_every = s.eval_period(args.steps)?;
-    let mut evaluator = lp.open_feeds()?;
+    let mut evaluator = lp.open_feeds(&ex.device())?;
     let ckpt_dir = args.checkpoint_dir.as_deref();
     check_checkpoint_flags(args)?;
     let start = match (args.resume, ckpt_dir) {
@@ -75,7 +75,7 @@ pub fn run_loop(
         let val_loss = match (&mut evaluator, eval_every) {
             (Some(e), Some(k)) if done.is_multiple_of(k) || done == args.steps => {
                 let params = match procs.as_deref_mut() {
-                    None => ex.parameters(),
+                    None => ex.parameters().map_err(|e| miette!("{e}"))?,
                     Some(p) => p.parameters(ex)?,
                 };
                 if rank0 {
@@ -92,10 +92,13 @@ pub fn run_loop(
             lr,
             seconds: st.wall.as_secs_f64(),
             tokens: lp.feed.as_ref().map(|f| f.rows * f.seq),
-            grad_norm: norm_name
-                .as_deref()
-                .and_then(|n| ex.value(ex.local_ranks().first().copied().unwrap_or(0), n))
-                .and_then(|t| t.to_f64_vec().first().copied()),
+            grad_norm: match norm_name.as_deref() {
+                Some(n) => ex
+                    .value(ex.local_ranks().first().copied().unwrap_or(0), n)
+                    .map_err(|e| miette!("{e}"))?
+                    .and_then(|t| t.to_f64_vec().first().copied()),
+                None => None,
+            },
             val_loss,
         };
         if lp.text {
@@ -161,7 +164,9 @@ fn check_checkpoint_flags(args: &RunArgs) -> Result<()> {
 impl StepLoop<'_> {
     /// Opens `--data` (kept as the loop's feed) and `--val-data` (returned as the
     /// evaluator), saying what each reads.
-    fn open_feeds(&mut self) -> Result<Option<Evaluator>> {
+    /// The evaluation runs on the CPU; on another `device` the line says the parameters
+    /// are copied from it.
+    fn open_feeds(&mut self, device: &str) -> Result<Option<Evaluator>> {
         let (args, plan, s) = (self.args, self.plan, &self.args.session);
         let (feed, val_feed) = match session::open_feeds(s, &plan.program, plan.mesh.world_size())?
         {
@@ -179,7 +184,12 @@ impl StepLoop<'_> {
                     vf,
                     s.eval_batches,
                 )?;
-                self.println(format!("evaluation: {}", e.describe()))?;
+                let where_ = if device == "the CPU" {
+                    String::new()
+                } else {
+                    format!(" (on the CPU, with the parameters copied from {device})")
+                };
+                self.println(format!("evaluation: {}{where_}", e.describe()))?;
                 Some(e)
             }
             None => None,
@@ -198,7 +208,7 @@ impl StepLoop<'_> {
     /// returns the step to start at.
     fn resume(
         &mut self,
-        ex: &mut Executor,
+        ex: &mut dyn PlanExecutor,
         dir: &Path,
         procs: Option<&mut crate::procs::Procs>,
     ) -> Result<usize> {
@@ -263,7 +273,7 @@ impl StepLoop<'_> {
 
     /// Puts checkpoint `c` into the executor: as written when it is of this plan,
     /// resharded otherwise; refuses one of another model.
-    fn restore(&self, ex: &mut Executor, c: &Checkpoint) -> Result<()> {
+    fn restore(&self, ex: &mut dyn PlanExecutor, c: &Checkpoint) -> Result<()> {
         let (plan, p) = (self.plan, &self.plan.program);
         let w = plan.mesh.world_size();
         let m = &c.manifest;
@@ -323,7 +333,7 @@ impl StepLoop<'_> {
     /// Writes the checkpoint of step `done` (run at learning rate `lr`) into `dir`.
     fn save_checkpoint(
         &self,
-        ex: &Executor,
+        ex: &dyn PlanExecutor,
         dir: &Path,
         done: usize,
         lr: f64,
@@ -368,7 +378,8 @@ impl StepLoop<'_> {
             None => {
                 let per_rank: Vec<Vec<(String, Tensor)>> = (0..plan.mesh.world_size())
                     .map(|r| ex.persistent(r))
-                    .collect();
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| miette!("{e}"))?;
                 checkpoint::save(dir, manifest, &per_rank).map_err(|e| miette!("{e}"))?
             }
         };

@@ -180,31 +180,39 @@ fn run_equals_the_reference() {
     let step = get(&rank0, "asyncmesh.step").to_f64_vec();
     assert_eq!(step, vec![8.0]);
 
-    // the CUDA backend puts the model together from every rank's master shards with
-    // `assemble_parameters` (for --save-params and evaluation): the replicas' mean as well,
-    // compared with the mean computed above from the shards (not with the CPU's --save-params,
-    // which the same `exec::assemble_layout` computes)
+    // every backend puts the model together from every rank's master shards with
+    // `executor::parameters_from` (for --save-params, evaluation and multi-process runs): the
+    // replicas' mean as well, compared with the mean computed above from the shards
     let plan =
         hzp_ir::Plan::from_json(&std::fs::read_to_string(&plan).unwrap(), "plan.json").unwrap();
     let p = &plan.program;
-    let all: Vec<Vec<u8>> = (0..4)
+    let shards: std::collections::HashMap<usize, Vec<(String, Tensor)>> = (0..4)
         .map(|r| {
             let state = rank_state(&ck, r);
-            let mut bytes = Vec::new();
-            for prm in &p.params {
-                for x in get(&state, &p.value(prm.value).name).to_f32_vec() {
-                    bytes.extend_from_slice(&x.to_le_bytes());
-                }
-            }
-            bytes
+            let masters = p
+                .params
+                .iter()
+                .map(|prm| {
+                    let name = p.value(prm.value).name.clone();
+                    let t = get(&state, &name).clone();
+                    (name, t)
+                })
+                .collect();
+            (r, masters)
         })
         .collect();
-    let assembled = hzp_runtime::cuda::assemble_parameters(&plan, &all).unwrap();
+    let assembled = hzp_runtime::executor::parameters_from(
+        &plan.mesh,
+        &plan.layouts,
+        plan.asyncmesh.is_some(),
+        &shards,
+    )
+    .unwrap();
     assert_eq!(assembled.len(), 4);
     for (name, t) in &assembled {
         let here = mean_from_shards(&ck, name, t.shape.iter().product());
         if let Err(e) = is_the_mean(&t.to_f64_vec(), &here) {
-            panic!("assemble_parameters' {name}: {e}");
+            panic!("parameters_from's {name}: {e}");
         }
     }
 }

@@ -300,13 +300,35 @@ fn cuda_backend_names_what_is_missing() {
         err.contains("not found") || err.contains("without CUDA"),
         "{err}"
     );
-    // ... and what it does not run yet is refused by name
+    // ... and so do checkpoints and --resume, with every rank on one GPU or one process
+    // per GPU: the step loop is every backend's, and the CUDA executors hand their values to
+    // checkpoints and take them back; only the missing GPU or library stops them here
     let ck = d.join("ck");
+    std::fs::create_dir_all(&ck).unwrap();
     let mut ckpt = train.to_vec();
-    ckpt.extend(["--checkpoint-dir", s(&ck)]);
-    let (code, _, err) = hzp(&ckpt);
-    assert_eq!(code, 1, "{err}");
-    assert!(err.contains("--checkpoint-dir"), "{err}");
+    ckpt.extend([
+        "--checkpoint-dir",
+        s(&ck),
+        "--resume",
+        "--checkpoint-every",
+        "1",
+    ]);
+    for extra in [&[][..], &["--ranks-on-one-gpu"][..]] {
+        let mut args = ckpt.clone();
+        args.extend(extra);
+        let (code, out, err) = hzp(&args);
+        assert_eq!(code, 1, "{extra:?}: {out}{err}");
+        assert!(
+            err.contains("not found") || err.contains("without the `cuda` feature"),
+            "{extra:?}: {err}"
+        );
+        assert!(
+            !err.contains("--checkpoint-dir") && !err.contains("--resume"),
+            "{extra:?}: the flags are refused: {err}"
+        );
+        // nothing was written into the checkpoint folder
+        assert_eq!(std::fs::read_dir(&ck).unwrap().count(), 0, "{extra:?}");
+    }
 }
 
 /// `hzp compile` honours the training flags that change the model: with `--retie` the tied

@@ -592,3 +592,74 @@ fn executors_reject_out_of_range_token_ids_on_a_row_exchanged_plan() {
         );
     }
 }
+
+/// The executor contract's checkpoint half, on every backend this machine has: the values
+/// `persistent` reads back after one step, restored into a freshly opened executor of the
+/// same plan (`restore`, the step counter set), give the uninterrupted run's next steps and
+/// parameters bit for bit; values of the wrong type or for the wrong number of ranks are
+/// refused by name.
+#[test]
+fn persistent_values_restore_bitwise_on_every_backend() {
+    let model = own_models_dir().join("llama_tiny.dynamo.op18.onnx");
+    let batch = global_batch(&read_npz(&own_models_dir().join("llama_tiny.io.npz")));
+    let mesh = Mesh::parse("node=2,gpu=2").unwrap();
+    let w = mesh.world_size();
+    let mut ran = 0;
+    for backend in hzp_runtime::backend::all() {
+        if backend.available().is_err() {
+            continue;
+        }
+        let name = backend.name();
+        let fwd = import_at_with(&model, &batch, ROWS / w, backend.fused_attention());
+        let full: Vec<(String, Tensor)> = fwd
+            .params
+            .iter()
+            .map(|p| (fwd.value(p.value).name.clone(), p.data.clone().unwrap()))
+            .collect();
+        let plan = build_plan(&fwd, &mesh, "zero3", &config("lm"));
+        let inputs = program_inputs(&plan.program, &batch);
+        let mut whole = backend.open(&plan, &full).unwrap();
+        whole.set_inputs(&inputs).unwrap();
+        let want: Vec<f64> = (0..3)
+            .map(|_| whole.step().unwrap().loss.unwrap())
+            .collect();
+        let mut first = backend.open(&plan, &full).unwrap();
+        first.set_inputs(&inputs).unwrap();
+        assert_eq!(first.step().unwrap().loss.unwrap(), want[0], "{name}");
+        let saved: Vec<Vec<(String, Tensor)>> =
+            (0..w).map(|r| first.persistent(r).unwrap()).collect();
+        drop(first);
+        let mut again = backend.open(&plan, &full).unwrap();
+        // refused: one rank short, and a value of another type
+        let err = again.restore(&saved[..w - 1]).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("ranks given to a plan of {w}")),
+            "{name}: {err}"
+        );
+        let mut wrong = saved.clone();
+        wrong[0][0].1 = Tensor::f32(vec![1], vec![0.0]);
+        let err = again.restore(&wrong).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("`{}` is f32[1]", wrong[0][0].0)),
+            "{name}: {err}"
+        );
+        again.restore(&saved).unwrap();
+        again.set_steps_run(1);
+        again.set_inputs(&inputs).unwrap();
+        let got: Vec<f64> = (0..2)
+            .map(|_| {
+                let s = again.step().unwrap();
+                assert!(s.step >= 2, "{name}: steps are numbered on: {}", s.step);
+                s.loss.unwrap()
+            })
+            .collect();
+        assert_eq!(got, want[1..], "{name}");
+        let (a, b) = (whole.parameters().unwrap(), again.parameters().unwrap());
+        assert_eq!(a.len(), b.len());
+        for ((n, x), (_, y)) in a.iter().zip(&b) {
+            assert_eq!(x, y, "{name}: parameter {n} differs after the restore");
+        }
+        ran += 1;
+    }
+    assert!(ran >= 1, "the CPU backend is always there");
+}

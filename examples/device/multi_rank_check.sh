@@ -6,10 +6,11 @@
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit explicit-fuse explicit-bf16 profile data bench (bench: examples/bench/gpu_vs_torch.py,
+# explicit explicit-fuse explicit-bf16 profile data ckpt bench (bench: examples/bench/gpu_vs_torch.py,
 # PyTorch eager and torch.compile vs hzp on this card, JSON in $OUT/gpu_vs_torch.json,
 # BENCH_CONFIGS (gpt2s), BENCH_STEPS (10), BENCH_S (its time limit, 300); data: a training run from a token file on
-# CUDA, per-step losses vs the CPU backend; explicit: every tiny model with attention
+# CUDA, per-step losses vs the CPU backend; ckpt: a CUDA run stopped with a checkpoint and
+# resumed on CUDA (bitwise the uninterrupted run) and on the CPU backend (1e-5); explicit: every tiny model with attention
 # written out, CUDA vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; explicit-bf16: the
 # same compiled with --precision bf16, within 2e-2; profile: GPT-2 small's GPU time per
 # op kind, HZP_CUDA_PROFILE=1, modes PROFILE_MODES, e.g. "explicit explicit-fuse bf16
@@ -289,6 +290,36 @@ dv = max((abs(x[1] - y[1]) / abs(x[1]) for x, y in zip(va, vb)), default=float("
 vok = [s for s, _ in va] == [s for s, _ in vb] == [4, 8] and dv <= 1e-5
 ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr and vok
 print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}, val_loss at steps {[s for s, _ in vb]} within {dv:.1e}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
+PY
+  done
+fi
+if want ckpt; then
+  el "== checkpoints on CUDA: a run stopped at step 2 with a checkpoint and resumed gives the uninterrupted run's losses bit for bit; the CUDA checkpoint resumed on the CPU backend gives them within 1e-5; gpu=1 and gpu=2 with every rank on the GPU"
+  for mesh in gpu=1 gpu=2; do
+    f=$W/ckpt.$(echo $mesh | tr '=' '-')
+    rm -rf $f.ck $f.ck-cpu $f.*.jsonl
+    $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --shape input_ids=4x32 --retie --lr 3e-3 --mesh $mesh -o $f.json >/dev/null 2>$f.cerr || { el "RESULT ckpt $mesh: FAIL compile"; tail -3 $f.cerr; continue; }
+    x=""; [ $mesh != gpu=1 ] && x=--ranks-on-one-gpu
+    common="--data $M/tokens/train.bin --shuffle 1 --lr-schedule cosine --warmup 2 --steps 4"
+    timeout $T $H run $f.json --backend cuda $x $common --log $f.whole.jsonl >$f.whole.out 2>$f.whole.err || el "ckpt $mesh whole: rc=$?"
+    timeout $T $H run $f.json --backend cuda $x $common --checkpoint-dir $f.ck --checkpoint-every 2 --stop-at 2 --log $f.first.jsonl >$f.first.out 2>$f.first.err || el "ckpt $mesh first half: rc=$?"
+    cp -r $f.ck $f.ck-cpu
+    timeout $T $H run $f.json --backend cuda $x $common --checkpoint-dir $f.ck --resume --log $f.resumed.jsonl >$f.resumed.out 2>$f.resumed.err || el "ckpt $mesh resumed on cuda: rc=$?"
+    timeout $T $H run $f.json --backend cpu $common --checkpoint-dir $f.ck-cpu --resume --log $f.cpu.jsonl >$f.cpu.out 2>$f.cpu.err || el "ckpt $mesh resumed on cpu: rc=$?"
+    python3 - $mesh $f.whole.jsonl $f.resumed.jsonl $f.cpu.jsonl <<'PY'
+import json, sys
+mesh, whole, resumed, cpu = sys.argv[1:]
+try:
+    w, r, c = ([json.loads(l) for l in open(p)] for p in (whole, resumed, cpu))
+except OSError as e:
+    print(f"RESULT ckpt {mesh}: FAIL ({e})"); sys.exit()
+tail = {x["step"]: x["loss"] for x in w if x["step"] > 2}
+rs = {x["step"]: x["loss"] for x in r}; cs = {x["step"]: x["loss"] for x in c}
+bitwise = sorted(rs) == sorted(tail) == [3, 4] and all(rs[k] == tail[k] for k in tail)
+d = max((abs(cs[k] - tail[k]) / abs(tail[k]) for k in tail if k in cs), default=float("nan"))
+on_cpu = sorted(cs) == [3, 4] and d <= 1e-5
+print(f"RESULT ckpt {mesh} cuda resume: {'PASS' if bitwise else 'FAIL'} (steps {sorted(rs)}: {[rs.get(k) for k in (3, 4)]} vs uninterrupted {[tail.get(k) for k in (3, 4)]})")
+print(f"RESULT ckpt {mesh} cuda checkpoint on cpu: {'PASS' if on_cpu else 'FAIL'} (steps {sorted(cs)}, losses within {d:.1e} of the cuda run)")
 PY
   done
 fi

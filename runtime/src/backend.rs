@@ -1,5 +1,5 @@
 //! One interface over the plan executors, so that one conformance suite
-//! (`tests/backend_conformance.rs`) runs the same plans on every backend this build has and
+//! (`tests/run_e2e.rs`) runs the same plans on every backend this build has and
 //! checks each against the unsharded single-rank run.
 //!
 //! - [`Cpu`]: the CPU executor ([`crate::exec::Executor`]): every rank in this process, one
@@ -8,11 +8,12 @@
 //!   (`hzp run --backend cuda --ranks-on-one-gpu`): the NCCL path's lowering, streams,
 //!   events and memory plan, collectives through the local device communicator.
 //!
-//! The CLI's `hzp run` drives the executors directly, since the CPU backend has options the
-//! CUDA one has not (emulated links, traces, token data, checkpoints); what both backends
-//! share is what this trait exposes.
+//! Each backend opens a plan as a [`PlanExecutor`], the contract `hzp run`'s step loop drives
+//! every backend through, and [`Backend::run`] drives it the same way (batch, step, and at
+//! the end the full parameters), so the suite checks the executors users run.
 
-use crate::exec::{ExecError, ExecOptions, Executor, StepStats};
+use crate::exec::{ExecOptions, Executor};
+use crate::executor::{ExecError, PlanExecutor, StepStats};
 use hzp_ir::{Plan, Tensor};
 
 /// The batch of step `s` (0-based): the plan's global inputs, the learning rate among them.
@@ -45,15 +46,33 @@ pub trait Backend {
     /// model must be imported with attention written out, `--no-fuse-attention`).
     fn fused_attention(&self) -> bool;
 
+    /// Loads `plan` for every rank of it, from the full parameters `full_params`.
+    fn open(
+        &self,
+        plan: &Plan,
+        full_params: &[(String, Tensor)],
+    ) -> Result<Box<dyn PlanExecutor>, ExecError>;
+
     /// Runs `steps` steps of `plan` from the full parameters `full_params`, step `s` on
-    /// `inputs(s)`.
+    /// `inputs(s)`, through [`Backend::open`]'s executor.
     fn run(
         &self,
         plan: &Plan,
         full_params: &[(String, Tensor)],
         inputs: &mut Inputs<'_>,
         steps: usize,
-    ) -> Result<BackendRun, ExecError>;
+    ) -> Result<BackendRun, ExecError> {
+        let mut ex = self.open(plan, full_params)?;
+        let mut stats = Vec::with_capacity(steps);
+        for s in 0..steps {
+            ex.set_inputs(&inputs(s)?)?;
+            stats.push(ex.step()?);
+        }
+        Ok(BackendRun {
+            steps: stats,
+            params: ex.parameters()?,
+        })
+    }
 }
 
 /// The CPU executor.
@@ -79,23 +98,16 @@ impl Backend for Cpu {
         true
     }
 
-    fn run(
+    fn open(
         &self,
         plan: &Plan,
         full_params: &[(String, Tensor)],
-        inputs: &mut Inputs<'_>,
-        steps: usize,
-    ) -> Result<BackendRun, ExecError> {
-        let mut ex = Executor::new(plan, full_params, self.options.clone())?;
-        let mut stats = Vec::with_capacity(steps);
-        for s in 0..steps {
-            ex.set_inputs(&inputs(s)?)?;
-            stats.push(ex.step()?);
-        }
-        Ok(BackendRun {
-            steps: stats,
-            params: ex.parameters(),
-        })
+    ) -> Result<Box<dyn PlanExecutor>, ExecError> {
+        Ok(Box::new(Executor::new(
+            plan,
+            full_params,
+            self.options.clone(),
+        )?))
     }
 }
 
@@ -111,7 +123,6 @@ impl Default for CudaOneGpu {
             options: crate::cuda::RunOptions {
                 comm: Default::default(),
                 timeout: crate::watchdog::DEFAULT_TIMEOUT,
-                on_failure: None,
                 lower: crate::cuda::lower::LowerOptions::from_env(),
             },
         }
@@ -144,29 +155,12 @@ impl Backend for CudaOneGpu {
         false
     }
 
-    fn run(
+    fn open(
         &self,
         plan: &Plan,
         full_params: &[(String, Tensor)],
-        inputs: &mut Inputs<'_>,
-        steps: usize,
-    ) -> Result<BackendRun, ExecError> {
-        let r = crate::cuda::run_plan_one_gpu(
-            plan,
-            full_params,
-            inputs,
-            steps,
-            &self.options,
-            true,
-            &mut crate::cuda::StepHooks::steps(&mut |_, _| {}),
-        )?;
-        let params = r
-            .params
-            .ok_or_else(|| ExecError::Run("the CUDA run returned no parameters".into()))?;
-        Ok(BackendRun {
-            steps: r.steps.into_iter().next().unwrap_or_default(),
-            params,
-        })
+    ) -> Result<Box<dyn PlanExecutor>, ExecError> {
+        crate::cuda::open_one_gpu(plan, full_params, &self.options)
     }
 }
 

@@ -12,7 +12,7 @@
 //! full tensors: each parameter and each of its optimizer states is put back together from
 //! the writer's shards (`ParamLayout::states`) and cut for the new plan.
 
-use crate::exec::arena::{data_bytes, tensor_from_bytes};
+use crate::executor::bytes::{data_bytes, tensor_from_bytes};
 use hzp_ir::{DType, Mesh, ParamLayout, Tensor, TensorType};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -17,6 +17,7 @@
 //! Links can be emulated: a [`LinkModel`] says how long a collective takes, and the call does
 //! not return before that time has passed since the last member arrived.
 
+pub mod rendezvous;
 pub mod tcp;
 
 use half::{bf16, f16};

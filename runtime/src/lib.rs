@@ -1,6 +1,7 @@
 //! hzp's runtime: CPU kernels, the program evaluator and trainer, the plan executor with
-//! its in-process communicators, the lockstep reference runner, and the CUDA backend; the
-//! [`backend::Backend`] trait puts the CPU and CUDA executors behind one interface.
+//! its in-process communicators, the lockstep reference runner, and the CUDA backend. Both
+//! backends implement [`executor::PlanExecutor`], the contract `hzp run`'s step loop drives;
+//! [`backend::Backend`] opens them for the conformance suite.
 
 pub mod backend;
 pub mod checkpoint;
@@ -8,6 +9,7 @@ pub mod comm;
 /// CUDA + NCCL backend: probing, rendezvous and lowering always; the executor with `cuda`.
 pub mod cuda;
 pub mod exec;
+pub mod executor;
 pub mod reference;
 pub mod schedule;
 pub mod train;

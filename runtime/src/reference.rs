@@ -51,7 +51,7 @@ impl ReferenceRunner {
             .ok_or_else(|| malformed("an SPMD program needs a mesh"))?;
         // Each rank's master and compute shards, cut as the executor cuts them; other states
         // start at their initial value (zeros when none).
-        let cut = crate::exec::cut_parameters(program, &mesh, layouts, full_params)
+        let cut = crate::executor::cut_parameters(program, &mesh, layouts, full_params)
             .map_err(|e| malformed(e.to_string()))?;
         let slots: Vec<ValueId> = cut
             .first()

@@ -19,8 +19,8 @@
 //! communicator the member with the lower rank of each pair connects to the other and says
 //! which communicator and rank it is.
 
+use super::rendezvous::Rendezvous;
 use super::{check_args, collective_bytes, member_result, LinkModel, ABORTED};
-use crate::cuda::rendezvous::Rendezvous;
 use hzp_ir::{DType, Group, Op};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -567,7 +567,7 @@ fn accept_all(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::rendezvous::DistEnv;
+    use crate::comm::rendezvous::DistEnv;
     use hzp_ir::ReduceOp;
 
     /// Two processes' members on this machine (threads here): rank 1 runs `peer` with its

@@ -20,9 +20,9 @@ use super::kernels;
 use super::local::{coll_bytes, describe, LocalComm, LocalGroup};
 use super::lower::{Arg, CollKind, Collective, Gemm, LoweredPlan, NodeWork, Work};
 use super::probe::{self, Lib};
-use super::rendezvous::{DistEnv, Rendezvous};
-use crate::exec::arena::{scalar_f64, tensor_from_bytes, write_tensor};
-use crate::exec::{cut_parameters, CommMode, ExecError, StepStats};
+use crate::comm::rendezvous::{DistEnv, Rendezvous};
+use crate::executor::bytes::{data_bytes, scalar_f64, tensor_from_bytes, write_tensor};
+use crate::executor::{cut_parameters, CommMode, ExecError, PlanExecutor, StepStats};
 use crate::watchdog::{CollRecord, CollState, FlightRecorder, FlightReport, RankRecord};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result as drv, sys, CudaContext};
@@ -130,8 +130,6 @@ pub struct CudaExecutor {
     plan: Plan,
     low: LoweredPlan,
     dist: DistEnv,
-    /// The process group (None with every rank in this process).
-    rdv: Option<Rendezvous>,
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
     functions: HashMap<String, sys::CUfunction>,
@@ -158,6 +156,10 @@ pub struct CudaExecutor {
     profile: Option<OpProfile>,
     /// Token ids and labels are range-checked in every batch (see `set_inputs`).
     index_check: crate::index_check::IndexChecker,
+    /// This rank, as a list (what [`PlanExecutor::local_ranks`] gives).
+    local: [usize; 1],
+    /// The flight report of the last step that failed.
+    report: Option<FlightReport>,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -313,19 +315,23 @@ fn local_transport(group: &Arc<LocalGroup>, low: &LoweredPlan) -> Result<Transpo
 }
 
 impl CudaExecutor {
-    /// Probes the libraries, opens this process's GPU (`LOCAL_RANK` modulo the device count),
-    /// compiles the kernels, allocates the arena, places this rank's parameter shards, states
-    /// and constants, connects the process group and creates the NCCL communicators.
+    /// Probes the libraries, opens this process's GPU (`dist.local_rank` modulo the device
+    /// count), compiles the kernels, allocates the arena, places this rank's parameter shards,
+    /// states and constants, and creates the NCCL communicators, their ids handed out over
+    /// `rv` (the process group of `dist`, which every process of the plan joined; a group of
+    /// one for a single process). `rv` is only used here: what the processes do together
+    /// later (gathering parameters, checkpoints) is the caller's.
     pub fn new(
         plan: &Plan,
         full_params: &[(String, Tensor)],
         opts: CudaOptions,
+        dist: &DistEnv,
+        rv: &mut Rendezvous,
     ) -> Result<CudaExecutor, ExecError> {
-        let dist = DistEnv::from_env().map_err(run_err)?;
         let world = plan.mesh.world_size();
-        if dist.world_size != world {
+        if dist.world_size != world || rv.world_size() != world || rv.rank() != dist.rank {
             return Err(ExecError::Plan(format!(
-                "the plan's mesh {} has {world} ranks, but WORLD_SIZE is {} (start {world} processes: hzp launch --nproc-per-node {world} -- run ...; or all ranks on one GPU: hzp run --backend cuda --ranks-on-one-gpu)",
+                "the plan's mesh {} has {world} ranks, but {} process(es) run it (start {world}: hzp launch --nproc-per-node {world} -- run ...; or all ranks on one GPU: hzp run --backend cuda --ranks-on-one-gpu)",
                 plan.mesh, dist.world_size
             )));
         }
@@ -342,7 +348,7 @@ impl CudaExecutor {
             .map_err(ExecError::Plan)?;
         let shards = cut_parameters(&plan.program, &plan.mesh, &plan.layouts, full_params)?;
         let rank = dist.rank;
-        Self::open(plan, low, &shards[rank], opts, dist, None)
+        Self::open(plan, low, &shards[rank], opts, dist.clone(), Some(rv), None)
     }
 
     /// Rank `rank` of `plan` in a process that runs every rank on its one GPU: its own arena
@@ -368,7 +374,15 @@ impl CudaExecutor {
             master_addr: String::new(),
             master_port: 0,
         };
-        Self::open(plan, low, shards, opts, dist, Some((group.clone(), image)))
+        Self::open(
+            plan,
+            low,
+            shards,
+            opts,
+            dist,
+            None,
+            Some((group.clone(), image)),
+        )
     }
 
     fn open(
@@ -377,6 +391,7 @@ impl CudaExecutor {
         shards: &[(ValueId, Tensor)],
         opts: CudaOptions,
         dist: DistEnv,
+        rv: Option<&mut Rendezvous>,
         local: Option<(Arc<LocalGroup>, &[u8])>,
     ) -> Result<CudaExecutor, ExecError> {
         let ctx = open_device(&dist)?;
@@ -394,12 +409,6 @@ impl CudaExecutor {
         unsafe { blas::set_stream(blas_h, h.streams[0] as _) }
             .map_err(|e| run_err(format!("cuBLAS: setting the stream: {e:?}")))?;
 
-        let rdv = match &local {
-            Some(_) => None,
-            None => {
-                Some(Rendezvous::connect(&dist, opts.timeout).map_err(|e| run_err(e.to_string()))?)
-            }
-        };
         let transport = match &local {
             Some((group, _)) => local_transport(group, &low)?,
             None => Transport::Nccl(Comms(Vec::new())),
@@ -408,8 +417,8 @@ impl CudaExecutor {
             index_check: crate::index_check::IndexChecker::new(&plan.program),
             plan: plan.clone(),
             low,
+            local: [dist.rank],
             dist,
-            rdv,
             ctx,
             module,
             functions,
@@ -428,11 +437,12 @@ impl CudaExecutor {
             profile: std::env::var("HZP_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
                 .then(OpProfile::default),
+            report: None,
         };
         ex.calls = (0..ex.low.comms.len()).map(|_| AtomicU64::new(0)).collect();
-        if ex.rdv.is_some() {
-            ex.check_same_plan()?;
-            ex.create_comms()?;
+        if let Some(rv) = rv {
+            ex.check_same_plan(rv)?;
+            ex.create_comms(rv)?;
         }
         ex.place(shards)?;
         Ok(ex)
@@ -457,10 +467,9 @@ impl CudaExecutor {
     }
 
     /// Every rank must run the same plan: all-gather the content hashes.
-    fn check_same_plan(&mut self) -> Result<(), ExecError> {
+    fn check_same_plan(&mut self, rv: &mut Rendezvous) -> Result<(), ExecError> {
         let hash = self.plan.content_hash.clone();
-        let all = self
-            .rdv()?
+        let all = rv
             .all_gather(hash.as_bytes())
             .map_err(|e| run_err(e.to_string()))?;
         if let Some((r, h)) = all
@@ -480,7 +489,7 @@ impl CudaExecutor {
 
     /// NCCL communicators: rank 0 makes one unique id per (communicator key, instance) and
     /// broadcasts them; each rank joins its instances in the one order every rank uses.
-    fn create_comms(&mut self) -> Result<(), ExecError> {
+    fn create_comms(&mut self, rv: &mut Rendezvous) -> Result<(), ExecError> {
         let mesh = self.plan.mesh.clone();
         let world = mesh.world_size();
         // instances of each key: the distinct member lists over all ranks, by first member
@@ -515,13 +524,9 @@ impl CudaExecutor {
                     .map_err(|e| run_err(format!("NCCL: ncclGetUniqueId: {e:?}")))?;
                 b.extend(id.internal.iter().map(|&c| c as u8));
             }
-            self.rdv()?
-                .broadcast(Some(&b))
-                .map_err(|e| run_err(e.to_string()))?
+            rv.broadcast(Some(&b)).map_err(|e| run_err(e.to_string()))?
         } else {
-            self.rdv()?
-                .broadcast(None)
-                .map_err(|e| run_err(e.to_string()))?
+            rv.broadcast(None).map_err(|e| run_err(e.to_string()))?
         };
         if ids.len() != n_ids * ID {
             return Err(run_err(format!(
@@ -586,12 +591,6 @@ impl CudaExecutor {
         Ok(())
     }
 
-    fn rdv(&mut self) -> Result<&mut Rendezvous, ExecError> {
-        self.rdv.as_mut().ok_or_else(|| {
-            run_err("internal: a process-group operation with every rank in this process")
-        })
-    }
-
     fn write(&self, v: ValueId, t: &Tensor) -> Result<(), ExecError> {
         let (off, bytes) = self.low.loc[v.index()];
         let mut host = vec![0u8; bytes as usize];
@@ -644,7 +643,7 @@ impl CudaExecutor {
                 )));
             }
             let (off, bytes) = self.low.loc[v.index()];
-            let src = crate::exec::arena::data_bytes(&t.data);
+            let src = data_bytes(&t.data);
             // a scalar (the learning rate) is every rank's; other inputs are cut on axis 0
             let at = if val.ty.rank() == 0 {
                 0
@@ -722,7 +721,7 @@ impl CudaExecutor {
         let loss = match self.plan.program.outputs.first() {
             Some(&o) => {
                 let t = self.read(o)?;
-                let b = crate::exec::arena::data_bytes(&t.data).to_vec();
+                let b = data_bytes(&t.data).to_vec();
                 scalar_f64(t.dtype(), &b)
             }
             None => None,
@@ -1276,25 +1275,131 @@ impl CudaExecutor {
         }
     }
 
-    /// The full parameters, put back together from every rank's master shard (gathered to
-    /// every rank over the rendezvous connection). Every rank must call it.
-    pub fn parameters(&mut self) -> Result<Vec<(String, Tensor)>, ExecError> {
-        let mine = self.master_bytes()?;
-        let all = self
-            .rdv()?
-            .all_gather(&mine)
-            .map_err(|e| run_err(e.to_string()))?;
-        super::assemble_parameters(&self.plan, &all)
+    /// The values `values` of this rank read back from the GPU, by name.
+    fn read_named(
+        &self,
+        values: impl Iterator<Item = ValueId>,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv_err("binding the context", e))?;
+        values
+            .map(|v| Ok((self.plan.program.value(v).name.clone(), self.read(v)?)))
+            .collect()
     }
 
-    /// This rank's parameters (its master shards) as bytes, in program order.
-    pub fn master_bytes(&self) -> Result<Vec<u8>, ExecError> {
-        let mut mine = Vec::new();
-        for prm in &self.plan.program.params {
-            let t = self.read(prm.value)?;
-            mine.extend_from_slice(crate::exec::arena::data_bytes(&t.data));
+    /// Checks that `rank` is this executor's.
+    fn mine(&self, rank: usize) -> Result<(), ExecError> {
+        if rank == self.dist.rank {
+            Ok(())
+        } else {
+            Err(run_err(format!(
+                "rank {rank} runs elsewhere (this executor runs rank {})",
+                self.dist.rank
+            )))
         }
-        Ok(mine)
+    }
+}
+
+impl PlanExecutor for CudaExecutor {
+    fn device(&self) -> String {
+        "the GPU".into()
+    }
+
+    fn program(&self) -> &hzp_ir::Program {
+        &self.plan.program
+    }
+
+    fn mesh(&self) -> &hzp_ir::Mesh {
+        &self.plan.mesh
+    }
+
+    fn layouts(&self) -> &[hzp_ir::ParamLayout] {
+        &self.plan.layouts
+    }
+
+    fn replicas_differ(&self) -> bool {
+        self.plan.asyncmesh.is_some()
+    }
+
+    fn local_ranks(&self) -> &[usize] {
+        &self.local
+    }
+
+    fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        CudaExecutor::set_inputs(self, global)
+    }
+
+    fn step(&mut self) -> Result<StepStats, ExecError> {
+        self.report = None;
+        CudaExecutor::step(self).inspect_err(|e| {
+            self.report = Some(CudaExecutor::flight_report(self, &e.to_string()));
+        })
+    }
+
+    fn steps_run(&self) -> usize {
+        self.steps_run
+    }
+
+    fn set_steps_run(&mut self, steps: usize) {
+        self.steps_run = steps;
+    }
+
+    fn master_shards(&self, rank: usize) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.mine(rank)?;
+        let p = &self.plan.program;
+        let layouts = &self.plan.layouts;
+        self.read_named(
+            p.params
+                .iter()
+                .map(|x| x.value)
+                .filter(|&v| layouts.iter().any(|l| l.name == p.value(v).name)),
+        )
+    }
+
+    fn persistent(&self, rank: usize) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.mine(rank)?;
+        let p = &self.plan.program;
+        self.read_named(
+            p.params
+                .iter()
+                .map(|x| x.value)
+                .chain(p.states.iter().map(|s| s.value)),
+        )
+    }
+
+    fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
+        let p = &self.plan.program;
+        crate::executor::check_restore(p, self.plan.mesh.world_size(), per_rank)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv_err("binding the context", e))?;
+        for (name, t) in &per_rank[self.dist.rank] {
+            let v = p
+                .find_value(name)
+                .ok_or_else(|| ExecError::Params(format!("no value `{name}` in the plan")))?;
+            self.write(v, t)?;
+        }
+        Ok(())
+    }
+
+    fn value(&self, rank: usize, name: &str) -> Result<Option<Tensor>, ExecError> {
+        if rank != self.dist.rank {
+            return Ok(None);
+        }
+        match self.plan.program.find_value(name) {
+            None => Ok(None),
+            Some(v) => {
+                self.ctx
+                    .bind_to_thread()
+                    .map_err(|e| drv_err("binding the context", e))?;
+                self.read(v).map(Some)
+            }
+        }
+    }
+
+    fn flight_report(&self) -> Option<FlightReport> {
+        self.report.clone()
     }
 }
 

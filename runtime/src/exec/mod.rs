@@ -22,33 +22,25 @@
 pub mod arena;
 pub mod sync;
 
+use crate::comm::rendezvous::Rendezvous;
 use crate::comm::tcp::{self, CommSpec};
 use crate::comm::{Communicator, GroupComm, LinkModel};
 use crate::cpu::{eval_op_into, TensorMut, TensorRef, Workspace};
-use crate::cuda::rendezvous::Rendezvous;
+pub use crate::executor::{
+    assemble_layout, cut_parameters, CommMode, ExecError, PlanExecutor, StepStats, TraceEvent,
+};
 use crate::watchdog::{
     CollRecord, CollState, Fault, FaultKind, FlightRecorder, FlightReport, RankRecord, StuckHook,
 };
 use arena::{data_bytes, data_mut, data_ref, scalar_f64, tensor_from_bytes, write_tensor, Arena};
 use hzp_ir::{
-    DType, Group, Mesh, Op, ParamLayout, Plan, Program, StreamKind, Tensor, TensorType, ValueDef,
-    ValueId,
+    Group, Mesh, Op, ParamLayout, Plan, Program, StreamKind, Tensor, TensorType, ValueId,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use sync::{EventTable, StepBarrier};
-
-/// Where collectives are issued.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CommMode {
-    /// On background threads, one per comm stream (the plan's schedule).
-    #[default]
-    Async,
-    /// On the compute thread, in program order (the baseline).
-    Sync,
-}
 
 /// How to run.
 #[derive(Clone, Default)]
@@ -82,74 +74,11 @@ impl std::fmt::Debug for ExecOptions {
     }
 }
 
-/// Why a plan cannot run, or a step failed. Messages use the plan's names.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ExecError {
-    #[error("the plan cannot run: {0}")]
-    Plan(String),
-    #[error("{0}")]
-    Params(String),
-    #[error("{0}")]
-    Inputs(String),
-    #[error("step {step}, rank {rank}, node `{node}` ({op}): {message}")]
-    Node {
-        step: usize,
-        rank: usize,
-        node: String,
-        op: &'static str,
-        message: String,
-    },
-    #[error("{0}")]
-    Run(String),
-    /// A wait longer than the collective timeout (the message names the ranks and the
-    /// collective).
-    #[error("{0}")]
-    Timeout(String),
-}
-
 impl ExecError {
     /// An error that only says another thread failed first.
     fn is_abort(&self) -> bool {
         matches!(self, ExecError::Run(m) if m == crate::comm::ABORTED)
     }
-}
-
-/// What one step cost (means over the ranks, except the wall time).
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepStats {
-    /// 1-based.
-    pub step: usize,
-    /// Output 0 (the loss) of rank 0, if the program has outputs.
-    pub loss: Option<f64>,
-    /// From the start of the step to the end of its updates.
-    pub wall: Duration,
-    /// Per stream ([`StreamKind::index`]): time spent running nodes (collectives included; waits
-    /// on events excluded). In sync mode a collective counts for the stream the plan put it
-    /// on, though the compute thread ran it.
-    pub busy: [Duration; 3],
-    /// Time the compute thread could not compute because of communication: blocked on
-    /// events of comm streams (async), or running collectives (sync).
-    pub exposed_comm: Duration,
-}
-
-impl StepStats {
-    /// Busy time of the comm streams.
-    pub fn comm(&self) -> Duration {
-        self.busy[1] + self.busy[2]
-    }
-}
-
-/// One node run, for the trace.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TraceEvent {
-    pub rank: usize,
-    pub stream: StreamKind,
-    pub node: usize,
-    /// 1-based.
-    pub step: usize,
-    /// Since the start of the run.
-    pub start: Duration,
-    pub dur: Duration,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -1218,13 +1147,7 @@ impl Executor {
     /// `per_rank[r]` must name each of rank r's parameters and states once, with its type.
     /// Every rank's values are checked; those of the ranks this process runs are set.
     pub fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
-        if per_rank.len() != self.world {
-            return Err(ExecError::Params(format!(
-                "values for {} ranks given to a plan of {}",
-                per_rank.len(),
-                self.world
-            )));
-        }
+        crate::executor::check_restore(&self.program, self.world, per_rank)?;
         let p = &self.program;
         let persistent: Vec<ValueId> = p
             .params
@@ -1232,29 +1155,6 @@ impl Executor {
             .map(|x| x.value)
             .chain(p.states.iter().map(|s| s.value))
             .collect();
-        for (r, values) in per_rank.iter().enumerate() {
-            if values.len() != persistent.len() {
-                return Err(ExecError::Params(format!(
-                    "rank {r}: {} values given, the plan keeps {}",
-                    values.len(),
-                    persistent.len()
-                )));
-            }
-            for &v in &persistent {
-                let name = &p.value(v).name;
-                let (_, t) = values
-                    .iter()
-                    .find(|(k, _)| k == name)
-                    .ok_or_else(|| ExecError::Params(format!("rank {r}: no value for `{name}`")))?;
-                if t.ty() != *p.ty(v) {
-                    return Err(ExecError::Params(format!(
-                        "rank {r}: `{name}` is {}, the plan keeps {}",
-                        t.ty(),
-                        p.ty(v)
-                    )));
-                }
-            }
-        }
         for (r, values) in per_rank.iter().enumerate() {
             if self.slot[r].is_none() {
                 continue;
@@ -1980,137 +1880,75 @@ impl ThreadCtx<'_> {
     }
 }
 
-/// Cuts full parameters into each rank's persistent values, as the plan's layouts say: the
-/// fp32 master shard (chunk `group_index(optim_group)` of the flattened, zero-padded
-/// parameter) and the compute shard state (chunk `group_index(params_group)`, in its dtype);
-/// other states take their initial value (zeros when none). Returns, per rank, (value,
-/// tensor) pairs.
-pub fn cut_parameters(
-    p: &Program,
-    mesh: &Mesh,
-    layouts: &[ParamLayout],
-    full: &[(String, Tensor)],
-) -> Result<Vec<Vec<(ValueId, Tensor)>>, ExecError> {
-    let w = mesh.world_size();
-    let mut out: Vec<Vec<(ValueId, Tensor)>> = vec![Vec::new(); w];
-    let find = |name: &str| -> Result<&Tensor, ExecError> {
-        full.iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, t)| t)
-            .ok_or_else(|| {
-                ExecError::Params(format!(
-                    "the parameters lack `{name}`, which the plan trains"
-                ))
-            })
-    };
-    let flat = |l: &ParamLayout, t: &Tensor| -> Result<Vec<f32>, ExecError> {
-        if t.shape != l.shape {
-            return Err(ExecError::Params(format!(
-                "parameter `{}` is {}, the plan was compiled for {}",
-                l.name,
-                t.ty(),
-                TensorType::new(t.dtype(), l.shape.clone())
-            )));
-        }
-        if l.padded < l.numel || t.numel() != l.numel {
-            return Err(ExecError::Params(format!(
-                "the layout of `{}` does not match its shape",
-                l.name
-            )));
-        }
-        let mut v = t.to_f32_vec();
-        v.resize(l.padded, 0.0);
-        Ok(v)
-    };
-    let chunk = |v: &[f32], g: &Group, r: usize, name: &str| -> Result<Vec<f32>, ExecError> {
-        let n = mesh.group_size(g).unwrap_or(1);
-        let i = mesh.group_index(g, r).unwrap_or(0);
-        if n == 0 || !v.len().is_multiple_of(n) {
-            return Err(ExecError::Params(format!(
-                "`{name}` ({} elements padded) does not split over group {g}",
-                v.len()
-            )));
-        }
-        let len = v.len() / n;
-        Ok(v[i * len..(i + 1) * len].to_vec())
-    };
-    for prm in &p.params {
-        let name = &p.value(prm.value).name;
-        let l = layouts.iter().find(|l| &l.name == name).ok_or_else(|| {
-            ExecError::Plan(format!("parameter `{name}` has no layout in the plan"))
-        })?;
-        let v = flat(l, find(name)?)?;
-        let ty = p.ty(prm.value);
-        for (r, dst) in out.iter_mut().enumerate() {
-            let c = chunk(&v, &l.optim_group, r, name)?;
-            if ty.dtype != DType::F32 || ty.shape != [c.len()] {
-                return Err(ExecError::Plan(format!(
-                    "master shard `{name}` is {ty}, its layout gives f32[{}]",
-                    c.len()
-                )));
-            }
-            dst.push((prm.value, Tensor::f32(vec![c.len()], c)));
-        }
+impl PlanExecutor for Executor {
+    fn device(&self) -> String {
+        "the CPU".into()
     }
-    for st in &p.states {
-        let name = &p.value(st.value).name;
-        let ty = p.ty(st.value).clone();
-        if let Some(l) = layouts.iter().find(|l| &l.compute_shard == name) {
-            let v = flat(l, find(&l.name)?)?;
-            for (r, dst) in out.iter_mut().enumerate() {
-                let c: Vec<f64> = chunk(&v, &l.params_group, r, &l.name)?
-                    .iter()
-                    .map(|&x| x as f64)
-                    .collect();
-                if ty.numel() != c.len() {
-                    return Err(ExecError::Plan(format!(
-                        "compute shard `{name}` is {ty}, its layout gives {} elements",
-                        c.len()
-                    )));
-                }
-                dst.push((st.value, Tensor::from_f64(ty.dtype, ty.shape.clone(), &c)));
-            }
-        } else {
-            let init = st.init.clone().unwrap_or_else(|| Tensor::zeros(&ty));
-            for dst in out.iter_mut() {
-                dst.push((st.value, init.clone()));
-            }
-        }
-    }
-    // A plan value that is neither: nothing to place.
-    debug_assert!(p
-        .values
-        .iter()
-        .all(|v| !matches!(v.def, ValueDef::Param) || layouts.iter().any(|l| l.name == v.name)));
-    Ok(out)
-}
 
-/// Parameter `l` put back together from its shards: `whole(first)` gives it as the instance
-/// of its optimizer group that holds rank `first` has it (padding cut). Where the replicas
-/// differ by design (`replicas_differ`: an AsyncMesh plan), every instance of the group holds
-/// one replica and the model is their mean; otherwise rank 0's instance. Shared by
-/// [`Executor::parameters`] and the CUDA backend's `assemble_parameters`.
-pub fn assemble_layout<E>(
-    mesh: &Mesh,
-    l: &ParamLayout,
-    world: usize,
-    replicas_differ: bool,
-    mut whole: impl FnMut(usize) -> Result<Vec<f32>, E>,
-) -> Result<Vec<f32>, E> {
-    if !replicas_differ {
-        return whole(0);
+    fn program(&self) -> &Program {
+        &self.program
     }
-    let mut firsts: Vec<usize> = (0..world)
-        .filter_map(|r| mesh.group_members(&l.optim_group, r)?.first().copied())
-        .collect();
-    firsts.sort_unstable();
-    firsts.dedup();
-    let mut sum = vec![0f64; l.numel];
-    for &f in &firsts {
-        for (acc, x) in sum.iter_mut().zip(whole(f)?) {
-            *acc += x as f64;
-        }
+
+    fn mesh(&self) -> &Mesh {
+        &self.mesh
     }
-    let n = firsts.len().max(1) as f64;
-    Ok(sum.into_iter().map(|x| (x / n) as f32).collect())
+
+    fn layouts(&self) -> &[ParamLayout] {
+        &self.layouts
+    }
+
+    fn replicas_differ(&self) -> bool {
+        self.replicas_differ
+    }
+
+    fn local_ranks(&self) -> &[usize] {
+        &self.local
+    }
+
+    fn set_inputs(&mut self, global: &[(String, Tensor)]) -> Result<(), ExecError> {
+        Executor::set_inputs(self, global)
+    }
+
+    fn step(&mut self) -> Result<StepStats, ExecError> {
+        Executor::step(self)
+    }
+
+    fn run(&mut self, steps: usize) -> Result<Vec<StepStats>, ExecError> {
+        // the threads are started once for all the steps
+        Executor::run(self, steps)
+    }
+
+    fn steps_run(&self) -> usize {
+        self.steps_run
+    }
+
+    fn set_steps_run(&mut self, steps: usize) {
+        self.steps_run = steps;
+    }
+
+    fn master_shards(&self, rank: usize) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.arena(rank)?;
+        Ok(Executor::master_shards(self, rank))
+    }
+
+    fn persistent(&self, rank: usize) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.arena(rank)?;
+        Ok(Executor::persistent(self, rank))
+    }
+
+    fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
+        Executor::restore(self, per_rank)
+    }
+
+    fn value(&self, rank: usize, name: &str) -> Result<Option<Tensor>, ExecError> {
+        Ok(Executor::value(self, rank, name))
+    }
+
+    fn flight_report(&self) -> Option<FlightReport> {
+        self.report.clone()
+    }
+
+    fn trace(&self) -> &[TraceEvent] {
+        &self.trace
+    }
 }

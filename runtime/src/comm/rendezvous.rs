@@ -1,6 +1,7 @@
 //! Process-group set-up over TCP, torchrun style.
 //!
-//! A multi-process run has one process per GPU; each learns its place from the environment
+//! A multi-process run (one process per rank: per GPU on the CUDA backend, or CPU processes
+//! whose collectives go over [`super::tcp`]) has each process learn its place from the environment
 //! ([`DistEnv`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT`, as `hzp launch` and torchrun set them). Rank 0 listens on
 //! `MASTER_ADDR:MASTER_PORT`; every other rank connects (retrying until the timeout, since
