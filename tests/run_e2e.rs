@@ -173,7 +173,7 @@ fn check_model_with(stem: &str, cfg: TrainConfig, meshes: &[&str], strategies: &
         if let Err(why) = backend.available() {
             skip::skip(
                 "",
-                skip::Missing::Other,
+                backend_missing(backend.as_ref()),
                 &format!("{stem}: backend {} not run: {why}", backend.name()),
             );
             continue;
@@ -606,7 +606,12 @@ fn persistent_values_restore_bitwise_on_every_backend() {
     let w = mesh.world_size();
     let mut ran = 0;
     for backend in hzp_runtime::backend::all() {
-        if backend.available().is_err() {
+        if let Err(why) = backend.available() {
+            skip::skip(
+                "persistent_values_restore_bitwise_on_every_backend",
+                backend_missing(backend.as_ref()),
+                &format!("backend {} not run: {why}", backend.name()),
+            );
             continue;
         }
         let name = backend.name();
@@ -662,4 +667,14 @@ fn persistent_values_restore_bitwise_on_every_backend() {
         ran += 1;
     }
     assert!(ran >= 1, "the CPU backend is always there");
+}
+
+/// What a backend that cannot run here lacks: the GPU for the CUDA ones (a failure where
+/// `HZP_REQUIRE_GPU` is set).
+fn backend_missing(b: &dyn hzp_runtime::backend::Backend) -> skip::Missing {
+    if b.name().starts_with("cuda") {
+        skip::Missing::Gpu
+    } else {
+        skip::Missing::Other
+    }
 }

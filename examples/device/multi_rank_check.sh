@@ -6,7 +6,9 @@
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit explicit-fuse explicit-bf16 profile data ckpt bench (bench: examples/bench/gpu_vs_torch.py,
+# explicit explicit-fuse explicit-bf16 profile data ckpt e2e bench (e2e: tests/run_e2e.rs, every
+# test model x mesh x strategy through the executor hzp run uses, on the CPU and on the GPU,
+# E2E_S (its time limit, 300); bench: examples/bench/gpu_vs_torch.py,
 # PyTorch eager and torch.compile vs hzp on this card, JSON in $OUT/gpu_vs_torch.json,
 # BENCH_CONFIGS (gpt2s), BENCH_STEPS (10), BENCH_S (its time limit, 300); data: a training run from a token file on
 # CUDA, per-step losses vs the CPU backend; ckpt: a CUDA run stopped with a checkpoint and
@@ -322,6 +324,13 @@ print(f"RESULT ckpt {mesh} cuda resume: {'PASS' if bitwise else 'FAIL'} (steps {
 print(f"RESULT ckpt {mesh} cuda checkpoint on cpu: {'PASS' if on_cpu else 'FAIL'} (steps {sorted(cs)}, losses within {d:.1e} of the cuda run)")
 PY
   done
+fi
+if want e2e; then
+  el "== the conformance suite (tests/run_e2e.rs) on every backend, the GPU's included (HZP_REQUIRE_GPU=1: a CUDA leg that cannot run fails)"
+  HZP_REPO=$PWD HZP_BIN=$H HZP_REQUIRE_GPU=1 HZP_SKIPS_DIR=$O/e2e-skips timeout ${E2E_S:-300} $D/run_e2e --test-threads 2 >$O/run_e2e.txt 2>&1
+  rc=$?
+  tail -5 $O/run_e2e.txt
+  if [ $rc = 0 ]; then el "RESULT e2e: PASS ($(grep -o '[0-9]* passed' $O/run_e2e.txt | tail -1))"; else el "RESULT e2e: FAIL rc=$rc (see run_e2e.txt)"; fi
 fi
 if want bench; then
   el "== same card, same call: PyTorch eager and torch.compile vs hzp (fp32, bf16), examples/bench/gpu_vs_torch.py"

@@ -7,8 +7,12 @@ use hzp_frontends::{load_model, npz, LoadOptions};
 use hzp_ir::{Program, Tensor};
 use std::path::{Path, PathBuf};
 
+/// The checkout: `HZP_REPO` when set (a test binary taken to another machine, as the device
+/// check does), else the one it was built from.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("HZP_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 /// The project's own test models (always present).
@@ -113,8 +117,12 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The hzp binary: `HZP_BIN` when set (beside a test binary taken to another machine), else
+/// the one cargo built with the test.
 pub fn hzp_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hzp"))
+    std::env::var_os("HZP_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hzp")))
 }
 
 /// The per-step losses that `hzp train` or `hzp run` print with `--format json`.

@@ -23,14 +23,17 @@ pub enum Missing {
     Cxx,
     /// `../shared` beside the checkout (`.ci/run` refuses to run without it).
     Shared,
-    /// Anything else: a GPU, root, a system tool, a CPU feature, an optional file.
+    /// A GPU and its libraries: a failure where `HZP_REQUIRE_GPU` is set (the device
+    /// check sets it, so a CUDA leg that cannot run there is not a silent skip).
+    Gpu,
+    /// Anything else: root, a system tool, a CPU feature, an optional file.
     Other,
 }
 
 impl Missing {
     /// Whether CI provides this itself, so that lacking it there is a failure.
     pub fn ci_provides(self) -> bool {
-        !matches!(self, Missing::Other)
+        !matches!(self, Missing::Other | Missing::Gpu)
     }
 }
 
@@ -99,6 +102,9 @@ pub fn entry(test: &str, reason: &str) -> String {
 /// `reason` saying what and how to provide it. Panics instead where `CI` is set and CI
 /// provides `missing` itself.
 pub fn skip(test: &str, missing: Missing, reason: &str) {
+    if missing == Missing::Gpu && std::env::var_os("HZP_REQUIRE_GPU").is_some() {
+        panic!("{test}: {reason} (HZP_REQUIRE_GPU is set: this must not skip)");
+    }
     if missing.ci_provides() && std::env::var_os("CI").is_some() {
         panic!(
             "{test}: {reason} (CI is set, and CI provides {missing:?} itself: this must not skip)"
