@@ -623,3 +623,156 @@ fn training_dropout_backpropagates_through_the_forward_mask() {
         );
     }
 }
+
+/// Routed mixture of experts: dispatch (the tokens' gradient), combine (the experts'
+/// outputs' and the weights' gradients), with choices that overflow the capacity, so the
+/// dropped ones must get no gradient.
+#[test]
+fn moe_dispatch_and_combine() {
+    // 5 tokens, 2 choices each among 3 experts of capacity 2: expert 0 is chosen 5 times
+    let choices = Tensor::i64(vec![5, 2], vec![0, 1, 0, 2, 1, 0, 0, 2, 2, 0]);
+    check(
+        Op::MoeDispatch {
+            experts: 3,
+            capacity: 2,
+        },
+        vec![F(vec![5, 4]), Fixed(choices.clone())],
+        0,
+    );
+    // the slots GShard's rule gives these choices (first choices, then second choices)
+    let slots = Tensor::i64(vec![5, 2], vec![0, 1, 1, 0, 0, -1, -1, 1, 1, -1]);
+    check(
+        Op::MoeCombine,
+        vec![
+            F(vec![3, 2, 4]),
+            Fixed(choices.clone()),
+            Fixed(slots),
+            F(vec![5, 2]),
+        ],
+        0,
+    );
+    // the two in one program with a nonlinearity between: x -> dispatch -> tanh -> combine
+    let mut p = Program::new("moe");
+    let x = p.add_param(
+        "x",
+        TensorType::new(DType::F32, vec![5, 4]),
+        Some(Tensor::f32(vec![5, 4], rand_vec(20, 3))),
+    );
+    let w = p.add_param(
+        "w",
+        TensorType::new(DType::F32, vec![5, 2]),
+        Some(Tensor::f32(vec![5, 2], rand_vec(10, 4))),
+    );
+    let ch = p.add_const("choices", choices);
+    let d = p
+        .add_node(
+            "dispatch",
+            Op::MoeDispatch {
+                experts: 3,
+                capacity: 2,
+            },
+            vec![x, ch],
+            vec!["buf".into(), "slots".into()],
+        )
+        .unwrap();
+    let act = p
+        .add_node("act", Op::Unary(UnaryOp::Tanh), vec![d[0]], vec!["act".into()])
+        .unwrap()[0];
+    let y = p
+        .add_node(
+            "combine",
+            Op::MoeCombine,
+            vec![act, ch, d[1], w],
+            vec!["y".into()],
+        )
+        .unwrap()[0];
+    let sq = p
+        .add_node("sq", Op::Binary(BinaryOp::Mul), vec![y, y], vec!["sq".into()])
+        .unwrap()[0];
+    let loss = p
+        .add_node(
+            "loss",
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![0, 1],
+                keep_dims: false,
+            },
+            vec![sq],
+            vec!["loss".into()],
+        )
+        .unwrap()[0];
+    check_program(p, &[x, w], loss, "dispatch, tanh, combine");
+}
+
+/// Parameters of a preset (shapes only) filled with deterministic random values, the same
+/// for the same parameter name.
+fn with_random_params(mut p: Program) -> Program {
+    for prm in &mut p.params {
+        let v = &p.values[prm.value.index()];
+        let seed = v.name.bytes().fold(17u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+        let d = rand_vec(v.ty.numel(), seed).iter().map(|x| x * 0.3).collect();
+        prm.data = Some(Tensor::f32(v.ty.shape.clone(), d));
+    }
+    p
+}
+
+/// The loss and every parameter's gradient, by parameter name.
+fn loss_and_grads(fwd: &Program, ids: &Tensor) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
+    use hzp_passes::train::{gradient_program, LossKind};
+    let g = gradient_program(fwd, &LossKind::Lm { labels: None }).unwrap();
+    let out = evaluate(&g, &[("input_ids".to_string(), ids.clone())]).unwrap();
+    let logits = evaluate(fwd, &[("input_ids".to_string(), ids.clone())]).unwrap();
+    let mut all = logits[0].1.to_f32_vec();
+    all.extend(out[0].1.to_f32_vec());
+    let grads = fwd
+        .params
+        .iter()
+        .zip(&out[1..])
+        .map(|(prm, (_, t))| (fwd.value(prm.value).name.clone(), t.to_f32_vec()))
+        .collect();
+    (all, grads)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max);
+    let den = b.iter().map(|y| (*y as f64).abs()).fold(1e-6, f64::max);
+    num / den
+}
+
+/// The routed MoE preset without drops against its dense form (every expert on every
+/// token, a mostly-zero gate), an oracle the routed ops take no part in: logits, loss and
+/// every parameter's gradient; with a small capacity the routed form must differ.
+#[test]
+fn dropless_routed_moe_equals_the_dense_form() {
+    use hzp_frontends::presets::parse_preset;
+    let routed = with_random_params(parse_preset("preset:moe-tiny").unwrap());
+    let dense = with_random_params(parse_preset("preset:moe-tiny,dense=true").unwrap());
+    let has = |p: &Program, name: &str| p.nodes.iter().any(|n| n.op.name() == name);
+    assert!(has(&routed, "MoeDispatch") && has(&routed, "MoeCombine"));
+    assert!(!has(&dense, "MoeDispatch"));
+    let ids = Tensor::i64(
+        vec![2, 16],
+        rand_vec(32, 5)
+            .iter()
+            .map(|x| ((x + 1.0) * 127.0) as i64)
+            .collect(),
+    );
+    let (out_r, grads_r) = loss_and_grads(&routed, &ids);
+    let (out_d, grads_d) = loss_and_grads(&dense, &ids);
+    let err = max_rel(&out_r, &out_d);
+    assert!(err < 1e-6, "logits and loss differ: max rel err {err}");
+    assert_eq!(grads_r.len(), grads_d.len());
+    for ((nr, gr), (nd, gd)) in grads_r.iter().zip(&grads_d) {
+        assert_eq!(nr, nd);
+        let err = max_rel(gr, gd);
+        assert!(err < 1e-5, "gradient of {nr}: max rel err {err}");
+    }
+    // A capacity of one token per expert drops most choices: the logits change.
+    let small = with_random_params(parse_preset("preset:moe-tiny,capacity_factor=0.01").unwrap());
+    let (out_s, _) = loss_and_grads(&small, &ids);
+    assert!(max_rel(&out_s, &out_d) > 1e-3);
+}
