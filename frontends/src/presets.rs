@@ -1336,6 +1336,37 @@ mod tests {
     }
 
     #[test]
+    fn moe_is_routed_dropless_unless_told() {
+        let count = |p: &Program, name: &str| p.nodes.iter().filter(|n| n.op.name() == name).count();
+        let dispatch = |p: &Program| {
+            p.nodes
+                .iter()
+                .find_map(|n| match n.op {
+                    Op::MoeDispatch { experts, capacity } => Some((experts, capacity)),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        // moe-tiny: 2 x 16 tokens, 4 experts, top 2
+        let routed = build("preset:moe-tiny");
+        assert_eq!(count(&routed, "MoeDispatch"), 2);
+        assert_eq!(count(&routed, "MoeCombine"), 2);
+        assert_eq!(count(&routed, "ScatterElements"), 0);
+        assert_eq!(dispatch(&routed), (4, 32));
+        for (f, cap) in [("1", 16), ("1.25", 20), ("0.01", 1), ("100", 32), ("none", 32)] {
+            let p = build(&format!("preset:moe-tiny,capacity_factor={f}"));
+            assert_eq!(dispatch(&p), (4, cap), "capacity_factor={f}");
+        }
+        let dense = build("preset:moe-tiny,dense=true");
+        assert_eq!(count(&dense, "MoeDispatch") + count(&dense, "MoeCombine"), 0);
+        assert_eq!(count(&dense, "ScatterElements"), 2);
+        assert_eq!(dense.num_parameters(), routed.num_parameters());
+        // mixtral-8x7b: 4096 tokens, 8 experts, top 2: an even share is 1024 tokens
+        let p = build("preset:mixtral-8x7b,layers=1,capacity_factor=1");
+        assert_eq!(dispatch(&p), (8, 1024));
+    }
+
+    #[test]
     fn gpt3_175b_builds_quickly() {
         let t = std::time::Instant::now();
         let p = build("preset:gpt3-175b");
@@ -1428,6 +1459,15 @@ mod tests {
                 "exceeds the position table",
             ),
             ("preset:moe,experts=2,top_k=3", "top_k=3 exceeds experts=2"),
+            ("preset:llama,capacity_factor=1", "applies to moe presets only"),
+            ("preset:gpt,dense=true", "applies to moe presets only"),
+            ("preset:moe,capacity_factor=0", "positive number"),
+            ("preset:moe,capacity_factor=lots", "positive number"),
+            ("preset:moe,dense=maybe", "expected true or false"),
+            (
+                "preset:moe,dense=true,capacity_factor=1.25",
+                "capacity_factor applies to the routed form",
+            ),
             ("preset:gpt,seq=4,seq=5", "given twice"),
             ("preset:gpt,tied=maybe", "expected true or false"),
             ("preset:llama,eps=0", "positive number"),
