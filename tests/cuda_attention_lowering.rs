@@ -210,3 +210,24 @@ fn pasa_lowers_fp16_attention_and_refuses_other_precisions() {
         ),
     }
 }
+
+#[test]
+fn moe_ops_are_refused_by_name() {
+    // attention written out, so the first node the lowering refuses is the MoE dispatch
+    let plan = compile_with(
+        "preset:moe-tiny",
+        "input_ids=2x16",
+        "gpu=1",
+        &["--no-fuse-attention", "--precision", "f32"],
+    );
+    assert!(plan
+        .program
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, Op::MoeDispatch { .. })));
+    let e = lower::lower_program(&plan, 0).unwrap_err();
+    assert!(
+        e.contains("MoeDispatch") && e.contains("no CUDA kernel") && e.contains("dense=true"),
+        "{e}"
+    );
+}

@@ -9,8 +9,9 @@
 //! Settings: `layers`, `hidden`, `heads`, `kv_heads` (Llama/MoE), `ffn` (MLP inner size; per
 //! expert for MoE), `vocab`, `seq`, `batch` (the micro-batch; alias `micro_batch`),
 //! `positions` (GPT's learned position table; grows to `seq` when that is longer), `experts`,
-//! `top_k`, `capacity_factor` (a positive number, or `none`: dropless, the default) and
-//! `dense` (`true`: every expert on every token) (MoE), `tied` (LM head shares the
+//! `top_k`, `capacity_factor` (a positive number, or `none`: dropless, the default),
+//! `dense` (`true`: every expert on every token) and `norm_topk` (`false`: the top-k
+//! probabilities are the weights, not renormalized to sum 1) (MoE), `tied` (LM head shares the
 //! embedding), `eps` (norm epsilon), `rope_theta` (Llama/MoE).
 //! A family spec starts from the family's reference model (`gpt`: gpt2-small, `llama`:
 //! llama3-8b, `moe`: mixtral-8x7b) and, unless given, derives `kv_heads = heads`, and
@@ -34,8 +35,8 @@
 //!   grouped-query attention (K and V repeated by `Reshape`/`Expand`/`Reshape`), SwiGLU MLP,
 //!   `nn.Linear` weights `[out, in]` used through `Transpose`, untied `lm_head.weight`;
 //! - MoE (Mixtral): Llama attention; the MLP is a router (`mlp.gate.weight`, softmax over
-//!   experts, `TopK`, top-k weights renormalized to sum 1) and experts stored batched as in
-//!   transformers 5 (`mlp.experts.gate_up_proj: [experts, 2*ffn, hidden]`,
+//!   experts, `TopK`, top-k weights renormalized to sum 1 unless `norm_topk=false`) and
+//!   experts stored batched as in transformers 5 (`mlp.experts.gate_up_proj: [experts, 2*ffn, hidden]`,
 //!   `mlp.experts.down_proj: [experts, hidden, ffn]`). By default the block is routed
 //!   (docs/moe.md): `MoeDispatch` copies each token to the buffers of its top-k experts
 //!   (`[experts, capacity, hidden]`), the experts' SwiGLU runs as batched `MatMul`s over
@@ -125,6 +126,9 @@ pub struct PresetConfig {
     /// MoE: the dense form (every expert on every token, weighted by a mostly-zero gate)
     /// instead of routed dispatch and combine.
     pub dense_moe: bool,
+    /// MoE: whether the top-k routing weights are renormalized to sum 1 (Mixtral; Qwen3-MoE's
+    /// `norm_topk_prob`), or are the softmax probabilities as they are.
+    pub norm_topk: bool,
     /// Whether the LM head reuses the token embedding.
     pub tied_embeddings: bool,
     /// LayerNorm / RmsNorm epsilon.
@@ -160,6 +164,7 @@ fn gpt(
         top_k: 0,
         capacity_factor: None,
         dense_moe: false,
+        norm_topk: true,
         tied_embeddings: true,
         norm_eps: 1e-5,
         rope_theta: 0.0,
@@ -194,6 +199,7 @@ fn llama(
         top_k: 0,
         capacity_factor: None,
         dense_moe: false,
+        norm_topk: true,
         tied_embeddings: false,
         norm_eps: 1e-5,
         rope_theta,
@@ -303,6 +309,7 @@ const KEYS: &[&str] = &[
     "top_k",
     "capacity_factor",
     "dense",
+    "norm_topk",
     "tied",
     "eps",
     "rope_theta",
@@ -427,6 +434,10 @@ pub fn parse_config(spec: &str) -> Result<PresetConfig, PresetError> {
             "dense" => {
                 only(&[Family::Moe], "moe")?;
                 c.dense_moe = boolean()?
+            }
+            "norm_topk" => {
+                only(&[Family::Moe], "moe")?;
+                c.norm_topk = boolean()?
             }
             "tied" => c.tied_embeddings = boolean()?,
             "eps" => c.norm_eps = float()? as f32,
@@ -1122,16 +1133,20 @@ fn moe_mlp(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId) -> R<ValueId>
         &[probs],
         2,
     )?;
-    let sum = g.node(
-        &format!("{pre}.router_topk_sum"),
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![1],
-            keep_dims: true,
-        },
-        &[top[0]],
-    )?;
-    let weights = g.bin(&format!("{pre}.router_weights"), BinaryOp::Div, top[0], sum)?;
+    let weights = if c.norm_topk {
+        let sum = g.node(
+            &format!("{pre}.router_topk_sum"),
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![1],
+                keep_dims: true,
+            },
+            &[top[0]],
+        )?;
+        g.bin(&format!("{pre}.router_weights"), BinaryOp::Div, top[0], sum)?
+    } else {
+        top[0]
+    };
     let experts = Experts { gate_up, down };
     let y = if c.dense_moe {
         dense_experts(g, c, pre, tokens, top[1], weights, experts)?
@@ -1357,6 +1372,8 @@ mod tests {
             let p = build(&format!("preset:moe-tiny,capacity_factor={f}"));
             assert_eq!(dispatch(&p), (4, cap), "capacity_factor={f}");
         }
+        let plain = build("preset:moe-tiny,norm_topk=false");
+        assert_eq!(count(&routed, "Div") - count(&plain, "Div"), 2);
         let dense = build("preset:moe-tiny,dense=true");
         assert_eq!(count(&dense, "MoeDispatch") + count(&dense, "MoeCombine"), 0);
         assert_eq!(count(&dense, "ScatterElements"), 2);
