@@ -1352,7 +1352,8 @@ mod tests {
 
     #[test]
     fn moe_is_routed_dropless_unless_told() {
-        let count = |p: &Program, name: &str| p.nodes.iter().filter(|n| n.op.name() == name).count();
+        let count =
+            |p: &Program, name: &str| p.nodes.iter().filter(|n| n.op.name() == name).count();
         let dispatch = |p: &Program| {
             p.nodes
                 .iter()
@@ -1368,14 +1369,23 @@ mod tests {
         assert_eq!(count(&routed, "MoeCombine"), 2);
         assert_eq!(count(&routed, "ScatterElements"), 0);
         assert_eq!(dispatch(&routed), (4, 32));
-        for (f, cap) in [("1", 16), ("1.25", 20), ("0.01", 1), ("100", 32), ("none", 32)] {
+        for (f, cap) in [
+            ("1", 16),
+            ("1.25", 20),
+            ("0.01", 1),
+            ("100", 32),
+            ("none", 32),
+        ] {
             let p = build(&format!("preset:moe-tiny,capacity_factor={f}"));
             assert_eq!(dispatch(&p), (4, cap), "capacity_factor={f}");
         }
         let plain = build("preset:moe-tiny,norm_topk=false");
         assert_eq!(count(&routed, "Div") - count(&plain, "Div"), 2);
         let dense = build("preset:moe-tiny,dense=true");
-        assert_eq!(count(&dense, "MoeDispatch") + count(&dense, "MoeCombine"), 0);
+        assert_eq!(
+            count(&dense, "MoeDispatch") + count(&dense, "MoeCombine"),
+            0
+        );
         assert_eq!(count(&dense, "ScatterElements"), 2);
         assert_eq!(dense.num_parameters(), routed.num_parameters());
         // mixtral-8x7b: 4096 tokens, 8 experts, top 2: an even share is 1024 tokens
@@ -1476,7 +1486,10 @@ mod tests {
                 "exceeds the position table",
             ),
             ("preset:moe,experts=2,top_k=3", "top_k=3 exceeds experts=2"),
-            ("preset:llama,capacity_factor=1", "applies to moe presets only"),
+            (
+                "preset:llama,capacity_factor=1",
+                "applies to moe presets only",
+            ),
             ("preset:gpt,dense=true", "applies to moe presets only"),
             ("preset:moe,capacity_factor=0", "positive number"),
             ("preset:moe,capacity_factor=lots", "positive number"),

@@ -1878,7 +1878,9 @@ impl Op {
                     ));
                 }
                 if !x.dtype.is_float() || x.rank() != 2 {
-                    return Err(format!("MoeDispatch: the tokens must be float [T,H], got {x}"));
+                    return Err(format!(
+                        "MoeDispatch: the tokens must be float [T,H], got {x}"
+                    ));
                 }
                 if !ids.dtype.is_int() || ids.rank() != 2 || ids.shape[0] != x.shape[0] {
                     return Err(format!(

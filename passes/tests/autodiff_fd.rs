@@ -676,7 +676,12 @@ fn moe_dispatch_and_combine() {
         )
         .unwrap();
     let act = p
-        .add_node("act", Op::Unary(UnaryOp::Tanh), vec![d[0]], vec!["act".into()])
+        .add_node(
+            "act",
+            Op::Unary(UnaryOp::Tanh),
+            vec![d[0]],
+            vec!["act".into()],
+        )
         .unwrap()[0];
     let y = p
         .add_node(
@@ -687,7 +692,12 @@ fn moe_dispatch_and_combine() {
         )
         .unwrap()[0];
     let sq = p
-        .add_node("sq", Op::Binary(BinaryOp::Mul), vec![y, y], vec!["sq".into()])
+        .add_node(
+            "sq",
+            Op::Binary(BinaryOp::Mul),
+            vec![y, y],
+            vec!["sq".into()],
+        )
         .unwrap()[0];
     let loss = p
         .add_node(
@@ -709,8 +719,14 @@ fn moe_dispatch_and_combine() {
 fn with_random_params(mut p: Program) -> Program {
     for prm in &mut p.params {
         let v = &p.values[prm.value.index()];
-        let seed = v.name.bytes().fold(17u64, |h, b| h.wrapping_mul(31) ^ b as u64);
-        let d = rand_vec(v.ty.numel(), seed).iter().map(|x| x * 0.3).collect();
+        let seed = v
+            .name
+            .bytes()
+            .fold(17u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+        let d = rand_vec(v.ty.numel(), seed)
+            .iter()
+            .map(|x| x * 0.3)
+            .collect();
         prm.data = Some(Tensor::f32(v.ty.shape.clone(), d));
     }
     p
@@ -806,6 +822,9 @@ fn routed_moe_tiny_matches_torch_autograd() {
     assert!((loss - want).abs() < 1e-4, "loss {loss} vs torch {want}");
     for (name, g) in &grads {
         let err = max_rel(g, &get(&torch, &format!("grad/{name}")).to_f32_vec());
-        assert!(err < 1e-4, "gradient of {name}: max rel err {err} against torch");
+        assert!(
+            err < 1e-4,
+            "gradient of {name}: max rel err {err} against torch"
+        );
     }
 }

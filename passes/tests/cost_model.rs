@@ -729,7 +729,12 @@ fn moe_ops_and_routed_expert_products() {
     assert_eq!(flops, 0.0);
     assert_eq!(bytes, ((6 * 8 + 3 * 4 * 8) * 4 + 2 * 6 * 2 * 8) as f64);
     assert_eq!(outs[0], t(f, &[3, 4, 8]));
-    let combine_ins = vec![t(f, &[3, 4, 8]), t(i, &[6, 2]), t(i, &[6, 2]), t(f, &[6, 2])];
+    let combine_ins = vec![
+        t(f, &[3, 4, 8]),
+        t(i, &[6, 2]),
+        t(i, &[6, 2]),
+        t(f, &[6, 2]),
+    ];
     let (flops, bytes, _) = fb(&Op::MoeCombine, combine_ins.clone());
     assert_eq!(flops, (2 * 6 * 2 * 8) as f64);
     // the 12 rows the choices name (of 12 in the buffer), indices, weights, the output

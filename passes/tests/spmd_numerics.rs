@@ -543,7 +543,10 @@ fn routed_moe_with_drops_matches_one_rank_on_the_same_micro_batches() {
             parse_preset(&format!("preset:moe-tiny,batch={rows},capacity_factor=0.5")).unwrap();
         for prm in &mut p.params {
             let v = &p.values[prm.value.index()];
-            let seed = v.name.bytes().fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+            let seed = v
+                .name
+                .bytes()
+                .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
             let mut s = seed | 1;
             let d = (0..v.ty.numel())
                 .map(|_| {
@@ -582,10 +585,11 @@ fn routed_moe_with_drops_matches_one_rank_on_the_same_micro_batches() {
         let single = training_step(&preset(per_rank), &single_cfg).unwrap();
         // T = 16 per_rank tokens, 4 experts, top 2: capacity 0.5 * T * 2 / 4
         let capacity = per_rank * 4;
-        assert!(single
-            .nodes
-            .iter()
-            .any(|n| n.op == hzp_ir::Op::MoeDispatch { experts: 4, capacity }));
+        assert!(single.nodes.iter().any(|n| n.op
+            == hzp_ir::Op::MoeDispatch {
+                experts: 4,
+                capacity
+            }));
         let mut t = Trainer::new(&single).unwrap();
         let init = t.parameters();
         let sharded = shard_training_step_rewritten(

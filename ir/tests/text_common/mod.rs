@@ -373,7 +373,12 @@ pub fn all_ops() -> Program {
         &["topk.values", "topk.indices"],
     );
     // mixture of experts: 8 tokens of 8, 2 choices each among 3 experts of capacity 4
-    let tokens = one(&mut p, "moe.tokens", Op::Reshape { shape: vec![8, 8] }, &[x]);
+    let tokens = one(
+        &mut p,
+        "moe.tokens",
+        Op::Reshape { shape: vec![8, 8] },
+        &[x],
+    );
     let choices = p.add_const(
         "moe.choices",
         Tensor::i64(vec![8, 2], (0..16).map(|i| (i * 7 % 3) as i64).collect()),

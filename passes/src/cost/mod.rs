@@ -210,7 +210,11 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         Op::ArgMax { .. } | Op::CumSum { .. } => in_numel,
         Op::TopK { k, .. } => in_numel * ((*k).max(2) as f64).log2().ceil(),
         Op::MoeCombine | Op::MoeCombineGrad => {
-            let per = if matches!(op, Op::MoeCombine) { 2.0 } else { 4.0 };
+            let per = if matches!(op, Op::MoeCombine) {
+                2.0
+            } else {
+                4.0
+            };
             let choices = ins.get(1).map_or(0.0, |t| numel_f(t));
             let h = ins
                 .first()

@@ -245,7 +245,13 @@ mod tests {
     fn dispatch_follows_the_priority_drop_rule() {
         let (h, experts) = (3, 4);
         let mut dropped_some = false;
-        for (t, k, cap, seed) in [(7, 2, 2, 1), (9, 3, 4, 2), (5, 1, 1, 3), (8, 2, 8, 4), (6, 4, 3, 5)] {
+        for (t, k, cap, seed) in [
+            (7, 2, 2, 1),
+            (9, 3, 4, 2),
+            (5, 1, 1, 3),
+            (8, 2, 8, 4),
+            (6, 4, 3, 5),
+        ] {
             let ch = choices(t, k, experts, seed);
             let x: Vec<f32> = (0..t * h).map(|i| i as f32 + 1.0).collect();
             let outs = eval_op(
@@ -284,7 +290,10 @@ mod tests {
         let ch = choices(t, k, experts, 9);
         let slots = reference_slots(&ch, t, k, experts, cap);
         assert!(slots.contains(&-1));
-        let ye: Vec<f32> = uniform(experts * cap * h, 10).iter().map(|&v| v as f32).collect();
+        let ye: Vec<f32> = uniform(experts * cap * h, 10)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
         let w: Vec<f32> = uniform(t * k, 11).iter().map(|&v| v as f32).collect();
         let y = eval_op(
             &Op::MoeCombine,
