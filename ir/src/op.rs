@@ -2082,6 +2082,78 @@ fn group_size(op: &Op, group: &Group, mesh: Option<&Mesh>) -> Result<usize, Stri
 mod tests {
 
     #[test]
+    fn moe_type_rules() {
+        let t = |d: DType, s: &[usize]| TensorType::new(d, s.to_vec());
+        let (f, i) = (DType::F32, DType::I64);
+        let dispatch = Op::MoeDispatch {
+            experts: 4,
+            capacity: 3,
+        };
+        let outs = dispatch
+            .infer(&[&t(f, &[6, 8]), &t(i, &[6, 2])], None)
+            .unwrap();
+        assert_eq!(outs, vec![t(f, &[4, 3, 8]), t(i, &[6, 2])]);
+        let combine_ins = [t(f, &[4, 3, 8]), t(i, &[6, 2]), t(i, &[6, 2]), t(f, &[6, 2])];
+        let refs: Vec<&TensorType> = combine_ins.iter().collect();
+        assert_eq!(Op::MoeCombine.infer(&refs, None).unwrap(), vec![t(f, &[6, 8])]);
+        let dy = t(f, &[6, 8]);
+        let mut grad_refs = refs.clone();
+        grad_refs.push(&dy);
+        assert_eq!(
+            Op::MoeCombineGrad.infer(&grad_refs, None).unwrap(),
+            vec![t(f, &[4, 3, 8]), t(f, &[6, 2])]
+        );
+        let err = |op: &Op, ins: &[TensorType]| {
+            let r: Vec<&TensorType> = ins.iter().collect();
+            op.infer(&r, None).unwrap_err()
+        };
+        for (op, ins, want) in [
+            (
+                Op::MoeDispatch {
+                    experts: 4,
+                    capacity: 0,
+                },
+                vec![t(f, &[6, 8]), t(i, &[6, 2])],
+                "capacity >= 1",
+            ),
+            (dispatch.clone(), vec![t(f, &[6, 8]), t(i, &[5, 2])], "with T = 6"),
+            (dispatch.clone(), vec![t(i, &[6, 8]), t(i, &[6, 2])], "float [T,H]"),
+            (
+                Op::MoeDispatch {
+                    experts: usize::MAX,
+                    capacity: 2,
+                },
+                vec![t(f, &[6, 8]), t(i, &[6, 2])],
+                "too large",
+            ),
+            (
+                Op::MoeCombine,
+                vec![t(f, &[4, 3, 8]), t(i, &[6, 2]), t(i, &[6, 1]), t(f, &[6, 2])],
+                "the slots must be i64",
+            ),
+            (
+                Op::MoeCombine,
+                vec![t(f, &[4, 3, 8]), t(i, &[6, 2]), t(i, &[6, 2]), t(DType::BF16, &[6, 2])],
+                "the weights must be f32",
+            ),
+            (
+                Op::MoeCombineGrad,
+                vec![
+                    t(f, &[4, 3, 8]),
+                    t(i, &[6, 2]),
+                    t(i, &[6, 2]),
+                    t(f, &[6, 2]),
+                    t(f, &[6, 4]),
+                ],
+                "output gradient must be f32[6,8]",
+            ),
+        ] {
+            let e = err(&op, &ins);
+            assert!(e.contains(want), "{}: {e}", op.name());
+        }
+    }
+
+    #[test]
     fn kernel_codes_are_distinct_and_dense() {
         // the CUDA switches are written for codes 0..N in ALL's order; a new op must take a
         // new code (a repeated code would run it as another op)
