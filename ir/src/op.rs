@@ -2093,9 +2093,17 @@ mod tests {
             .infer(&[&t(f, &[6, 8]), &t(i, &[6, 2])], None)
             .unwrap();
         assert_eq!(outs, vec![t(f, &[4, 3, 8]), t(i, &[6, 2])]);
-        let combine_ins = [t(f, &[4, 3, 8]), t(i, &[6, 2]), t(i, &[6, 2]), t(f, &[6, 2])];
+        let combine_ins = [
+            t(f, &[4, 3, 8]),
+            t(i, &[6, 2]),
+            t(i, &[6, 2]),
+            t(f, &[6, 2]),
+        ];
         let refs: Vec<&TensorType> = combine_ins.iter().collect();
-        assert_eq!(Op::MoeCombine.infer(&refs, None).unwrap(), vec![t(f, &[6, 8])]);
+        assert_eq!(
+            Op::MoeCombine.infer(&refs, None).unwrap(),
+            vec![t(f, &[6, 8])]
+        );
         let dy = t(f, &[6, 8]);
         let mut grad_refs = refs.clone();
         grad_refs.push(&dy);
@@ -2116,8 +2124,16 @@ mod tests {
                 vec![t(f, &[6, 8]), t(i, &[6, 2])],
                 "capacity >= 1",
             ),
-            (dispatch.clone(), vec![t(f, &[6, 8]), t(i, &[5, 2])], "with T = 6"),
-            (dispatch.clone(), vec![t(i, &[6, 8]), t(i, &[6, 2])], "float [T,H]"),
+            (
+                dispatch.clone(),
+                vec![t(f, &[6, 8]), t(i, &[5, 2])],
+                "with T = 6",
+            ),
+            (
+                dispatch.clone(),
+                vec![t(i, &[6, 8]), t(i, &[6, 2])],
+                "float [T,H]",
+            ),
             (
                 Op::MoeDispatch {
                     experts: usize::MAX,
@@ -2128,12 +2144,22 @@ mod tests {
             ),
             (
                 Op::MoeCombine,
-                vec![t(f, &[4, 3, 8]), t(i, &[6, 2]), t(i, &[6, 1]), t(f, &[6, 2])],
+                vec![
+                    t(f, &[4, 3, 8]),
+                    t(i, &[6, 2]),
+                    t(i, &[6, 1]),
+                    t(f, &[6, 2]),
+                ],
                 "the slots must be i64",
             ),
             (
                 Op::MoeCombine,
-                vec![t(f, &[4, 3, 8]), t(i, &[6, 2]), t(i, &[6, 2]), t(DType::BF16, &[6, 2])],
+                vec![
+                    t(f, &[4, 3, 8]),
+                    t(i, &[6, 2]),
+                    t(i, &[6, 2]),
+                    t(DType::BF16, &[6, 2]),
+                ],
                 "the weights must be f32",
             ),
             (

@@ -828,3 +828,101 @@ fn routed_moe_tiny_matches_torch_autograd() {
         );
     }
 }
+
+/// One routed MoE layer with a capacity that drops half the choices, against numpy's GShard
+/// formulation (one-hot cumulative sums per priority, float64; tests/models/make_moe_drops.py
+/// wrote tests/models/moe_drops.npz): which choices are kept, and the layer's output.
+#[test]
+fn routed_moe_layer_with_drops_matches_numpy_gshard() {
+    use hzp_frontends::npz;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models");
+    let want = npz::read(&dir.join("moe_drops.npz")).unwrap();
+    let get = |k: &str| {
+        want.iter()
+            .find(|(n, _)| n == k)
+            .unwrap_or_else(|| panic!("no {k}"))
+            .1
+            .clone()
+    };
+    let x = get("x");
+    let (t, h) = (x.shape[0], x.shape[1]);
+    let router = get("gate.weight");
+    let experts = router.shape[0];
+    let capacity = get("capacity").to_f64_vec()[0] as usize;
+    let k = get("top_k").to_f64_vec()[0] as usize;
+    let f = get("experts.down_proj").shape[2];
+
+    let mut p = Program::new("moe layer");
+    let xv = p.add_input("x", x.ty());
+    let param = |p: &mut Program, name: &str| {
+        let t = get(name);
+        p.add_param(name, t.ty(), Some(t))
+    };
+    let wr = param(&mut p, "gate.weight");
+    let gu = param(&mut p, "experts.gate_up_proj");
+    let dw = param(&mut p, "experts.down_proj");
+    let op = |p: &mut Program, name: &str, op: Op, ins: &[ValueId], n: usize| {
+        let outs = (0..n).map(|i| format!("{name}.{i}")).collect();
+        p.add_node(name, op, ins.to_vec(), outs).unwrap()
+    };
+    let wr_t = op(&mut p, "wr_t", Op::Transpose { perm: vec![1, 0] }, &[wr], 1)[0];
+    let logits = op(&mut p, "logits", Op::MatMul, &[xv, wr_t], 1)[0];
+    let probs = op(&mut p, "probs", Op::Softmax { axis: 1 }, &[logits], 1)[0];
+    let topk = Op::TopK {
+        axis: 1,
+        k,
+        largest: true,
+        sorted: true,
+    };
+    let top = op(&mut p, "top", topk, &[probs], 2);
+    let sum = Op::Reduce {
+        op: ReduceOp::Sum,
+        axes: vec![1],
+        keep_dims: true,
+    };
+    let sum = op(&mut p, "sum", sum, &[top[0]], 1)[0];
+    let w = op(&mut p, "w", Op::Binary(BinaryOp::Div), &[top[0], sum], 1)[0];
+    let dispatch = Op::MoeDispatch { experts, capacity };
+    let d = op(&mut p, "dispatch", dispatch, &[xv, top[1]], 2);
+    let gu_t = op(
+        &mut p,
+        "gu_t",
+        Op::Transpose {
+            perm: vec![0, 2, 1],
+        },
+        &[gu],
+        1,
+    )[0];
+    let g = op(&mut p, "gu", Op::MatMul, &[d[0], gu_t], 1)[0];
+    let split = Op::Split {
+        axis: 2,
+        sizes: vec![f, f],
+    };
+    let s = op(&mut p, "split", split, &[g], 2);
+    let act = op(&mut p, "act", Op::Unary(UnaryOp::Silu), &[s[0]], 1)[0];
+    let a = op(&mut p, "a", Op::Binary(BinaryOp::Mul), &[act, s[1]], 1)[0];
+    let dw_t = op(
+        &mut p,
+        "dw_t",
+        Op::Transpose {
+            perm: vec![0, 2, 1],
+        },
+        &[dw],
+        1,
+    )[0];
+    let ye = op(&mut p, "ye", Op::MatMul, &[a, dw_t], 1)[0];
+    let y = op(&mut p, "y", Op::MoeCombine, &[ye, top[1], d[1], w], 1)[0];
+    p.outputs = vec![y, d[1]];
+    hzp_ir::verify(&p).unwrap();
+    let out = evaluate(&p, &[("x".to_string(), x)]).unwrap();
+
+    let kept: Vec<bool> = get("kept").to_f64_vec().iter().map(|&v| v != 0.0).collect();
+    let slots = out[1].1.to_f64_vec();
+    assert_eq!(kept.len(), t * k);
+    assert!(kept.iter().any(|&b| !b), "the reference must drop choices");
+    let got: Vec<bool> = slots.iter().map(|&s| s >= 0.0).collect();
+    assert_eq!(got, kept, "kept choices (token-major [T,K])");
+    let err = max_rel(&out[0].1.to_f32_vec(), &get("y").to_f32_vec());
+    assert_eq!(out[0].1.shape, vec![t, h]);
+    assert!(err < 1e-5, "MoE layer vs numpy: max rel err {err}");
+}
