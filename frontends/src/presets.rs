@@ -428,7 +428,11 @@ pub fn parse_config(spec: &str) -> Result<PresetConfig, PresetError> {
                 c.capacity_factor = if v.eq_ignore_ascii_case("none") {
                     None
                 } else {
-                    Some(float()?)
+                    Some(float().map_err(|_| {
+                        err(format!(
+                            "`{key}={v}`: expected a positive number, or none (dropless)"
+                        ))
+                    })?)
                 }
             }
             "dense" => {
@@ -1492,7 +1496,10 @@ mod tests {
             ),
             ("preset:gpt,dense=true", "applies to moe presets only"),
             ("preset:moe,capacity_factor=0", "positive number"),
-            ("preset:moe,capacity_factor=lots", "positive number"),
+            (
+                "preset:moe,capacity_factor=lots",
+                "positive number, or none",
+            ),
             ("preset:moe,dense=maybe", "expected true or false"),
             (
                 "preset:moe,dense=true,capacity_factor=1.25",
