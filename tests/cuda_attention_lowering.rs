@@ -33,9 +33,14 @@ fn compile_with(model: &str, shape: &str, mesh: &str, extra: &[&str]) -> Plan {
     ));
     let o = std::process::Command::new(hzp_bin())
         .current_dir(repo())
-        .args([
-            "compile", model, "--shape", shape, "--mesh", mesh, "--memory", "1GiB", "-o",
-        ])
+        .args(["compile", model])
+        // (a preset sets its own shapes)
+        .args(if shape.is_empty() {
+            vec![]
+        } else {
+            vec!["--shape", shape]
+        })
+        .args(["--mesh", mesh, "--memory", "1GiB", "-o"])
         .arg(&out)
         .args(extra)
         .output()
@@ -209,4 +214,25 @@ fn pasa_lowers_fp16_attention_and_refuses_other_precisions() {
             "{e}"
         ),
     }
+}
+
+#[test]
+fn moe_ops_are_refused_by_name() {
+    // attention written out, so the first node the lowering refuses is the MoE dispatch
+    let plan = compile_with(
+        "preset:moe-tiny",
+        "",
+        "gpu=1",
+        &["--no-fuse-attention", "--precision", "f32"],
+    );
+    assert!(plan
+        .program
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, Op::MoeDispatch { .. })));
+    let e = lower::lower_program(&plan, 0).unwrap_err();
+    assert!(
+        e.contains("MoeDispatch") && e.contains("no CUDA kernel") && e.contains("dense=true"),
+        "{e}"
+    );
 }

@@ -8,9 +8,11 @@
 //!
 //! Settings: `layers`, `hidden`, `heads`, `kv_heads` (Llama/MoE), `ffn` (MLP inner size; per
 //! expert for MoE), `vocab`, `seq`, `batch` (the micro-batch; alias `micro_batch`),
-//! `positions` (GPT's learned position table; grows to `seq` when that is longer), `experts`
-//! and `top_k` (MoE), `tied` (LM head shares the embedding), `eps` (norm epsilon),
-//! `rope_theta` (Llama/MoE).
+//! `positions` (GPT's learned position table; grows to `seq` when that is longer), `experts`,
+//! `top_k`, `capacity_factor` (a positive number, or `none`: dropless, the default),
+//! `dense` (`true`: every expert on every token) and `norm_topk` (`false`: the top-k
+//! probabilities are the weights, not renormalized to sum 1) (MoE), `tied` (LM head shares the
+//! embedding), `eps` (norm epsilon), `rope_theta` (Llama/MoE).
 //! A family spec starts from the family's reference model (`gpt`: gpt2-small, `llama`:
 //! llama3-8b, `moe`: mixtral-8x7b) and, unless given, derives `kv_heads = heads`, and
 //! `ffn = 4 * hidden` (GPT) or 8/3 * hidden rounded up to a multiple of 256 (Llama/MoE, as
@@ -33,14 +35,20 @@
 //!   grouped-query attention (K and V repeated by `Reshape`/`Expand`/`Reshape`), SwiGLU MLP,
 //!   `nn.Linear` weights `[out, in]` used through `Transpose`, untied `lm_head.weight`;
 //! - MoE (Mixtral): Llama attention; the MLP is a router (`mlp.gate.weight`, softmax over
-//!   experts, `TopK`, top-k weights renormalized to sum 1) and experts stored batched as in
-//!   transformers 5 (`mlp.experts.gate_up_proj: [experts, 2*ffn, hidden]`,
-//!   `mlp.experts.down_proj: [experts, hidden, ffn]`). The op set has no dynamic dispatch,
-//!   so every expert runs on every token (batched `MatMul`s) and the outputs are combined
-//!   with a dense `[tokens, experts]` gate made by `ScatterElements` of the top-k weights
-//!   into zeros (zero for experts a token was not routed to). The result equals sparse
-//!   routing; compute and activation sizes are `experts / top_k` times those of a sparse
-//!   kernel.
+//!   experts, `TopK`, top-k weights renormalized to sum 1 unless `norm_topk=false`) and
+//!   experts stored batched as in transformers 5 (`mlp.experts.gate_up_proj: [experts, 2*ffn, hidden]`,
+//!   `mlp.experts.down_proj: [experts, hidden, ffn]`). By default the block is routed
+//!   (docs/moe.md): `MoeDispatch` copies each token to the buffers of its top-k experts
+//!   (`[experts, capacity, hidden]`), the experts' SwiGLU runs as batched `MatMul`s over
+//!   those buffers, and `MoeCombine` sums each token's expert outputs times its routing
+//!   weights. The capacity is dropless unless `capacity_factor=F` is given: each expert
+//!   then holds `ceil(F * tokens * top_k / experts)` tokens (at most `tokens`), and the
+//!   choices past it are dropped by routing priority (GShard's rule: every token's first
+//!   choice before any second choice, token order within a choice) and contribute zero;
+//!   `capacity_factor=none` is dropless. `dense=true` builds the dense form instead: every
+//!   expert on every token, combined with a `[tokens, experts]` gate made by
+//!   `ScatterElements` of the top-k weights into zeros; it equals the dropless routed form,
+//!   at `experts / top_k` times the expert compute of capacity factor 1.
 //!
 //! Everything is f32 (the forward program; precision is a later pass's business).
 
@@ -112,6 +120,15 @@ pub struct PresetConfig {
     pub experts: usize,
     /// MoE: experts per token (0 for dense families).
     pub top_k: usize,
+    /// MoE: each expert's capacity as a multiple of its even share `tokens * top_k /
+    /// experts` (rounded up, at most `tokens`); `None` is dropless (capacity = tokens).
+    pub capacity_factor: Option<f64>,
+    /// MoE: the dense form (every expert on every token, weighted by a mostly-zero gate)
+    /// instead of routed dispatch and combine.
+    pub dense_moe: bool,
+    /// MoE: whether the top-k routing weights are renormalized to sum 1 (Mixtral; Qwen3-MoE's
+    /// `norm_topk_prob`), or are the softmax probabilities as they are.
+    pub norm_topk: bool,
     /// Whether the LM head reuses the token embedding.
     pub tied_embeddings: bool,
     /// LayerNorm / RmsNorm epsilon.
@@ -145,6 +162,9 @@ fn gpt(
         max_positions: positions,
         experts: 0,
         top_k: 0,
+        capacity_factor: None,
+        dense_moe: false,
+        norm_topk: true,
         tied_embeddings: true,
         norm_eps: 1e-5,
         rope_theta: 0.0,
@@ -177,6 +197,9 @@ fn llama(
         max_positions: seq,
         experts: 0,
         top_k: 0,
+        capacity_factor: None,
+        dense_moe: false,
+        norm_topk: true,
         tied_embeddings: false,
         norm_eps: 1e-5,
         rope_theta,
@@ -284,6 +307,9 @@ const KEYS: &[&str] = &[
     "positions",
     "experts",
     "top_k",
+    "capacity_factor",
+    "dense",
+    "norm_topk",
     "tied",
     "eps",
     "rope_theta",
@@ -349,6 +375,13 @@ pub fn parse_config(spec: &str) -> Result<PresetConfig, PresetError> {
                 .filter(|x| x.is_finite() && *x > 0.0)
                 .ok_or_else(|| err(format!("`{key}={v}`: expected a positive number")))
         };
+        let boolean = || -> Result<bool, PresetError> {
+            match v.to_ascii_lowercase().as_str() {
+                "true" | "1" | "yes" => Ok(true),
+                "false" | "0" | "no" => Ok(false),
+                _ => Err(err(format!("`{key}={v}`: expected true or false"))),
+            }
+        };
         let only = |fams: &[Family], what: &str| -> Result<(), PresetError> {
             if fams.contains(&c.family) {
                 Ok(())
@@ -390,13 +423,27 @@ pub fn parse_config(spec: &str) -> Result<PresetConfig, PresetError> {
                 only(&[Family::Moe], "moe")?;
                 c.top_k = int()?
             }
-            "tied" => {
-                c.tied_embeddings = match v.to_ascii_lowercase().as_str() {
-                    "true" | "1" | "yes" => true,
-                    "false" | "0" | "no" => false,
-                    _ => return Err(err(format!("`tied={v}`: expected true or false"))),
+            "capacity_factor" => {
+                only(&[Family::Moe], "moe")?;
+                c.capacity_factor = if v.eq_ignore_ascii_case("none") {
+                    None
+                } else {
+                    Some(float().map_err(|_| {
+                        err(format!(
+                            "`{key}={v}`: expected a positive number, or none (dropless)"
+                        ))
+                    })?)
                 }
             }
+            "dense" => {
+                only(&[Family::Moe], "moe")?;
+                c.dense_moe = boolean()?
+            }
+            "norm_topk" => {
+                only(&[Family::Moe], "moe")?;
+                c.norm_topk = boolean()?
+            }
+            "tied" => c.tied_embeddings = boolean()?,
             "eps" => c.norm_eps = float()? as f32,
             "rope_theta" => {
                 only(&[Family::Llama, Family::Moe], "llama and moe")?;
@@ -524,6 +571,12 @@ impl PresetConfig {
             if c.top_k > c.experts {
                 return Err(format!("top_k={} exceeds experts={}", c.top_k, c.experts));
             }
+            if c.dense_moe && c.capacity_factor.is_some() {
+                return Err(
+                    "capacity_factor applies to the routed form, and dense=true computes every expert on every token"
+                        .into(),
+                );
+            }
         } else if c.experts != 0 || c.top_k != 0 {
             return Err("experts and top_k apply to moe presets only".into());
         }
@@ -596,6 +649,18 @@ impl PresetConfig {
             g.p.eliminate_dead_code();
         }
         Ok(g.p)
+    }
+
+    /// MoE: the tokens each expert's buffer holds (see [`Self::capacity_factor`]).
+    pub fn moe_capacity(&self) -> usize {
+        let tokens = self.batch * self.seq;
+        match self.capacity_factor {
+            None => tokens,
+            Some(f) => {
+                let share = tokens as f64 * self.top_k as f64 / self.experts.max(1) as f64;
+                ((f * share).ceil() as usize).clamp(1, tokens.max(1))
+            }
+        }
     }
 
     /// Trainable parameter count, from the config alone (saturates; [`Self::validate`]
@@ -1045,7 +1110,8 @@ fn swiglu(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId) -> R<ValueId> 
     g.linear(&format!("{pre}.down_proj"), a, wd)
 }
 
-/// Mixtral's sparse MoE block, computed densely (see the module doc).
+/// Mixtral's sparse MoE block: routed (dispatch, batched expert products, combine), or
+/// computed densely with `dense=true` (see the module doc).
 fn moe_mlp(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId) -> R<ValueId> {
     let (h, f, e, k) = (c.hidden, c.ffn, c.experts, c.top_k);
     let t = c.batch * c.seq;
@@ -1071,16 +1137,96 @@ fn moe_mlp(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId) -> R<ValueId>
         &[probs],
         2,
     )?;
-    let sum = g.node(
-        &format!("{pre}.router_topk_sum"),
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![1],
-            keep_dims: true,
+    let weights = if c.norm_topk {
+        let sum = g.node(
+            &format!("{pre}.router_topk_sum"),
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![1],
+                keep_dims: true,
+            },
+            &[top[0]],
+        )?;
+        g.bin(&format!("{pre}.router_weights"), BinaryOp::Div, top[0], sum)?
+    } else {
+        top[0]
+    };
+    let experts = Experts { gate_up, down };
+    let y = if c.dense_moe {
+        dense_experts(g, c, pre, tokens, top[1], weights, experts)?
+    } else {
+        routed_experts(g, c, pre, tokens, top[1], weights, experts)?
+    };
+    g.reshape(&format!("{pre}.out"), y, &[c.batch, c.seq, h])
+}
+
+/// The experts' stacked weights: `gate_up_proj [E, 2F, H]`, `down_proj [E, H, F]`.
+struct Experts {
+    gate_up: ValueId,
+    down: ValueId,
+}
+
+/// SwiGLU of every expert over `x: [E, rows, H]` -> `[E, rows, H]` (batched products).
+fn expert_mlps(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId, w: &Experts) -> R<ValueId> {
+    let f = c.ffn;
+    let gu_t = g.transpose(&format!("{pre}.experts.gate_up_t"), w.gate_up, &[0, 2, 1])?;
+    let gu = g.node(&format!("{pre}.experts.gate_up"), Op::MatMul, &[x, gu_t])?;
+    let p = g.nodes(
+        &format!("{pre}.experts.split"),
+        Op::Split {
+            axis: 2,
+            sizes: vec![f, f],
         },
-        &[top[0]],
+        &[gu],
+        2,
     )?;
-    let weights = g.bin(&format!("{pre}.router_weights"), BinaryOp::Div, top[0], sum)?;
+    let act = g.unary(&format!("{pre}.experts.act"), UnaryOp::Silu, p[0])?;
+    let a = g.bin(&format!("{pre}.experts.gated"), BinaryOp::Mul, act, p[1])?;
+    let d_t = g.transpose(&format!("{pre}.experts.down_t"), w.down, &[0, 2, 1])?;
+    g.node(&format!("{pre}.experts.down"), Op::MatMul, &[a, d_t])
+}
+
+/// Tokens dispatched to their experts' buffers (capacity [`PresetConfig::moe_capacity`]),
+/// the experts run on their buffers, and the results combined with the routing weights:
+/// `[T,H]`.
+fn routed_experts(
+    g: &mut Graph,
+    c: &PresetConfig,
+    pre: &str,
+    tokens: ValueId,
+    choices: ValueId,
+    weights: ValueId,
+    w: Experts,
+) -> R<ValueId> {
+    let d = g.nodes(
+        &format!("{pre}.dispatch"),
+        Op::MoeDispatch {
+            experts: c.experts,
+            capacity: c.moe_capacity(),
+        },
+        &[tokens, choices],
+        2,
+    )?;
+    let y = expert_mlps(g, c, pre, d[0], &w)?;
+    g.node(
+        &format!("{pre}.combine"),
+        Op::MoeCombine,
+        &[y, choices, d[1], weights],
+    )
+}
+
+/// Every expert on every token, weighted by a dense `[T, E]` gate (zero for the experts a
+/// token was not routed to) and summed over experts: `[T,H]`.
+fn dense_experts(
+    g: &mut Graph,
+    c: &PresetConfig,
+    pre: &str,
+    tokens: ValueId,
+    choices: ValueId,
+    weights: ValueId,
+    w: Experts,
+) -> R<ValueId> {
+    let (e, t) = (c.experts, c.batch * c.seq);
     let zeros = g.node(
         &format!("{pre}.router_zeros"),
         Op::Fill {
@@ -1096,34 +1242,15 @@ fn moe_mlp(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId) -> R<ValueId>
             axis: 1,
             add: false,
         },
-        &[zeros, top[1], weights],
+        &[zeros, choices, weights],
     )?;
-
-    // Every expert on every token: [T,H] @ [E,H,2F] -> [E,T,2F].
-    let gu_t = g.transpose(&format!("{pre}.experts.gate_up_t"), gate_up, &[0, 2, 1])?;
-    let gu = g.node(
-        &format!("{pre}.experts.gate_up"),
-        Op::MatMul,
-        &[tokens, gu_t],
-    )?;
-    let p = g.nodes(
-        &format!("{pre}.experts.split"),
-        Op::Split {
-            axis: 2,
-            sizes: vec![f, f],
-        },
-        &[gu],
-        2,
-    )?;
-    let act = g.unary(&format!("{pre}.experts.act"), UnaryOp::Silu, p[0])?;
-    let a = g.bin(&format!("{pre}.experts.gated"), BinaryOp::Mul, act, p[1])?;
-    let d_t = g.transpose(&format!("{pre}.experts.down_t"), down, &[0, 2, 1])?;
-    let y = g.node(&format!("{pre}.experts.down"), Op::MatMul, &[a, d_t])?;
+    // [T,H] @ [E,H,2F] -> [E,T,2F]: the tokens broadcast over the experts.
+    let y = expert_mlps(g, c, pre, tokens, &w)?;
     // Weight by the dense gate ([T,E] -> [E,T,1]) and sum over experts.
-    let w = g.transpose(&format!("{pre}.router_dense_t"), dense, &[1, 0])?;
-    let w = g.reshape(&format!("{pre}.router_dense_col"), w, &[e, t, 1])?;
-    let y = g.bin(&format!("{pre}.experts.weighted"), BinaryOp::Mul, y, w)?;
-    let y = g.node(
+    let gate = g.transpose(&format!("{pre}.router_dense_t"), dense, &[1, 0])?;
+    let gate = g.reshape(&format!("{pre}.router_dense_col"), gate, &[e, t, 1])?;
+    let y = g.bin(&format!("{pre}.experts.weighted"), BinaryOp::Mul, y, gate)?;
+    g.node(
         &format!("{pre}.experts.combine"),
         Op::Reduce {
             op: ReduceOp::Sum,
@@ -1131,8 +1258,7 @@ fn moe_mlp(g: &mut Graph, c: &PresetConfig, pre: &str, x: ValueId) -> R<ValueId>
             keep_dims: false,
         },
         &[y],
-    )?;
-    g.reshape(&format!("{pre}.out"), y, &[c.batch, c.seq, h])
+    )
 }
 
 #[cfg(test)]
@@ -1229,6 +1355,49 @@ mod tests {
     }
 
     #[test]
+    fn moe_is_routed_dropless_unless_told() {
+        let count =
+            |p: &Program, name: &str| p.nodes.iter().filter(|n| n.op.name() == name).count();
+        let dispatch = |p: &Program| {
+            p.nodes
+                .iter()
+                .find_map(|n| match n.op {
+                    Op::MoeDispatch { experts, capacity } => Some((experts, capacity)),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        // moe-tiny: 2 x 16 tokens, 4 experts, top 2
+        let routed = build("preset:moe-tiny");
+        assert_eq!(count(&routed, "MoeDispatch"), 2);
+        assert_eq!(count(&routed, "MoeCombine"), 2);
+        assert_eq!(count(&routed, "ScatterElements"), 0);
+        assert_eq!(dispatch(&routed), (4, 32));
+        for (f, cap) in [
+            ("1", 16),
+            ("1.25", 20),
+            ("0.01", 1),
+            ("100", 32),
+            ("none", 32),
+        ] {
+            let p = build(&format!("preset:moe-tiny,capacity_factor={f}"));
+            assert_eq!(dispatch(&p), (4, cap), "capacity_factor={f}");
+        }
+        let plain = build("preset:moe-tiny,norm_topk=false");
+        assert_eq!(count(&routed, "Div") - count(&plain, "Div"), 2);
+        let dense = build("preset:moe-tiny,dense=true");
+        assert_eq!(
+            count(&dense, "MoeDispatch") + count(&dense, "MoeCombine"),
+            0
+        );
+        assert_eq!(count(&dense, "ScatterElements"), 2);
+        assert_eq!(dense.num_parameters(), routed.num_parameters());
+        // mixtral-8x7b: 4096 tokens, 8 experts, top 2: an even share is 1024 tokens
+        let p = build("preset:mixtral-8x7b,layers=1,capacity_factor=1");
+        assert_eq!(dispatch(&p), (8, 1024));
+    }
+
+    #[test]
     fn gpt3_175b_builds_quickly() {
         let t = std::time::Instant::now();
         let p = build("preset:gpt3-175b");
@@ -1321,6 +1490,21 @@ mod tests {
                 "exceeds the position table",
             ),
             ("preset:moe,experts=2,top_k=3", "top_k=3 exceeds experts=2"),
+            (
+                "preset:llama,capacity_factor=1",
+                "applies to moe presets only",
+            ),
+            ("preset:gpt,dense=true", "applies to moe presets only"),
+            ("preset:moe,capacity_factor=0", "positive number"),
+            (
+                "preset:moe,capacity_factor=lots",
+                "positive number, or none",
+            ),
+            ("preset:moe,dense=maybe", "expected true or false"),
+            (
+                "preset:moe,dense=true,capacity_factor=1.25",
+                "capacity_factor applies to the routed form",
+            ),
             ("preset:gpt,seq=4,seq=5", "given twice"),
             ("preset:gpt,tied=maybe", "expected true or false"),
             ("preset:llama,eps=0", "positive number"),

@@ -473,6 +473,31 @@ pub enum Op {
         sorted: bool,
     },
 
+    // ---- mixture of experts (static shapes; docs/moe.md) ----
+    /// (x `[T,H]`, experts: int `[T,K]`) -> (dispatched `[experts, capacity, H]` of x's
+    /// dtype, slots: i64 `[T,K]`): token t's copy for its j-th choice goes to row
+    /// `slots[t,j]` of expert `experts[t,j]`'s buffer. Each expert holds at most `capacity`
+    /// tokens; they are taken by routing priority (GShard): every token's first choice
+    /// before any token's second choice, in token order within a choice. A choice that
+    /// finds its expert full is dropped (`slots = -1`) and contributes nothing; rows no
+    /// token fills are zero. `capacity = T` drops nothing when a token's choices are
+    /// distinct experts. Expert indices must lie in `0..experts`.
+    MoeDispatch {
+        experts: usize,
+        capacity: usize,
+    },
+    /// (expert_out `[E,C,H]`, experts `[T,K]`, slots `[T,K]`, weights `[T,K]`) -> `[T,H]`:
+    /// `y[t] = sum over j with slots[t,j] >= 0 of weights[t,j] * expert_out[experts[t,j],
+    /// slots[t,j]]`, summed in j order from zero (a dropped choice contributes zero). The
+    /// inverse of [`Op::MoeDispatch`], whose outputs give `experts` and `slots`.
+    MoeCombine,
+    /// (expert_out, experts, slots, weights, dy `[T,H]`) -> (d_expert_out `[E,C,H]`,
+    /// d_weights `[T,K]`): the gradient of [`Op::MoeCombine`]. `d_expert_out` holds
+    /// `weights[t,j] * dy[t]` in the row of each kept choice and zero in rows no choice
+    /// fills; `d_weights[t,j]` is `dy[t] · expert_out[experts[t,j], slots[t,j]]`, zero when
+    /// dropped.
+    MoeCombineGrad,
+
     // ---- creation ----
     /// () -> a tensor of `dtype[shape]` filled with `value`.
     Fill {
@@ -710,6 +735,9 @@ impl Op {
             "ScatterND",
             "OneHot",
             "TopK",
+            "MoeDispatch",
+            "MoeCombine",
+            "MoeCombineGrad",
             "Fill",
             "AdamW",
             "AllGather",
@@ -763,6 +791,9 @@ impl Op {
             Op::ScatterND { .. } => "ScatterND",
             Op::OneHot { .. } => "OneHot",
             Op::TopK { .. } => "TopK",
+            Op::MoeDispatch { .. } => "MoeDispatch",
+            Op::MoeCombine => "MoeCombine",
+            Op::MoeCombineGrad => "MoeCombineGrad",
             Op::Fill { .. } => "Fill",
             Op::AdamW { .. } => "AdamW",
             Op::AllGather { .. } => "AllGather",
@@ -832,6 +863,8 @@ impl Op {
             | Op::GeluTanhGrad
             | Op::Identity
             | Op::MatMul
+            | Op::MoeCombine
+            | Op::MoeCombineGrad
             | Op::Copy
             | Op::Free => vec![],
             Op::Cast { to } => vec![("to", Word(to.name().into()))],
@@ -912,6 +945,10 @@ impl Op {
                 ("largest", Bool(*largest)),
                 ("sorted", Bool(*sorted)),
             ],
+            Op::MoeDispatch { experts, capacity } => vec![
+                ("experts", Int(*experts as i64)),
+                ("capacity", Int(*capacity as i64)),
+            ],
             Op::Fill {
                 value,
                 dtype,
@@ -978,6 +1015,8 @@ impl Op {
             "Identity" => Op::Identity,
             "GeluTanhGrad" => Op::GeluTanhGrad,
             "MatMul" => Op::MatMul,
+            "MoeCombine" => Op::MoeCombine,
+            "MoeCombineGrad" => Op::MoeCombineGrad,
             "Copy" => Op::Copy,
             "Free" => Op::Free,
             "Cast" => Op::Cast { to: a.dtype("to")? },
@@ -1085,6 +1124,10 @@ impl Op {
                 k: a.usize("k")?,
                 largest: a.bool("largest")?,
                 sorted: a.bool("sorted")?,
+            },
+            "MoeDispatch" => Op::MoeDispatch {
+                experts: a.usize("experts")?,
+                capacity: a.usize("capacity")?,
             },
             "Fill" => Op::Fill {
                 value: a.float("value")?,
@@ -1826,6 +1869,75 @@ impl Op {
                     TensorType::new(DType::I64, s),
                 ])
             }
+            Op::MoeDispatch { experts, capacity } => {
+                check_arity(self, ins, 2, 2)?;
+                let (x, ids) = (ins[0], ins[1]);
+                if *experts == 0 || *capacity == 0 {
+                    return Err(format!(
+                        "MoeDispatch needs experts >= 1 and capacity >= 1, got experts={experts} capacity={capacity}"
+                    ));
+                }
+                if !x.dtype.is_float() || x.rank() != 2 {
+                    return Err(format!(
+                        "MoeDispatch: the tokens must be float [T,H], got {x}"
+                    ));
+                }
+                if !ids.dtype.is_int() || ids.rank() != 2 || ids.shape[0] != x.shape[0] {
+                    return Err(format!(
+                        "MoeDispatch: the expert choices must be integers [T,K] with T = {}, got {ids}",
+                        x.shape[0]
+                    ));
+                }
+                if experts
+                    .checked_mul(*capacity)
+                    .and_then(|r| r.checked_mul(x.shape[1]))
+                    .is_none()
+                {
+                    return Err("MoeDispatch: the dispatched tensor is too large".into());
+                }
+                Ok(vec![
+                    TensorType::new(x.dtype, vec![*experts, *capacity, x.shape[1]]),
+                    TensorType::new(DType::I64, ids.shape.clone()),
+                ])
+            }
+            Op::MoeCombine | Op::MoeCombineGrad => {
+                let grad = matches!(self, Op::MoeCombineGrad);
+                let n = if grad { 5 } else { 4 };
+                check_arity(self, ins, n, n)?;
+                let (ye, ids, slots, w) = (ins[0], ins[1], ins[2], ins[3]);
+                if !ye.dtype.is_float() || ye.rank() != 3 {
+                    return Err(format!(
+                        "{name}: the experts' outputs must be float [E,C,H], got {ye}"
+                    ));
+                }
+                if !ids.dtype.is_int() || ids.rank() != 2 {
+                    return Err(format!(
+                        "{name}: the expert choices must be integers [T,K], got {ids}"
+                    ));
+                }
+                if slots.dtype != DType::I64 || slots.shape != ids.shape {
+                    return Err(format!(
+                        "{name}: the slots must be i64 shaped like the choices {ids}, got {slots}"
+                    ));
+                }
+                if w.dtype != ye.dtype || w.shape != ids.shape {
+                    return Err(format!(
+                        "{name}: the weights must be {} shaped like the choices {ids}, got {w}",
+                        ye.dtype
+                    ));
+                }
+                let y = TensorType::new(ye.dtype, vec![ids.shape[0], ye.shape[2]]);
+                if !grad {
+                    return one(y);
+                }
+                if ins[4] != &y {
+                    return Err(format!(
+                        "{name}: the output gradient must be {y}, got {}",
+                        ins[4]
+                    ));
+                }
+                Ok(vec![ye.clone(), w.clone()])
+            }
             Op::Fill { dtype, shape, .. } => {
                 check_arity(self, ins, 0, 0)?;
                 one(TensorType::new(*dtype, shape.clone()))
@@ -1968,6 +2080,104 @@ fn group_size(op: &Op, group: &Group, mesh: Option<&Mesh>) -> Result<usize, Stri
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn moe_type_rules() {
+        let t = |d: DType, s: &[usize]| TensorType::new(d, s.to_vec());
+        let (f, i) = (DType::F32, DType::I64);
+        let dispatch = Op::MoeDispatch {
+            experts: 4,
+            capacity: 3,
+        };
+        let outs = dispatch
+            .infer(&[&t(f, &[6, 8]), &t(i, &[6, 2])], None)
+            .unwrap();
+        assert_eq!(outs, vec![t(f, &[4, 3, 8]), t(i, &[6, 2])]);
+        let combine_ins = [
+            t(f, &[4, 3, 8]),
+            t(i, &[6, 2]),
+            t(i, &[6, 2]),
+            t(f, &[6, 2]),
+        ];
+        let refs: Vec<&TensorType> = combine_ins.iter().collect();
+        assert_eq!(
+            Op::MoeCombine.infer(&refs, None).unwrap(),
+            vec![t(f, &[6, 8])]
+        );
+        let dy = t(f, &[6, 8]);
+        let mut grad_refs = refs.clone();
+        grad_refs.push(&dy);
+        assert_eq!(
+            Op::MoeCombineGrad.infer(&grad_refs, None).unwrap(),
+            vec![t(f, &[4, 3, 8]), t(f, &[6, 2])]
+        );
+        let err = |op: &Op, ins: &[TensorType]| {
+            let r: Vec<&TensorType> = ins.iter().collect();
+            op.infer(&r, None).unwrap_err()
+        };
+        for (op, ins, want) in [
+            (
+                Op::MoeDispatch {
+                    experts: 4,
+                    capacity: 0,
+                },
+                vec![t(f, &[6, 8]), t(i, &[6, 2])],
+                "capacity >= 1",
+            ),
+            (
+                dispatch.clone(),
+                vec![t(f, &[6, 8]), t(i, &[5, 2])],
+                "with T = 6",
+            ),
+            (
+                dispatch.clone(),
+                vec![t(i, &[6, 8]), t(i, &[6, 2])],
+                "float [T,H]",
+            ),
+            (
+                Op::MoeDispatch {
+                    experts: usize::MAX,
+                    capacity: 2,
+                },
+                vec![t(f, &[6, 8]), t(i, &[6, 2])],
+                "too large",
+            ),
+            (
+                Op::MoeCombine,
+                vec![
+                    t(f, &[4, 3, 8]),
+                    t(i, &[6, 2]),
+                    t(i, &[6, 1]),
+                    t(f, &[6, 2]),
+                ],
+                "the slots must be i64",
+            ),
+            (
+                Op::MoeCombine,
+                vec![
+                    t(f, &[4, 3, 8]),
+                    t(i, &[6, 2]),
+                    t(i, &[6, 2]),
+                    t(DType::BF16, &[6, 2]),
+                ],
+                "the weights must be f32",
+            ),
+            (
+                Op::MoeCombineGrad,
+                vec![
+                    t(f, &[4, 3, 8]),
+                    t(i, &[6, 2]),
+                    t(i, &[6, 2]),
+                    t(f, &[6, 2]),
+                    t(f, &[6, 4]),
+                ],
+                "output gradient must be f32[6,8]",
+            ),
+        ] {
+            let e = err(&op, &ins);
+            assert!(e.contains(want), "{}: {e}", op.name());
+        }
+    }
 
     #[test]
     fn kernel_codes_are_distinct_and_dense() {

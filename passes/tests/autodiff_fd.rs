@@ -623,3 +623,306 @@ fn training_dropout_backpropagates_through_the_forward_mask() {
         );
     }
 }
+
+/// Routed mixture of experts: dispatch (the tokens' gradient), combine (the experts'
+/// outputs' and the weights' gradients), with choices that overflow the capacity, so the
+/// dropped ones must get no gradient.
+#[test]
+fn moe_dispatch_and_combine() {
+    // 5 tokens, 2 choices each among 3 experts of capacity 2: expert 0 is chosen 5 times
+    let choices = Tensor::i64(vec![5, 2], vec![0, 1, 0, 2, 1, 0, 0, 2, 2, 0]);
+    check(
+        Op::MoeDispatch {
+            experts: 3,
+            capacity: 2,
+        },
+        vec![F(vec![5, 4]), Fixed(choices.clone())],
+        0,
+    );
+    // the slots GShard's rule gives these choices (first choices, then second choices)
+    let slots = Tensor::i64(vec![5, 2], vec![0, 1, 1, 0, 0, -1, -1, 1, 1, -1]);
+    check(
+        Op::MoeCombine,
+        vec![
+            F(vec![3, 2, 4]),
+            Fixed(choices.clone()),
+            Fixed(slots),
+            F(vec![5, 2]),
+        ],
+        0,
+    );
+    // the two in one program with a nonlinearity between: x -> dispatch -> tanh -> combine
+    let mut p = Program::new("moe");
+    let x = p.add_param(
+        "x",
+        TensorType::new(DType::F32, vec![5, 4]),
+        Some(Tensor::f32(vec![5, 4], rand_vec(20, 3))),
+    );
+    let w = p.add_param(
+        "w",
+        TensorType::new(DType::F32, vec![5, 2]),
+        Some(Tensor::f32(vec![5, 2], rand_vec(10, 4))),
+    );
+    let ch = p.add_const("choices", choices);
+    let d = p
+        .add_node(
+            "dispatch",
+            Op::MoeDispatch {
+                experts: 3,
+                capacity: 2,
+            },
+            vec![x, ch],
+            vec!["buf".into(), "slots".into()],
+        )
+        .unwrap();
+    let act = p
+        .add_node(
+            "act",
+            Op::Unary(UnaryOp::Tanh),
+            vec![d[0]],
+            vec!["act".into()],
+        )
+        .unwrap()[0];
+    let y = p
+        .add_node(
+            "combine",
+            Op::MoeCombine,
+            vec![act, ch, d[1], w],
+            vec!["y".into()],
+        )
+        .unwrap()[0];
+    let sq = p
+        .add_node(
+            "sq",
+            Op::Binary(BinaryOp::Mul),
+            vec![y, y],
+            vec!["sq".into()],
+        )
+        .unwrap()[0];
+    let loss = p
+        .add_node(
+            "loss",
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![0, 1],
+                keep_dims: false,
+            },
+            vec![sq],
+            vec!["loss".into()],
+        )
+        .unwrap()[0];
+    check_program(p, &[x, w], loss, "dispatch, tanh, combine");
+}
+
+/// Parameters of a preset (shapes only) filled with deterministic random values, the same
+/// for the same parameter name.
+fn with_random_params(mut p: Program) -> Program {
+    for prm in &mut p.params {
+        let v = &p.values[prm.value.index()];
+        let seed = v
+            .name
+            .bytes()
+            .fold(17u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+        let d = rand_vec(v.ty.numel(), seed)
+            .iter()
+            .map(|x| x * 0.3)
+            .collect();
+        prm.data = Some(Tensor::f32(v.ty.shape.clone(), d));
+    }
+    p
+}
+
+/// The loss and every parameter's gradient, by parameter name.
+fn loss_and_grads(fwd: &Program, ids: &Tensor) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
+    use hzp_passes::train::{gradient_program, LossKind};
+    let g = gradient_program(fwd, &LossKind::Lm { labels: None }).unwrap();
+    let out = evaluate(&g, &[("input_ids".to_string(), ids.clone())]).unwrap();
+    let logits = evaluate(fwd, &[("input_ids".to_string(), ids.clone())]).unwrap();
+    let mut all = logits[0].1.to_f32_vec();
+    all.extend(out[0].1.to_f32_vec());
+    let grads = fwd
+        .params
+        .iter()
+        .zip(&out[1..])
+        .map(|(prm, (_, t))| (fwd.value(prm.value).name.clone(), t.to_f32_vec()))
+        .collect();
+    (all, grads)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max);
+    let den = b.iter().map(|y| (*y as f64).abs()).fold(1e-6, f64::max);
+    num / den
+}
+
+/// The routed MoE preset without drops against its dense form (every expert on every
+/// token, a mostly-zero gate), an oracle the routed ops take no part in: logits, loss and
+/// every parameter's gradient; with a small capacity the routed form must differ.
+#[test]
+fn dropless_routed_moe_equals_the_dense_form() {
+    use hzp_frontends::presets::parse_preset;
+    let routed = with_random_params(parse_preset("preset:moe-tiny").unwrap());
+    let dense = with_random_params(parse_preset("preset:moe-tiny,dense=true").unwrap());
+    let has = |p: &Program, name: &str| p.nodes.iter().any(|n| n.op.name() == name);
+    assert!(has(&routed, "MoeDispatch") && has(&routed, "MoeCombine"));
+    assert!(!has(&dense, "MoeDispatch"));
+    let ids = Tensor::i64(
+        vec![2, 16],
+        rand_vec(32, 5)
+            .iter()
+            .map(|x| ((x + 1.0) * 127.0) as i64)
+            .collect(),
+    );
+    let (out_r, grads_r) = loss_and_grads(&routed, &ids);
+    let (out_d, grads_d) = loss_and_grads(&dense, &ids);
+    let err = max_rel(&out_r, &out_d);
+    eprintln!("routed vs dense: logits and loss max rel err {err}");
+    assert!(err < 1e-6, "logits and loss differ: max rel err {err}");
+    assert_eq!(grads_r.len(), grads_d.len());
+    for ((nr, gr), (nd, gd)) in grads_r.iter().zip(&grads_d) {
+        assert_eq!(nr, nd);
+        let err = max_rel(gr, gd);
+        assert!(err < 1e-5, "gradient of {nr}: max rel err {err}");
+    }
+    // A capacity of one token per expert drops most choices: the logits change.
+    let small = with_random_params(parse_preset("preset:moe-tiny,capacity_factor=0.01").unwrap());
+    let (out_s, _) = loss_and_grads(&small, &ids);
+    assert!(max_rel(&out_s, &out_d) > 1e-3);
+}
+
+/// The routed MoE preset (dropless) with the PyTorch model's weights: loss and every
+/// parameter's gradient against what torch autograd computed for transformers' Mixtral
+/// (tests/models/moe_tiny.grads.npz, made by tests/models/make_models.py).
+#[test]
+fn routed_moe_tiny_matches_torch_autograd() {
+    use hzp_frontends::{npz, presets::parse_preset};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models");
+    let torch = npz::read(&dir.join("moe_tiny.grads.npz")).unwrap();
+    let io = npz::read(&dir.join("moe_tiny.io.npz")).unwrap();
+    let get = |set: &[(String, Tensor)], k: &str| {
+        set.iter()
+            .find(|(n, _)| n == k)
+            .unwrap_or_else(|| panic!("no {k}"))
+            .1
+            .clone()
+    };
+    let mut p = parse_preset("preset:moe-tiny").unwrap();
+    assert!(p.nodes.iter().any(|n| n.op.name() == "MoeDispatch"));
+    for prm in &mut p.params {
+        let name = &p.values[prm.value.index()].name;
+        prm.data = Some(get(&torch, &format!("param/{name}")));
+    }
+    let (out, grads) = loss_and_grads(&p, &get(&io, "input_ids"));
+    let loss = *out.last().unwrap();
+    let want = get(&torch, "loss").to_f32_vec()[0];
+    assert!((loss - want).abs() < 1e-4, "loss {loss} vs torch {want}");
+    for (name, g) in &grads {
+        let err = max_rel(g, &get(&torch, &format!("grad/{name}")).to_f32_vec());
+        assert!(
+            err < 1e-4,
+            "gradient of {name}: max rel err {err} against torch"
+        );
+    }
+}
+
+/// One routed MoE layer with a capacity that drops half the choices, against numpy's GShard
+/// formulation (one-hot cumulative sums per priority, float64; tests/models/make_moe_drops.py
+/// wrote tests/models/moe_drops.npz): which choices are kept, and the layer's output.
+#[test]
+fn routed_moe_layer_with_drops_matches_numpy_gshard() {
+    use hzp_frontends::npz;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models");
+    let want = npz::read(&dir.join("moe_drops.npz")).unwrap();
+    let get = |k: &str| {
+        want.iter()
+            .find(|(n, _)| n == k)
+            .unwrap_or_else(|| panic!("no {k}"))
+            .1
+            .clone()
+    };
+    let x = get("x");
+    let (t, h) = (x.shape[0], x.shape[1]);
+    let router = get("gate.weight");
+    let experts = router.shape[0];
+    let capacity = get("capacity").to_f64_vec()[0] as usize;
+    let k = get("top_k").to_f64_vec()[0] as usize;
+    let f = get("experts.down_proj").shape[2];
+
+    let mut p = Program::new("moe layer");
+    let xv = p.add_input("x", x.ty());
+    let param = |p: &mut Program, name: &str| {
+        let t = get(name);
+        p.add_param(name, t.ty(), Some(t))
+    };
+    let wr = param(&mut p, "gate.weight");
+    let gu = param(&mut p, "experts.gate_up_proj");
+    let dw = param(&mut p, "experts.down_proj");
+    let op = |p: &mut Program, name: &str, op: Op, ins: &[ValueId], n: usize| {
+        let outs = (0..n).map(|i| format!("{name}.{i}")).collect();
+        p.add_node(name, op, ins.to_vec(), outs).unwrap()
+    };
+    let wr_t = op(&mut p, "wr_t", Op::Transpose { perm: vec![1, 0] }, &[wr], 1)[0];
+    let logits = op(&mut p, "logits", Op::MatMul, &[xv, wr_t], 1)[0];
+    let probs = op(&mut p, "probs", Op::Softmax { axis: 1 }, &[logits], 1)[0];
+    let topk = Op::TopK {
+        axis: 1,
+        k,
+        largest: true,
+        sorted: true,
+    };
+    let top = op(&mut p, "top", topk, &[probs], 2);
+    let sum = Op::Reduce {
+        op: ReduceOp::Sum,
+        axes: vec![1],
+        keep_dims: true,
+    };
+    let sum = op(&mut p, "sum", sum, &[top[0]], 1)[0];
+    let w = op(&mut p, "w", Op::Binary(BinaryOp::Div), &[top[0], sum], 1)[0];
+    let dispatch = Op::MoeDispatch { experts, capacity };
+    let d = op(&mut p, "dispatch", dispatch, &[xv, top[1]], 2);
+    let gu_t = op(
+        &mut p,
+        "gu_t",
+        Op::Transpose {
+            perm: vec![0, 2, 1],
+        },
+        &[gu],
+        1,
+    )[0];
+    let g = op(&mut p, "gu", Op::MatMul, &[d[0], gu_t], 1)[0];
+    let split = Op::Split {
+        axis: 2,
+        sizes: vec![f, f],
+    };
+    let s = op(&mut p, "split", split, &[g], 2);
+    let act = op(&mut p, "act", Op::Unary(UnaryOp::Silu), &[s[0]], 1)[0];
+    let a = op(&mut p, "a", Op::Binary(BinaryOp::Mul), &[act, s[1]], 1)[0];
+    let dw_t = op(
+        &mut p,
+        "dw_t",
+        Op::Transpose {
+            perm: vec![0, 2, 1],
+        },
+        &[dw],
+        1,
+    )[0];
+    let ye = op(&mut p, "ye", Op::MatMul, &[a, dw_t], 1)[0];
+    let y = op(&mut p, "y", Op::MoeCombine, &[ye, top[1], d[1], w], 1)[0];
+    p.outputs = vec![y, d[1]];
+    hzp_ir::verify(&p).unwrap();
+    let out = evaluate(&p, &[("x".to_string(), x)]).unwrap();
+
+    let kept: Vec<bool> = get("kept").to_f64_vec().iter().map(|&v| v != 0.0).collect();
+    let slots = out[1].1.to_f64_vec();
+    assert_eq!(kept.len(), t * k);
+    assert!(kept.iter().any(|&b| !b), "the reference must drop choices");
+    let got: Vec<bool> = slots.iter().map(|&s| s >= 0.0).collect();
+    assert_eq!(got, kept, "kept choices (token-major [T,K])");
+    let err = max_rel(&out[0].1.to_f32_vec(), &get("y").to_f32_vec());
+    assert_eq!(out[0].1.shape, vec![t, h]);
+    assert!(err < 1e-5, "MoE layer vs numpy: max rel err {err}");
+}

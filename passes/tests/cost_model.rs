@@ -713,3 +713,56 @@ fn collective_ops_are_costed_from_their_types() {
     );
     assert_eq!(m.memory_budget(), 80 << 30);
 }
+
+#[test]
+fn moe_ops_and_routed_expert_products() {
+    let f = DType::F32;
+    let i = DType::I64;
+    // 6 tokens of 8, 2 choices each, 3 experts of capacity 4
+    let (flops, bytes, outs) = fb(
+        &Op::MoeDispatch {
+            experts: 3,
+            capacity: 4,
+        },
+        vec![t(f, &[6, 8]), t(i, &[6, 2])],
+    );
+    assert_eq!(flops, 0.0);
+    assert_eq!(bytes, ((6 * 8 + 3 * 4 * 8) * 4 + 2 * 6 * 2 * 8) as f64);
+    assert_eq!(outs[0], t(f, &[3, 4, 8]));
+    let combine_ins = vec![
+        t(f, &[3, 4, 8]),
+        t(i, &[6, 2]),
+        t(i, &[6, 2]),
+        t(f, &[6, 2]),
+    ];
+    let (flops, bytes, _) = fb(&Op::MoeCombine, combine_ins.clone());
+    assert_eq!(flops, (2 * 6 * 2 * 8) as f64);
+    // the 12 rows the choices name (of 12 in the buffer), indices, weights, the output
+    assert_eq!(bytes, (12 * 8 * 4 + 2 * 12 * 8 + 12 * 4 + 6 * 8 * 4) as f64);
+    let mut grad_ins = combine_ins;
+    grad_ins.push(t(f, &[6, 8]));
+    let (flops, _, _) = fb(&Op::MoeCombineGrad, grad_ins);
+    assert_eq!(flops, (4 * 6 * 2 * 8) as f64);
+
+    // preset:mixtral-8x7b's experts: with capacity factor 1 their products cost top_k /
+    // experts of the dense form's; dropless (capacity = tokens) costs what dense does.
+    let expert_flops = |spec: &str| -> f64 {
+        let p = hzp_frontends::presets::parse_preset(spec).unwrap();
+        p.nodes
+            .iter()
+            .filter(|n| n.op == Op::MatMul && n.name.contains(".experts."))
+            .map(|n| {
+                let ins: Vec<&TensorType> = n.inputs.iter().map(|&v| p.ty(v)).collect();
+                let outs: Vec<&TensorType> = n.outputs.iter().map(|&v| p.ty(v)).collect();
+                op_flops(&n.op, &ins, &outs)
+            })
+            .sum()
+    };
+    let base = "preset:mixtral-8x7b,layers=1,seq=512";
+    let dense = expert_flops(&format!("{base},dense=true"));
+    let routed = expert_flops(&format!("{base},capacity_factor=1"));
+    let dropless = expert_flops(base);
+    assert!(dense > 0.0);
+    assert_close!(routed / dense, 2.0 / 8.0);
+    assert_close!(dropless, dense);
+}

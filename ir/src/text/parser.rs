@@ -1408,6 +1408,11 @@ fn guard_infer(op: &Op, ins: &[&TensorType], mesh: Option<&Mesh>) -> Result<(), 
         | Op::Broadcast { group, .. } => {
             group_size(group)?;
         }
+        Op::MoeDispatch { experts, capacity } => {
+            if let Some(&h) = ins.first().and_then(|x| x.shape.get(1)) {
+                checked_prod([*experts, *capacity, h]).ok_or_else(too_big)?;
+            }
+        }
         _ => {}
     }
     Ok(())

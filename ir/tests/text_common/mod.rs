@@ -372,6 +372,44 @@ pub fn all_ops() -> Program {
         &[x],
         &["topk.values", "topk.indices"],
     );
+    // mixture of experts: 8 tokens of 8, 2 choices each among 3 experts of capacity 4
+    let tokens = one(
+        &mut p,
+        "moe.tokens",
+        Op::Reshape { shape: vec![8, 8] },
+        &[x],
+    );
+    let choices = p.add_const(
+        "moe.choices",
+        Tensor::i64(vec![8, 2], (0..16).map(|i| (i * 7 % 3) as i64).collect()),
+    );
+    let weights = p.add_const(
+        "moe.weights",
+        Tensor::f32(vec![8, 2], (0..16).map(|i| i as f32 / 16.0).collect()),
+    );
+    let moe = node(
+        &mut p,
+        "moe.dispatch",
+        Op::MoeDispatch {
+            experts: 3,
+            capacity: 4,
+        },
+        &[tokens, choices],
+        &["moe.dispatched", "moe.slots"],
+    );
+    let combined = one(
+        &mut p,
+        "moe.combine",
+        Op::MoeCombine,
+        &[moe[0], choices, moe[1], weights],
+    );
+    node(
+        &mut p,
+        "moe.combine.grad",
+        Op::MoeCombineGrad,
+        &[moe[0], choices, moe[1], weights, combined],
+        &["moe.d_expert_out", "moe.d_weights"],
+    );
     one(
         &mut p,
         "fill",

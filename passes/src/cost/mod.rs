@@ -41,13 +41,23 @@
 //! | Reduce sum/max/min/prod, ArgMax, CumSum | numel(input) (+ numel(output) for mean) |
 //! | TopK | numel(input) * ceil(log2(max(k, 2))) comparisons |
 //! | ScatterElements/ScatterND with add | numel(updates) |
+//! | MoeCombine | `2 T K H` (a multiply-add per choice and hidden element) |
+//! | MoeCombineGrad | `4 T K H` (the weighted gradient rows and the weights' dot products) |
+//! | MoeDispatch | 0 (a copy per choice) |
 //! | data movement, indexing, Fill, OneHot, Copy, collectives, memory, events | 0 |
 //!
 //! Bytes ([`op_bytes`]) are bytes read plus bytes written, assuming each operand is touched
 //! once: inputs + outputs by default. Exceptions: Reshape and Identity are views (0); Slice
 //! reads only the slice (2 * output); Gather, GatherElements and GatherND read the gathered
-//! rows, not the whole table (2 * output + indices); Fill writes its output; Free and the event
-//! ops touch nothing.
+//! rows, not the whole table (2 * output + indices); MoeCombine and MoeCombineGrad read the
+//! experts' rows the `T K` choices name, not the whole `[E,C,H]` buffer; Fill writes its
+//! output; Free and the event ops touch nothing.
+//!
+//! The experts' products of a routed MoE layer are batched MatMuls over the dispatched
+//! `[E, C, H]` tensor, charged like every MatMul by its shapes: `E C` rows per product, which
+//! is `capacity_factor * T K` rows (about `top_k / experts` of the dense form's `E T`) with a
+//! capacity factor, and `E T` rows (the dense count, most of them zero padding) when the
+//! capacity is dropless (`C = T`). The kernels compute exactly that much (docs/moe.md).
 //!
 //! # Collectives
 //!
@@ -199,6 +209,19 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         }
         Op::ArgMax { .. } | Op::CumSum { .. } => in_numel,
         Op::TopK { k, .. } => in_numel * ((*k).max(2) as f64).log2().ceil(),
+        Op::MoeCombine | Op::MoeCombineGrad => {
+            let per = if matches!(op, Op::MoeCombine) {
+                2.0
+            } else {
+                4.0
+            };
+            let choices = ins.get(1).map_or(0.0, |t| numel_f(t));
+            let h = ins
+                .first()
+                .and_then(|t| t.shape.last())
+                .map_or(0.0, |&h| h as f64);
+            per * choices * h
+        }
         Op::ScatterElements { add, .. } | Op::ScatterND { add } => {
             if *add {
                 ins.get(2).map_or(0.0, |t| numel_f(t))
@@ -219,6 +242,7 @@ pub fn op_flops(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         | Op::GatherElements { .. }
         | Op::GatherND { .. }
         | Op::OneHot { .. }
+        | Op::MoeDispatch { .. }
         | Op::Fill { .. }
         | Op::AllGather { .. }
         | Op::ReduceScatter { .. }
@@ -287,6 +311,15 @@ pub fn op_bytes(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         Op::Gather { .. } | Op::GatherElements { .. } | Op::GatherND { .. } => {
             2.0 * out + ins.get(1).map_or(0.0, |t| bytes_f(t))
         }
+        // reads the experts' rows its choices name, and the rest of its inputs
+        Op::MoeCombine | Op::MoeCombineGrad => {
+            let (Some(ye), Some(choices)) = (ins.first(), ins.get(1)) else {
+                return sum_bytes(ins) + out;
+            };
+            let h = ye.shape.last().copied().unwrap_or(0) as f64;
+            let rows = (numel_f(choices) * h).min(numel_f(ye)) * ye.dtype.size_bytes() as f64;
+            sum_bytes(ins) - bytes_f(ye) + rows + out
+        }
         // writes only
         Op::Fill { .. } => out,
         // reads every input once and writes every output once
@@ -319,6 +352,7 @@ pub fn op_bytes(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> f64 {
         | Op::ScatterND { .. }
         | Op::OneHot { .. }
         | Op::TopK { .. }
+        | Op::MoeDispatch { .. }
         | Op::AdamW { .. }
         | Op::AllGather { .. }
         | Op::ReduceScatter { .. }

@@ -345,6 +345,8 @@ fn rule(
         Op::GatherElements { axis } => gather_elements_rule(e, node, dy0, axis)?,
         Op::GatherND { batch_dims } => gather_nd_rule(e, node, dy0, batch_dims)?,
         Op::TopK { axis, .. } => topk_rule(e, node, dys, axis)?,
+        Op::MoeDispatch { .. } => moe_dispatch_rule(e, node, dys)?,
+        Op::MoeCombine => moe_combine_rule(e, node, dy0, want)?,
         Op::ScatterElements { add: false, axis } => {
             scatter_elements_rule(e, node, dy0, want, axis)?
         }
@@ -386,6 +388,7 @@ fn rule(
         | Op::LayerNormGrad { .. }
         | Op::RmsNormGrad { .. }
         | Op::AttentionGrad { .. }
+        | Op::MoeCombineGrad
         | Op::ArgMax { .. }
         | Op::OneHot { .. }
         | Op::Fill { .. }
@@ -852,6 +855,47 @@ fn topk_rule(
         },
         &[z, outs[1], dv],
     )?)])
+}
+
+/// The tokens' gradient is the dispatched gradient read back at each kept choice's row and
+/// summed over the choices: a combine with weight one.
+fn moe_dispatch_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dys: &[Option<ValueId>],
+) -> R<Vec<Option<ValueId>>> {
+    let (choices, slots) = (node.inputs[1], node.outputs[1]);
+    let Some(dd) = dys[0] else {
+        return Ok(vec![None, None]);
+    };
+    let dtype = e.ty(node.inputs[0]).dtype;
+    let ones = e.op(
+        Op::Fill {
+            value: 1.0,
+            dtype,
+            shape: e.shape(choices),
+        },
+        &[],
+    )?;
+    let dx = e.op(Op::MoeCombine, &[dd, choices, slots, ones])?;
+    Ok(vec![Some(dx), None])
+}
+
+/// One `MoeCombineGrad` node gives the experts' outputs' and the weights' gradients.
+fn moe_combine_rule(
+    e: &mut Emitter,
+    node: &Node,
+    dy0: ValueId,
+    want: &[bool],
+) -> R<Vec<Option<ValueId>>> {
+    let ins = &node.inputs;
+    let g = e.ops(Op::MoeCombineGrad, &[ins[0], ins[1], ins[2], ins[3], dy0])?;
+    Ok(vec![
+        want[0].then_some(g[0]),
+        None,
+        None,
+        want[3].then_some(g[1]),
+    ])
 }
 
 fn scatter_elements_rule(

@@ -432,6 +432,12 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
     match op {
         Op::Identity | Op::Copy | Op::Reshape { .. } => copy_through(c),
         Op::Free => Ok(Vec::new()),
+        // No CUDA kernels yet: refused by name rather than run some other way.
+        Op::MoeDispatch { .. } | Op::MoeCombine | Op::MoeCombineGrad => Err(format!(
+            "{} (sparse mixture of experts) has no CUDA kernel yet; run this plan on the CPU \
+             backend, or build the model's dense form (preset setting `dense=true`)",
+            op.name()
+        )),
         _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => Ok(Vec::new()),
         Op::Unary(u) => unary(c, u),
         Op::Binary(b) => binary(c, b),

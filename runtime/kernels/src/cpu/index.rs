@@ -10,13 +10,13 @@ use std::cmp::Ordering;
 
 /// The elements of an integer (index) tensor, read as i64.
 #[derive(Clone, Copy)]
-enum Ids<'a> {
+pub(crate) enum Ids<'a> {
     I64(&'a [i64]),
     I32(&'a [i32]),
 }
 
 impl Ids<'_> {
-    fn of<'a>(t: &TensorRef<'a>) -> Result<Ids<'a>, String> {
+    pub(crate) fn of<'a>(t: &TensorRef<'a>) -> Result<Ids<'a>, String> {
         match t.data {
             DataRef::I64(v) => Ok(Ids::I64(v)),
             DataRef::I32(v) => Ok(Ids::I32(v)),
@@ -25,7 +25,7 @@ impl Ids<'_> {
     }
 
     #[inline(always)]
-    fn get(self, i: usize) -> i64 {
+    pub(crate) fn get(self, i: usize) -> i64 {
         match self {
             Ids::I64(v) => v[i],
             Ids::I32(v) => v[i] as i64,

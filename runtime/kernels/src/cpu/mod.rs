@@ -4,7 +4,7 @@
 //!
 //! Layout: `layout` (strides, broadcasting, the strided walk), `elem` (dtype dispatch and
 //! the f32 view), and one file per family: `elementwise`, `matmul`, `norm`, `reduce`,
-//! `movement`, `index`. Semantics follow the doc comments on [`Op`] and, where those are
+//! `movement`, `index`, `moe`. Semantics follow the doc comments on [`Op`] and, where those are
 //! silent, ONNX / numpy / PyTorch.
 
 pub mod attention;
@@ -15,6 +15,7 @@ pub mod into;
 pub mod layout;
 pub mod math;
 pub mod matmul;
+pub mod moe;
 pub mod movement;
 pub mod norm;
 pub mod optim;
@@ -179,6 +180,17 @@ fn run(
     if let Op::AttentionGrad { scale, causal } = op {
         return attention::attention_grad(ins, *scale, *causal, outs, ws);
     }
+    if let Op::MoeDispatch { experts, capacity } = op {
+        let x = x?;
+        use moe::dispatch;
+        return by_dtype!(
+            x.dtype(),
+            dispatch(x, &ins[1], (*experts, *capacity), outs, ws)
+        );
+    }
+    if let Op::MoeCombineGrad = op {
+        return moe::combine_grad(ins, outs, ws);
+    }
     if let Op::LayerNormGrad { axis, epsilon } | Op::RmsNormGrad { axis, epsilon } = op {
         let rms = matches!(op, Op::RmsNormGrad { .. });
         return norm::norm_grad(&ins[0], &ins[1], &ins[2], *axis, *epsilon, rms, outs, ws);
@@ -270,11 +282,14 @@ fn run(
             use index::one_hot;
             by_dtype!(ins[1].dtype(), one_hot(&ins[0], &ins[1], *axis, *depth, o))
         }
+        Op::MoeCombine => moe::combine(ins, o, ws),
         Op::Fill { value, .. } => {
             fill(*value, o);
             Ok(())
         }
         Op::Split { .. }
+        | Op::MoeDispatch { .. }
+        | Op::MoeCombineGrad
         | Op::TopK { .. }
         | Op::AdamW { .. }
         | Op::LayerNormGrad { .. }
