@@ -324,8 +324,9 @@ enum Command {
         #[arg(long, value_enum, default_value_t)]
         format: Format,
     },
-    /// Run a compiled plan on its ranks (threads of this process, CPU): loss per step,
-    /// step time, per-stream busy time and exposed communication.
+    /// Run a compiled plan on its ranks (CPU threads of this process, one process per rank
+    /// under a launcher, or --backend cuda): loss per step, step time, per-stream busy time
+    /// and exposed communication; training runs with data, evaluation and checkpoints.
     Run(run_args::RunArgs),
     /// Start one hzp process per GPU with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...
     /// set (torchrun style); output is prefixed by rank; the first failure stops the rest.
