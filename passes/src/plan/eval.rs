@@ -148,12 +148,19 @@ mod tests {
         let x = p.add_input("x", TensorType::new(DType::F32, vec![2, 3]));
         let w = p.add_param("w", TensorType::new(DType::F32, vec![3, 2]), None);
         let b = p.add_param("b", TensorType::new(DType::BF16, vec![2]), None);
-        let y = p.add_node("mm", Op::MatMul, vec![x, w], vec!["y".into()]).unwrap()[0];
+        let y = p
+            .add_node("mm", Op::MatMul, vec![x, w], vec!["y".into()])
+            .unwrap()[0];
         let bf = p
             .add_node("c", Op::Cast { to: DType::F32 }, vec![b], vec!["bf".into()])
             .unwrap()[0];
         let z = p
-            .add_node("add", Op::Binary(BinaryOp::Add), vec![y, bf], vec!["z".into()])
+            .add_node(
+                "add",
+                Op::Binary(BinaryOp::Add),
+                vec![y, bf],
+                vec!["z".into()],
+            )
             .unwrap()[0];
         let l = p
             .add_node(
@@ -187,7 +194,10 @@ mod tests {
         assert_eq!(plan.layouts[1].compute_dtype, DType::BF16);
         // nothing reads a parameter but its reshape
         for n in &p.nodes {
-            if n.inputs.iter().any(|v| p.params.iter().any(|x| x.value == *v)) {
+            if n.inputs
+                .iter()
+                .any(|v| p.params.iter().any(|x| x.value == *v))
+            {
                 assert!(matches!(n.op, Op::Reshape { .. }), "{}", n.name);
             }
         }
@@ -205,7 +215,12 @@ mod tests {
         let mut p = tiny();
         let w = p.params[0].value;
         let s = p.add_state("s", TensorType::new(DType::F32, vec![3, 2]), None);
-        p.updates.push(hzp_ir::Update { target: s, value: w });
-        assert!(eval_plan(&p, "m").unwrap_err().contains("states or updates"));
+        p.updates.push(hzp_ir::Update {
+            target: s,
+            value: w,
+        });
+        assert!(eval_plan(&p, "m")
+            .unwrap_err()
+            .contains("states or updates"));
     }
 }
