@@ -321,15 +321,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             Some(crate::procs::Procs::connect(env, &plan, timeout)?)
         }
     };
-    let ropts = if cuda {
-        Some(hzp_runtime::cuda::RunOptions {
-            lower: cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?,
-            comm,
-            timeout,
-        })
-    } else {
-        None
-    };
+    let ropts = cuda_run_options(args, cuda, comm, timeout)?;
     let mut ex: Box<dyn PlanExecutor> = if let Some(ropts) = &ropts {
         open_cuda(
             args,
@@ -366,16 +358,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if text {
             outln!("{}", run_header(args, &plan, ex, "running"));
         }
-        let open_eval = |p: &Plan, prm: &[(String, Tensor)]| open_eval(ropts.as_ref(), p, prm);
-        let r = crate::train_loop::run_loop(
-            args,
-            &plan,
-            ex,
-            &fixed,
-            &schedule,
-            &open_eval,
-            procs.as_mut(),
-        );
+        let oe = |p: &Plan, prm: &[(String, Tensor)]| open_eval(ropts.as_ref(), p, prm);
+        let (sched, pr) = (&schedule, procs.as_mut());
+        let r = crate::train_loop::run_loop(args, &plan, ex, &fixed, sched, &oe, pr);
         flight_on_error(r, ex, args)?
     };
 
@@ -429,6 +414,23 @@ fn check_backend_flags(args: &RunArgs, cuda: bool) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// How the CUDA executors run (`None` on the CPU backend).
+fn cuda_run_options(
+    args: &RunArgs,
+    cuda: bool,
+    comm: CommMode,
+    timeout: Duration,
+) -> Result<Option<hzp_runtime::cuda::RunOptions>> {
+    if !cuda {
+        return Ok(None);
+    }
+    Ok(Some(hzp_runtime::cuda::RunOptions {
+        lower: cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?,
+        comm,
+        timeout,
+    }))
 }
 
 /// The executor an evaluation plan (`--val-data`) runs on: the CPU executor, or with
