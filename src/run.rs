@@ -321,17 +321,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
             Some(crate::procs::Procs::connect(env, &plan, timeout)?)
         }
     };
-    let mut ex: Box<dyn PlanExecutor> = if cuda {
-        let ropts = hzp_runtime::cuda::RunOptions {
-            lower: cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?,
-            comm,
-            timeout,
-        };
+    let ropts = cuda_run_options(args, cuda, comm, timeout)?;
+    let mut ex: Box<dyn PlanExecutor> = if let Some(ropts) = &ropts {
         open_cuda(
             args,
             &plan,
             &params,
-            &ropts,
+            ropts,
             dist.as_ref(),
             procs.as_mut(),
             timeout,
@@ -362,7 +358,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if text {
             outln!("{}", run_header(args, &plan, ex, "running"));
         }
-        let r = crate::train_loop::run_loop(args, &plan, ex, &fixed, &schedule, procs.as_mut());
+        let oe = |p: &Plan, prm: &[(String, Tensor)]| open_eval(ropts.as_ref(), p, prm);
+        let (sched, pr) = (&schedule, procs.as_mut());
+        let r = crate::train_loop::run_loop(args, &plan, ex, &fixed, sched, &oe, pr);
         flight_on_error(r, ex, args)?
     };
 
@@ -416,6 +414,41 @@ fn check_backend_flags(args: &RunArgs, cuda: bool) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// How the CUDA executors run (`None` on the CPU backend).
+fn cuda_run_options(
+    args: &RunArgs,
+    cuda: bool,
+    comm: CommMode,
+    timeout: Duration,
+) -> Result<Option<hzp_runtime::cuda::RunOptions>> {
+    if !cuda {
+        return Ok(None);
+    }
+    Ok(Some(hzp_runtime::cuda::RunOptions {
+        lower: cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?,
+        comm,
+        timeout,
+    }))
+}
+
+/// The executor an evaluation plan (`--val-data`) runs on: the CPU executor, or with
+/// `--backend cuda` (`ropts`) the GPU: its one rank on device 0 of those this process sees
+/// (one process per GPU: rank 0's process evaluates).
+fn open_eval(
+    ropts: Option<&hzp_runtime::cuda::RunOptions>,
+    plan: &Plan,
+    params: &[(String, Tensor)],
+) -> Result<Box<dyn PlanExecutor>> {
+    match ropts {
+        Some(o) => hzp_runtime::cuda::open_one_gpu(plan, params, o)
+            .map_err(|e| miette!("evaluation on the GPU: {e}")),
+        None => Ok(Box::new(
+            Executor::new(plan, params, ExecOptions::default())
+                .map_err(|e| miette!("evaluation: {e}"))?,
+        )),
+    }
 }
 
 /// `--backend cuda`: every rank on this machine's one GPU (`--ranks-on-one-gpu`), or this

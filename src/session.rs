@@ -3,7 +3,10 @@
 //! metrics (`--log`, JSON lines) and progress output.
 
 use hzp_frontends::tokens::{Sampler, TokenDtype, TokenFile};
+use hzp_ir::plan::Plan;
 use hzp_ir::{DType, Program, Tensor, ValueId};
+use hzp_runtime::executor::eval::PlanEvaluator;
+use hzp_runtime::executor::PlanExecutor;
 use hzp_runtime::schedule::{LrSchedule, ScheduleKind};
 use miette::{miette, Result};
 use std::io::Write;
@@ -432,6 +435,9 @@ pub struct Evaluator {
     feed: TokenFeed,
     batches: usize,
     chunk: usize,
+    /// The evaluation plan on the run's backend ([`Evaluator::on_executor`]); `None`: the
+    /// CPU evaluator runs the program.
+    plan: Option<PlanEvaluator>,
 }
 
 /// Evaluation batches without `--eval-batches`.
@@ -483,6 +489,7 @@ impl Evaluator {
             feed,
             batches,
             chunk,
+            plan: None,
         })
     }
 
@@ -490,13 +497,54 @@ impl Evaluator {
         format!("{} batches of {}", self.batches, self.feed.describe())
     }
 
+    /// Runs the evaluation as a plan ([`hzp_passes::plan::eval::eval_plan`] of the forward
+    /// and loss, one rank) on the executor `open` loads it into (the run's backend) instead
+    /// of the CPU evaluator. `open` is given the plan and the model's parameters; `model`
+    /// names the model in the plan.
+    pub fn on_executor(
+        &mut self,
+        model: &str,
+        open: impl FnOnce(&Plan, &[(String, Tensor)]) -> Result<Box<dyn PlanExecutor>>,
+    ) -> Result<()> {
+        let plan = hzp_passes::plan::eval::eval_plan(&self.program, model)
+            .map_err(|e| miette!("evaluation plan: {e}"))?;
+        let p = &self.program;
+        let params = p
+            .params
+            .iter()
+            .map(|x| {
+                let name = &p.value(x.value).name;
+                x.data.clone().map(|t| (name.clone(), t)).ok_or_else(|| {
+                    miette!("evaluation: the model has no data for parameter `{name}`")
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ex = open(&plan, &params)?;
+        self.plan = Some(PlanEvaluator::new(ex, &params).map_err(|e| miette!("evaluation: {e}"))?);
+        Ok(())
+    }
+
+    /// Where the evaluation runs: the device of its executor, or the CPU.
+    pub fn device(&self) -> String {
+        self.plan
+            .as_ref()
+            .map_or_else(|| "the CPU".to_string(), |e| e.device())
+    }
+
     /// The mean loss over the evaluation batches with parameters `params` (by name; others
     /// keep the model's values).
     pub fn loss(&mut self, params: &[(String, Tensor)]) -> Result<f64> {
-        for prm in self.program.params.iter_mut() {
-            let name = &self.program.values[prm.value.index()].name;
-            if let Some((_, t)) = params.iter().find(|(k, _)| k == name) {
-                prm.data = Some(t.clone());
+        match &mut self.plan {
+            Some(e) => e
+                .set_parameters(params)
+                .map_err(|e| miette!("evaluation: {e}"))?,
+            None => {
+                for prm in self.program.params.iter_mut() {
+                    let name = &self.program.values[prm.value.index()].name;
+                    if let Some((_, t)) = params.iter().find(|(k, _)| k == name) {
+                        prm.data = Some(t.clone());
+                    }
+                }
             }
         }
         let mut total = 0.0;
@@ -508,17 +556,23 @@ impl Evaluator {
             for c in 0..self.feed.rows / self.chunk {
                 let part = &ids[c * self.chunk * row..(c + 1) * self.chunk * row];
                 let x = Tensor::from_f64(t.dtype(), vec![self.chunk, row], part);
-                let outs = hzp_runtime::eval::evaluate(&self.program, &[(name.clone(), x)])
-                    .map_err(|e| miette!("evaluation: {e}"))?;
-                let l = outs
-                    .first()
-                    .map(|(_, t)| t.to_f64_vec())
-                    .and_then(|v| v.first().copied())
-                    .ok_or_else(|| miette!("evaluation: the loss program has no output"))?;
-                total += l;
+                total += self.chunk_loss(&[(name.clone(), x)])?;
                 n += 1;
             }
         }
         Ok(total / n.max(1) as f64)
+    }
+
+    /// The loss of one chunk of rows.
+    fn chunk_loss(&mut self, batch: &[(String, Tensor)]) -> Result<f64> {
+        if let Some(e) = &mut self.plan {
+            return e.loss(batch).map_err(|e| miette!("evaluation: {e}"));
+        }
+        let outs = hzp_runtime::eval::evaluate(&self.program, batch)
+            .map_err(|e| miette!("evaluation: {e}"))?;
+        outs.first()
+            .map(|(_, t)| t.to_f64_vec())
+            .and_then(|v| v.first().copied())
+            .ok_or_else(|| miette!("evaluation: the loss program has no output"))
     }
 }

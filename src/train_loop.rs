@@ -12,14 +12,20 @@ use hzp_runtime::schedule::LrSchedule;
 use miette::{miette, Result};
 use std::path::Path;
 
+/// Opens an executor for an evaluation plan on the run's backend, given the plan and the
+/// model's parameters.
+pub type OpenEval<'a> = &'a dyn Fn(&Plan, &[(String, Tensor)]) -> Result<Box<dyn PlanExecutor>>;
+
 /// Runs `plan` from the step a checkpoint left (or 0) to `--steps`, printing a line per
-/// step; returns the steps' statistics.
+/// step; returns the steps' statistics. Evaluation (`--val-data`) runs on an executor
+/// `open_eval` opens (in the process of rank 0).
 pub fn run_loop(
     args: &RunArgs,
     plan: &Plan,
     ex: &mut dyn PlanExecutor,
     fixed: &[(String, Tensor)],
     schedule: &LrSchedule,
+    open_eval: OpenEval<'_>,
     mut procs: Option<&mut crate::procs::Procs>,
 ) -> Result<Vec<StepStats>> {
     let p = &plan.program;
@@ -38,7 +44,7 @@ pub fn run_loop(
         noted: Default::default(),
     };
     let eval_every = s.eval_period(args.steps)?;
-    let mut evaluator = lp.open_feeds(&ex.device())?;
+    let mut evaluator = lp.open_feeds(rank0.then_some(open_eval))?;
     let ckpt_dir = args.checkpoint_dir.as_deref();
     check_checkpoint_flags(args)?;
     let start = match (args.resume, ckpt_dir) {
@@ -163,10 +169,9 @@ fn check_checkpoint_flags(args: &RunArgs) -> Result<()> {
 
 impl StepLoop<'_> {
     /// Opens `--data` (kept as the loop's feed) and `--val-data` (returned as the
-    /// evaluator), saying what each reads.
-    /// The evaluation runs on the CPU; on another `device` the line says the parameters
-    /// are copied from it.
-    fn open_feeds(&mut self, device: &str) -> Result<Option<Evaluator>> {
+    /// evaluator), saying what each reads. With `open_eval` (the process that evaluates),
+    /// the evaluation runs as a plan on the executor it opens.
+    fn open_feeds(&mut self, open_eval: Option<OpenEval<'_>>) -> Result<Option<Evaluator>> {
         let (args, plan, s) = (self.args, self.plan, &self.args.session);
         let (feed, val_feed) = match session::open_feeds(s, &plan.program, plan.mesh.world_size())?
         {
@@ -177,23 +182,26 @@ impl StepLoop<'_> {
         if let Some(f) = &self.feed {
             self.println(f.data_line())?;
         }
-        Ok(match val_feed {
-            Some(vf) => {
-                let e = Evaluator::new(
-                    crate::plan_file::eval_program(args, plan)?,
-                    vf,
-                    s.eval_batches,
-                )?;
-                let where_ = if device == "the CPU" {
-                    String::new()
-                } else {
-                    format!(" (on the CPU, with the parameters copied from {device})")
-                };
-                self.println(format!("evaluation: {}{where_}", e.describe()))?;
-                Some(e)
-            }
-            None => None,
-        })
+        let Some(vf) = val_feed else {
+            return Ok(None);
+        };
+        let mut e = Evaluator::new(
+            crate::plan_file::eval_program(args, plan)?,
+            vf,
+            s.eval_batches,
+        )?;
+        if let Some(open) = open_eval {
+            e.on_executor(&plan.model, open)?;
+        }
+        let where_ = if e.device() == "the CPU" {
+            String::new()
+        } else {
+            // the CUDA executors take parameters from the host (no device-to-device copy)
+            " (on the GPU: a forward+loss plan, the parameters copied to it through host memory)"
+                .to_string()
+        };
+        self.println(format!("evaluation: {}{where_}", e.describe()))?;
+        Ok(Some(e))
     }
 
     /// A line on stdout (with `--format json`, stdout holds the JSON document only).

@@ -291,7 +291,7 @@ fn cuda_backend_names_what_is_missing() {
         err.contains("not found") || err.contains("without CUDA"),
         "{err}"
     );
-    // ... and so does one that evaluates (on the CPU, with the parameters from the GPU) ...
+    // ... and so does one that evaluates (a forward+loss plan on the GPU) ...
     let mut eval = train.to_vec();
     eval.extend(["--val-data", s(&tokens), "--eval-every", "2"]);
     let (code, _, err) = hzp(&eval);

@@ -678,3 +678,78 @@ fn backend_missing(b: &dyn hzp_runtime::backend::Backend) -> skip::Missing {
         skip::Missing::Other
     }
 }
+
+/// Evaluation through the executor contract (what `hzp run --val-data` does on every
+/// backend): the evaluation plan of a tiny model's forward and loss, loaded by the CPU
+/// executor and given other parameters than the model's, gives the CPU evaluator's loss
+/// with those parameters; and the CUDA backend lowers the same plan (the lowering is pure
+/// Rust: what runs on a GPU is `examples/device/multi_rank_check.sh`'s `data` part).
+#[test]
+fn eval_plan_runs_the_evaluators_forward_and_lowers_for_cuda() {
+    use hzp_ir::DType;
+    use hzp_runtime::cuda::lower::{lower_program_with, LowerOptions};
+    use hzp_runtime::executor::eval::PlanEvaluator;
+    for (stem, compute) in [
+        ("gpt2_tiny.legacy.op17", DType::F32),
+        ("llama_tiny.dynamo.op18", DType::BF16),
+    ] {
+        let model = own_models_dir().join(format!("{stem}.onnx"));
+        let io_name = format!("{}.io.npz", stem.split('.').next().unwrap());
+        let batch = global_batch(&read_npz(&own_models_dir().join(io_name)));
+        // attention written out: what a plan compiled for CUDA with --no-fuse-attention has
+        let fwd = import_at_with(&model, &batch, ROWS, false);
+        let lowered = hzp_passes::train::lower_precision(&fwd, compute).unwrap();
+        let prog =
+            hzp_passes::train::attach_loss(&lowered, &LossKind::Lm { labels: None }).unwrap();
+        let plan = hzp_passes::plan::eval::eval_plan(&prog, stem).unwrap();
+        for fuse in [false, true] {
+            let opts = LowerOptions {
+                fuse,
+                ..LowerOptions::from_env()
+            };
+            lower_program_with(&plan, 0, opts)
+                .unwrap_or_else(|e| panic!("{stem}: lowering the evaluation plan: {e}"));
+        }
+        let model_params: Vec<(String, Tensor)> = prog
+            .params
+            .iter()
+            .map(|x| (prog.value(x.value).name.clone(), x.data.clone().unwrap()))
+            .collect();
+        // "trained" parameters: the model's, scaled
+        let trained: Vec<(String, Tensor)> = model_params
+            .iter()
+            .map(|(k, t)| {
+                let v: Vec<f64> = t.to_f64_vec().iter().map(|x| x * 0.9).collect();
+                (k.clone(), Tensor::from_f64(t.dtype(), t.shape.clone(), &v))
+            })
+            .collect();
+        let ex = Executor::new(&plan, &model_params, ExecOptions::default()).unwrap();
+        let mut pe = PlanEvaluator::new(Box::new(ex), &model_params).unwrap();
+        let inputs = program_inputs(&prog, &batch);
+        let before = pe.loss(&inputs).unwrap();
+        pe.set_parameters(&trained).unwrap();
+        let got = pe.loss(&inputs).unwrap();
+        let cpu_loss = |params: &[(String, Tensor)]| {
+            let mut q = prog.clone();
+            for prm in q.params.iter_mut() {
+                let name = &q.values[prm.value.index()].name;
+                let (_, t) = params.iter().find(|(k, _)| k == name).unwrap();
+                prm.data = Some(t.clone());
+            }
+            hzp_runtime::eval::evaluate(&q, &inputs).unwrap()[0]
+                .1
+                .to_f64_vec()[0]
+        };
+        let (want_before, want) = (cpu_loss(&model_params), cpu_loss(&trained));
+        for (g, w) in [(before, want_before), (got, want)] {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs(),
+                "{stem}: the evaluation plan's loss {g}, the CPU evaluator's {w}"
+            );
+        }
+        assert!(
+            (want - want_before).abs() > 1e-4,
+            "{stem}: the parameters change the loss"
+        );
+    }
+}

@@ -11,7 +11,7 @@
 # E2E_S (its time limit, 300); bench: examples/bench/gpu_vs_torch.py,
 # PyTorch eager and torch.compile vs hzp on this card, JSON in $OUT/gpu_vs_torch.json,
 # BENCH_CONFIGS (gpt2s), BENCH_STEPS (10), BENCH_S (its time limit, 300); data: a training run from a token file on
-# CUDA, per-step losses vs the CPU backend; ckpt: a CUDA run stopped with a checkpoint and
+# CUDA, per-step losses and the GPU evaluation's val_loss vs the CPU backend; ckpt: a CUDA run stopped with a checkpoint and
 # resumed on CUDA (bitwise the uninterrupted run) and on the CPU backend (1e-5); explicit: every tiny model with attention
 # written out, CUDA vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; explicit-bf16: the
 # same compiled with --precision bf16, within 2e-2; profile: GPT-2 small's GPU time per
@@ -268,7 +268,7 @@ if want profile; then
   done
 fi
 if want data; then
-  el "== a training run from a token file on CUDA (--data, cosine schedule with warmup, --val-data every 4 steps, --log): per-step and held-out losses vs the CPU backend (1e-5), gpu=1 and gpu=2 with every rank on the GPU"
+  el "== a training run from a token file on CUDA (--data, cosine schedule with warmup, --val-data every 4 steps, --log): per-step losses and held-out losses (evaluated by a forward+loss plan on the GPU) vs the CPU backend (1e-5), gpu=1 and gpu=2 with every rank on the GPU"
   for mesh in gpu=1 gpu=2; do
     f=$W/data.$(echo $mesh | tr '=' '-')
     $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --shape input_ids=4x32 --retie --lr 3e-3 --mesh $mesh -o $f.json >/dev/null 2>$f.cerr || { el "RESULT data $mesh: FAIL compile"; tail -3 $f.cerr; continue; }
@@ -277,9 +277,13 @@ if want data; then
       rm -f $f.$be.jsonl
       timeout $T $H run $f.json --backend $be $( [ $be = cuda ] && echo $x ) --data $M/tokens/train.bin --shuffle 1 --lr-schedule cosine --warmup 2 --steps 8 --val-data $M/tokens/train.bin --eval-every 4 --eval-batches 2 --log $f.$be.jsonl >$f.$be.out 2>$f.$be.err || el "data $mesh $be: rc=$?"
     done
-    python3 - $mesh $f.cpu.jsonl $f.cuda.jsonl <<'PY'
+    python3 - $mesh $f.cpu.jsonl $f.cuda.jsonl $f.cuda.out <<'PY'
 import json, sys
-mesh, a, b = sys.argv[1:]
+mesh, a, b, out = sys.argv[1:]
+try:
+    gpu_eval = any(l.startswith("evaluation:") and "(on the GPU" in l for l in open(out))
+except OSError:
+    gpu_eval = False
 try:
     la = [json.loads(l) for l in open(a)]; lb = [json.loads(l) for l in open(b)]
 except OSError as e:
@@ -290,8 +294,8 @@ va = [(x["step"], x["val_loss"]) for x in la if "val_loss" in x]
 vb = [(x["step"], x["val_loss"]) for x in lb if "val_loss" in x]
 dv = max((abs(x[1] - y[1]) / abs(x[1]) for x, y in zip(va, vb)), default=float("nan"))
 vok = [s for s, _ in va] == [s for s, _ in vb] == [4, 8] and dv <= 1e-5
-ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr and vok
-print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}, val_loss at steps {[s for s, _ in vb]} within {dv:.1e}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
+ok = len(la) == len(lb) == 8 and d <= 1e-5 and lr and vok and gpu_eval
+print(f"RESULT data {mesh}: {'PASS' if ok else 'FAIL'} ({len(la)}/{len(lb)} steps, losses within {d:.1e}, lr {'equal' if lr else 'DIFFERS'}, val_loss at steps {[s for s, _ in vb]} within {dv:.1e}, evaluated {'on the GPU' if gpu_eval else 'NOT on the GPU'}; cuda {lb[-1]['loss'] if lb else '-'} vs cpu {la[-1]['loss'] if la else '-'})")
 PY
   done
 fi

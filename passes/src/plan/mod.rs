@@ -5,6 +5,7 @@
 //! The planner builds candidate steps with [`crate::dist::spmd`]; nothing in `dist` calls
 //! back into `plan`.
 
+pub mod eval;
 pub mod memory;
 pub mod planner;
 pub mod verify;

@@ -15,6 +15,7 @@
 
 pub mod bytes;
 mod error;
+pub mod eval;
 mod layout;
 
 pub use error::ExecError;
