@@ -584,6 +584,9 @@ pub(crate) fn loss_spec(t: &TrainArgs) -> String {
     if let Some(x) = &t.target {
         s.push_str(&format!(" target={x}"));
     }
+    if t.router_aux_loss != 0.0 {
+        s.push_str(&format!(" router_aux={:?}", t.router_aux_loss));
+    }
     s
 }
 
@@ -591,15 +594,22 @@ pub(crate) fn loss_spec(t: &TrainArgs) -> String {
 pub(crate) fn loss_from_spec(spec: &str) -> Result<LossKind> {
     let mut parts = spec.split_whitespace();
     let kind = parts.next().unwrap_or("lm");
-    let (mut labels, mut target) = (None, None);
+    let (mut labels, mut target, mut aux) = (None, None, 0.0);
     for p in parts {
         match p.split_once('=') {
             Some(("labels", v)) => labels = Some(v),
             Some(("target", v)) => target = Some(v),
+            Some(("router_aux", v)) => {
+                aux = v.parse().map_err(|_| {
+                    miette!("the plan's loss `{spec}`: router_aux `{v}` is not a number")
+                })?
+            }
             _ => return Err(miette!("the plan's loss `{spec}` is not one hzp reads")),
         }
     }
-    LossKind::parse(kind, labels, target).map_err(|e| miette!("{e}"))
+    LossKind::parse(kind, labels, target)
+        .and_then(|l| l.with_router_aux(aux))
+        .map_err(|e| miette!("{e}"))
 }
 
 /// The most micro-batches a step may be split into (each is unrolled into the step; the
@@ -651,6 +661,7 @@ fn check_train_numbers(t: &TrainArgs) -> Result<()> {
 
 pub(crate) fn train_config(t: &TrainArgs, with_optimizer: bool) -> Result<TrainConfig> {
     let loss = LossKind::parse(&t.loss, t.labels.as_deref(), t.target.as_deref())
+        .and_then(|l| l.with_router_aux(t.router_aux_loss))
         .map_err(|e| miette!("{e}"))?;
     check_train_numbers(t)?;
     let optimizer = if !with_optimizer {

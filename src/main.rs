@@ -139,6 +139,11 @@ pub struct TrainArgs {
     /// The float input the output is compared with (mse).
     #[arg(long)]
     pub target: Option<String>,
+    /// Add COEF times the routers' auxiliary load-balancing loss, as transformers computes
+    /// it for Mixtral and Qwen3-MoE (`router_aux_loss_coef`; statistics per micro-batch).
+    /// Needs routed MoE layers; 0 (the default) adds nothing.
+    #[arg(long, value_name = "COEF", default_value_t = 0.0)]
+    pub router_aux_loss: f64,
     /// adamw, sgd, or muon (torch.optim.Muon on the hidden matrices, AdamW on the rest).
     #[arg(long, default_value = "adamw", value_parser = choices(&[("adamw", &[]), ("sgd", &[]), ("muon", &[])]))]
     pub optimizer: String,

@@ -11,6 +11,7 @@ pub mod autodiff;
 pub mod canzona;
 pub mod muon;
 pub mod muon_matrix;
+mod router_aux;
 pub mod simplify;
 pub mod ties;
 
@@ -45,6 +46,10 @@ pub enum LossKind {
     Mean,
     /// Mean squared error between the first output and the float input `target`.
     Mse { target: String },
+    /// `base + coef * aux`, where `aux` is the routers' load-balancing loss as transformers
+    /// computes it (`load_balancing_loss_func`; see [`router_aux`]) over the routed MoE
+    /// layers of the micro-batch.
+    WithRouterAux { base: Box<LossKind>, coef: f64 },
 }
 
 impl LossKind {
@@ -78,6 +83,24 @@ impl LossKind {
                 "unknown loss `{other}` (expected lm, ce, mean or mse)"
             ))),
         }
+    }
+
+    /// This loss plus `coef` times the routers' auxiliary load-balancing loss; a
+    /// coefficient of 0 leaves the loss as it is.
+    pub fn with_router_aux(self, coef: f64) -> Result<LossKind, TrainError> {
+        if !coef.is_finite() || coef < 0.0 {
+            return Err(terr(format!(
+                "--router-aux-loss {coef}: the coefficient must be a finite number of at least 0"
+            )));
+        }
+        Ok(if coef == 0.0 {
+            self
+        } else {
+            LossKind::WithRouterAux {
+                base: Box::new(self),
+                coef,
+            }
+        })
     }
 }
 
@@ -195,7 +218,24 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
             yt
         )));
     }
-    let loss = match kind {
+    let loss = emit_loss(&mut p, y, kind)?;
+    // Name the loss value `loss` when that name is free, for readable programs.
+    if p.find_value("loss").is_none() {
+        p.values[loss.index()].name = "loss".into();
+    }
+    p.outputs = vec![loss];
+    p.eliminate_dead_code();
+    Ok(p)
+}
+
+/// Emits the scalar f32 loss `kind` of the model output `y` into `p`.
+fn emit_loss(p: &mut Program, y: ValueId, kind: &LossKind) -> Result<ValueId, TrainError> {
+    let yt = p.ty(y).clone();
+    Ok(match kind {
+        LossKind::WithRouterAux { base, coef } => {
+            let base = emit_loss(p, y, base)?;
+            router_aux::add_router_aux(p, base, *coef).map_err(terr)?
+        }
         LossKind::Lm { labels } => {
             let name = labels.clone().unwrap_or_else(|| "input_ids".into());
             if yt.rank() != 3 {
@@ -223,8 +263,8 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
                     )))
                 }
             };
-            let head = sliceable_head(&p, y);
-            let mut e = Emitter::new(&mut p);
+            let head = sliceable_head(p, y);
+            let mut e = Emitter::new(p);
             e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let shift = Op::Slice {
@@ -264,12 +304,12 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
                 return Err(terr("--loss ce needs an output with a class axis last"));
             }
             let lab = input_named(
-                &mut p,
+                p,
                 labels,
                 TensorType::new(DType::I64, lead),
                 "--labels",
             )?;
-            let mut e = Emitter::new(&mut p);
+            let mut e = Emitter::new(p);
             e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let y = to_f32(&mut e, y)?;
@@ -278,7 +318,7 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
             .map_err(terr)?
         }
         LossKind::Mean => {
-            let mut e = Emitter::new(&mut p);
+            let mut e = Emitter::new(p);
             e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let y = to_f32(&mut e, y)?;
@@ -288,12 +328,12 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
         }
         LossKind::Mse { target } => {
             let tv = input_named(
-                &mut p,
+                p,
                 target,
                 TensorType::new(DType::F32, yt.shape.clone()),
                 "--target",
             )?;
-            let mut e = Emitter::new(&mut p);
+            let mut e = Emitter::new(p);
             e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {
                 let y = to_f32(&mut e, y)?;
@@ -304,14 +344,7 @@ pub fn attach_loss(fwd: &Program, kind: &LossKind) -> Result<Program, TrainError
             })()
             .map_err(terr)?
         }
-    };
-    // Name the loss value `loss` when that name is free, for readable programs.
-    if p.find_value("loss").is_none() {
-        p.values[loss.index()].name = "loss".into();
-    }
-    p.outputs = vec![loss];
-    p.eliminate_dead_code();
-    Ok(p)
+    })
 }
 
 /// When the logits `y` are an f32 `MatMul(h, w)` of hidden states `h` [batch, seq, hidden]
