@@ -829,6 +829,63 @@ fn routed_moe_tiny_matches_torch_autograd() {
     }
 }
 
+/// `preset:moe-tiny` with the loss `lm + 0.05 * aux`, the routers' load-balancing loss,
+/// against transformers' Mixtral with `output_router_logits=True` and
+/// `router_aux_loss_coef=0.05` (tests/models/make_moe_aux_refs.py wrote moe_tiny.aux.npz):
+/// the total loss and every gradient. The gradient differs from the plain LM loss's, so a
+/// dropped or wrong aux term fails.
+#[test]
+fn routed_moe_tiny_with_router_aux_loss_matches_transformers() {
+    use hzp_frontends::{npz, presets::parse_preset};
+    use hzp_passes::train::{gradient_program, LossKind};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models");
+    let params = npz::read(&dir.join("moe_tiny.grads.npz")).unwrap();
+    let io = npz::read(&dir.join("moe_tiny.io.npz")).unwrap();
+    let aux = npz::read(&dir.join("moe_tiny.aux.npz")).unwrap();
+    let get = |set: &[(String, Tensor)], k: &str| {
+        set.iter()
+            .find(|(n, _)| n == k)
+            .unwrap_or_else(|| panic!("no {k}"))
+            .1
+            .clone()
+    };
+    let mut p = parse_preset("preset:moe-tiny").unwrap();
+    for prm in &mut p.params {
+        let name = &p.values[prm.value.index()].name;
+        prm.data = Some(get(&params, &format!("param/{name}")));
+    }
+    let coef = get(&aux, "coef").to_f64_vec()[0];
+    let kind = LossKind::Lm { labels: None }.with_router_aux(coef).unwrap();
+    let g = gradient_program(&p, &kind).unwrap();
+    let out = evaluate(&g, &[("input_ids".to_string(), get(&io, "input_ids"))]).unwrap();
+    let loss = out[0].1.to_f32_vec()[0];
+    let want = get(&aux, "loss").to_f32_vec()[0];
+    assert!((loss - want).abs() < 1e-4, "loss {loss} vs transformers {want}");
+    for (prm, (_, t)) in p.params.iter().zip(&out[1..]) {
+        let name = &p.values[prm.value.index()].name;
+        let want = get(&aux, &format!("grad/{name}")).to_f32_vec();
+        let got = t.to_f32_vec();
+        let abs = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let rel = max_rel(&got, &want);
+        assert!(
+            abs < 1e-5 && rel < 1e-4,
+            "gradient of {name}: max abs err {abs}, rel {rel} against transformers"
+        );
+    }
+    // The aux term moves the routers' gradients: the plain LM loss's differ from the oracle.
+    let lm = npz::read(&dir.join("moe_tiny.grads.npz")).unwrap();
+    let router = "model.layers.0.mlp.gate.weight";
+    let (a, b) = (
+        get(&aux, &format!("grad/{router}")).to_f32_vec(),
+        get(&lm, &format!("grad/{router}")).to_f32_vec(),
+    );
+    assert!(max_rel(&a, &b) > 1e-3, "the oracle's aux term does not move {router}");
+}
+
 /// One routed MoE layer with a capacity that drops half the choices, against numpy's GShard
 /// formulation (one-hot cumulative sums per priority, float64; tests/models/make_moe_drops.py
 /// wrote tests/models/moe_drops.npz): which choices are kept, and the layer's output.
