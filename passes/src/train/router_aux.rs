@@ -147,3 +147,92 @@ pub(crate) fn add_router_aux(p: &mut Program, base: ValueId, coef: f64) -> Resul
     let aux = e.op(Op::Binary(BinaryOp::Mul), &[total, scale])?;
     e.op(Op::Binary(BinaryOp::Add), &[base, aux])
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::train::{attach_loss, LossKind};
+    use hzp_ir::{DType, Op, Program, Tensor, TensorType};
+
+    /// One routed layer: `x [6,3] @ router [3,4]`, top-2 of the probabilities (or of the
+    /// logits), dispatched and combined without experts; the output is the combined tokens.
+    fn layer(topk_of_logits: bool) -> Program {
+        let (t, h, e) = (6, 3, 4);
+        let vals = |n: usize, k: f32| (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) * k).collect();
+        let mut p = Program::new("layer");
+        let x = p.add_input("x", TensorType::new(DType::F32, vec![t, h]));
+        let w = p.add_param(
+            "router",
+            TensorType::new(DType::F32, vec![h, e]),
+            Some(Tensor::f32(vec![h, e], vals(h * e, 0.3))),
+        );
+        let node = |p: &mut Program, name: &str, op: Op, ins: Vec<_>, outs: &[&str]| {
+            let outs = outs.iter().map(|s| s.to_string()).collect();
+            p.add_node(name, op, ins, outs).unwrap()
+        };
+        let logits = node(&mut p, "gate", Op::MatMul, vec![x, w], &["logits"])[0];
+        let probs = node(&mut p, "sm", Op::Softmax { axis: 1 }, vec![logits], &["probs"])[0];
+        let scores = if topk_of_logits { logits } else { probs };
+        let topk = Op::TopK {
+            axis: 1,
+            k: 2,
+            largest: true,
+            sorted: true,
+        };
+        let top = node(&mut p, "topk", topk, vec![scores], &["top", "choices"]);
+        let dispatch = Op::MoeDispatch {
+            experts: e,
+            capacity: t,
+        };
+        let d = node(&mut p, "dispatch", dispatch, vec![x, top[1]], &["d", "slots"]);
+        let y = node(
+            &mut p,
+            "combine",
+            Op::MoeCombine,
+            vec![d[0], top[1], d[1], top[0]],
+            &["y"],
+        )[0];
+        p.outputs = vec![y];
+        p
+    }
+
+    fn aux(coef: f64) -> LossKind {
+        LossKind::Mean.with_router_aux(coef).unwrap()
+    }
+
+    #[test]
+    fn a_model_without_routed_layers_is_refused() {
+        // The router alone: its probabilities, no MoeDispatch.
+        let mut p = layer(false);
+        p.outputs = vec![p.find_value("probs").unwrap()];
+        p.eliminate_dead_code();
+        let err = attach_loss(&p, &aux(0.1)).unwrap_err().to_string();
+        assert!(err.contains("no routed MoE layer"), "{err}");
+        assert!(LossKind::Mean.with_router_aux(-1.0).is_err());
+        assert!(LossKind::Mean.with_router_aux(f64::NAN).is_err());
+        assert_eq!(LossKind::Mean.with_router_aux(0.0).unwrap(), LossKind::Mean);
+    }
+
+    /// A top-k over the logits picks what a top-k over the probabilities picks; the aux
+    /// loss then takes the softmax itself, and both programs add the same aux term (their
+    /// base losses differ: the combine weights are logits in one, probabilities in the
+    /// other).
+    #[test]
+    fn a_top_k_of_logits_gets_its_probabilities_from_a_softmax() {
+        use hzp_runtime::eval::evaluate;
+        let x: Vec<f32> = (0..18).map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4).collect();
+        let feed = [("x".to_string(), Tensor::f32(vec![6, 3], x))];
+        let run = |p: &Program| evaluate(p, &feed).unwrap()[0].1.to_f32_vec()[0];
+        let softmaxes = |p: &Program| p.nodes.iter().filter(|n| n.op.name() == "Softmax").count();
+        let (probs, logits) = (layer(false), layer(true));
+        let (a, b) = (
+            attach_loss(&probs, &aux(0.5)).unwrap(),
+            attach_loss(&logits, &aux(0.5)).unwrap(),
+        );
+        assert_eq!(softmaxes(&a), 1, "the router's own softmax is reused");
+        assert_eq!(softmaxes(&b), 1, "the aux loss adds the softmax a logit top-k lacks");
+        let plain = |p: &Program| run(&attach_loss(p, &LossKind::Mean).unwrap());
+        let (ta, tb) = (run(&a) - plain(&probs), run(&b) - plain(&logits));
+        assert!((ta - tb).abs() < 1e-6, "aux terms {ta} vs {tb}");
+        assert!(ta > 1e-3, "the aux term adds nothing: {ta}");
+    }
+}
