@@ -860,7 +860,10 @@ fn routed_moe_tiny_with_router_aux_loss_matches_transformers() {
     let out = evaluate(&g, &[("input_ids".to_string(), get(&io, "input_ids"))]).unwrap();
     let loss = out[0].1.to_f32_vec()[0];
     let want = get(&aux, "loss").to_f32_vec()[0];
-    assert!((loss - want).abs() < 1e-4, "loss {loss} vs transformers {want}");
+    assert!(
+        (loss - want).abs() < 1e-4,
+        "loss {loss} vs transformers {want}"
+    );
     for (prm, (_, t)) in p.params.iter().zip(&out[1..]) {
         let name = &p.values[prm.value.index()].name;
         let want = get(&aux, &format!("grad/{name}")).to_f32_vec();
@@ -883,7 +886,10 @@ fn routed_moe_tiny_with_router_aux_loss_matches_transformers() {
         get(&aux, &format!("grad/{router}")).to_f32_vec(),
         get(&lm, &format!("grad/{router}")).to_f32_vec(),
     );
-    assert!(max_rel(&a, &b) > 1e-3, "the oracle's aux term does not move {router}");
+    assert!(
+        max_rel(&a, &b) > 1e-3,
+        "the oracle's aux term does not move {router}"
+    );
 }
 
 /// One routed MoE layer with a capacity that drops half the choices, against numpy's GShard

@@ -303,12 +303,7 @@ fn emit_loss(p: &mut Program, y: ValueId, kind: &LossKind) -> Result<ValueId, Tr
             if yt.rank() < 2 {
                 return Err(terr("--loss ce needs an output with a class axis last"));
             }
-            let lab = input_named(
-                p,
-                labels,
-                TensorType::new(DType::I64, lead),
-                "--labels",
-            )?;
+            let lab = input_named(p, labels, TensorType::new(DType::I64, lead), "--labels")?;
             let mut e = Emitter::new(p);
             e.enter("loss", Role::of(RoleKind::Loss));
             (|| -> Result<ValueId, String> {

@@ -170,7 +170,13 @@ mod tests {
             p.add_node(name, op, ins, outs).unwrap()
         };
         let logits = node(&mut p, "gate", Op::MatMul, vec![x, w], &["logits"])[0];
-        let probs = node(&mut p, "sm", Op::Softmax { axis: 1 }, vec![logits], &["probs"])[0];
+        let probs = node(
+            &mut p,
+            "sm",
+            Op::Softmax { axis: 1 },
+            vec![logits],
+            &["probs"],
+        )[0];
         let scores = if topk_of_logits { logits } else { probs };
         let topk = Op::TopK {
             axis: 1,
@@ -183,7 +189,13 @@ mod tests {
             experts: e,
             capacity: t,
         };
-        let d = node(&mut p, "dispatch", dispatch, vec![x, top[1]], &["d", "slots"]);
+        let d = node(
+            &mut p,
+            "dispatch",
+            dispatch,
+            vec![x, top[1]],
+            &["d", "slots"],
+        );
         let y = node(
             &mut p,
             "combine",
@@ -229,7 +241,11 @@ mod tests {
             attach_loss(&logits, &aux(0.5)).unwrap(),
         );
         assert_eq!(softmaxes(&a), 1, "the router's own softmax is reused");
-        assert_eq!(softmaxes(&b), 1, "the aux loss adds the softmax a logit top-k lacks");
+        assert_eq!(
+            softmaxes(&b),
+            1,
+            "the aux loss adds the softmax a logit top-k lacks"
+        );
         let plain = |p: &Program| run(&attach_loss(p, &LossKind::Mean).unwrap());
         let (ta, tb) = (run(&a) - plain(&probs), run(&b) - plain(&logits));
         assert!((ta - tb).abs() < 1e-6, "aux terms {ta} vs {tb}");
