@@ -458,3 +458,84 @@ fn eval_batches_are_bounded_by_the_held_out_file() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("--eval-batches 1000000000000"), "{err}");
 }
+
+/// `--router-aux-loss` on `hzp compile` is recorded in the plan's loss, and `hzp run`
+/// computes it: the routed `preset:moe-tiny` with the PyTorch model's weights gives
+/// transformers' Mixtral loss with `router_aux_loss_coef=0.05`
+/// (tests/models/make_moe_aux_refs.py). A model without routed layers, or a negative
+/// coefficient, is refused.
+#[test]
+fn the_router_aux_loss_is_recorded_in_the_plan_and_run() {
+    let d = tempdir("router-aux");
+    let models = own_models_dir();
+    let params: Vec<_> = read_npz(&models.join("moe_tiny.grads.npz"))
+        .into_iter()
+        .filter_map(|(k, t)| k.strip_prefix("param/").map(|n| (n.to_string(), t)))
+        .collect();
+    let ids: Vec<_> = read_npz(&models.join("moe_tiny.io.npz"))
+        .into_iter()
+        .filter(|(k, _)| k == "input_ids")
+        .collect();
+    let (pp, ip) = (d.join("params.npz"), d.join("inputs.npz"));
+    hzp_frontends::npz::write(&pp, &params).unwrap();
+    hzp_frontends::npz::write(&ip, &ids).unwrap();
+    let want = read_npz(&models.join("moe_tiny.aux.npz"))
+        .into_iter()
+        .find(|(k, _)| k == "loss")
+        .unwrap()
+        .1
+        .to_f64_vec()[0];
+    let plan = d.join("plan.json");
+    let compile = |extra: &[&str]| {
+        let mut args = vec!["compile", "preset:moe-tiny", "--mesh", "gpu=1"];
+        args.extend_from_slice(&["--precision", "fp32", "-o", s(&plan)]);
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    let run = || {
+        let out = ok(&["run", s(&plan), "--params", s(&pp), "--inputs", s(&ip)]);
+        let line = out
+            .lines()
+            .find(|l| l.contains("loss"))
+            .unwrap()
+            .to_string();
+        let v: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
+        v
+    };
+    compile(&["--router-aux-loss", "0.05"]);
+    let text = std::fs::read_to_string(&plan).unwrap();
+    assert!(text.contains("\"lm router_aux=0.05\""), "the plan's loss");
+    let with_aux = run();
+    assert!((with_aux - want).abs() < 1e-4, "{with_aux} vs {want}");
+    compile(&[]);
+    assert!(!std::fs::read_to_string(&plan)
+        .unwrap()
+        .contains("router_aux"));
+    let plain = run();
+    assert!((with_aux - plain).abs() > 1e-2, "{with_aux} vs {plain}");
+    fails_with(
+        &[
+            "compile",
+            "preset:llama-tiny",
+            "--mesh",
+            "gpu=1",
+            "--router-aux-loss",
+            "0.05",
+            "-o",
+            s(&plan),
+        ],
+        &["--router-aux-loss 0.05", "no routed MoE layer"],
+    );
+    fails_with(
+        &[
+            "compile",
+            "preset:moe-tiny",
+            "--mesh",
+            "gpu=1",
+            "--router-aux-loss=-1",
+            "-o",
+            s(&plan),
+        ],
+        &["--router-aux-loss"],
+    );
+}
