@@ -623,7 +623,7 @@ pub enum ShardPlanError {
     Cluster(#[from] ClusterError),
     #[error(transparent)]
     Cost(#[from] CostError),
-    #[error("cannot analyze model `{model}` for sharding: {message}")]
+    #[error("cannot plan model `{model}`: {message}")]
     Model { model: String, message: String },
     #[error("{}", no_fit_message(.model, .strategy, .budget, .weighed, .candidate, .hint))]
     DoesNotFit {
