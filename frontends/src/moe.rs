@@ -448,3 +448,130 @@ fn shifted(op: &Op) -> Op {
         other => other.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hzp_ir::text::parse;
+
+    /// One block as the legacy exporter writes it (T=4 tokens, K=2 of E=3 experts, H=4,
+    /// F=3), with `act` as the activation and `extra` appended before the output.
+    fn block(act: &str, extra: &str, out: &str) -> Program {
+        let text = format!(
+            "program \"m\"\ninput %x : f32[4,4]\ninput %r : f32[4,3]\n\
+             param %wu : f32[3,6,4]\nparam %wd : f32[3,4,3]\n\
+             %p = Softmax{{axis=1}}(%r) : f32[4,3] \"p\"\n\
+             %tv, %ti = TopK{{axis=1, k=2, largest=true, sorted=true}}(%p) : f32[4,2], i64[4,2] \"topk\"\n\
+             %x1 = Reshape{{shape=[4,1,4]}}(%x) : f32[4,1,4] \"x1\"\n\
+             %xt = Tile{{repeats=[1,2,1]}}(%x1) : f32[4,2,4] \"xt\"\n\
+             %xf = Reshape{{shape=[8,4]}}(%xt) : f32[8,4] \"xf\"\n\
+             %ix = Reshape{{shape=[8]}}(%ti) : i64[8] \"ix\"\n\
+             %gu = Gather{{axis=0}}(%wu, %ix) : f32[8,6,4] \"gu\"\n\
+             %xu = Reshape{{shape=[8,4,1]}}(%xf) : f32[8,4,1] \"xu\"\n\
+             %mu = MatMul(%gu, %xu) : f32[8,6,1] \"mu\"\n\
+             %u = Reshape{{shape=[8,6]}}(%mu) : f32[8,6] \"u\"\n\
+             %a, %b = Split{{axis=1, sizes=[3,3]}}(%u) : f32[8,3], f32[8,3] \"split\"\n\
+             %s = {act}(%a) : f32[8,3] \"act\"\n\
+             %h = Mul(%s, %b) : f32[8,3] \"h\"\n\
+             %gd = Gather{{axis=0}}(%wd, %ix) : f32[8,4,3] \"gd\"\n\
+             %hu = Reshape{{shape=[8,3,1]}}(%h) : f32[8,3,1] \"hu\"\n\
+             %md = MatMul(%gd, %hu) : f32[8,4,1] \"md\"\n\
+             %y = Reshape{{shape=[8,4]}}(%md) : f32[8,4] \"y\"\n\
+             %wf = Reshape{{shape=[8,1]}}(%tv) : f32[8,1] \"wf\"\n\
+             %yw = Mul(%y, %wf) : f32[8,4] \"yw\"\n\
+             %y3 = Reshape{{shape=[4,2,4]}}(%yw) : f32[4,2,4] \"y3\"\n\
+             %o = Reduce{{op=sum, axes=[1], keep_dims=false}}(%y3) : f32[4,4] \"o\"\n\
+             {extra}output %{out}\n"
+        );
+        let mut p = parse(&text, "m.hzp", &|_| None).unwrap_or_else(|e| panic!("{e}"));
+        let shapes: Vec<Vec<usize>> = p
+            .params
+            .iter()
+            .map(|x| p.ty(x.value).shape.clone())
+            .collect();
+        for (i, (prm, t)) in p.params.iter_mut().zip(shapes).enumerate() {
+            let n: usize = t.iter().product();
+            let vals: Vec<f64> = (0..n)
+                .map(|j| ((j * 29 + i * 7) % 19) as f64 / 9.0 - 1.0)
+                .collect();
+            prm.data = Some(hzp_ir::Tensor::from_f64(hzp_ir::DType::F32, t, &vals));
+        }
+        p
+    }
+
+    fn inputs() -> Vec<(String, hzp_ir::Tensor)> {
+        let v = |n: usize, s: usize| -> Vec<f64> {
+            (0..n)
+                .map(|j| ((j * 37 + s) % 23) as f64 / 7.0 - 1.5)
+                .collect()
+        };
+        vec![
+            (
+                "x".into(),
+                hzp_ir::Tensor::from_f64(hzp_ir::DType::F32, vec![4, 4], &v(16, 1)),
+            ),
+            (
+                "r".into(),
+                hzp_ir::Tensor::from_f64(hzp_ir::DType::F32, vec![4, 3], &v(12, 5)),
+            ),
+        ]
+    }
+
+    fn ops(p: &Program) -> Vec<&'static str> {
+        p.nodes.iter().map(|n| n.op.name()).collect()
+    }
+
+    #[test]
+    fn a_gathered_block_is_routed_and_computes_the_same() {
+        let p = block("Silu", "", "o");
+        let mut f = p.clone();
+        assert_eq!(fuse_moe(&mut f).unwrap(), 1);
+        hzp_ir::verify(&f).unwrap();
+        let names = ops(&f);
+        assert!(
+            names.contains(&"MoeDispatch") && names.contains(&"MoeCombine"),
+            "{names:?}"
+        );
+        assert!(!names.contains(&"Gather"), "{names:?}");
+        let (a, b) = (eval(&p), eval(&f));
+        assert_eq!(a.len(), 16);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+
+    fn eval(p: &Program) -> Vec<f64> {
+        let out = hzp_kernels::eval::evaluate(p, &inputs()).unwrap();
+        out[0].1.to_f64_vec()
+    }
+
+    /// Near matches stay as written: an activation that is not finite at zero (the routed
+    /// buffers' empty rows), a per-choice value read outside the block, choices that are
+    /// not a top-k.
+    #[test]
+    fn near_matches_stay_as_written() {
+        let cases = [
+            block("Log", "", "o"),
+            block("Silu", "", "h").clone(),
+            block(
+                "Silu",
+                "%z = Add(%o, %o) : f32[4,4] \"z\"\noutput %h\n",
+                "z",
+            ),
+        ];
+        for (i, p) in cases.into_iter().enumerate() {
+            let mut f = p.clone();
+            assert_eq!(fuse_moe(&mut f).unwrap(), 0, "case {i}");
+            assert!(f == p, "case {i}: the program changed");
+        }
+        // choices from an ArgMax-like source: a reshape of something that is not a TopK
+        let text = hzp_ir::text::print(&block("Silu", "", "o"));
+        assert!(text.contains("%ix = Reshape{shape=[8]}(%ti)"), "{text}");
+        let text = text.replace(
+            "%ix = Reshape{shape=[8]}(%ti)",
+            "%tj = Identity(%ti) : i64[4,2] \"tj\"\n%ix = Reshape{shape=[8]}(%tj)",
+        );
+        let p = parse(&text, "m.hzp", &|_| None).unwrap();
+        assert_eq!(fuse_moe(&mut p.clone()).unwrap(), 0);
+    }
+}
