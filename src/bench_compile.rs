@@ -168,6 +168,7 @@ fn bench_layers(a: &BenchCompileArgs) -> Result<()> {
             shapes: a.shapes.clone(),
             bind: Vec::new(),
             no_fuse_attention: false,
+            no_fuse_moe: false,
             names: None,
         })
         .collect();
@@ -308,6 +309,7 @@ pub fn bench_compile(a: &BenchCompileArgs) -> Result<()> {
         shapes: a.shapes.clone(),
         bind: Vec::new(),
         no_fuse_attention: false,
+        no_fuse_moe: false,
         names: None,
     };
     let resets = reset_peak_rss();

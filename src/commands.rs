@@ -84,6 +84,7 @@ fn load_as(
         values,
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
+        no_fuse_moe: args.no_fuse_moe,
         shapes_only,
         names: args.names.clone(),
     };
@@ -169,6 +170,7 @@ fn load_with_array_shapes(args: &ModelArgs, path: &Path) -> Result<Option<Progra
         values: BTreeMap::new(),
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
+        no_fuse_moe: args.no_fuse_moe,
         shapes_only: true,
         names: args.names.clone(),
     };
@@ -1334,6 +1336,7 @@ pub(crate) fn load_for_compile(
         shapes,
         bind: parse_binds(&args.bind)?,
         no_fuse_attention: args.no_fuse_attention,
+        no_fuse_moe: args.no_fuse_moe,
         names: args.names.clone(),
         ..Default::default()
     };

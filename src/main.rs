@@ -119,6 +119,11 @@ pub struct ModelArgs {
     /// instead of one fused Attention op per layer (the default fuses it).
     #[arg(long = "no-fuse-attention")]
     pub no_fuse_attention: bool,
+    /// Keep an ONNX model's mixture-of-experts blocks as the exporter wrote them (each
+    /// choice's expert weights gathered) instead of routing tokens to their experts
+    /// (MoeDispatch, batched expert products, MoeCombine; the default).
+    #[arg(long = "no-fuse-moe")]
+    pub no_fuse_moe: bool,
     /// The name map of an ONNX model (what frontends/python/hzp_export.py writes): which
     /// PyTorch state_dict keys each initializer stands for. Default: <stem>.names.json
     /// beside the model, when it exists.

@@ -82,9 +82,15 @@ pub(crate) fn load_imported(model: &str, plan: &Plan) -> Result<Program> {
         .nodes
         .iter()
         .any(|n| matches!(n.op, hzp_ir::Op::Attention { .. }));
+    // and its mixture of experts (routed unless compiled with --no-fuse-moe)
+    let routed = p
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, hzp_ir::Op::MoeDispatch { .. }));
     let opts = LoadOptions {
         shapes,
         no_fuse_attention: !fused,
+        no_fuse_moe: !routed,
         names: plan
             .model_edits
             .as_ref()

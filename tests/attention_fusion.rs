@@ -31,6 +31,11 @@ fn models() -> Vec<(PathBuf, PathBuf)> {
 }
 
 fn load(model: &Path, io: &[(String, Tensor)], fuse: bool) -> Program {
+    load_with(model, io, fuse, true)
+}
+
+/// [`load`] with attention fused when `fuse`, mixtures of experts routed when `route`.
+fn load_with(model: &Path, io: &[(String, Tensor)], fuse: bool, route: bool) -> Program {
     let opts = LoadOptions {
         shapes: io
             .iter()
@@ -43,6 +48,7 @@ fn load(model: &Path, io: &[(String, Tensor)], fuse: bool) -> Program {
             .cloned()
             .collect(),
         no_fuse_attention: !fuse,
+        no_fuse_moe: !route,
         ..Default::default()
     };
     load_model(model.to_str().unwrap(), &opts)
@@ -117,5 +123,58 @@ fn every_attention_layer_is_fused() {
                 model.display()
             );
         }
+    }
+}
+
+fn count_ops(p: &Program, name: &str) -> usize {
+    p.nodes.iter().filter(|n| n.op.name() == name).count()
+}
+
+/// Gathers of whole matrices by index (each top-k choice's expert weights): `Gather` or
+/// `GatherND` whose data has rank 3.
+fn weight_gathers(p: &Program) -> usize {
+    p.nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Gather { .. } | Op::GatherND { .. }))
+        .filter(|n| p.ty(n.inputs[0]).shape.len() == 3)
+        .count()
+}
+
+/// Every mixture-of-experts model (both exports of the tiny Mixtral, the extra Qwen2-MoE
+/// with its shared expert) is routed on import: one `MoeDispatch` and one `MoeCombine` per
+/// layer, no per-choice weight gather left; `--no-fuse-moe` keeps the gathers; both forms
+/// equal PyTorch's output. A model without per-choice weight gathers has nothing routed.
+/// (Gradients and AdamW steps of both forms against PyTorch: tests/training.rs.)
+#[test]
+fn moe_blocks_are_routed_on_import_and_match_pytorch() {
+    let mut seen = Vec::new();
+    for (model, io_path) in models() {
+        let io = read_npz(&io_path);
+        let routed = load_with(&model, &io, true, true);
+        let written = load_with(&model, &io, true, false);
+        assert_eq!(count_ops(&written, "MoeDispatch"), 0, "{}", model.display());
+        if weight_gathers(&written) == 0 {
+            assert_eq!(count_ops(&routed, "MoeDispatch"), 0, "{}", model.display());
+            continue;
+        }
+        seen.push(model.file_name().unwrap().to_string_lossy().to_string());
+        hzp_ir::verify(&routed).unwrap();
+        let n = layers(&written);
+        assert_eq!(weight_gathers(&written), 2 * n, "{}", model.display());
+        assert_eq!(count_ops(&routed, "MoeDispatch"), n, "{}", model.display());
+        assert_eq!(count_ops(&routed, "MoeCombine"), n, "{}", model.display());
+        assert_eq!(weight_gathers(&routed), 0, "{}", model.display());
+        let torch = &io.iter().find(|(k, _)| k == "torch_out").unwrap().1;
+        for p in [&routed, &written] {
+            let outs = hzp_runtime::eval::evaluate(p, &program_inputs(p, &io)).unwrap();
+            let d = max_abs_diff(&outs[0].1, torch);
+            assert!(d < 1e-4, "{}: max |hzp - torch| = {d}", model.display());
+        }
+    }
+    for want in ["moe_tiny.legacy.op17.onnx", "moe_tiny.dynamo.op18.onnx"] {
+        assert!(
+            seen.iter().any(|s| s == want),
+            "{want} not routed: {seen:?}"
+        );
     }
 }

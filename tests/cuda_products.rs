@@ -42,6 +42,7 @@ fn compile(dir: &Path, k: usize, stem: &str, extra: &[&str]) -> Plan {
         "--mesh",
         "gpu=1",
         "--no-fuse-attention",
+        "--no-fuse-moe",
         "-o",
         s(&out),
     ];

@@ -76,6 +76,16 @@ fn import_at(model: &Path, batch: &[(String, Tensor)], rows: usize) -> Program {
 
 /// [`import_at`], with attention fused into one op or (`fused: false`) written out.
 fn import_at_with(model: &Path, batch: &[(String, Tensor)], rows: usize, fused: bool) -> Program {
+    import_at_for(model, batch, rows, (fused, true))
+}
+
+/// [`import_at`] in the forms a backend runs: (attention fused, mixtures of experts routed).
+fn import_at_for(
+    model: &Path,
+    batch: &[(String, Tensor)],
+    rows: usize,
+    (fused, routed): (bool, bool),
+) -> Program {
     let shaped: Vec<(String, Tensor)> = batch
         .iter()
         .map(|(k, t)| {
@@ -87,7 +97,7 @@ fn import_at_with(model: &Path, batch: &[(String, Tensor)], rows: usize, fused: 
             )
         })
         .collect();
-    import_with(model, &shaped, !fused)
+    import_in_form(model, &shaped, !fused, !routed)
 }
 
 /// What `hzp compile` does, in-process, through the library driver with its defaults
@@ -210,7 +220,12 @@ fn conformance(
         let w = mesh.world_size();
         // two micro-batches where a rank has at least two rows
         let m = if ROWS / w >= 2 { 2 } else { 1 };
-        let fwd = import_at_with(model, batch, ROWS / w / m, backend.fused_attention());
+        let fwd = import_at_for(
+            model,
+            batch,
+            ROWS / w / m,
+            (backend.fused_attention(), backend.routed_moe()),
+        );
         let mcfg = TrainConfig {
             micro_batches: m,
             ..cfg.clone()
@@ -615,7 +630,12 @@ fn persistent_values_restore_bitwise_on_every_backend() {
             continue;
         }
         let name = backend.name();
-        let fwd = import_at_with(&model, &batch, ROWS / w, backend.fused_attention());
+        let fwd = import_at_for(
+            &model,
+            &batch,
+            ROWS / w,
+            (backend.fused_attention(), backend.routed_moe()),
+        );
         let full: Vec<(String, Tensor)> = fwd
             .params
             .iter()

@@ -9,6 +9,7 @@ use hzp_ir::Tensor;
 use std::path::PathBuf;
 use std::process::Command;
 
+#[derive(Clone)]
 struct Ref {
     onnx: PathBuf,
     io: PathBuf,
@@ -128,11 +129,35 @@ fn compare(r: &Ref, got: &[(String, Tensor)], prefix: &str) -> (Vec<(String, f64
     (rows, (dd / rr.max(1e-300)).sqrt())
 }
 
+/// The import forms each reference is checked in: the default, and for a mixture of
+/// experts also the exporter's gathers as written (`--no-fuse-moe`; the default routes it).
+fn forms(r: &Ref) -> Vec<Option<&'static str>> {
+    let mut out = vec![None];
+    if r.stem.contains("moe_") {
+        out.push(Some("--no-fuse-moe"));
+    }
+    out
+}
+
+/// `r` named with its form, for messages and file names.
+fn in_form(r: &Ref, form: Option<&str>) -> Ref {
+    let mut r = r.clone();
+    if let Some(f) = form {
+        r.stem = format!("{} {f}", r.stem);
+    }
+    r
+}
+
 #[test]
 fn loss_and_gradients_match_torch_autograd() {
-    for r in refs() {
+    for (r, form) in refs()
+        .into_iter()
+        .flat_map(|r| forms(&r).into_iter().map(move |f| (in_form(&r, f), f)))
+    {
         let out = tmp(&format!("{}.grads.npz", r.stem));
-        hzp(&r, "grad", &["-o", out.to_str().unwrap()]);
+        let mut args = vec!["-o", out.to_str().unwrap()];
+        args.extend(form);
+        hzp(&r, "grad", &args);
         let got = read_npz(&out);
         let (l, lr) = (
             get(&got, "loss").unwrap().to_f64_vec()[0],
@@ -162,20 +187,21 @@ fn loss_and_gradients_match_torch_autograd() {
 
 #[test]
 fn five_adamw_steps_match_torch_optim() {
-    for r in refs() {
+    for (r, form) in refs()
+        .into_iter()
+        .flat_map(|r| forms(&r).into_iter().map(move |f| (in_form(&r, f), f)))
+    {
         let out = tmp(&format!("{}.adamw.npz", r.stem));
-        let text = hzp(
-            &r,
-            "train",
-            &[
-                "--steps",
-                "5",
-                "--format",
-                "json",
-                "--save-params",
-                out.to_str().unwrap(),
-            ],
-        );
+        let mut args = vec![
+            "--steps",
+            "5",
+            "--format",
+            "json",
+            "--save-params",
+            out.to_str().unwrap(),
+        ];
+        args.extend(form);
+        let text = hzp(&r, "train", &args);
         let got = read_npz(&out);
         let (rows, total) = compare(&r, &got, "adamw5/");
         assert!(total < 1e-5, "{}: AdamW params rel err {total:.3e}", r.stem);

@@ -35,8 +35,8 @@ PART=${PART:-all}
 want() { [[ " $PART " == *" all "* || " $PART " == *" $1 "* ]]; }
 MESHES=${MESHES:-"gpu=2 gpu=4 node=2,gpu=2"}
 STRATS=${STRATS:-"asynchzp zero3 hsdp ddp"}
-TINY=${TINY:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm bert_tiny.legacy.op17:mean"}
-EXPLICIT=${EXPLICIT:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm bert_tiny.legacy.op17:mean gpt2_tiny.dynamo.op18:lm:--retie llama_tiny.dynamo.op18:lm moe_tiny.dynamo.op18:lm bert_tiny.dynamo.op18:mean"}
+TINY=${TINY:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm:--no-fuse-moe bert_tiny.legacy.op17:mean"}
+EXPLICIT=${EXPLICIT:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm:--no-fuse-moe bert_tiny.legacy.op17:mean gpt2_tiny.dynamo.op18:lm:--retie llama_tiny.dynamo.op18:lm moe_tiny.dynamo.op18:lm:--no-fuse-moe bert_tiny.dynamo.op18:mean"}
 STEPS=${STEPS:-5}; GSTEPS=${GSTEPS:-3}; T=${RUN_S:-150}
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 el "== gpu"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -518,6 +518,21 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
         replace.push((old, outs[0]));
         added.push(start..p.values.len());
     }
+    splice(p, before, &replace, &added, first_new);
+    Ok(hits.len())
+}
+
+/// Puts the nodes of each rewrite before the node whose result it replaces (`before[i]`
+/// goes before node `i`), makes the readers of each replaced value `old` read `new` (which
+/// takes `old`'s name), numbers each rewrite's new values (`added`, all at or after
+/// `first_new`) just before the value they replace, and drops what nothing reads any more.
+pub(crate) fn splice(
+    p: &mut Program,
+    mut before: Vec<Vec<hzp_ir::Node>>,
+    replace: &[(ValueId, ValueId)],
+    added: &[std::ops::Range<usize>],
+    first_new: usize,
+) {
     let old = std::mem::take(&mut p.nodes);
     for (i, n) in old.into_iter().enumerate() {
         p.nodes.append(&mut before[i]);
@@ -525,7 +540,7 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
     }
     p.renumber_nodes();
     // readers of the explicit product read the fused result, under the product's name
-    for &(old, new) in &replace {
+    for &(old, new) in replace {
         let swap = |x: &mut ValueId| {
             if *x == old {
                 *x = new;
@@ -551,7 +566,6 @@ pub fn fuse_attention(p: &mut Program) -> Result<usize, String> {
     }
     p.reorder_values(&order);
     p.eliminate_dead_code();
-    Ok(hits.len())
 }
 
 /// Emits the helper nodes of one attention into `out` (placed before its product).

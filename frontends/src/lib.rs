@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod hzp_file;
 pub mod limits;
+pub mod moe;
 pub mod names;
 pub mod npz;
 pub mod onnx;
@@ -36,6 +37,10 @@ pub struct LoadOptions {
     /// (products, mask, softmax) instead of one fused `Attention` op per layer
     /// ([`attention::fuse_attention`]).
     pub no_fuse_attention: bool,
+    /// `--no-fuse-moe`: keep an ONNX model's mixture-of-experts blocks as the exporter
+    /// wrote them (each choice's expert weights gathered) instead of the routed form
+    /// ([`moe::fuse_moe`]).
+    pub no_fuse_moe: bool,
     /// Read shapes only (`hzp show`): see [`onnx::ImportOptions::shapes_only`].
     pub shapes_only: bool,
     /// `--names FILE`: the name map of an ONNX model. Without it, `<stem>.names.json` beside
@@ -86,6 +91,13 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<Program, LoadError> 
                 attention::fuse_attention(&mut p).map_err(|e| {
                     LoadError::Unknown(format!(
                         "{spec}: fusing attention failed ({e}); --no-fuse-attention keeps it explicit"
+                    ))
+                })?;
+            }
+            if !opts.no_fuse_moe && !opts.shapes_only {
+                moe::fuse_moe(&mut p).map_err(|e| {
+                    LoadError::Unknown(format!(
+                        "{spec}: routing the mixture of experts failed ({e}); --no-fuse-moe keeps it as written"
                     ))
                 })?;
             }

@@ -46,6 +46,10 @@ pub trait Backend {
     /// model must be imported with attention written out, `--no-fuse-attention`).
     fn fused_attention(&self) -> bool;
 
+    /// Whether it runs routed mixture-of-experts ops (`MoeDispatch`, `MoeCombine`; a plan
+    /// with them is refused otherwise: import with `--no-fuse-moe`).
+    fn routed_moe(&self) -> bool;
+
     /// Loads `plan` for every rank of it, from the full parameters `full_params`.
     fn open(
         &self,
@@ -95,6 +99,10 @@ impl Backend for Cpu {
     }
 
     fn fused_attention(&self) -> bool {
+        true
+    }
+
+    fn routed_moe(&self) -> bool {
         true
     }
 
@@ -152,6 +160,10 @@ impl Backend for CudaOneGpu {
     }
 
     fn fused_attention(&self) -> bool {
+        false
+    }
+
+    fn routed_moe(&self) -> bool {
         false
     }
 

@@ -91,8 +91,19 @@ pub fn import(model: &Path, io: &[(String, Tensor)]) -> Program {
 
 /// [`import`], keeping attention as the exporter wrote it when `no_fuse_attention`.
 pub fn import_with(model: &Path, io: &[(String, Tensor)], no_fuse_attention: bool) -> Program {
+    import_in_form(model, io, no_fuse_attention, false)
+}
+
+/// [`import_with`], keeping mixtures of experts as the exporter wrote them when `no_fuse_moe`.
+pub fn import_in_form(
+    model: &Path,
+    io: &[(String, Tensor)],
+    no_fuse_attention: bool,
+    no_fuse_moe: bool,
+) -> Program {
     let opts = LoadOptions {
         no_fuse_attention,
+        no_fuse_moe,
         shapes: io
             .iter()
             .filter(|(k, _)| k != "torch_out")

@@ -435,7 +435,8 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
         // No CUDA kernels yet: refused by name rather than run some other way.
         Op::MoeDispatch { .. } | Op::MoeCombine | Op::MoeCombineGrad => Err(format!(
             "{} (sparse mixture of experts) has no CUDA kernel yet; run this plan on the CPU \
-             backend, or build the model's dense form (preset setting `dense=true`)",
+             backend, or build the model's dense form (an ONNX model imported with --no-fuse-moe, \
+             preset setting `dense=true`)",
             op.name()
         )),
         _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => Ok(Vec::new()),
