@@ -1360,24 +1360,16 @@ impl PlanExecutor for CudaExecutor {
     fn persistent(&self, rank: usize) -> Result<Vec<(String, Tensor)>, ExecError> {
         self.mine(rank)?;
         let p = &self.plan.program;
-        self.read_named(
-            p.params
-                .iter()
-                .map(|x| x.value)
-                .chain(p.states.iter().map(|s| s.value)),
-        )
+        self.read_named(crate::executor::persistent_values(p).into_iter())
     }
 
     fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
         let p = &self.plan.program;
-        crate::executor::check_restore(p, self.plan.mesh.world_size(), per_rank)?;
+        let mut matched = crate::executor::check_restore(p, self.plan.mesh.world_size(), per_rank)?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| drv_err("binding the context", e))?;
-        for (name, t) in &per_rank[self.dist.rank] {
-            let v = p
-                .find_value(name)
-                .ok_or_else(|| ExecError::Params(format!("no value `{name}` in the plan")))?;
+        for (v, t) in matched.swap_remove(self.dist.rank) {
             self.write(v, t)?;
         }
         Ok(())

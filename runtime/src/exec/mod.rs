@@ -1135,10 +1135,8 @@ impl Executor {
             return Vec::new();
         }
         let p = &self.program;
-        p.params
-            .iter()
-            .map(|x| x.value)
-            .chain(p.states.iter().map(|s| s.value))
+        crate::executor::persistent_values(p)
+            .into_iter()
             .map(|v| (p.value(v).name.clone(), self.read(rank, v)))
             .collect()
     }
@@ -1147,24 +1145,12 @@ impl Executor {
     /// `per_rank[r]` must name each of rank r's parameters and states once, with its type.
     /// Every rank's values are checked; those of the ranks this process runs are set.
     pub fn restore(&mut self, per_rank: &[Vec<(String, Tensor)>]) -> Result<(), ExecError> {
-        crate::executor::check_restore(&self.program, self.world, per_rank)?;
-        let p = &self.program;
-        let persistent: Vec<ValueId> = p
-            .params
-            .iter()
-            .map(|x| x.value)
-            .chain(p.states.iter().map(|s| s.value))
-            .collect();
-        for (r, values) in per_rank.iter().enumerate() {
+        let matched = crate::executor::check_restore(&self.program, self.world, per_rank)?;
+        for (r, values) in matched.into_iter().enumerate() {
             if self.slot[r].is_none() {
                 continue;
             }
-            for &v in &persistent {
-                let name = &self.program.value(v).name;
-                let (_, t) = values
-                    .iter()
-                    .find(|(k, _)| k == name)
-                    .expect("checked above");
+            for (v, t) in values {
                 self.write(r, v, t)?;
             }
         }

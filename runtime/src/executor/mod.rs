@@ -22,7 +22,7 @@ pub use error::ExecError;
 pub use layout::{assemble_layout, cut_parameters, parameters_from};
 
 use crate::watchdog::FlightReport;
-use hzp_ir::{Mesh, ParamLayout, Program, StreamKind, Tensor};
+use hzp_ir::{Mesh, ParamLayout, Program, StreamKind, Tensor, ValueId};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -162,26 +162,33 @@ pub trait PlanExecutor {
     }
 }
 
+/// The values a checkpoint keeps of a rank of `p`: its parameters (master shards), then its
+/// states (compute shards, optimizer moments, the step counter), in program order.
+pub fn persistent_values(p: &Program) -> Vec<ValueId> {
+    p.params
+        .iter()
+        .map(|x| x.value)
+        .chain(p.states.iter().map(|s| s.value))
+        .collect()
+}
+
 /// Checks `per_rank` (values for [`PlanExecutor::restore`]) against the persistent values of
 /// `p` on a mesh of `world` ranks: one list per rank, each naming every parameter and state
-/// once with its type.
-pub fn check_restore(
+/// once with its type. Gives each rank's values matched to the program's, in
+/// [`persistent_values`] order.
+pub fn check_restore<'a>(
     p: &Program,
     world: usize,
-    per_rank: &[Vec<(String, Tensor)>],
-) -> Result<(), ExecError> {
+    per_rank: &'a [Vec<(String, Tensor)>],
+) -> Result<Vec<Vec<(ValueId, &'a Tensor)>>, ExecError> {
     if per_rank.len() != world {
         return Err(ExecError::Params(format!(
             "values for {} ranks given to a plan of {world}",
             per_rank.len()
         )));
     }
-    let persistent: Vec<_> = p
-        .params
-        .iter()
-        .map(|x| x.value)
-        .chain(p.states.iter().map(|s| s.value))
-        .collect();
+    let persistent = persistent_values(p);
+    let mut matched = Vec::with_capacity(world);
     for (r, values) in per_rank.iter().enumerate() {
         if values.len() != persistent.len() {
             return Err(ExecError::Params(format!(
@@ -190,6 +197,7 @@ pub fn check_restore(
                 persistent.len()
             )));
         }
+        let mut rank = Vec::with_capacity(persistent.len());
         for &v in &persistent {
             let name = &p.value(v).name;
             let (_, t) = values
@@ -203,7 +211,9 @@ pub fn check_restore(
                     p.ty(v)
                 )));
             }
+            rank.push((v, t));
         }
+        matched.push(rank);
     }
-    Ok(())
+    Ok(matched)
 }
