@@ -103,6 +103,9 @@ pub struct CompileOptions {
     pub asyncmesh: Option<crate::dist::asyncmesh::AsyncMeshOptions>,
     /// How the model was edited before compiling, recorded in the plan for `hzp run`.
     pub model_edits: Option<hzp_ir::plan::ModelEdits>,
+    /// Expert parallelism: the mesh axes whose ranks split the experts of every routed MoE
+    /// layer ([`crate::dist::expert`]); `None`: every rank holds every expert.
+    pub expert_parallel: Option<hzp_ir::Group>,
     /// Report the chosen plan's pipeline stages ([`CompileEvent::Stage`]). The shortlisted
     /// candidates are built quietly side by side; with this set the chosen one is built once
     /// more to show its stages (`--print-after`).
@@ -137,6 +140,7 @@ impl CompileOptions {
             want_json: false,
             asyncmesh: None,
             model_edits: None,
+            expert_parallel: None,
             stage_events: false,
         }
     }
@@ -251,6 +255,16 @@ pub fn compile_plan(
             opts.prefetch_depth
         )
         .into());
+    }
+    if let Some(ep) = &opts.expert_parallel {
+        if matches!(opts.strategy, Strategy::Acco | Strategy::AsyncMesh) {
+            return Err(format!(
+                "--expert-parallel {ep} with --strategy {} is not built: expert parallelism \
+                 is built into the ZeRO step of the other strategies",
+                opts.strategy
+            )
+            .into());
+        }
     }
     // asyncmesh: the step of one replica is planned and built on the mesh without the slow
     // axis; the sparse averaging across it is added after (see `dist::asyncmesh`)
@@ -434,6 +448,7 @@ fn plan_groups(
             grad_dtype: opts.grad_dtype,
             narrow_grads: None,
             sparse_grads: opts.sparse_grads,
+            expert_parallel: opts.expert_parallel.clone(),
         },
         muon: match &cfg.optimizer {
             Some(Optimizer::Muon { .. }) => crate::train::muon_parameters(fwd)

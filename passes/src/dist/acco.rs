@@ -221,6 +221,7 @@ pub fn acco_step(
         groups: spec,
         rewrite_report: None,
         row_exchanged: Vec::new(),
+        experts: None,
     })
 }
 

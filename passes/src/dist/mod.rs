@@ -8,6 +8,8 @@
 //! - [`streams`]: stream assignment and cross-stream events, shared by both;
 //! - [`acco`]: the ACCO step (ZeRO-1 layout, half-batch phases whose reduction and
 //!   optimizer overlap the other half's compute), built beside `spmd` from the same pieces.
+//! - [`expert`]: expert parallelism, the forward of one rank of an expert-parallel group
+//!   (routed MoE layers' experts split over the group, `AllToAll` around them);
 //! - [`asyncmesh`]: sparse asynchronous parameter averaging across a slow axis, added to a
 //!   per-replica step `spmd` built on the other axes.
 //!
@@ -16,6 +18,7 @@
 
 pub mod acco;
 pub mod asyncmesh;
+pub mod expert;
 pub mod rewrite;
 pub mod spmd;
 pub mod streams;

@@ -46,6 +46,8 @@ pub struct ShardedStep {
     /// The parameters whose gradients are exchanged as rows (see [`SparseGrad`]): name, bytes
     /// each rank sends per micro-batch as rows and indices, and the table's bytes.
     pub row_exchanged: Vec<(String, u64, u64)>,
+    /// What expert parallelism split, when the step has it.
+    pub experts: Option<crate::dist::expert::ExpertSplit>,
 }
 
 fn err(s: impl Into<String>) -> TrainError {
@@ -156,6 +158,10 @@ pub struct ScheduleOptions {
     /// Exchange the looked-up rows of an (untied) embedding table's gradient instead of
     /// reducing the whole table when that moves fewer bytes (see [`SparseGrad`]).
     pub sparse_grads: bool,
+    /// Expert parallelism: the mesh axes whose ranks split the experts of every routed MoE
+    /// layer ([`crate::dist::expert`]). An expert weight is then ZeRO-sharded over the
+    /// groups' other axes only.
+    pub expert_parallel: Option<Group>,
 }
 
 /// See [`ScheduleOptions::narrow_grads`]: `params ⊆ group ⊊ grads` must hold.
@@ -177,6 +183,7 @@ impl Default for ScheduleOptions {
             grad_dtype: DType::F32,
             narrow_grads: None,
             sparse_grads: true,
+            expert_parallel: None,
         }
     }
 }
@@ -636,8 +643,37 @@ pub fn shard_training_step_rewritten(
             sched.grad_dtype
         )));
     }
+    // Expert parallelism: each rank's forward holds its slice of the experts, with the
+    // exchanges around them.
+    let split_fwd;
+    let (fwd, experts) = match &sched.expert_parallel {
+        Some(group) => {
+            if matches!(opt, train::Optimizer::Muon { .. }) {
+                return Err(err(
+                    "--expert-parallel with the Muon optimizer is not built: Muon \
+                     orthogonalizes whole matrices, and an expert-parallel rank holds a slice \
+                     of each stacked expert weight; use AdamW or SGD",
+                ));
+            }
+            let (p, split) =
+                crate::dist::expert::expert_parallel_forward(fwd, mesh, group).map_err(err)?;
+            split_fwd = p;
+            (&split_fwd, Some(split))
+        }
+        None => (fwd, None),
+    };
     // Stage 2, group sizes: the nested groups and what each reduction covers.
-    let groups = StepGroups::new(fwd, mesh, spec, sched)?;
+    let groups = StepGroups::new(fwd, mesh, spec, sched, experts.clone())?;
+    if let (Some(x), Some(_)) = (&groups.experts, cfg.clip_grad_norm) {
+        if !x.split.group.is_subset_of(&groups.spec.optim) {
+            return Err(err(format!(
+                "gradient clipping with --expert-parallel {} needs the expert-parallel axes \
+                 inside the optimizer-state group {} (the global norm sums every rank's \
+                 shards over that group)",
+                x.split.group, groups.spec.optim
+            )));
+        }
+    }
     let m = cfg.micro_batches.max(1);
     let fwd_lp = train::lower_precision_cow(fwd, cfg.compute)?;
     // gradients of loss / (W * M): their sum over ranks and micro-batches is the mean
@@ -741,6 +777,7 @@ pub fn shard_training_step_rewritten(
         groups: groups.spec,
         rewrite_report,
         row_exchanged,
+        experts,
     })
 }
 
@@ -761,6 +798,57 @@ struct StepGroups<'m> {
     o_minus_p: Group,
     /// W \ O: the replicas of an O-shard.
     replicas: Group,
+    /// The groups of the expert weights, under expert parallelism.
+    experts: Option<ExpertGroups>,
+}
+
+/// The groups an expert weight's collectives run over: P, G, O and the replicas without
+/// the expert-parallel axes E (each rank of E holds other experts), and its layout's
+/// groups, E first: `E ++ (O \ E)` and `E ++ (P \ E)`, so that a rank's shards are pieces
+/// of its own experts' slice of the stacked weight.
+struct ExpertGroups {
+    split: crate::dist::expert::ExpertSplit,
+    params: Group,
+    p: usize,
+    grads: Group,
+    g: usize,
+    o: usize,
+    o_minus_g: Group,
+    o_minus_p: Group,
+    replicas: Group,
+    r: usize,
+    layout_optim: Group,
+    layout_params: Group,
+}
+
+impl ExpertGroups {
+    fn new(
+        mesh: &Mesh,
+        spec: &ShardGroups,
+        world: &Group,
+        split: crate::dist::expert::ExpertSplit,
+    ) -> ExpertGroups {
+        let ep = &split.group;
+        let params = spec.params.minus(ep);
+        let grads = spec.grads.minus(ep);
+        let optim = spec.optim.minus(ep);
+        let replicas = world.minus(&spec.optim).minus(ep);
+        let with_ep = |g: &Group| Group::new(ep.axes.iter().chain(&g.axes).cloned());
+        ExpertGroups {
+            p: mesh.size_of(&params),
+            g: mesh.size_of(&grads),
+            o: mesh.size_of(&optim),
+            r: mesh.size_of(&replicas),
+            o_minus_g: optim.minus(&grads),
+            o_minus_p: optim.minus(&params),
+            layout_optim: with_ep(&optim),
+            layout_params: with_ep(&params),
+            params,
+            grads,
+            replicas,
+            split,
+        }
+    }
 }
 
 impl<'m> StepGroups<'m> {
@@ -769,6 +857,7 @@ impl<'m> StepGroups<'m> {
         mesh: &'m Mesh,
         spec: &ShardGroups,
         sched: &ScheduleOptions,
+        experts: Option<crate::dist::expert::ExpertSplit>,
     ) -> Result<StepGroups<'m>, TrainError> {
         let spec = canonical_groups(mesh, spec)?;
         let narrow_grads = match &sched.narrow_grads {
@@ -778,7 +867,9 @@ impl<'m> StepGroups<'m> {
         let world = Group {
             axes: mesh.axes.iter().map(|a| a.name.clone()).collect(),
         };
+        let experts = experts.map(|s| ExpertGroups::new(mesh, &spec, &world, s));
         Ok(StepGroups {
+            experts,
             mesh,
             p: mesh.size_of(&spec.params),
             g: mesh.size_of(&spec.grads),
@@ -796,8 +887,19 @@ impl<'m> StepGroups<'m> {
     /// The narrow group parameter `name`'s gradient is reduce-scattered over per
     /// micro-batch, if it has one.
     fn narrow(&self, name: &str) -> Option<&Group> {
+        if self.expert(name).is_some() {
+            return None;
+        }
         let nw = self.narrow_grads.as_ref()?;
         nw.params.iter().any(|p| p == name).then_some(&nw.group)
+    }
+
+    /// The groups of parameter `name` when it is an expert weight split by expert
+    /// parallelism.
+    fn expert(&self, name: &str) -> Option<&ExpertGroups> {
+        self.experts
+            .as_ref()
+            .filter(|x| x.split.params.contains_key(name))
     }
 }
 
@@ -884,7 +986,39 @@ impl Declarations {
         for prm in &micro.params {
             let name = micro.value(prm.value).name.clone();
             let ty = micro.ty(prm.value).clone();
-            let n = ty.numel();
+            let (shape, optim_group, params_group, o, p) = match gr.expert(&name) {
+                // an expert weight: its full shape, cut over E ++ (O \ E) without padding
+                // (padding at the end would not split by expert)
+                Some(x) => {
+                    let shape = x.split.params[&name].clone();
+                    let cut = x.split.size * x.o;
+                    let numel: usize = shape.iter().product();
+                    if !numel.is_multiple_of(cut) {
+                        return Err(err(format!(
+                            "--expert-parallel {}: the expert weight `{name}` {shape:?} has \
+                             {numel} elements, which do not split evenly into the {} experts' \
+                             slices times the {} ranks of its optimizer-state group {} (shard \
+                             it over fewer ranks, or choose other expert-parallel axes)",
+                            x.split.group, x.split.size, x.o, x.layout_optim
+                        )));
+                    }
+                    (
+                        shape,
+                        x.layout_optim.clone(),
+                        x.layout_params.clone(),
+                        cut,
+                        x.split.size * x.p,
+                    )
+                }
+                None => (
+                    ty.shape.clone(),
+                    gr.spec.optim.clone(),
+                    gr.spec.params.clone(),
+                    o,
+                    p,
+                ),
+            };
+            let n: usize = shape.iter().product();
             let padded = n.div_ceil(o).max(1) * o;
             let master = q.add_param(
                 name.clone(),
@@ -902,11 +1036,11 @@ impl Declarations {
             let accumulate_group = gr.narrow(&name).cloned();
             layouts.push(ParamLayout {
                 name,
-                shape: ty.shape.clone(),
+                shape,
                 numel: n,
                 padded,
-                optim_group: gr.spec.optim.clone(),
-                params_group: gr.spec.params.clone(),
+                optim_group,
+                params_group,
                 compute_shard: shard_name,
                 compute_dtype: compute,
                 accumulate_group,
@@ -962,7 +1096,12 @@ impl SparseGrads {
             .iter()
             .enumerate()
             .map(|(j, l)| {
-                if !(sched.sparse_grads && per_mb && g > 1 && gr.narrow(&l.name).is_none()) {
+                if !(sched.sparse_grads
+                    && per_mb
+                    && g > 1
+                    && gr.narrow(&l.name).is_none()
+                    && gr.expert(&l.name).is_none())
+                {
                     return None;
                 }
                 sparse_grad(micro, &users, micro.outputs[1 + j], l, g, gdt)
@@ -1050,6 +1189,21 @@ impl StepBuilder<'_> {
     fn gather(&self, e: &mut Emitter, k: usize) -> Result<ValueId, String> {
         let l = &self.d.layouts[k];
         let mut v = self.d.shards[k];
+        if let Some(x) = self.gr.expert(&l.name) {
+            // the rank's experts' slice, gathered over P \ E
+            if x.p > 1 {
+                v = e.op(
+                    Op::AllGather {
+                        group: x.params.clone(),
+                        axis: 0,
+                    },
+                    &[v],
+                )?;
+            }
+            let local = self.micro.ty(self.micro.params[k].value).shape.clone();
+            let n: usize = local.iter().product();
+            return crate::dist::unpad(e, v, n, n, &local);
+        }
         if self.gr.p > 1 {
             v = e.op(
                 Op::AllGather {
@@ -1065,14 +1219,20 @@ impl StepBuilder<'_> {
     /// Parameter j's gradient as a flat, padded vector in the gradient dtype.
     fn flat_grad(&self, e: &mut Emitter, v: ValueId, j: usize) -> Result<ValueId, String> {
         let l = &self.d.layouts[j];
+        if let Some(x) = self.gr.expert(&l.name) {
+            let n = l.numel / x.split.size;
+            return crate::dist::flat_padded(e, v, n, n, self.gdt);
+        }
         crate::dist::flat_padded(e, v, l.numel, l.padded, self.gdt)
     }
 
     /// Reduce-scatters parameter j's flat gradient over G (or its narrow group).
     fn reduce_scatter_g(&self, e: &mut Emitter, v: ValueId, j: usize) -> Result<ValueId, String> {
-        let (group, size_) = match self.gr.narrow(&self.d.layouts[j].name) {
-            Some(n) => (n.clone(), self.gr.mesh.size_of(n)),
-            None => (self.gr.spec.grads.clone(), self.gr.g),
+        let name = &self.d.layouts[j].name;
+        let (group, size_) = match (self.gr.expert(name), self.gr.narrow(name)) {
+            (Some(x), _) => (x.grads.clone(), x.g),
+            (None, Some(n)) => (n.clone(), self.gr.mesh.size_of(n)),
+            (None, None) => (self.gr.spec.grads.clone(), self.gr.g),
         };
         if size_ > 1 {
             e.op(
@@ -1131,11 +1291,25 @@ impl StepBuilder<'_> {
         if !self.per_mb {
             v = self.reduce_scatter_g(e, v, j)?;
         }
-        let (rest, reduced) = match gr.narrow(&l.name) {
-            Some(n) => (gr.spec.optim.minus(n), gr.mesh.size_of(n)),
-            None => (gr.o_minus_g.clone(), gr.g),
+        // (rest of O, its size after the reduction so far, O's size, replicas and their count)
+        let (rest, reduced, o, replicas, r) = match (gr.expert(&l.name), gr.narrow(&l.name)) {
+            (Some(x), _) => (x.o_minus_g.clone(), x.g, x.o, x.replicas.clone(), x.r),
+            (None, Some(n)) => (
+                gr.spec.optim.minus(n),
+                gr.mesh.size_of(n),
+                gr.o,
+                gr.replicas.clone(),
+                gr.w / gr.o,
+            ),
+            (None, None) => (
+                gr.o_minus_g.clone(),
+                gr.g,
+                gr.o,
+                gr.replicas.clone(),
+                gr.w / gr.o,
+            ),
         };
-        if gr.o > reduced {
+        if o > reduced {
             v = e.op(
                 Op::ReduceScatter {
                     group: rest,
@@ -1145,10 +1319,10 @@ impl StepBuilder<'_> {
                 &[v],
             )?;
         }
-        if gr.w > gr.o {
+        if r > 1 {
             v = e.op(
                 Op::AllReduce {
-                    group: gr.replicas.clone(),
+                    group: replicas,
                     reduce: ReduceOp::Sum,
                 },
                 &[v],
@@ -1660,15 +1834,19 @@ impl StepBuilder<'_> {
                 format!("regather.{layer}/{}", d.layouts[k].name),
                 Role::new(RoleKind::Regather, layer.clone()),
             );
+            let (o, p, o_minus_p) = match gr.expert(&d.layouts[k].name) {
+                Some(x) => (x.o, x.p, &x.o_minus_p),
+                None => (gr.o, gr.p, &gr.o_minus_p),
+            };
             let run = |e: &mut Emitter| -> Result<ValueId, String> {
                 let mut v = new_master;
                 if compute != DType::F32 {
                     v = e.op(Op::Cast { to: compute }, &[v])?;
                 }
-                if gr.o > gr.p {
+                if o > p {
                     v = e.op(
                         Op::AllGather {
-                            group: gr.o_minus_p.clone(),
+                            group: o_minus_p.clone(),
                             axis: 0,
                         },
                         &[v],

@@ -263,6 +263,7 @@ impl Default for ShardOptions {
                 grad_dtype: DType::F32,
                 narrow_grads: None,
                 sparse_grads: true,
+                expert_parallel: None,
             },
             muon: Vec::new(),
             muon_canzona: false,
@@ -1113,6 +1114,7 @@ fn probe_activations(fwd: &Program, opts: &ShardOptions) -> Option<u64> {
         grad_dtype: opts.schedule.grad_dtype,
         narrow_grads: None,
         sparse_grads: true,
+        expert_parallel: None,
     };
     let none = Group::new(Vec::<String>::new());
     let spec = crate::dist::spmd::ShardGroups {

@@ -329,6 +329,20 @@ fn rule(
         } => {
             vec![Some(e.op(node.op.clone(), &[dy0])?)]
         }
+        // the exchange run backwards: what rank r sent as chunk i of `split_axis` comes back
+        // from rank i as chunk r of `concat_axis`
+        Op::AllToAll {
+            group,
+            split_axis,
+            concat_axis,
+        } => vec![Some(e.op(
+            Op::AllToAll {
+                group: group.clone(),
+                split_axis: *concat_axis,
+                concat_axis: *split_axis,
+            },
+            &[dy0],
+        )?)],
         Op::CumSum {
             axis,
             exclusive,
@@ -393,7 +407,6 @@ fn rule(
         | Op::OneHot { .. }
         | Op::Fill { .. }
         | Op::AdamW { .. }
-        | Op::AllToAll { .. }
         | Op::Broadcast { .. }
         | Op::Free
         | Op::RecordEvent { .. }

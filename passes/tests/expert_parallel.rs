@@ -1,0 +1,272 @@
+//! Expert parallelism against one rank: a routed MoE whose experts are split over the ranks
+//! of some mesh axes (`AllToAll` around the experts, expert weights sharded over the other
+//! axes) trains exactly as one rank running the same micro-batches one after another.
+
+mod sharded_common;
+use hzp_frontends::presets::parse_preset;
+use hzp_ir::{Mesh, Op, Program, Tensor};
+use hzp_passes::dist::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardGroups};
+use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
+use hzp_runtime::reference::ReferenceRunner;
+use hzp_runtime::train::Trainer;
+use sharded_common::{g, h100_rewrite, rel, with_optimizer_lr};
+
+/// `preset:moe-tiny` (4 experts, top 2) at `rows` sequences of 16 tokens, with parameters
+/// from a fixed generator (the preset has shapes only).
+fn moe(rows: usize, extra: &str) -> Program {
+    let mut p = parse_preset(&format!("preset:moe-tiny,batch={rows}{extra}")).unwrap();
+    for prm in &mut p.params {
+        let v = &p.values[prm.value.index()];
+        let mut s = v
+            .name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64)
+            | 1;
+        let d = (0..v.ty.numel())
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
+            })
+            .collect();
+        prm.data = Some(Tensor::f32(v.ty.shape.clone(), d));
+    }
+    p
+}
+
+fn cfg(sgd: bool, clip: Option<f64>) -> TrainConfig {
+    TrainConfig {
+        loss: LossKind::Lm { labels: None },
+        optimizer: Some(if sgd {
+            Optimizer::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            }
+        } else {
+            Optimizer::adamw_default()
+        }),
+        clip_grad_norm: clip,
+        micro_batches: 1,
+        compute: hzp_ir::DType::F32,
+    }
+}
+
+struct Case<'a> {
+    mesh: &'a str,
+    /// Sequences per rank.
+    per_rank: usize,
+    spec: ShardGroups,
+    experts_over: &'a [&'a str],
+    /// Preset settings after the batch (`,capacity_factor=0.5`).
+    extra: &'a str,
+    sgd: bool,
+    clip: Option<f64>,
+    rewrite: bool,
+}
+
+/// Runs the case for 5 steps on every rank (the lockstep reference runner) and on one rank
+/// over the same micro-batches; returns the expert-parallel step for further checks.
+fn matches_one_rank(c: &Case) -> hzp_passes::dist::spmd::ShardedStep {
+    let mesh = Mesh::parse(c.mesh).unwrap();
+    let w = mesh.world_size();
+    let rows = c.per_rank * w;
+    let ids: Vec<i64> = (0..rows * 16).map(|i| (i * 37 % 251) as i64).collect();
+    let cfg = cfg(c.sgd, c.clip);
+    let global = with_optimizer_lr(
+        vec![("input_ids".to_string(), Tensor::i64(vec![rows, 16], ids))],
+        &cfg,
+    );
+    let single_cfg = TrainConfig {
+        micro_batches: w,
+        ..cfg.clone()
+    };
+    let single = training_step(&moe(c.per_rank, c.extra), &single_cfg).unwrap();
+    let mut t = Trainer::new(&single).unwrap();
+    let init = t.parameters();
+    let sched = ScheduleOptions {
+        expert_parallel: Some(g(c.experts_over)),
+        ..ScheduleOptions::default()
+    };
+    let rewrite = h100_rewrite();
+    let step = shard_training_step_rewritten(
+        &moe(c.per_rank, c.extra),
+        &cfg,
+        &mesh,
+        &c.spec,
+        &sched,
+        c.rewrite.then_some(&rewrite),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let mut r = ReferenceRunner::new(&step.program, &step.layouts, &init).unwrap();
+    for s in 0..5 {
+        let a = t.step(&global).unwrap();
+        let b = r.step(&global).unwrap();
+        let (la, lb) = (a[0].1.to_f64_vec()[0], b[0].1.to_f64_vec()[0]);
+        assert!(
+            (la - lb).abs() <= 1e-5 * la.abs(),
+            "{} step {s}: loss {lb} vs one rank's {la}",
+            c.mesh
+        );
+    }
+    for ((n, a), (m, b)) in t.parameters().iter().zip(&r.full_parameters()) {
+        assert_eq!(n, m);
+        let e = rel(b, a);
+        assert!(e < 1e-5, "{}: `{n}` differs by {e:.3e} relative", c.mesh);
+    }
+    step
+}
+
+fn zero3(axes: &[&str]) -> ShardGroups {
+    ShardGroups {
+        params: g(axes),
+        grads: g(axes),
+        optim: g(axes),
+    }
+}
+
+#[test]
+fn experts_over_four_gpus_match_one_rank_dropless() {
+    let step = matches_one_rank(&Case {
+        mesh: "gpu=4",
+        per_rank: 1,
+        spec: zero3(&["gpu"]),
+        experts_over: &["gpu"],
+        extra: "",
+        sgd: false,
+        clip: None,
+        rewrite: false,
+    });
+    let q = &step.program;
+    // two routed layers, two exchanges each way in the forward and two in the backward
+    let a2a = q
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::AllToAll { .. }) && n.role.kind != hzp_ir::RoleKind::Reduce)
+        .count();
+    assert_eq!(a2a, 8, "AllToAll nodes around the experts");
+    let split = step.experts.as_ref().unwrap();
+    assert_eq!(split.size, 4);
+    // each rank keeps one expert: its master shard of a stacked weight is 1/4 of it, not
+    // sharded again (P, G and O are the expert-parallel axis itself)
+    for (name, shape) in &split.params {
+        assert_eq!(shape[0], 4, "`{name}` is stacked over the 4 experts");
+        let l = step.layouts.iter().find(|l| &l.name == name).unwrap();
+        assert_eq!(l.shape, *shape);
+        let master = q
+            .params
+            .iter()
+            .find(|p| &q.value(p.value).name == name)
+            .unwrap();
+        assert_eq!(
+            q.ty(master.value).numel() * 4,
+            l.numel,
+            "`{name}`'s master shard"
+        );
+    }
+}
+
+#[test]
+fn experts_over_gpu_on_two_nodes_match_one_rank_with_clipping() {
+    matches_one_rank(&Case {
+        mesh: "node=2,gpu=2",
+        per_rank: 1,
+        spec: zero3(&["node", "gpu"]),
+        experts_over: &["gpu"],
+        extra: "",
+        sgd: false,
+        clip: Some(0.05),
+        rewrite: false,
+    });
+}
+
+#[test]
+fn experts_over_gpu_with_hierarchical_groups_and_rewriting_match_one_rank() {
+    // AsyncHZP's shape: parameters and gradients inside a node, optimizer states over all
+    matches_one_rank(&Case {
+        mesh: "node=2,gpu=2",
+        per_rank: 2,
+        spec: ShardGroups {
+            params: g(&["gpu"]),
+            grads: g(&["gpu"]),
+            optim: g(&["node", "gpu"]),
+        },
+        experts_over: &["gpu"],
+        extra: "",
+        sgd: true,
+        clip: None,
+        rewrite: true,
+    });
+}
+
+#[test]
+fn experts_over_both_axes_with_drops_match_one_rank() {
+    // a capacity factor drops choices: the drops belong to each rank's micro-batch, so N
+    // expert-parallel ranks drop what one rank drops on the same micro-batches
+    matches_one_rank(&Case {
+        mesh: "node=2,gpu=2",
+        per_rank: 1,
+        spec: ShardGroups {
+            params: g(&["gpu"]),
+            grads: g(&["node", "gpu"]),
+            optim: g(&["node", "gpu"]),
+        },
+        experts_over: &["node", "gpu"],
+        extra: ",capacity_factor=0.5",
+        sgd: true,
+        clip: None,
+        rewrite: false,
+    });
+}
+
+#[test]
+fn expert_parallelism_refuses_what_it_cannot_split() {
+    let mesh = Mesh::parse("gpu=8").unwrap();
+    let run = |fwd: &Program, axes: &[&str]| {
+        shard_training_step_rewritten(
+            fwd,
+            &cfg(false, None),
+            &mesh,
+            &zero3(&["gpu"]),
+            &ScheduleOptions {
+                expert_parallel: Some(g(axes)),
+                ..ScheduleOptions::default()
+            },
+            None,
+            &mut |_, _| {},
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+    };
+    // 4 experts do not split over 8 ranks
+    let e = run(&moe(1, ""), &["gpu"]);
+    assert!(
+        e.contains("4 experts") && e.contains("do not divide"),
+        "{e}"
+    );
+    // the dense form has no routed layer
+    let e = run(&moe(1, ",dense=true"), &["gpu"]);
+    assert!(e.contains("no routed MoE layer"), "{e}");
+    // an axis the mesh lacks
+    let e = run(&moe(1, ""), &["node"]);
+    assert!(e.contains("`node` is not in the mesh"), "{e}");
+}
+
+#[test]
+fn experts_over_nodes_outside_the_shard_groups_match_one_rank() {
+    // ZeRO-3 inside each node, the experts split across nodes: a dense weight's gradient is
+    // all-reduced over the nodes, an expert weight's is not (each node holds other experts)
+    matches_one_rank(&Case {
+        mesh: "node=2,gpu=2",
+        per_rank: 1,
+        spec: zero3(&["gpu"]),
+        experts_over: &["node"],
+        extra: "",
+        sgd: true,
+        clip: None,
+        rewrite: false,
+    });
+}
