@@ -56,6 +56,12 @@ pub struct CompileArgs {
     /// Override the groups: params=gpu,grads=gpu,optim=node.gpu (axes joined by `.`).
     #[arg(long)]
     pub shard: Option<String>,
+    /// Split the experts of every routed MoE layer over the ranks of these mesh axes
+    /// (expert parallelism), e.g. gpu or node,gpu: each rank holds E/n experts, tokens go to
+    /// their experts and back by AllToAll, and expert weights are ZeRO-sharded over the
+    /// other axes only. Default: every rank holds every expert.
+    #[arg(long, value_name = "AXES")]
+    pub expert_parallel: Option<String>,
     /// Print every candidate the planner weighed and why it chose one.
     #[arg(long)]
     pub explain: bool,
@@ -102,6 +108,28 @@ pub struct CompileArgs {
     pub output: Option<std::path::PathBuf>,
 }
 
+/// `--expert-parallel AXES`: mesh axes joined by `,` or `.`.
+fn expert_axes(s: &str, mesh: &hzp_ir::Mesh) -> Result<hzp_ir::Group> {
+    let axes: Vec<&str> = s
+        .split([',', '.'])
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .collect();
+    if axes.is_empty() {
+        return Err(miette!(
+            "--expert-parallel needs mesh axes, e.g. --expert-parallel gpu (mesh {mesh})"
+        ));
+    }
+    for a in &axes {
+        if mesh.axis(a).is_none() {
+            return Err(miette!(
+                "--expert-parallel {s}: `{a}` is not an axis of the mesh {mesh}"
+            ));
+        }
+    }
+    Ok(hzp_ir::Group::new(axes.iter().copied()))
+}
+
 pub(crate) fn load_cluster(path: Option<&Path>) -> Result<ClusterSpec> {
     match path {
         Some(p) => ClusterSpec::load(p).map_err(|e| miette!("{e}")),
@@ -136,6 +164,7 @@ impl CompileArgs {
             sparsity: None,
             ema_beta: None,
             shard: None,
+            expert_parallel: None,
             explain: false,
             prefetch_depth: DEFAULT_PREFETCH_DEPTH,
             reshard_after_forward: true,
@@ -389,6 +418,10 @@ pub fn request(
             retie: t.retie,
         }),
         stage_events: !stages.is_empty(),
+        expert_parallel: match &c.expert_parallel {
+            Some(a) => Some(expert_axes(a, &mesh)?),
+            None => None,
+        },
         ..CompileOptions::new(model.model.clone(), mesh, cluster)
     };
     Ok(Request {
@@ -809,6 +842,15 @@ fn inspect_json(
             "state_bytes_per_rank": acco_state_bytes(p),
         });
     }
+    if let Some(g) = &plan.expert_parallel {
+        let (per_rank, total) = expert_numel(plan);
+        v["experts"] = serde_json::json!({
+            "split_over": g.to_string(),
+            "ranks": plan.mesh.size_of(g),
+            "weights_per_rank_before_zero": per_rank,
+            "weights_total": total,
+        });
+    }
     if let Some(am) = &plan.asyncmesh {
         let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
         v["asyncmesh"] = serde_json::json!({
@@ -837,6 +879,32 @@ fn inspect_json(
     }
     outln!("{}", serde_json::to_string_pretty(&v).into_diagnostic()?);
     Ok(())
+}
+
+/// The expert weights' elements each rank holds before ZeRO sharding (its experts'
+/// slices), and in all.
+fn expert_numel(plan: &Plan) -> (u64, u64) {
+    plan.layouts
+        .iter()
+        .filter_map(|l| {
+            let n = plan.mesh.size_of(l.expert_group.as_ref()?) as u64;
+            Some((l.numel as u64 / n.max(1), l.numel as u64))
+        })
+        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y))
+}
+
+/// `hzp inspect`'s line on expert parallelism, when the plan has it.
+fn experts_line(plan: &Plan) -> Option<String> {
+    let g = plan.expert_parallel.as_ref()?;
+    let (per_rank, total) = expert_numel(plan);
+    Some(format!(
+        "  experts: split over {g} ({} ranks): each rank computes with {} of the {} expert \
+         weights ({:.3} of them) before ZeRO sharding; tokens reach their experts by AllToAll",
+        plan.mesh.size_of(g),
+        hzp_passes::report::human_count(per_rank),
+        hzp_passes::report::human_count(total),
+        per_rank as f64 / total.max(1) as f64
+    ))
 }
 
 /// `hzp inspect`'s text: the plan's header, its AsyncMesh, Canzona and ACCO summaries,
@@ -868,6 +936,9 @@ fn inspect_text(
         plan.grads_label(),
         plan.groups.optim
     );
+    if let Some(line) = experts_line(plan) {
+        outln!("{line}");
+    }
     if let Some(am) = &plan.asyncmesh {
         let (slow, fast) = hzp_passes::dist::asyncmesh::traffic(p, &am.slow_axis);
         // this rank's fp32 master shards: what the replicas' averaging is a part of

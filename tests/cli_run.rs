@@ -539,3 +539,107 @@ fn the_router_aux_loss_is_recorded_in_the_plan_and_run() {
         &["--router-aux-loss"],
     );
 }
+
+/// `--expert-parallel gpu` on `gpu=4`: the plan records it, `hzp inspect` lists its
+/// AllToAll collectives on a comm stream and each rank's quarter of the expert weights, and
+/// 5 AdamW steps on the CPU backend give one rank's parameters (dropless routing: every
+/// token meets the same experts however the batch is split). A checkpoint of the
+/// expert-parallel run resumes under the one-rank plan and ends where that plan ends.
+#[test]
+fn an_expert_parallel_plan_trains_as_one_rank_and_its_checkpoints_reshard() {
+    let d = tempdir("expert-parallel");
+    let models = own_models_dir();
+    let params: Vec<_> = read_npz(&models.join("moe_tiny.grads.npz"))
+        .into_iter()
+        .filter_map(|(k, t)| k.strip_prefix("param/").map(|n| (n.to_string(), t)))
+        .collect();
+    // four sequences: the export's two and two more from the same vocabulary
+    let ids: Vec<i64> = (0..64).map(|i| (i * 37 % 251) as i64).collect();
+    let (pp, ip) = (d.join("params.npz"), d.join("inputs.npz"));
+    hzp_frontends::npz::write(&pp, &params).unwrap();
+    hzp_frontends::npz::write(
+        &ip,
+        &[(
+            "input_ids".to_string(),
+            hzp_ir::Tensor::i64(vec![4, 16], ids),
+        )],
+    )
+    .unwrap();
+    // (a preset's batch is one rank's micro-batch)
+    let compile = |plan: &Path, model: &str, mesh: &str, extra: &[&str]| {
+        let mut args = vec!["compile", model];
+        args.extend_from_slice(&["--mesh", mesh, "--precision", "fp32", "-o", s(plan)]);
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    let (one, ep) = (d.join("one.json"), d.join("ep.json"));
+    compile(&one, "preset:moe-tiny,batch=4", "gpu=1", &[]);
+    compile(
+        &ep,
+        "preset:moe-tiny,batch=1",
+        "gpu=4",
+        &[
+            "--expert-parallel",
+            "gpu",
+            "--shard",
+            "params=gpu,grads=gpu,optim=gpu",
+        ],
+    );
+    let text = ok(&["inspect", s(&ep)]);
+    assert!(
+        text.contains("experts: split over [gpu] (4 ranks)") && text.contains("(0.250 of them)"),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l.contains("AllToAll")
+            && l.contains("[gpu]")
+            && l.contains("on reducescatter")),
+        "{text}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(&["inspect", s(&ep), "--format", "json"])).unwrap();
+    assert_eq!(json["experts"]["ranks"], 4);
+    let run = |plan: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec!["run", s(plan), "--params", s(&pp), "--inputs", s(&ip)];
+        args.extend_from_slice(&["--save-params", s(out)]);
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    let (a, b, c) = (d.join("a.npz"), d.join("b.npz"), d.join("c.npz"));
+    run(&one, &a, &["--steps", "5"]);
+    let ckpt = d.join("ckpt");
+    run(
+        &ep,
+        &b,
+        &[
+            "--steps",
+            "5",
+            "--checkpoint-dir",
+            s(&ckpt),
+            "--checkpoint-every",
+            "3",
+        ],
+    );
+    // resume the expert-parallel run's step-3 checkpoint under the one-rank plan
+    std::fs::remove_dir_all(ckpt.join("step-000005")).unwrap();
+    run(
+        &one,
+        &c,
+        &["--steps", "5", "--checkpoint-dir", s(&ckpt), "--resume"],
+    );
+    let want = read_npz(&a);
+    for other in [&b, &c] {
+        let got = read_npz(other);
+        assert_eq!(got.len(), want.len());
+        for ((n, x), (m, y)) in want.iter().zip(&got) {
+            assert_eq!(n, m);
+            let scale = x.to_f64_vec().iter().fold(0f64, |a, v| a.max(v.abs()));
+            let e = max_abs_diff(x, y);
+            assert!(
+                e <= 1e-5 * scale.max(1e-3),
+                "`{n}` differs by {e:.3e} ({})",
+                other.display()
+            );
+        }
+    }
+}

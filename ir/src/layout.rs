@@ -32,4 +32,9 @@ pub struct ParamLayout {
     /// them back together and cut them for another plan with this.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub states: Vec<String>,
+    /// Set for an expert weight split by expert parallelism over this group (its axes come
+    /// first in both groups above): rank i of the group computes with experts
+    /// `i*E/n .. (i+1)*E/n` of the stacked `[E, ...]` weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_group: Option<Group>,
 }

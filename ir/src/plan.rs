@@ -198,6 +198,10 @@ pub struct Plan {
     /// The sparse asynchronous averaging of an `asyncmesh` plan (see [`AsyncMeshSpec`]);
     /// `None` for every other strategy (and then absent from the JSON).
     pub asyncmesh: Option<AsyncMeshSpec>,
+    /// The mesh axes whose ranks split the experts of the routed MoE layers (`hzp compile
+    /// --expert-parallel`); `None` when every rank holds every expert (and then absent
+    /// from the JSON).
+    pub expert_parallel: Option<Group>,
     /// How the model was edited before it was compiled (see [`ModelEdits`]); `None` when it
     /// was not (and then absent from the JSON).
     pub model_edits: Option<ModelEdits>,
@@ -258,6 +262,7 @@ impl Plan {
             lr: None,
             loss: None,
             asyncmesh: None,
+            expert_parallel: None,
             model_edits: None,
             content_hash: String::new(),
         };
@@ -296,6 +301,7 @@ impl Plan {
             lr: None,
             loss: None,
             asyncmesh: None,
+            expert_parallel: None,
             model_edits: None,
             content_hash: String::new(),
         }
@@ -490,6 +496,7 @@ impl Plan {
             lr: repr.lr,
             loss: repr.loss.map(Cow::into_owned),
             asyncmesh: repr.asyncmesh,
+            expert_parallel: repr.expert_parallel,
             model_edits: repr.model_edits,
             content_hash: recorded,
         })
@@ -524,6 +531,9 @@ impl Plan {
             "# groups:   params P={} grads G={} optim O={}",
             self.groups.params, self.groups.grads, self.groups.optim
         );
+        if let Some(e) = &self.expert_parallel {
+            let _ = writeln!(out, "# experts:  split over {e}");
+        }
         let _ = writeln!(
             out,
             "# arena:    {} ({} bytes) per rank, {} buffers",
@@ -572,6 +582,7 @@ impl Plan {
             lr: self.lr,
             loss: self.loss.as_deref().map(Cow::Borrowed),
             asyncmesh: self.asyncmesh.clone(),
+            expert_parallel: self.expert_parallel.clone(),
             model_edits: self.model_edits.clone(),
             program: printed.lines().map(Cow::Borrowed).collect(),
             data,
@@ -798,6 +809,8 @@ struct PlanRepr<'a> {
     loss: Option<Cow<'a, str>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     asyncmesh: Option<AsyncMeshSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expert_parallel: Option<Group>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     model_edits: Option<ModelEdits>,
     #[serde(borrow)]

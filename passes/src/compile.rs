@@ -663,6 +663,7 @@ fn assemble(
     };
     plan.loss = opts.loss_spec.clone();
     plan.model_edits = opts.model_edits.clone().filter(|e| !e.is_empty());
+    plan.expert_parallel = step.experts.as_ref().map(|x| x.group.clone());
     if opts.strategy == Strategy::AsyncMesh {
         plan.asyncmesh = opts.asyncmesh.as_ref().map(|a| a.spec());
     }

@@ -72,6 +72,7 @@ fn main() {
             compute_dtype: DType::F32,
             accumulate_group: None,
             states,
+            expert_group: None,
         });
     }
     for vals in per_rank.iter_mut() {

@@ -279,6 +279,7 @@ fn declare_params(
             compute_dtype: compute,
             accumulate_group: None,
             states: vec![mn, vn, gest_name],
+            expert_group: None,
         });
         params.push(Param {
             numel,

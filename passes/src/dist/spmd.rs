@@ -1034,6 +1034,7 @@ impl Declarations {
             masters.push(master);
             shards.push(shard);
             let accumulate_group = gr.narrow(&name).cloned();
+            let expert_group = gr.expert(&name).map(|x| x.split.group.clone());
             layouts.push(ParamLayout {
                 name,
                 shape,
@@ -1045,6 +1046,7 @@ impl Declarations {
                 compute_dtype: compute,
                 accumulate_group,
                 states: Vec::new(),
+                expert_group,
             });
         }
         let mut consts: HashMap<ValueId, ValueId> = HashMap::new();

@@ -112,6 +112,7 @@ fn flatten_params(p: &mut Program) -> Result<Vec<ParamLayout>, String> {
             compute_dtype: ty.dtype,
             accumulate_group: None,
             states: Vec::new(),
+            expert_group: None,
         });
     }
     let map = |x: &mut ValueId| {
