@@ -54,6 +54,8 @@ fn cfg(sgd: bool, clip: Option<f64>) -> TrainConfig {
 }
 
 struct Case<'a> {
+    /// The model at `rows` sequences per rank (`None`: [`moe`] with `extra`).
+    model: Option<&'a dyn Fn(usize) -> Program>,
     mesh: &'a str,
     /// Sequences per rank.
     per_rank: usize,
@@ -82,7 +84,11 @@ fn matches_one_rank(c: &Case) -> hzp_passes::dist::spmd::ShardedStep {
         micro_batches: w,
         ..cfg.clone()
     };
-    let single = training_step(&moe(c.per_rank, c.extra), &single_cfg).unwrap();
+    let model = |rows: usize| match c.model {
+        Some(f) => f(rows),
+        None => moe(rows, c.extra),
+    };
+    let single = training_step(&model(c.per_rank), &single_cfg).unwrap();
     let mut t = Trainer::new(&single).unwrap();
     let init = t.parameters();
     let sched = ScheduleOptions {
@@ -91,7 +97,7 @@ fn matches_one_rank(c: &Case) -> hzp_passes::dist::spmd::ShardedStep {
     };
     let rewrite = h100_rewrite();
     let step = shard_training_step_rewritten(
-        &moe(c.per_rank, c.extra),
+        &model(c.per_rank),
         &cfg,
         &mesh,
         &c.spec,
@@ -130,6 +136,7 @@ fn zero3(axes: &[&str]) -> ShardGroups {
 #[test]
 fn experts_over_four_gpus_match_one_rank_dropless() {
     let step = matches_one_rank(&Case {
+        model: None,
         mesh: "gpu=4",
         per_rank: 1,
         spec: zero3(&["gpu"]),
@@ -171,6 +178,7 @@ fn experts_over_four_gpus_match_one_rank_dropless() {
 #[test]
 fn experts_over_gpu_on_two_nodes_match_one_rank_with_clipping() {
     matches_one_rank(&Case {
+        model: None,
         mesh: "node=2,gpu=2",
         per_rank: 1,
         spec: zero3(&["node", "gpu"]),
@@ -186,6 +194,7 @@ fn experts_over_gpu_on_two_nodes_match_one_rank_with_clipping() {
 fn experts_over_gpu_with_hierarchical_groups_and_rewriting_match_one_rank() {
     // AsyncHZP's shape: parameters and gradients inside a node, optimizer states over all
     matches_one_rank(&Case {
+        model: None,
         mesh: "node=2,gpu=2",
         per_rank: 2,
         spec: ShardGroups {
@@ -206,6 +215,7 @@ fn experts_over_both_axes_with_drops_match_one_rank() {
     // a capacity factor drops choices: the drops belong to each rank's micro-batch, so N
     // expert-parallel ranks drop what one rank drops on the same micro-batches
     matches_one_rank(&Case {
+        model: None,
         mesh: "node=2,gpu=2",
         per_rank: 1,
         spec: ShardGroups {
@@ -219,6 +229,31 @@ fn experts_over_both_axes_with_drops_match_one_rank() {
         clip: None,
         rewrite: false,
     });
+}
+
+#[test]
+fn both_exporters_moe_models_split_their_experts_and_match_one_rank() {
+    // transformers' Mixtral as each exporter wrote it, routed on import: the stacked
+    // expert weights are found from the ops, not their names
+    for file in ["moe_tiny.legacy.op17.onnx", "moe_tiny.dynamo.op18.onnx"] {
+        let imported = |rows: usize| sharded_common::import(file, rows, 16);
+        let step = matches_one_rank(&Case {
+            model: Some(&imported),
+            mesh: "node=2,gpu=2",
+            per_rank: 1,
+            spec: zero3(&["node", "gpu"]),
+            experts_over: &["gpu"],
+            extra: "",
+            sgd: false,
+            clip: None,
+            rewrite: false,
+        });
+        let split = step.experts.unwrap();
+        assert_eq!(split.layers.len(), 2, "{file}: routed layers");
+        // two stacked weights per layer (gate-up and down), 4 experts each
+        assert_eq!(split.params.len(), 4, "{file}: {:?}", split.params);
+        assert!(split.params.values().all(|s| s[0] == 4), "{file}");
+    }
 }
 
 #[test]
@@ -260,6 +295,7 @@ fn experts_over_nodes_outside_the_shard_groups_match_one_rank() {
     // ZeRO-3 inside each node, the experts split across nodes: a dense weight's gradient is
     // all-reduced over the nodes, an expert weight's is not (each node holds other experts)
     matches_one_rank(&Case {
+        model: None,
         mesh: "node=2,gpu=2",
         per_rank: 1,
         spec: zero3(&["gpu"]),
