@@ -59,8 +59,10 @@ pub struct CompileArgs {
     /// Split the experts of every routed MoE layer over the ranks of these mesh axes
     /// (expert parallelism), e.g. gpu or node,gpu: each rank holds E/n experts, tokens go to
     /// their experts and back by AllToAll, and expert weights are ZeRO-sharded over the
-    /// other axes only. Default: every rank holds every expert.
-    #[arg(long, value_name = "AXES")]
+    /// other axes only. `auto` compiles each choice (none, and every set of axes whose ranks
+    /// divide the experts) and keeps the fastest simulated step that fits. Default: every
+    /// rank holds every expert.
+    #[arg(long, value_name = "AXES|auto")]
     pub expert_parallel: Option<String>,
     /// Print every candidate the planner weighed and why it chose one.
     #[arg(long)]
@@ -418,10 +420,15 @@ pub fn request(
             retie: t.retie,
         }),
         stage_events: !stages.is_empty(),
-        expert_parallel: match &c.expert_parallel {
+        expert_parallel: match c.expert_parallel.as_deref() {
+            Some(a) if a.trim().eq_ignore_ascii_case("auto") => None,
             Some(a) => Some(expert_axes(a, &mesh)?),
             None => None,
         },
+        choose_expert_parallel: c
+            .expert_parallel
+            .as_deref()
+            .is_some_and(|a| a.trim().eq_ignore_ascii_case("auto")),
         ..CompileOptions::new(model.model.clone(), mesh, cluster)
     };
     Ok(Request {

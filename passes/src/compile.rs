@@ -106,6 +106,9 @@ pub struct CompileOptions {
     /// Expert parallelism: the mesh axes whose ranks split the experts of every routed MoE
     /// layer ([`crate::dist::expert`]); `None`: every rank holds every expert.
     pub expert_parallel: Option<hzp_ir::Group>,
+    /// Choose `expert_parallel` by simulation ([`choose_expert_parallel`]): none, or any
+    /// set of mesh axes whose ranks divide every routed layer's experts.
+    pub choose_expert_parallel: bool,
     /// Report the chosen plan's pipeline stages ([`CompileEvent::Stage`]). The shortlisted
     /// candidates are built quietly side by side; with this set the chosen one is built once
     /// more to show its stages (`--print-after`).
@@ -141,6 +144,7 @@ impl CompileOptions {
             asyncmesh: None,
             model_edits: None,
             expert_parallel: None,
+            choose_expert_parallel: false,
             stage_events: false,
         }
     }
@@ -246,6 +250,15 @@ pub fn compile_plan(
     opts: &CompileOptions,
     on: &mut Events<'_>,
 ) -> Result<Compiled, CompileError> {
+    if opts.choose_expert_parallel {
+        let chosen = choose_expert_parallel(fwd, opts, on)?;
+        let opts = CompileOptions {
+            expert_parallel: chosen,
+            choose_expert_parallel: false,
+            ..opts.clone()
+        };
+        return compile_plan(fwd, &opts, on);
+    }
     opts.cluster
         .validate_mesh(&opts.mesh)
         .map_err(|e| CompileError::Other(e.to_string()))?;
@@ -393,6 +406,125 @@ pub fn compile_plan(
         report,
         peak_by_kind,
     })
+}
+
+/// The expert-parallel axes worth trying for `fwd` on `mesh`: every set of mesh axes (in
+/// mesh order) of more than one rank whose size divides the expert count of every routed
+/// layer. Empty when the model has no routed layer.
+pub fn expert_parallel_options(fwd: &Program, mesh: &Mesh) -> Vec<hzp_ir::Group> {
+    let experts: Vec<usize> = fwd
+        .nodes
+        .iter()
+        .filter_map(|n| match n.op {
+            hzp_ir::Op::MoeDispatch { experts, .. } => Some(experts),
+            _ => None,
+        })
+        .collect();
+    if experts.is_empty() {
+        return Vec::new();
+    }
+    let k = mesh.axes.len().min(16);
+    (1u32..(1 << k))
+        .map(|bits| {
+            hzp_ir::Group::new(
+                mesh.axes
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| bits & (1 << i) != 0)
+                    .map(|(_, a)| a.name.clone()),
+            )
+        })
+        .filter(|g| {
+            let n = mesh.size_of(g);
+            n > 1 && experts.iter().all(|e| e % n == 0)
+        })
+        .collect()
+}
+
+/// `--expert-parallel auto`: compiles the plan without expert parallelism and with each of
+/// [`expert_parallel_options`], and keeps the fastest simulated step among those whose
+/// arena fits the budget (the smallest arena when none fits). Says what it weighed in one
+/// note.
+fn choose_expert_parallel(
+    fwd: &Program,
+    opts: &CompileOptions,
+    on: &mut Events<'_>,
+) -> Result<Option<hzp_ir::Group>, CompileError> {
+    let options = expert_parallel_options(fwd, &opts.mesh);
+    if options.is_empty() {
+        on(CompileEvent::Note(format!(
+            "note: --expert-parallel auto: `{}` has no routed MoE layer whose experts the \
+             mesh {} could split; every rank holds every expert",
+            fwd.name, opts.mesh
+        )))?;
+        return Ok(None);
+    }
+    let budget = opts.budget.unwrap_or(opts.cluster.device.memory_bytes);
+    let mut tried: Vec<(Option<hzp_ir::Group>, Result<(f64, u64), String>)> = Vec::new();
+    for choice in std::iter::once(None).chain(options.into_iter().map(Some)) {
+        let o = CompileOptions {
+            expert_parallel: choice.clone(),
+            choose_expert_parallel: false,
+            want_json: false,
+            stage_events: false,
+            ..opts.clone()
+        };
+        let r = compile_plan(fwd, &o, &mut |_| Ok(())).map(|c| {
+            let step = c.report.chosen.step_s;
+            (step, c.plan.arena_bytes)
+        });
+        tried.push((choice, r.map_err(|e| e.to_string())));
+    }
+    let fits = |r: &(f64, u64)| r.1 <= budget;
+    let best = tried
+        .iter()
+        .filter_map(|(c, r)| r.as_ref().ok().map(|r| (c, r)))
+        .min_by(|(_, a), (_, b)| {
+            fits(b)
+                .cmp(&fits(a))
+                .then(if fits(a) {
+                    a.0.total_cmp(&b.0)
+                } else {
+                    a.1.cmp(&b.1)
+                })
+        })
+        .map(|(c, _)| c.clone());
+    let Some(best) = best else {
+        let why: Vec<String> = tried
+            .iter()
+            .map(|(c, r)| format!("{}: {}", expert_label(c), r.as_ref().err().map_or("", |e| e)))
+            .collect();
+        return Err(CompileError::Other(format!(
+            "--expert-parallel auto: no choice compiles ({})",
+            why.join("; ")
+        )));
+    };
+    let mut lines = vec![format!(
+        "note: --expert-parallel auto chose {} (fastest simulated step that fits {} per rank):",
+        expert_label(&best),
+        format_bytes(budget)
+    )];
+    for (c, r) in &tried {
+        lines.push(match r {
+            Ok((step, arena)) => format!(
+                "  {:<22} step {:>9.3} s  arena {:>10}{}",
+                expert_label(c),
+                step,
+                format_bytes(*arena),
+                if *arena > budget { "  (does not fit)" } else { "" }
+            ),
+            Err(e) => format!("  {:<22} {e}", expert_label(c)),
+        });
+    }
+    on(CompileEvent::Note(lines.join("\n")))?;
+    Ok(best)
+}
+
+fn expert_label(c: &Option<hzp_ir::Group>) -> String {
+    match c {
+        Some(g) => format!("experts over {g}"),
+        None => "no expert parallelism".to_string(),
+    }
 }
 
 /// Under `--strategy asyncmesh`, the options of one replica's step: the mesh without the

@@ -1161,6 +1161,8 @@ struct Ctx<'a> {
     model: &'a CostModel,
     opts: &'a ShardOptions,
     prof: &'a Profile,
+    /// Expert parallelism (`opts.schedule.expert_parallel`): what it splits.
+    experts: Option<&'a ExpertInfo>,
     budget: u64,
     cross_links: &'a [String],
     baselines: &'a [(Strategy, ShardGroups)],
@@ -1269,12 +1271,18 @@ fn canzona_partition(opts: &ShardOptions, o: usize) -> Option<crate::train::canz
 }
 
 /// Elements per layer, each parameter padded to a multiple of `o` (as the layouts pad).
-fn layer_pad(prof: &Profile, o: u64) -> Vec<u64> {
+fn layer_pad(prof: &Profile, o: u64, experts: Option<&ExpertInfo>) -> (Vec<u64>, Vec<u64>) {
     let mut pad = vec![0u64; prof.layers];
-    for (&n, &l) in prof.param_numel.iter().zip(&prof.param_layer) {
-        pad[l] += n.div_ceil(o).max(1) * o;
+    let mut expert = vec![0u64; prof.layers];
+    for (k, (&n, &l)) in prof.param_numel.iter().zip(&prof.param_layer).enumerate() {
+        if experts.is_some_and(|x| x.is_expert[k]) {
+            // an expert weight is not padded (spmd refuses one that would need it)
+            expert[l] += n;
+        } else {
+            pad[l] += n.div_ceil(o).max(1) * o;
+        }
     }
-    pad
+    (pad, expert)
 }
 
 /// The sizes a candidate (P, G, O, and the narrow group N of the layers in `in_narrow`) is
@@ -1300,6 +1308,60 @@ struct Sizes {
     sharded_grads: bool,
     /// Elements of the matrices Muon updates.
     muon_numel: u64,
+    /// Under expert parallelism, the expert weights (not in `layer_pad` and `psi`).
+    ex: Option<ExpertSizes>,
+}
+
+/// The expert weights of a candidate under expert parallelism over E (`n` ranks): a rank
+/// computes with `1/n` of each, ZeRO-sharded over P \ E, G \ E and O \ E.
+struct ExpertSizes {
+    n: u64,
+    /// Elements per layer (whole), and in all.
+    layer: Vec<u64>,
+    psi: u64,
+    p_group: Group,
+    g_group: Group,
+    /// Sizes of P \ E, G \ E, O \ E and of the replicas W \ (O ∪ E).
+    p: u64,
+    g: u64,
+    o: u64,
+    replicas: Group,
+    r: u64,
+    o_minus_g: Group,
+    o_minus_p: Group,
+    /// Per layer, the AllToAll bytes of one micro-batch's forward, and the group.
+    a2a_bytes: Vec<u64>,
+    group: Group,
+}
+
+impl ExpertSizes {
+    fn new(ctx: &Ctx, x: &ExpertInfo, (pg, gg, og): (&Group, &Group, &Group), layer: Vec<u64>) -> ExpertSizes {
+        let mesh = ctx.mesh;
+        let e = &x.group;
+        let (p_group, g_group, o_group) = (pg.minus(e), gg.minus(e), og.minus(e));
+        let replicas = world_group(mesh).minus(og).minus(e);
+        ExpertSizes {
+            n: x.n as u64,
+            psi: layer.iter().sum(),
+            layer,
+            p: mesh.size_of(&p_group) as u64,
+            g: mesh.size_of(&g_group) as u64,
+            o: mesh.size_of(&o_group) as u64,
+            r: mesh.size_of(&replicas) as u64,
+            o_minus_g: o_group.minus(&g_group),
+            o_minus_p: o_group.minus(&p_group),
+            p_group,
+            g_group,
+            replicas,
+            a2a_bytes: x.a2a_bytes.clone(),
+            group: e.clone(),
+        }
+    }
+
+    /// A rank's elements of expert layer `l` (its experts' slice).
+    fn local(&self, l: usize) -> u64 {
+        self.layer[l] / self.n
+    }
 }
 
 impl Sizes {
@@ -1316,7 +1378,10 @@ impl Sizes {
             None => (gg.clone(), vec![false; prof.layers]),
         };
         let m = opts.micro_batches.max(1);
-        let layer_pad = layer_pad(prof, o as u64);
+        let (layer_pad, layer_expert) = layer_pad(prof, o as u64, ctx.experts);
+        let ex = ctx
+            .experts
+            .map(|x| ExpertSizes::new(ctx, x, (pg, gg, og), layer_expert));
         let narrow_pad: u64 = layer_pad
             .iter()
             .zip(&in_narrow)
@@ -1340,12 +1405,18 @@ impl Sizes {
             sharded_grads: g > 1
                 && (opts.schedule.reduce_grads == ReduceGrads::PerMicrobatch || m == 1),
             muon_numel: opts.muon.iter().map(|m| (m.rows * m.cols) as u64).sum(),
+            ex,
         }
     }
 
-    /// The elements of the `k` largest layers.
+    /// The elements of the `k` largest layers (with a rank's slice of the expert weights).
     fn largest(&self, k: usize) -> u64 {
         let mut sorted = self.layer_pad.clone();
+        if let Some(x) = &self.ex {
+            for (l, s) in sorted.iter_mut().enumerate() {
+                *s += x.local(l);
+            }
+        }
         sorted.sort_unstable_by(|a, b| b.cmp(a));
         sorted.iter().take(k).sum()
     }
@@ -1367,6 +1438,24 @@ fn candidate_memory(ctx: &Ctx, z: &Sizes) -> MemoryBreakdown {
     } + if acco { r * psi + 4 * psi / o64 } else { 0 };
     // Muon's matrices keep one momentum (4 bytes), every other parameter AdamW's two
     let optim_states = 8 * (psi - z.muon_numel) / o64 + 4 * z.muon_numel / o64;
+    // the expert weights: a rank's slice, sharded over the groups without E
+    let (params, master, grads, optim_states) = match &z.ex {
+        Some(x) => {
+            let local = x.psi / x.n;
+            (
+                params + c * local / x.p,
+                master + 4 * local / x.o,
+                grads
+                    + if z.sharded_grads {
+                        r * local / x.g
+                    } else {
+                        r * local
+                    },
+                optim_states + 8 * local / x.o,
+            )
+        }
+        None => (params, master, grads, optim_states),
+    };
     let activations = if opts.schedule.recompute {
         prof.act_recompute_bytes
     } else {
@@ -1376,7 +1465,7 @@ fn candidate_memory(ctx: &Ctx, z: &Sizes) -> MemoryBreakdown {
         if opts.schedule.reshard_after_forward {
             c * z.largest(opts.schedule.prefetch_depth + 1)
         } else {
-            c * psi
+            c * (psi + z.ex.as_ref().map_or(0, |x| x.psi / x.n))
         }
     } else {
         0
@@ -1495,7 +1584,19 @@ fn layer_collectives(
     let mut ag = Vec::with_capacity(prof.layers);
     let mut rs = Vec::with_capacity(prof.layers);
     for (l, (&n, &nar)) in z.layer_pad.iter().zip(&z.in_narrow).enumerate() {
-        ag.push(t.add(CollectiveKind::AllGather, z.c * n, pg, ag_times, &shared)?);
+        let mut a = t.add(CollectiveKind::AllGather, z.c * n, pg, ag_times, &shared)?;
+        if let Some(x) = z.ex.as_ref().filter(|x| x.p > 1 && z.p > 1) {
+            let e = t.add(
+                CollectiveKind::AllGather,
+                z.c * x.local(l),
+                &x.p_group,
+                ag_times,
+                &shared,
+            )?;
+            a.seconds += e.seconds;
+            a.shared_s += e.shared_s;
+        }
+        ag.push(a);
         let (rg, rsize, rshared) = if nar {
             (&z.ng, z.n_size, &shared_narrow)
         } else {
@@ -1516,9 +1617,22 @@ fn layer_collectives(
             rs_times,
             &shared,
         )?;
+        let mut experts = Comm {
+            seconds: 0.0,
+            shared_s: 0.0,
+        };
+        if let Some(x) = z.ex.as_ref().filter(|x| x.g > 1) {
+            experts = t.add(
+                CollectiveKind::ReduceScatter,
+                z.r * x.local(l),
+                &x.g_group,
+                rs_times,
+                &shared,
+            )?;
+        }
         rs.push(Comm {
-            seconds: dense.seconds + rows.seconds,
-            shared_s: dense.shared_s + rows.shared_s,
+            seconds: dense.seconds + rows.seconds + experts.seconds,
+            shared_s: dense.shared_s + rows.shared_s + experts.shared_s,
         });
     }
     Ok((ag, rs, row_exchanged))
@@ -1586,6 +1700,40 @@ fn step_collectives(
             &[],
         )?
         .seconds;
+    // the expert weights' slices: the same three over the groups without E
+    let (mut rs_cross, mut ar_cross, mut ag_regather) = (rs_cross, ar_cross, ag_regather);
+    if let Some(x) = &z.ex {
+        let local = x.psi / x.n;
+        rs_cross += t
+            .add(
+                CollectiveKind::ReduceScatter,
+                r * local / x.g,
+                &x.o_minus_g,
+                1.0,
+                &[],
+            )?
+            .seconds;
+        if x.r > 1 {
+            ar_cross += t
+                .add(
+                    CollectiveKind::AllReduce,
+                    r * local / x.o,
+                    &x.replicas,
+                    1.0,
+                    &[],
+                )?
+                .seconds;
+        }
+        ag_regather += t
+            .add(
+                CollectiveKind::AllGather,
+                z.c * local / x.p,
+                &x.o_minus_p,
+                1.0,
+                &[],
+            )?
+            .seconds;
+    }
     Ok(StepComms {
         rs_cross,
         narrow_cross,
@@ -1596,15 +1744,21 @@ fn step_collectives(
 
 /// The per-layer tasks of a step (forward with its gather, the rest of the forward and
 /// backward, backward with its re-gather, recompute and reduction), for [`simulate`].
-fn step_tasks(ctx: &Ctx, z: &Sizes, ag: &[Comm], rs: &[Comm], narrow_cross: &[f64]) -> Vec<Task> {
+fn step_tasks(
+    ctx: &Ctx,
+    z: &Sizes,
+    (ag, rs, a2a): (&[Comm], &[Comm], &[f64]),
+    narrow_cross: &[f64],
+) -> Vec<Task> {
     let (opts, prof) = (ctx.opts, ctx.prof);
     let m = z.m;
     let regather = z.p > 1 && opts.schedule.reshard_after_forward;
     let mut tasks = Vec::with_capacity(m * (2 * prof.layers + 2));
     for k in 0..m {
-        for (&f, a) in prof.fwd_s.iter().zip(ag) {
+        for (l, (&f, a)) in prof.fwd_s.iter().zip(ag).enumerate() {
             tasks.push(Task {
-                compute: f,
+                // the tokens' exchanges with their experts lie on the compute's path
+                compute: f + a2a[l],
                 gather: if z.p > 1 { a.seconds } else { 0.0 },
                 reduce: 0.0,
             });
@@ -1635,8 +1789,9 @@ fn step_tasks(ctx: &Ctx, z: &Sizes, ag: &[Comm], rs: &[Comm], narrow_cross: &[f6
             };
             tasks.push(Task {
                 compute: prof.bwd_s[l]
+                    + a2a[l]
                     + if opts.schedule.recompute {
-                        prof.fwd_s[l]
+                        prof.fwd_s[l] + a2a[l]
                     } else {
                         0.0
                     },
@@ -1653,8 +1808,9 @@ fn step_tasks(ctx: &Ctx, z: &Sizes, ag: &[Comm], rs: &[Comm], narrow_cross: &[f6
 fn compute_times(ctx: &Ctx, z: &Sizes) -> (f64, f64) {
     let (opts, prof) = (ctx.opts, ctx.prof);
     let d = &ctx.model.spec().device;
+    let optimized = z.psi / z.o as u64 + z.ex.as_ref().map_or(0, |x| x.psi / x.n / x.o);
     let mut opt_s =
-        ((24 + z.r + z.c) * z.psi / z.o as u64) as f64 / (d.memory_bandwidth * d.memory_efficiency);
+        ((24 + z.r + z.c) * optimized) as f64 / (d.memory_bandwidth * d.memory_efficiency);
     // Muon: every member of O runs Newton-Schulz on every whole matrix (f32 products), or
     // with Canzona on its slots only
     let muon_flops: u64 = match canzona_partition(opts, z.o) {
@@ -1699,7 +1855,19 @@ fn evaluate(
     let (ag, rs, row_exchanged) = layer_collectives(&mut t, &z, (pg, gg))?;
     let cross = step_collectives(&mut t, &z, (pg, gg, og))?;
     let (opt_s, compute_s) = compute_times(ctx, &z);
-    let tasks = step_tasks(ctx, &z, &ag, &rs, &cross.narrow_cross);
+    // the AllToAll of each routed layer's forward (its backward repeats them)
+    let mut a2a = vec![0.0; prof.layers];
+    if let Some(x) = &z.ex {
+        for (l, &b) in x.a2a_bytes.iter().enumerate() {
+            if b > 0 && x.n > 1 {
+                // to the experts and back, in the forward, the backward and a recompute
+                let calls = if opts.schedule.recompute { 3.0 } else { 2.0 } * z.m as f64;
+                let one = t.add(CollectiveKind::AllToAll, b / 2, &x.group, 2.0 * calls, &[])?;
+                a2a[l] = 2.0 * one.seconds;
+            }
+        }
+    }
+    let tasks = step_tasks(ctx, &z, (&ag, &rs, &a2a), &cross.narrow_cross);
     // Muon: the Nesterov updates (f32) are all-gathered over O before Newton-Schulz, or
     // with Canzona sent to their owners and the results back: two all-to-alls of every
     // bucket's slots of flat shards
@@ -1770,6 +1938,74 @@ fn evaluate(
                 .collect(),
         }),
     })
+}
+
+/// What expert parallelism splits, for the estimate: the group, which parameters are
+/// expert weights (by profile index), and each layer's AllToAll bytes per micro-batch in the
+/// compute dtype (the forward's exchanges; the backward repeats them).
+struct ExpertInfo {
+    group: Group,
+    n: usize,
+    is_expert: Vec<bool>,
+    a2a_bytes: Vec<u64>,
+}
+
+impl ExpertInfo {
+    fn new(
+        fwd: &Program,
+        mesh: &Mesh,
+        opts: &ShardOptions,
+        prof: &Profile,
+    ) -> Result<Option<ExpertInfo>, ShardPlanError> {
+        let Some(group) = &opts.schedule.expert_parallel else {
+            return Ok(None);
+        };
+        let (split_fwd, split) = crate::dist::expert::expert_parallel_forward(fwd, mesh, group)
+            .map_err(ShardPlanError::Options)?;
+        let is_expert = prof
+            .param_names
+            .iter()
+            .map(|n| split.params.contains_key(n))
+            .collect();
+        // each exchange's layer: that of the expert weights its region reads (the layer
+        // grouping of the split forward, by its parameters)
+        let grouping = crate::report::layer_of_params(&split_fwd);
+        let mut a2a_bytes = vec![0u64; prof.layers];
+        let users = split_fwd.users();
+        let layer_of_param: HashMap<ValueId, usize> = split_fwd
+            .params
+            .iter()
+            .zip(&grouping.of_param)
+            .map(|(q, &l)| (q.value, l))
+            .collect();
+        for (i, n) in split_fwd.nodes.iter().enumerate() {
+            if !matches!(n.op, Op::AllToAll { .. }) {
+                continue;
+            }
+            let bytes = (split_fwd.ty(n.outputs[0]).numel() * opts.compute.size_bytes()) as u64;
+            let layer = grouping.of_node[i]
+                .or_else(|| {
+                    // the first expert weight read downstream
+                    users[n.outputs[0].index()].iter().find_map(|u| {
+                        split_fwd.nodes[u.index()]
+                            .inputs
+                            .iter()
+                            .find_map(|v| layer_of_param.get(v).copied())
+                    })
+                })
+                .unwrap_or(0)
+                .min(prof.layers.saturating_sub(1));
+            if let Some(b) = a2a_bytes.get_mut(layer) {
+                *b += bytes;
+            }
+        }
+        Ok(Some(ExpertInfo {
+            n: split.size,
+            group: split.group,
+            is_expert,
+            a2a_bytes,
+        }))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1909,7 +2145,7 @@ fn mixed_candidates(
         if !c.fits || n >= c.g || !c.params.is_subset_of(&ng) {
             continue;
         }
-        let layer_pad = layer_pad(prof, c.o as u64);
+        let (layer_pad, _) = layer_pad(prof, c.o as u64, ctx.experts);
         let mut slack = budget.saturating_sub(c.memory.total);
         let mut flags = vec![false; prof.layers];
         for (l, &pad) in layer_pad.iter().enumerate() {
@@ -2001,11 +2237,13 @@ pub fn plan_sharding(
         }
     }
     let prof = profile(fwd, cluster, opts)?;
+    let experts = ExpertInfo::new(fwd, mesh, opts, &prof)?;
     let ctx = Ctx {
         mesh,
         model: &model,
         opts,
         prof: &prof,
+        experts: experts.as_ref(),
         budget,
         cross_links: &cross_links,
         baselines: &baselines,
