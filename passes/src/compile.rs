@@ -480,19 +480,23 @@ fn choose_expert_parallel(
         .iter()
         .filter_map(|(c, r)| r.as_ref().ok().map(|r| (c, r)))
         .min_by(|(_, a), (_, b)| {
-            fits(b)
-                .cmp(&fits(a))
-                .then(if fits(a) {
-                    a.0.total_cmp(&b.0)
-                } else {
-                    a.1.cmp(&b.1)
-                })
+            fits(b).cmp(&fits(a)).then(if fits(a) {
+                a.0.total_cmp(&b.0)
+            } else {
+                a.1.cmp(&b.1)
+            })
         })
         .map(|(c, _)| c.clone());
     let Some(best) = best else {
         let why: Vec<String> = tried
             .iter()
-            .map(|(c, r)| format!("{}: {}", expert_label(c), r.as_ref().err().map_or("", |e| e)))
+            .map(|(c, r)| {
+                format!(
+                    "{}: {}",
+                    expert_label(c),
+                    r.as_ref().err().map_or("", |e| e)
+                )
+            })
             .collect();
         return Err(CompileError::Other(format!(
             "--expert-parallel auto: no choice compiles ({})",
@@ -511,7 +515,11 @@ fn choose_expert_parallel(
                 expert_label(c),
                 step,
                 format_bytes(*arena),
-                if *arena > budget { "  (does not fit)" } else { "" }
+                if *arena > budget {
+                    "  (does not fit)"
+                } else {
+                    ""
+                }
             ),
             Err(e) => format!("  {:<22} {e}", expert_label(c)),
         });

@@ -1335,7 +1335,12 @@ struct ExpertSizes {
 }
 
 impl ExpertSizes {
-    fn new(ctx: &Ctx, x: &ExpertInfo, (pg, gg, og): (&Group, &Group, &Group), layer: Vec<u64>) -> ExpertSizes {
+    fn new(
+        ctx: &Ctx,
+        x: &ExpertInfo,
+        (pg, gg, og): (&Group, &Group, &Group),
+        layer: Vec<u64>,
+    ) -> ExpertSizes {
         let mesh = ctx.mesh;
         let e = &x.group;
         let (p_group, g_group, o_group) = (pg.minus(e), gg.minus(e), og.minus(e));
