@@ -231,26 +231,32 @@ fn check_layer(
     Ok(())
 }
 
+/// Whether `v` is computed from constants alone.
 fn constant(p: &Program, v: ValueId) -> bool {
-    match p.value(v).def {
-        ValueDef::Const => true,
-        ValueDef::Node { node, .. } => {
-            let n = &p.nodes[node.index()];
-            n.inputs.iter().all(|&x| constant(p, x))
-        }
-        _ => false,
-    }
+    leaves_all(p, v, |d| matches!(d, ValueDef::Const))
 }
 
+/// Whether `v` depends on a parameter.
 fn depends_on_params(p: &Program, v: ValueId) -> bool {
-    match p.value(v).def {
-        ValueDef::Param => true,
-        ValueDef::Node { node, .. } => p.nodes[node.index()]
-            .inputs
-            .iter()
-            .any(|&x| depends_on_params(p, x)),
-        _ => false,
+    !leaves_all(p, v, |d| !matches!(d, ValueDef::Param))
+}
+
+/// Whether every value `v` is computed from (walking back through nodes, each value once)
+/// satisfies `ok` by its definition.
+fn leaves_all(p: &Program, v: ValueId, ok: impl Fn(&ValueDef) -> bool) -> bool {
+    let mut seen = HashSet::new();
+    let mut stack = vec![v];
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) {
+            continue;
+        }
+        match p.value(x).def {
+            ValueDef::Node { node, .. } => stack.extend(p.nodes[node.index()].inputs.iter()),
+            ref d if !ok(d) => return false,
+            _ => {}
+        }
     }
+    true
 }
 
 /// `v`, read by the region at its rank, must be a stacked expert weight: computed by
