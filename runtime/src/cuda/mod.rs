@@ -17,6 +17,7 @@ pub mod fuse;
 pub mod kernels;
 pub mod lower;
 pub mod probe;
+pub mod sdpa;
 /// The process group of a multi-process run (in `comm`, shared with the CPU backend).
 pub use crate::comm::rendezvous;
 pub mod transport;
