@@ -24,6 +24,8 @@ pub mod transport;
 pub mod work;
 
 #[cfg(feature = "cuda")]
+pub mod cudnn;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 pub mod local;
