@@ -540,3 +540,225 @@ fn engine_index(cfg: &Desc) -> Result<i64, String> {
     )?;
     Ok(idx)
 }
+
+/// Prints `line` to stderr once per process (every rank of a `--ranks-on-one-gpu` run lowers
+/// the same nodes: one note each, not one per rank).
+pub(super) fn note_once(line: &str) {
+    static SEEN: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let fresh = SEEN
+        .lock()
+        .map(|mut s| s.insert(line.to_string()))
+        .unwrap_or(true);
+    if fresh {
+        eprintln!("hzp: {line}");
+    }
+}
+
+/// Whether cuDNN runs this process's fused attention: `Ok` when libcudnn was found (and loaded
+/// from where it was found) and `HZP_CUDNN` is not `0`; otherwise why not, naming the library
+/// and where it was looked for.
+pub(super) fn available(pr: &super::probe::Probe) -> Result<(), String> {
+    if std::env::var("HZP_CUDNN").is_ok_and(|v| v == "0") {
+        return Err("HZP_CUDNN=0 keeps attention on hzp's kernels".into());
+    }
+    pr.require(&[super::probe::Lib::Cudnn], "cuDNN attention")?;
+    pr.preload(&[super::probe::Lib::Cudnn])
+}
+
+/// Sets `lower.cudnn` for `plan`: when the plan has fused attention, whether cuDNN is
+/// [`available`]; when it is not, one note per attention node naming it and why.
+pub(super) fn choose(plan: &hzp_ir::Plan, lower: &mut super::lower::LowerOptions) {
+    use hzp_ir::Op;
+    let attention: Vec<&hzp_ir::Node> = plan
+        .program
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Attention { .. } | Op::AttentionGrad { .. }))
+        .collect();
+    if attention.is_empty() {
+        return;
+    }
+    match available(&super::probe::probe()) {
+        Ok(()) => lower.cudnn = true,
+        Err(why) => {
+            lower.cudnn = false;
+            for n in attention {
+                note_once(&format!(
+                    "node `{}` ({}): not on cuDNN: {}",
+                    n.name,
+                    n.op.name(),
+                    why.replace('\n', "; ")
+                ));
+            }
+        }
+    }
+}
+
+/// The attention nodes of one rank that run on cuDNN: the handle, each node's plan and
+/// variant pack, and the one workspace allocation (the largest plan workspace, then the
+/// largest scratch) they share: nodes run one after another on the compute stream.
+pub(super) struct AttentionRunner {
+    /// Per node index: its plan and variant pack.
+    packs: HashMap<usize, (std::sync::Arc<SdpaPlan>, VariantPack)>,
+    cudnn: Cudnn,
+    workspace: cudarc::driver::sys::CUdeviceptr,
+}
+
+use std::collections::HashMap;
+
+impl Drop for AttentionRunner {
+    fn drop(&mut self) {
+        // the packs and plans before the handle, then the memory they pointed into
+        self.packs.clear();
+        if self.workspace != 0 {
+            // SAFETY: allocated by malloc_sync in `prepare`, freed once; the context is
+            // current (the executor binds it before tearing down).
+            unsafe {
+                let _ = cudarc::driver::result::free_sync(self.workspace);
+            }
+        }
+    }
+}
+
+impl AttentionRunner {
+    /// Runs node `node`'s attention on the handle's stream.
+    ///
+    /// # Safety
+    /// The arena the packs point into is live; the context is current.
+    pub(super) unsafe fn run(&self, node: usize) -> Result<(), String> {
+        let (plan, pack) = self
+            .packs
+            .get(&node)
+            .ok_or_else(|| "internal: no cuDNN plan for this attention node".to_string())?;
+        self.cudnn.execute(plan, pack)
+    }
+}
+
+/// Replaces node `i`'s cuDNN work by its fallback (hzp's kernels), with a note, or fails
+/// naming both reasons.
+fn fall_back(low: &mut super::lower::LoweredPlan, i: usize, why: &str) -> Result<(), String> {
+    let nw = &mut low.nodes[i];
+    let mut out = Vec::new();
+    for w in std::mem::take(&mut nw.work) {
+        match w {
+            super::work::Work::Sdpa(sw) => match sw.fallback {
+                Ok(ws) => out.extend(ws),
+                Err(e) => {
+                    return Err(format!(
+                        "node `{}` ({}): cuDNN could not run its attention ({why}), and {e}",
+                        nw.name, nw.op
+                    ))
+                }
+            },
+            w => out.push(w),
+        }
+    }
+    nw.work = out;
+    note_once(&format!(
+        "node `{}` ({}): cuDNN could not run its attention ({why}); hzp's attention kernels run it",
+        nw.name, nw.op
+    ));
+    Ok(())
+}
+
+/// Builds the cuDNN plans of `low`'s [`super::work::Work::Sdpa`] nodes (once per distinct
+/// graph), allocates the shared workspace, and makes each node's variant pack against the
+/// arena at `base`; a node whose graph cuDNN cannot build (or every node, when cuDNN does not
+/// open) gets its fallback instead. `None` when no node runs on cuDNN. Errors: a node with
+/// neither, a failed allocation.
+///
+/// # Safety
+/// libcudnn was probed loadable ([`available`]); the context is current; `stream` is its
+/// compute stream and `base` the arena.
+pub(super) unsafe fn prepare(
+    low: &mut super::lower::LoweredPlan,
+    stream: *mut c_void,
+    base: u64,
+) -> Result<Option<AttentionRunner>, String> {
+    use super::work::Work;
+    let sdpa_nodes: Vec<usize> = (0..low.nodes.len())
+        .filter(|&i| low.nodes[i].work.iter().any(|w| matches!(w, Work::Sdpa(_))))
+        .collect();
+    if sdpa_nodes.is_empty() {
+        return Ok(None);
+    }
+    let cudnn = match Cudnn::open(stream) {
+        Ok(c) => c,
+        Err(e) => {
+            for i in sdpa_nodes {
+                fall_back(low, i, &e)?;
+            }
+            return Ok(None);
+        }
+    };
+    let mut built: HashMap<String, Result<std::sync::Arc<SdpaPlan>, String>> = HashMap::new();
+    let mut chosen = Vec::new();
+    for i in sdpa_nodes {
+        let Some(Work::Sdpa(sw)) = low.nodes[i]
+            .work
+            .iter()
+            .find(|w| matches!(w, Work::Sdpa(_)))
+        else {
+            continue;
+        };
+        let r = built
+            .entry(sw.graph.key())
+            .or_insert_with(|| cudnn.build(&sw.graph).map(std::sync::Arc::new))
+            .clone();
+        match r {
+            Ok(plan) => chosen.push((i, plan, sw.clone())),
+            Err(e) => fall_back(low, i, &e)?,
+        }
+    }
+    if chosen.is_empty() {
+        return Ok(None);
+    }
+    let ws = chosen.iter().map(|c| c.1.workspace).max().unwrap_or(0);
+    let ws_aligned = ws.div_ceil(256) * 256;
+    let scratch = chosen
+        .iter()
+        .map(|c| c.2.graph.scratch().iter().map(|s| s.1).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let bytes = ws_aligned + scratch;
+    let workspace = if bytes > 0 {
+        cudarc::driver::result::malloc_sync(bytes as usize)
+            .map_err(|e| format!("allocating cuDNN attention's {bytes}-byte workspace: {e:?}"))?
+    } else {
+        0
+    };
+    note_once(&format!(
+        "cuDNN {} runs {} attention node(s) with {} distinct graph(s) (engines {:?}); \
+         workspace {bytes} bytes, allocated once outside the planned arena",
+        cudnn.version,
+        chosen.len(),
+        built.values().filter(|r| r.is_ok()).count(),
+        {
+            let mut e: Vec<i64> = chosen.iter().map(|c| c.1.engine).collect();
+            e.sort_unstable();
+            e.dedup();
+            e
+        }
+    ));
+    let mut runner = AttentionRunner {
+        packs: HashMap::new(),
+        cudnn,
+        workspace,
+    };
+    for (i, plan, sw) in chosen {
+        let mut ptrs: Vec<(i64, u64)> = sw.operands.iter().map(|&(u, o)| (u, base + o)).collect();
+        let mut at = workspace + ws_aligned;
+        for (role, b) in sw.graph.scratch() {
+            ptrs.push((role.uid(), at));
+            at += b;
+        }
+        let ws_ptr = if plan.workspace > 0 { workspace } else { 0 };
+        let pack = runner
+            .cudnn
+            .variant_pack(&plan, &ptrs, ws_ptr)
+            .map_err(|e| format!("node `{}` ({}): {e}", low.nodes[i].name, low.nodes[i].op))?;
+        runner.packs.insert(i, (plan, pack));
+    }
+    Ok(Some(runner))
+}
