@@ -204,3 +204,14 @@ fn without_cudnn_nothing_changes() {
         .any(|w| matches!(w, Work::Sdpa(_))));
     assert!(lower_program_with(&p, 0, opts(CudaAttention::Off, false)).is_err());
 }
+
+#[test]
+fn pasa_stays_on_its_kernel() {
+    let p = plan("f16", false);
+    let low = lower_program_with(&p, 0, opts(CudaAttention::Pasa, true)).unwrap();
+    let works: Vec<&Work> = low.nodes.iter().flat_map(|nw| &nw.work).collect();
+    assert!(!works.iter().any(|w| matches!(w, Work::Sdpa(_))));
+    assert!(works
+        .iter()
+        .any(|w| matches!(w, Work::Kernel(l) if l.kernel == "attn_fwd_pasa_f16")));
+}

@@ -562,8 +562,31 @@ pub(super) fn available(pr: &super::probe::Probe) -> Result<(), String> {
     if std::env::var("HZP_CUDNN").is_ok_and(|v| v == "0") {
         return Err("HZP_CUDNN=0 keeps attention on hzp's kernels".into());
     }
-    pr.require(&[super::probe::Lib::Cudnn], "cuDNN attention")?;
-    pr.preload(&[super::probe::Lib::Cudnn])
+    use super::probe::{Lib, LibState};
+    pr.require(&[Lib::Cudnn], "cuDNN attention")?;
+    if let LibState::Found { path } = pr.state(Lib::Cudnn) {
+        // cudarc loads cuDNN by name (libcudnn.so.9 among them): a preloaded file serves only
+        // when its name, hence its soname, is cuDNN 9's
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !name.starts_with("libcudnn.so.9") {
+            return Err(format!(
+                "cuDNN attention: found {}, but hzp needs cuDNN 9 (libcudnn.so.9)",
+                path.display()
+            ));
+        }
+    }
+    pr.preload(&[Lib::Cudnn])?;
+    // the last word is cudarc's own loader (it panics where this says no)
+    // SAFETY: only tries to open the library by cudarc's names.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(format!(
+            "cuDNN attention: libcudnn was found ({:?}) but does not load under the names cudarc uses ({})",
+            pr.state(Lib::Cudnn),
+            Lib::Cudnn.loader_names().join(", ")
+        ))
+    }
 }
 
 /// Sets `lower.cudnn` for `plan`: when the plan has fused attention, whether cuDNN is
@@ -754,11 +777,12 @@ pub(super) unsafe fn prepare(
             at += b;
         }
         let ws_ptr = if plan.workspace > 0 { workspace } else { 0 };
-        let pack = runner
-            .cudnn
-            .variant_pack(&plan, &ptrs, ws_ptr)
-            .map_err(|e| format!("node `{}` ({}): {e}", low.nodes[i].name, low.nodes[i].op))?;
-        runner.packs.insert(i, (plan, pack));
+        match runner.cudnn.variant_pack(&plan, &ptrs, ws_ptr) {
+            Ok(pack) => {
+                runner.packs.insert(i, (plan, pack));
+            }
+            Err(e) => fall_back(low, i, &e)?,
+        }
     }
     Ok(Some(runner))
 }

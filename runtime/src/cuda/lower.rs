@@ -52,11 +52,13 @@ pub fn fill_bits(dtype: DType, value: f64) -> u64 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CudaAttention {
     /// Refused, naming the options (the default: hzp's kernels equal the CPU backend on a GPU
-    /// but are scalar, slower than attention written out as products and softmax).
+    /// but are scalar, slower than attention written out as products and softmax), unless
+    /// cuDNN runs the node ([`LowerOptions::cudnn`]).
     #[default]
     Off,
     /// `attn_fwd`, then `attn_dq` and `attn_dkv` (`--attention flash`, or
-    /// `HZP_CUDA_ATTENTION=1`): f32/bf16/f16 operands, f32 arithmetic.
+    /// `HZP_CUDA_ATTENTION=1`): f32/bf16/f16 operands, f32 arithmetic; cuDNN first where it
+    /// takes the node ([`LowerOptions::cudnn`]; `HZP_CUDNN=0` keeps hzp's kernels).
     Flash,
     /// PASA (`--attention pasa`): the forward `attn_fwd_pasa_f16` in fp16 throughout (see
     /// `cpu::pasa`), the gradient by the f16 `attn_dq` and `attn_dkv`, which recompute the
@@ -76,6 +78,7 @@ pub struct LowerOptions {
     /// fallback when `attention` allows them); a node it refuses runs on hzp's kernels with a
     /// note saying why ([`LoweredPlan::notes`]), or, with `attention` off, is refused with the
     /// reason. The executor sets it when libcudnn loads (and `HZP_CUDNN` is not `0`).
+    /// [`CudaAttention::Pasa`] keeps every attention node on PASA's kernels.
     pub cudnn: bool,
 }
 
@@ -288,8 +291,9 @@ impl Lowering<'_> {
                 }
             },
             op if op.is_collective() => self.collective(n, op, &ctx, stream)?,
+            // (PASA, asked for by name, stays on its own kernel)
             Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal }
-                if self.opts.cudnn =>
+                if self.opts.cudnn && self.opts.attention != CudaAttention::Pasa =>
             {
                 let (work, note) = attention_on_cudnn(&n.op, &ctx, *scale, *causal)
                     .map_err(|m| format!("node `{}` ({}): {m}", n.name, n.op.name()))?;
