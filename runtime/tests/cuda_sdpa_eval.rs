@@ -146,7 +146,7 @@ impl Interp<'_> {
                     let (va, vb) = (self.get(*a).clone(), self.get(*b).clone());
                     let cd = udims(self.t(*c));
                     let n = cd.len();
-                    let (m, nn, k) = (cd[n - 2], cd[n - 1], va.dims[n - 1]);
+                    let k = va.dims[n - 1];
                     let mut out = vec![0.0; numel(&cd)];
                     for (ci, o) in out.iter_mut().enumerate() {
                         let idx = unravel(ci, &cd);
@@ -164,7 +164,6 @@ impl Interp<'_> {
                             ib.extend([kk, col]);
                             acc += va.data[ravel(&ia, &va.dims)] * vb.data[ravel(&ib, &vb.dims)];
                         }
-                        let _ = (m, nn);
                         *o = acc;
                     }
                     self.put(*c, out);
