@@ -339,9 +339,50 @@ impl Cudnn {
         graph.handle(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, self.handle)?;
         graph.finalize("the operation graph")?;
 
+        let mut errors = Vec::new();
+        for mode in [
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ] {
+            match self.plan_by(&graph, mode) {
+                Ok((plan, workspace, engine, heur, cfgs)) => {
+                    let scalars = g
+                        .tensors
+                        .iter()
+                        .filter_map(|t| t.by_value.map(|v| (t.uid, Box::new(v))))
+                        .collect();
+                    parts.extend(ts.into_values());
+                    parts.extend(ops);
+                    parts.push(graph);
+                    parts.push(heur);
+                    parts.extend(cfgs);
+                    return Ok(SdpaPlan {
+                        plan,
+                        workspace,
+                        engine,
+                        scalars,
+                        _parts: parts,
+                    });
+                }
+                Err(e) => errors.push(format!("heuristics {mode:?}: {e}")),
+            }
+        }
+        Err(format!(
+            "cuDNN: no engine runs this attention graph: {}",
+            errors.join("; ")
+        ))
+    }
+
+    /// The first engine configuration of heuristics `mode` whose execution plan finalizes:
+    /// (plan, workspace bytes, engine index, the heuristics and configurations, kept alive).
+    #[allow(clippy::type_complexity)]
+    fn plan_by(
+        &self,
+        graph: &Desc,
+        mode: sys::cudnnBackendHeurMode_t,
+    ) -> Result<(Desc, u64, i64, Desc, Vec<Desc>), String> {
         let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
-        heur.descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[&graph])?;
-        let mode = sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A;
+        heur.descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph])?;
         // SAFETY: one enum value.
         unsafe {
             heur.set_raw(
@@ -368,7 +409,7 @@ impl Cudnn {
             "counting the heuristics' engine configurations",
         )?;
         if count <= 0 {
-            return Err("cuDNN: no engine supports this attention graph".into());
+            return Err("no engine configuration proposed".into());
         }
         let cfgs: Vec<Desc> = (0..count)
             .map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
@@ -394,29 +435,13 @@ impl Cudnn {
             match self.plan_of(cfg) {
                 Ok((plan, workspace)) => {
                     let engine = engine_index(cfg).unwrap_or(-1);
-                    let scalars = g
-                        .tensors
-                        .iter()
-                        .filter_map(|t| t.by_value.map(|v| (t.uid, Box::new(v))))
-                        .collect();
-                    parts.extend(ts.into_values());
-                    parts.extend(ops);
-                    parts.push(graph);
-                    parts.push(heur);
-                    parts.extend(cfgs);
-                    return Ok(SdpaPlan {
-                        plan,
-                        workspace,
-                        engine,
-                        scalars,
-                        _parts: parts,
-                    });
+                    return Ok((plan, workspace, engine, heur, cfgs));
                 }
                 Err(e) => errors.push(e),
             }
         }
         Err(format!(
-            "cuDNN: none of the {got} engine configurations the heuristics proposed builds a plan: {}",
+            "none of the {got} engine configurations proposed builds a plan: {}",
             errors.join("; ")
         ))
     }
@@ -559,7 +584,12 @@ pub(super) fn note_once(line: &str) {
 /// from where it was found) and `HZP_CUDNN` is not `0`; otherwise why not, naming the library
 /// and where it was looked for.
 pub(super) fn available(pr: &super::probe::Probe) -> Result<(), String> {
-    if std::env::var("HZP_CUDNN").is_ok_and(|v| v == "0") {
+    available_with(pr, &|k| std::env::var(k).ok())
+}
+
+/// [`available`] with the environment `env`.
+fn available_with(pr: &super::probe::Probe, env: super::probe::EnvFn<'_>) -> Result<(), String> {
+    if env("HZP_CUDNN").is_some_and(|v| v == "0") {
         return Err("HZP_CUDNN=0 keeps attention on hzp's kernels".into());
     }
     use super::probe::{Lib, LibState};
@@ -785,4 +815,46 @@ pub(super) unsafe fn prepare(
         }
     }
     Ok(Some(runner))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::available_with;
+    use crate::cuda::probe::probe_in;
+
+    fn dir(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("hzp-cudnn-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn why_cudnn_is_not_used_is_said() {
+        let none = |_: &str| None;
+        // HZP_CUDNN=0 first, whatever the machine has
+        let d = dir("off");
+        let off = |k: &str| (k == "HZP_CUDNN").then(|| "0".to_string());
+        let e = available_with(&probe_in(vec![d.clone()], false), &off).unwrap_err();
+        assert!(e.contains("HZP_CUDNN=0"), "{e}");
+        // missing: named, with where it was looked for
+        let e = available_with(&probe_in(vec![d.clone()], false), &none).unwrap_err();
+        assert!(e.contains("libcudnn.so.9 was not found"), "{e}");
+        assert!(e.contains(&d.display().to_string()), "{e}");
+        // another major version found: named, not loaded
+        let d8 = dir("v8");
+        std::fs::write(d8.join("libcudnn.so.8"), b"x").unwrap();
+        let e = available_with(&probe_in(vec![d8.clone()], false), &none).unwrap_err();
+        assert!(
+            e.contains("libcudnn.so.8") && e.contains("needs cuDNN 9"),
+            "{e}"
+        );
+        // a file that is no library: loading it fails, naming it
+        let d9 = dir("v9");
+        std::fs::write(d9.join("libcudnn.so.9"), b"x").unwrap();
+        let e = available_with(&probe_in(vec![d9.clone()], false), &none).unwrap_err();
+        assert!(
+            e.contains(&d9.join("libcudnn.so.9").display().to_string()),
+            "{e}"
+        );
+    }
 }
