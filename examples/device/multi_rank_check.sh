@@ -20,6 +20,9 @@
 # (all by default; gpt2s alone takes the longest;
 # acco: ACCO plans on CUDA against the CPU backend;
 # attn: hzp's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
+# cudnn: fused attention on cuDNN (bf16 tiny models, CUDA vs CPU within 2e-2, the run's log
+# must say cuDNN ran every attention node; cuDNN vs hzp's kernels; GPT-2 small bf16 step
+# time, attention on cuDNN vs written out);
 # pasa: the PASA fp16 kernel against exact attention (.device/cuda_pasa, the test binary of
 # runtime/tests/cuda_pasa.rs) and an fp16 plan trained with --attention pasa vs flash),
 # MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
@@ -192,6 +195,50 @@ print(f"RESULT attn perf gpt2s gpu=1: fused {f:.1f} ms, explicit {e:.1f} ms, exp
 PY
   else
     el "attn perf: no GPT-2 small export (run PART=gpt2s first)"
+  fi
+fi
+if want cudnn; then
+  el "== attention on cuDNN's fused SDPA: tiny models compiled with --precision bf16 (fused attention kept), 5 steps of the gpu=1 plan on CUDA (default --attention: every attention node on cuDNN, or the run is refused) vs the CPU backend (2e-2), and vs hzp's kernels (HZP_CUDNN=0 --attention flash)"
+  for spec in gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    [ -f $W/$base.io4.npz ] || tile $M/$base.io.npz $W/$base.io4.npz 2
+    f=$W/$stem.cudnn
+    $H compile $M/$stem.onnx --inputs $W/$base.io4.npz --loss $loss $extra --precision bf16 --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT cudnn $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    grep -q 'Attention{' $f.json || { el "RESULT cudnn $stem: FAIL the plan has no fused attention"; continue; }
+    timeout $T $H run $f.json --inputs $W/$base.io4.npz --steps $STEPS --format json --save-params $f.cpu.npz >$f.cpu.out 2>$f.cpu.err || { el "RESULT cudnn $stem cpu: FAIL"; tail -10 $f.cpu.err; continue; }
+    timeout $T $H run $f.json --inputs $W/$base.io4.npz --steps $STEPS --backend cuda --format json --save-params $f.cuda.npz >$f.cuda.out 2>$f.cuda.err || { el "RESULT cudnn $stem cuda: FAIL rc=$?"; tail -20 $f.cuda.err; continue; }
+    grep -h '^hzp: ' $f.cuda.err | head -8
+    # cuDNN ran: its note is there, and no node fell back to hzp's kernels or stayed off cuDNN
+    if ! grep -q 'attention node(s) with' $f.cuda.err || grep -q "hzp's attention kernels run it\|not on cuDNN" $f.cuda.err; then
+      el "RESULT cudnn $stem: FAIL cuDNN did not run every attention node"; continue
+    fi
+    TOL=2e-2 WORST=5e-2 python3 $D/compare_ranks.py cudnn-vs-cpu-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
+    HZP_CUDNN=0 timeout $T $H run $f.json --inputs $W/$base.io4.npz --steps $STEPS --backend cuda --attention flash --format json --save-params $f.flash.npz >$f.flash.out 2>$f.flash.err || { el "RESULT cudnn-vs-flash $stem: FAIL rc=$?"; tail -10 $f.flash.err; continue; }
+    TOL=2e-2 WORST=5e-2 python3 $D/compare_ranks.py cudnn-vs-flash-$stem $f.flash.out $f.cuda.out $f.flash.npz $f.cuda.npz
+  done
+  mkdir -p $W/gpt2s
+  [ -f $W/gpt2s/model.onnx ] || timeout 300 python3 $D/make_gpt2s.py $W/gpt2s >/dev/null 2>&1 || el "cudnn perf: GPT-2 small export failed"
+  if [ -f $W/gpt2s/model.onnx ]; then
+    for mode in cudnn explicit; do
+      x=""; [ $mode = explicit ] && x=--no-fuse-attention
+      p=$W/cudnnperf.$mode.json
+      $H compile $x $W/gpt2s/model.onnx --inputs $W/gpt2s/batch.npz --loss lm --retie --precision bf16 --mesh gpu=1 -o $p >/dev/null 2>&1 || { el "cudnn perf $mode: compile failed"; continue; }
+      timeout $T $H run $p --inputs $W/gpt2s/batch.npz --steps 6 --backend cuda --format json >$p.out 2>$p.err || { el "cudnn perf $mode: FAIL"; tail -10 $p.err; }
+    done
+    grep -h '^hzp: cuDNN' $W/cudnnperf.cudnn.json.err | head -2
+    python3 - $W/cudnnperf.cudnn.json.out $W/cudnnperf.explicit.json.out <<'PY'
+import json, statistics, sys
+def med(f):
+    try:
+        return 1e3 * statistics.median(json.load(open(f))["step_seconds"][1:])
+    except Exception:
+        return float("nan")
+c, e = med(sys.argv[1]), med(sys.argv[2])
+print(f"RESULT cudnn perf gpt2s bf16 gpu=1: cuDNN attention {c:.1f} ms, explicit {e:.1f} ms, explicit/cuDNN {e / c if c == c and c > 0 else float('nan'):.2f}")
+PY
+  else
+    el "cudnn perf: no GPT-2 small export"
   fi
 fi
 if want pasa; then

@@ -85,3 +85,32 @@ fn on_a_machine_without_the_driver_the_real_probe_says_so() {
         "{e}"
     );
 }
+
+#[test]
+fn cudnn_is_probed_like_the_other_libraries() {
+    let empty = tempdir("cudnn-empty");
+    let p = probe_in(vec![empty.clone()], false);
+    assert_eq!(p.state(Lib::Cudnn), &LibState::Missing);
+    let e = p.require(&[Lib::Cudnn], "cuDNN attention").unwrap_err();
+    assert!(
+        e.starts_with("cuDNN attention: the cuDNN library libcudnn.so.9 was not found (searched: "),
+        "{e}"
+    );
+    assert!(e.contains(&empty.display().to_string()), "{e}");
+    assert!(e.contains("nvidia-cudnn-cu12"), "{e}");
+    // found outside the loader's path (pip's nvidia/cudnn/lib), its parts beside it
+    let d = tempdir("cudnn-found");
+    std::fs::write(d.join("libcudnn_graph.so.9"), b"x").unwrap();
+    std::fs::write(d.join("libcudnn.so.9"), b"x").unwrap();
+    let p = probe_in(vec![d.clone()], false);
+    assert_eq!(
+        p.state(Lib::Cudnn),
+        &LibState::Found {
+            path: d.join("libcudnn.so.9")
+        }
+    );
+    assert!(p.require(&[Lib::Cudnn], "x").is_ok());
+    // the fake file is no library: preloading it says which file failed to load
+    let e = p.preload(&[Lib::Cudnn]).unwrap_err();
+    assert!(e.contains("libcudnn"), "{e}");
+}

@@ -160,6 +160,8 @@ pub struct CudaExecutor {
     local: [usize; 1],
     /// The flight report of the last step that failed.
     report: Option<FlightReport>,
+    /// The attention nodes that run on cuDNN (see `super::cudnn::prepare`).
+    attention: Option<super::cudnn::AttentionRunner>,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -343,6 +345,8 @@ impl CudaExecutor {
         pr.require(&need, "hzp run --backend cuda")
             .map_err(run_err)?;
         pr.preload(&need).map_err(run_err)?;
+        let mut opts = opts;
+        super::cudnn::choose(plan, &mut opts.lower);
         // Refuse what the backend cannot run before touching the device.
         let low = super::lower::lower_program_with(plan, dist.rank, opts.lower)
             .map_err(ExecError::Plan)?;
@@ -387,7 +391,7 @@ impl CudaExecutor {
 
     fn open(
         plan: &Plan,
-        low: LoweredPlan,
+        mut low: LoweredPlan,
         shards: &[(ValueId, Tensor)],
         opts: CudaOptions,
         dist: DistEnv,
@@ -400,8 +404,16 @@ impl CudaExecutor {
             local.as_ref().map(|(_, image)| *image),
             &low.fused_source,
         )?;
-        let functions = kernel_functions(module, &low, local.is_some())?;
         let h = allocate(&low)?;
+        for line in &low.notes {
+            super::cudnn::note_once(line);
+        }
+        // SAFETY: cuDNN nodes exist only when the library was probed loadable (`choose`); the
+        // context is current, streams[0] its compute stream, base the arena.
+        let attention = unsafe { super::cudnn::prepare(&mut low, h.streams[0] as _, h.base) }
+            .map_err(ExecError::Plan)?;
+        // (after cuDNN: a node it cannot run launches hzp's kernels instead)
+        let functions = kernel_functions(module, &low, local.is_some())?;
         let (events, timing, wait_timing) = create_events(&low)?;
         let blas_h = blas::create_handle()
             .map_err(|e| run_err(format!("cuBLAS: creating a handle: {e:?}")))?;
@@ -438,6 +450,7 @@ impl CudaExecutor {
                 .is_ok_and(|v| v == "1")
                 .then(OpProfile::default),
             report: None,
+            attention,
         };
         ex.calls = (0..ex.low.comms.len()).map(|_| AtomicU64::new(0)).collect();
         if let Some(rv) = rv {
@@ -1030,6 +1043,19 @@ impl CudaExecutor {
                         }
                         Work::Kernel(l) => self.launch(l, stream).map_err(node_err)?,
                         Work::Gemm(g) => self.gemm(g).map_err(node_err)?,
+                        Work::Sdpa(_) => {
+                            if stream != self.h.streams[0] {
+                                return Err(node_err(
+                                    "internal: cuDNN attention issued off the compute stream"
+                                        .into(),
+                                ));
+                            }
+                            self.attention
+                                .as_ref()
+                                .ok_or_else(|| "internal: no cuDNN for this node".to_string())
+                                .and_then(|a| a.run(i))
+                                .map_err(node_err)?
+                        }
                         Work::Collective(c) => {
                             let calls = self
                                 .calls
@@ -1490,6 +1516,8 @@ impl Drop for CudaExecutor {
                 }
             }
             let _ = blas::destroy_handle(self.blas.0 .0);
+            // cuDNN's plans, handle and workspace while its stream still exists
+            drop(self.attention.take());
             for &e in self.events.0.iter().chain(&self.node_timing.0) {
                 let _ = drv::event::destroy(e);
             }

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use super::work::{around, bcast, bsz, contiguous, elementwise, lane_grid, lanes, walk_kernel};
 pub use super::work::{
     dt, Arg, CollKind, Collective, CommKey, CublasGemm, Gemm, Launch, LoweredPlan, Nd, NodeWork,
-    Work,
+    SdpaWork, Work,
 };
 
 /// Stream index of a node.
@@ -52,11 +52,13 @@ pub fn fill_bits(dtype: DType, value: f64) -> u64 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CudaAttention {
     /// Refused, naming the options (the default: hzp's kernels equal the CPU backend on a GPU
-    /// but are scalar, slower than attention written out as products and softmax).
+    /// but are scalar, slower than attention written out as products and softmax), unless
+    /// cuDNN runs the node ([`LowerOptions::cudnn`]).
     #[default]
     Off,
     /// `attn_fwd`, then `attn_dq` and `attn_dkv` (`--attention flash`, or
-    /// `HZP_CUDA_ATTENTION=1`): f32/bf16/f16 operands, f32 arithmetic.
+    /// `HZP_CUDA_ATTENTION=1`): f32/bf16/f16 operands, f32 arithmetic; cuDNN first where it
+    /// takes the node ([`LowerOptions::cudnn`]; `HZP_CUDNN=0` keeps hzp's kernels).
     Flash,
     /// PASA (`--attention pasa`): the forward `attn_fwd_pasa_f16` in fp16 throughout (see
     /// `cpu::pasa`), the gradient by the f16 `attn_dq` and `attn_dkv`, which recompute the
@@ -71,6 +73,13 @@ pub struct LowerOptions {
     /// Fuse runs of elementwise nodes into generated kernels ([`super::fuse`];
     /// `HZP_CUDA_FUSE=1`).
     pub fuse: bool,
+    /// cuDNN is there to run fused attention: `Attention` / `AttentionGrad` nodes that
+    /// [`super::sdpa::plan_sdpa`] accepts become [`Work::Sdpa`] (hzp's kernels as their
+    /// fallback when `attention` allows them); a node it refuses runs on hzp's kernels with a
+    /// note saying why ([`LoweredPlan::notes`]), or, with `attention` off, is refused with the
+    /// reason. The executor sets it when libcudnn loads (and `HZP_CUDNN` is not `0`).
+    /// [`CudaAttention::Pasa`] keeps every attention node on PASA's kernels.
+    pub cudnn: bool,
 }
 
 impl LowerOptions {
@@ -85,6 +94,7 @@ impl LowerOptions {
                 CudaAttention::Off
             },
             fuse: std::env::var("HZP_CUDA_FUSE").is_ok_and(|v| v == "1"),
+            cudnn: false,
         }
     }
 }
@@ -123,6 +133,7 @@ pub fn lower_program_with(
         events,
         comm_list: Vec::new(),
         opts,
+        notes: Vec::new(),
     };
     let runs = if opts.fuse {
         super::fuse::runs(p, &loc)
@@ -140,6 +151,7 @@ pub fn lower_program_with(
         nodes.push(nw);
     }
     let comms = renumber_comms(&lowering.comm_list, &mut nodes);
+    let notes = std::mem::take(&mut lowering.notes);
     let updates = update_copies(p, &loc)?;
     let err_offset = plan.arena_bytes.div_ceil(256) * 256;
     Ok(LoweredPlan {
@@ -153,6 +165,7 @@ pub fn lower_program_with(
         updates,
         loc,
         fused_source: runs.iter().map(|r| r.source.as_str()).collect(),
+        notes,
     })
 }
 
@@ -231,6 +244,8 @@ struct Lowering<'a> {
     /// Communicators in first-use order (renumbered in sorted order at the end).
     comm_list: Vec<CommKey>,
     opts: LowerOptions,
+    /// See [`LoweredPlan::notes`].
+    notes: Vec<String>,
 }
 
 impl Lowering<'_> {
@@ -276,6 +291,18 @@ impl Lowering<'_> {
                 }
             },
             op if op.is_collective() => self.collective(n, op, &ctx, stream)?,
+            // (PASA, asked for by name, stays on its own kernel)
+            Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal }
+                if self.opts.cudnn && self.opts.attention != CudaAttention::Pasa =>
+            {
+                let (work, note) = attention_on_cudnn(&n.op, &ctx, *scale, *causal)
+                    .map_err(|m| format!("node `{}` ({}): {m}", n.name, n.op.name()))?;
+                if let Some(note) = note {
+                    self.notes
+                        .push(format!("node `{}` ({}): {note}", n.name, n.op.name()));
+                }
+                work
+            }
             op => lower_compute(op, &ctx)
                 .map_err(|m| format!("node `{}` ({}): {m}", n.name, op.name()))?,
         };
@@ -1305,6 +1332,68 @@ fn lower_matmul(c: &NodeCtx) -> Result<Gemm, String> {
         trans_b: c.trans[1],
         calls,
     })
+}
+
+/// A fused attention node with cuDNN there ([`LowerOptions::cudnn`]): [`Work::Sdpa`] when
+/// [`super::sdpa::plan_sdpa`] accepts it (hzp's launches, or why there are none, as its
+/// fallback); otherwise hzp's launches and a note naming why cuDNN does not take it, or, when
+/// hzp's kernels may not run either, an error giving both reasons.
+fn attention_on_cudnn(
+    op: &Op,
+    c: &NodeCtx,
+    scale: f64,
+    causal: bool,
+) -> Result<(Vec<Work>, Option<String>), String> {
+    use super::sdpa::{plan_sdpa, Role, SdpaKind};
+    let kind = if matches!(op, Op::AttentionGrad { .. }) {
+        SdpaKind::Backward
+    } else {
+        SdpaKind::Forward
+    };
+    let ins: Vec<&TensorType> = c.ins.iter().map(|x| x.1).collect();
+    let outs: Vec<&TensorType> = c.outs.iter().map(|x| x.1).collect();
+    let roles: &[Role] = match kind {
+        SdpaKind::Forward => &[Role::Q, Role::K, Role::V, Role::O, Role::Stats],
+        SdpaKind::Backward => &[
+            Role::Q,
+            Role::K,
+            Role::V,
+            Role::O,
+            Role::Stats,
+            Role::DO,
+            Role::DQ,
+            Role::DK,
+            Role::DV,
+        ],
+    };
+    let offsets: Vec<u64> = c.ins.iter().chain(&c.outs).map(|x| x.0).collect();
+    let refusal = match plan_sdpa(kind, &ins, &outs, scale, causal) {
+        Ok(_) if offsets.iter().any(|o| o % 16 != 0) => {
+            "an operand is not 16-byte aligned in the arena".to_string()
+        }
+        Ok(graph) => {
+            let operands = roles
+                .iter()
+                .zip(&offsets)
+                .map(|(r, &o)| (r.uid(), o))
+                .collect();
+            let fallback = lower_attention(op, c, scale, causal);
+            return Ok((
+                vec![Work::Sdpa(Box::new(SdpaWork {
+                    graph,
+                    operands,
+                    fallback,
+                }))],
+                None,
+            ));
+        }
+        Err(r) => r.to_string(),
+    };
+    let why = format!("cuDNN's fused attention does not take it: {refusal}");
+    match lower_attention(op, c, scale, causal) {
+        Ok(work) => Ok((work, Some(format!("{why}; hzp's attention kernels run it")))),
+        Err(e) => Err(format!("{e} ({why})")),
+    }
 }
 
 /// The launches of a fused attention (`attn_fwd`, or `attn_fwd_pasa_f16` with

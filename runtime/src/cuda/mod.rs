@@ -17,11 +17,14 @@ pub mod fuse;
 pub mod kernels;
 pub mod lower;
 pub mod probe;
+pub mod sdpa;
 /// The process group of a multi-process run (in `comm`, shared with the CPU backend).
 pub use crate::comm::rendezvous;
 pub mod transport;
 pub mod work;
 
+#[cfg(feature = "cuda")]
+pub mod cudnn;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]

@@ -32,6 +32,8 @@ impl OneGpuExecutor {
         opts: CudaOptions,
     ) -> Result<OneGpuExecutor, ExecError> {
         let world = plan.mesh.world_size();
+        let mut opts = opts;
+        super::cudnn::choose(plan, &mut opts.lower);
         // every rank's lowering first: refuse what the backend cannot run before the device
         // (the generated kernels are the same for every rank: one image serves them all)
         let mut fused_source = String::new();

@@ -30,15 +30,19 @@ pub enum Lib {
     CublasLt,
     /// NCCL (`libnccl.so.2`), for collectives.
     Nccl,
+    /// cuDNN 9 (`libcudnn.so.9`), for fused attention (optional: without it hzp's own
+    /// attention kernels run).
+    Cudnn,
 }
 
 impl Lib {
-    pub const ALL: [Lib; 5] = [
+    pub const ALL: [Lib; 6] = [
         Lib::Driver,
         Lib::Nvrtc,
         Lib::Cublas,
         Lib::CublasLt,
         Lib::Nccl,
+        Lib::Cudnn,
     ];
 
     /// The file name people know the library by.
@@ -49,6 +53,7 @@ impl Lib {
             Lib::Cublas => "libcublas.so.12",
             Lib::CublasLt => "libcublasLt.so.12",
             Lib::Nccl => "libnccl.so.2",
+            Lib::Cudnn => "libcudnn.so.9",
         }
     }
 
@@ -60,6 +65,7 @@ impl Lib {
             Lib::Cublas => "the cuBLAS library",
             Lib::CublasLt => "the cuBLASLt library",
             Lib::Nccl => "the NCCL library",
+            Lib::Cudnn => "the cuDNN library",
         }
     }
 
@@ -74,6 +80,9 @@ impl Lib {
                 "install the CUDA 12 toolkit (or `pip install nvidia-cublas-cu12`) or set LD_LIBRARY_PATH"
             }
             Lib::Nccl => "install NCCL 2 (or `pip install nvidia-nccl-cu12`) or set LD_LIBRARY_PATH",
+            Lib::Cudnn => {
+                "install cuDNN 9 for CUDA 12 (or `pip install nvidia-cudnn-cu12`) or set LD_LIBRARY_PATH"
+            }
         }
     }
 
@@ -85,6 +94,7 @@ impl Lib {
             Lib::Cublas => "cublas",
             Lib::CublasLt => "cublasLt",
             Lib::Nccl => "nccl",
+            Lib::Cudnn => "cudnn",
         }
     }
 
@@ -106,6 +116,7 @@ impl Lib {
             Lib::Cublas => "cublasCreate_v2",
             Lib::CublasLt => "cublasLtCreate",
             Lib::Nccl => "ncclGetVersion",
+            Lib::Cudnn => "cudnnGetVersion",
         }
     }
 
@@ -268,6 +279,20 @@ run under `hzp launch` (it sets up the path), or `mkdir -p ~/.hzp-lib && ln -sf 
                     dir.display()
                 ));
             }
+            if lib == Lib::Cudnn {
+                // cuDNN 9 loads its parts (graph, engines, heuristics) by name when used:
+                // loaded first from the same directory, the loader finds them by soname
+                if let Some(dir) = path.parent() {
+                    for part in CUDNN_PARTS {
+                        if let Some(b) = first_file(dir, |n| {
+                            n == format!("lib{part}.so.9")
+                                || n.starts_with(&format!("lib{part}.so.9."))
+                        }) {
+                            open_global(&b)?;
+                        }
+                    }
+                }
+            }
             if lib == Lib::Nvrtc {
                 // NVRTC loads its builtins library by name at compile time
                 if let Some(dir) = path.parent() {
@@ -283,6 +308,17 @@ run under `hzp launch` (it sets up the path), or `mkdir -p ~/.hzp-lib && ln -sf 
         Ok(())
     }
 }
+
+/// The parts of cuDNN 9 that `libcudnn.so.9` loads by name, in dependency order.
+const CUDNN_PARTS: [&str; 7] = [
+    "cudnn_graph",
+    "cudnn_engines_precompiled",
+    "cudnn_engines_runtime_compiled",
+    "cudnn_heuristic",
+    "cudnn_ops",
+    "cudnn_cnn",
+    "cudnn_adv",
+];
 
 /// The directories searched after the loader: `LD_LIBRARY_PATH`, the CUDA install
 /// variables, `/usr/local/cuda`, the distributions' library directories, WSL's driver
@@ -471,5 +507,9 @@ mod tests {
         assert!(Lib::Nccl.matches_file("libnccl.so.2"));
         assert!(!Lib::Cublas.matches_file("libcublasLt.so.12"));
         assert!(Lib::CublasLt.matches_file("libcublasLt.so.12"));
+        // cudarc asks for libcudnn.so.9 among its names; cuDNN's parts are not cuDNN itself
+        assert!(Lib::Cudnn.loader_names().contains(&"libcudnn.so.9".into()));
+        assert!(Lib::Cudnn.matches_file("libcudnn.so.9.1.0"));
+        assert!(!Lib::Cudnn.matches_file("libcudnn_graph.so.9"));
     }
 }

@@ -5,6 +5,7 @@
 //! for them.
 
 use super::kernels::{MAXD, REDUCE_THREADS};
+
 use hzp_ir::{DType, ReduceOp};
 
 /// An n-d walk (the `Nd` struct of the kernel sources): a shape and up to four strides.
@@ -243,6 +244,21 @@ pub enum Work {
     Record(usize),
     /// The node's stream waits for plan event `.0` (dense index).
     Wait(usize),
+    /// Fused attention on cuDNN (see [`SdpaWork`]).
+    Sdpa(Box<SdpaWork>),
+}
+
+/// A node's attention run by cuDNN's fused attention ([`super::sdpa`]): the graph, the arena
+/// offset of each operand it binds, and what runs the node instead when cuDNN cannot build
+/// the graph on the machine at hand (hzp's attention kernels, or why they may not run).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SdpaWork {
+    pub graph: super::sdpa::SdpaGraph,
+    /// (unique id, arena byte offset) of each plan operand the graph binds; the graph's
+    /// scratch ([`super::sdpa::SdpaGraph::scratch`]) is memory the executor provides.
+    pub operands: Vec<(i64, u64)>,
+    /// hzp's own launches for the node, or why there are none (`--attention` off).
+    pub fallback: Result<Vec<Work>, String>,
 }
 
 /// A node's work.
@@ -288,6 +304,9 @@ pub struct LoweredPlan {
     /// The generated kernels of the fused runs ([`super::fuse`]), compiled with the fixed
     /// sources; empty without fusion. The same for every rank of a plan.
     pub fused_source: String,
+    /// One line per node that does not run where it was meant to (an attention node cuDNN
+    /// does not take, and why): what the backend tells the user once.
+    pub notes: Vec<String>,
 }
 
 /// Kernel-name suffix of a dtype.
