@@ -73,11 +73,13 @@ pub struct RunArgs {
     /// (checks a multi-rank plan on a machine with one GPU).
     #[arg(long)]
     pub ranks_on_one_gpu: bool,
-    /// With --backend cuda, the kernels of a plan's fused attention: flash (FlashAttention-2
-    /// style, f32 arithmetic; the same as HZP_CUDA_ATTENTION=1) or pasa (PASA's forward
-    /// fully in fp16, for plans compiled with --precision fp16). Without it the CUDA backend
-    /// refuses fused attention: hzp's kernels equal the CPU backend on a GPU but are scalar,
-    /// slower than attention written out (compile with --no-fuse-attention).
+    /// With --backend cuda, the kernels of a plan's fused attention: flash (cuDNN's fused
+    /// attention where cuDNN 9 loads and takes the node, hzp's FlashAttention-2 style kernels
+    /// for the rest; the same as HZP_CUDA_ATTENTION=1) or pasa (PASA's forward fully in fp16,
+    /// for plans compiled with --precision fp16). Without it, attention nodes cuDNN takes
+    /// run on cuDNN and the CUDA backend refuses the others, naming why: hzp's own kernels
+    /// equal the CPU backend on a GPU but are scalar, slower than attention written out
+    /// (compile with --no-fuse-attention). HZP_CUDNN=0 keeps cuDNN out.
     #[arg(long, value_parser = crate::choices(&[("flash", &[]), ("pasa", &[])]))]
     pub attention: Option<String>,
     /// With --backend cuda, fuse runs of elementwise nodes into kernels generated for the
