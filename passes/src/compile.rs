@@ -251,13 +251,7 @@ pub fn compile_plan(
     on: &mut Events<'_>,
 ) -> Result<Compiled, CompileError> {
     if opts.choose_expert_parallel {
-        let chosen = choose_expert_parallel(fwd, opts, on)?;
-        let opts = CompileOptions {
-            expert_parallel: chosen,
-            choose_expert_parallel: false,
-            ..opts.clone()
-        };
-        return compile_plan(fwd, &opts, on);
+        return compile_with_chosen_experts(fwd, opts, on);
     }
     opts.cluster
         .validate_mesh(&opts.mesh)
@@ -269,16 +263,7 @@ pub fn compile_plan(
         )
         .into());
     }
-    if let Some(ep) = &opts.expert_parallel {
-        if matches!(opts.strategy, Strategy::Acco | Strategy::AsyncMesh) {
-            return Err(format!(
-                "--expert-parallel {ep} with --strategy {} is not built: expert parallelism \
-                 is built into the ZeRO step of the other strategies",
-                opts.strategy
-            )
-            .into());
-        }
-    }
+    check_expert_parallel(opts)?;
     // asyncmesh: the step of one replica is planned and built on the mesh without the slow
     // axis; the sparse averaging across it is added after (see `dist::asyncmesh`)
     let replica_opts = replica_options(opts)?;
@@ -408,6 +393,19 @@ pub fn compile_plan(
     })
 }
 
+/// Expert parallelism is built into the ZeRO step that ACCO and AsyncMesh do not use.
+fn check_expert_parallel(opts: &CompileOptions) -> Result<(), CompileError> {
+    match &opts.expert_parallel {
+        Some(ep) if matches!(opts.strategy, Strategy::Acco | Strategy::AsyncMesh) => Err(format!(
+            "--expert-parallel {ep} with --strategy {} is not built: expert parallelism \
+                 is built into the ZeRO step of the other strategies",
+            opts.strategy
+        )
+        .into()),
+        _ => Ok(()),
+    }
+}
+
 /// The expert-parallel axes worth trying for `fwd` on `mesh`: every set of mesh axes (in
 /// mesh order) of more than one rank whose size divides the expert count of every routed
 /// layer. Empty when the model has no routed layer.
@@ -439,6 +437,20 @@ pub fn expert_parallel_options(fwd: &Program, mesh: &Mesh) -> Vec<hzp_ir::Group>
             n > 1 && experts.iter().all(|e| e % n == 0)
         })
         .collect()
+}
+
+/// [`compile_plan`] with the expert parallelism [`choose_expert_parallel`] picks.
+fn compile_with_chosen_experts(
+    fwd: &Program,
+    opts: &CompileOptions,
+    on: &mut Events<'_>,
+) -> Result<Compiled, CompileError> {
+    let opts = CompileOptions {
+        expert_parallel: choose_expert_parallel(fwd, opts, on)?,
+        choose_expert_parallel: false,
+        ..opts.clone()
+    };
+    compile_plan(fwd, &opts, on)
 }
 
 /// `--expert-parallel auto`: compiles the plan without expert parallelism and with each of
