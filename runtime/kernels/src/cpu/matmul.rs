@@ -458,16 +458,20 @@ unsafe fn trim(
     if !on_blocked_kernel(m, n, k) {
         return (m, k);
     }
-    let at = |i: usize, p: usize| *a.offset(i as isize * ars + p as isize * acs);
-    let bt = |p: usize, j: usize| *b.offset(p as isize * brs + j as isize * bcs);
+    // column q of a, row p of b, row i of a: `len` values at a stride
+    let col_a = |q: usize| (a.offset(q as isize * acs), m, ars);
+    let row_b = |p: usize| (b.offset(p as isize * brs), n, bcs);
+    let row_a = |i: usize, len: usize| (a.offset(i as isize * ars), len, acs);
+    let zero = |x: f32| x == 0.0;
+    let finite = |x: f32| x.is_finite();
     // the contraction: trailing terms whose column of `a` or row of `b` is zero
     let mut p = k;
     while p > 0 {
         let q = p - 1;
-        let nothing = if (0..m).all(|i| at(i, q) == 0.0) {
-            (0..n).all(|j| bt(q, j).is_finite())
+        let nothing = if all(col_a(q), zero) {
+            all(row_b(q), finite)
         } else {
-            (0..n).all(|j| bt(q, j) == 0.0) && (0..m).all(|i| at(i, q).is_finite())
+            all(row_b(q), zero) && all(col_a(q), finite)
         };
         if !nothing {
             break;
@@ -478,14 +482,29 @@ unsafe fn trim(
     // the rows: trailing zero rows of `a` over that depth (the terms past it change
     // nothing in any row, zero or not)
     let mut r = m;
-    while r > 0 && (0..depth).all(|p| at(r - 1, p) == 0.0) {
+    while r > 0 && all(row_a(r - 1, depth), zero) {
         r -= 1;
     }
     let mut rows = rows_on_the_same_kernel(m, n, depth, r);
-    if rows < m && !(0..depth).all(|p| (0..n).all(|j| bt(p, j).is_finite())) {
+    if rows < m && !(0..depth).all(|p| all(row_b(p), finite)) {
         rows = m;
     }
     (rows, depth)
+}
+
+/// Whether `f` holds for the `len` values at `p`, `p + stride`, ...: a contiguous run in
+/// chunks without early exits, which the compiler vectorizes.
+///
+/// # Safety
+/// Every one of those values must be readable.
+unsafe fn all((p, len, stride): (*const f32, usize, isize), f: impl Fn(f32) -> bool) -> bool {
+    if stride == 1 {
+        std::slice::from_raw_parts(p, len)
+            .chunks(64)
+            .all(|c| c.iter().fold(true, |acc, &x| acc & f(x)))
+    } else {
+        (0..len).all(|i| f(*p.offset(i as isize * stride)))
+    }
 }
 
 /// Whether gemm 0.19 multiplies an `m x n x k` product with its blocked (packed
