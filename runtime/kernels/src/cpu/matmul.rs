@@ -395,17 +395,14 @@ fn matmul_views_here(a: &MatView, b: &MatView, out: &mut [f32]) -> Result<(), St
     let one = |i: usize, threads: usize| {
         let (ia, ib) = offsets(i);
         // SAFETY: in bounds as checked above; batch entry i writes its own chunk
-        // [i*mn, (i+1)*mn) of `out`: the first `rows` rows by gemm, the rest zeroed
-        // (`trim` keeps every bit of the full product).
+        // [i*mn, (i+1)*mn) of `out`.
         unsafe {
             let (a, b) = (
                 pa.get().add(ia) as *const f32,
                 pb.get().add(ib) as *const f32,
             );
-            let (rows, depth) = trim((m, n, k), a, (ars, acs), b, (brs, bcs));
             let c = pc.get().add(i * mn);
-            gemm_strided(rows, n, depth, a, (ars, acs), b, (brs, bcs), c, threads);
-            std::ptr::write_bytes(c.add(rows * n), 0, (m - rows) * n);
+            product_trimmed((m, n, k), a, (ars, acs), b, (brs, bcs), c, threads);
         }
     };
     if threads > 1 && nb >= threads {
@@ -416,10 +413,44 @@ fn matmul_views_here(a: &MatView, b: &MatView, out: &mut [f32]) -> Result<(), St
     Ok(())
 }
 
+/// `c[m,n] = a[m,k] @ b[k,n]` as [`gemm_strided`] computes it, bit for bit, leaving out
+/// what [`trim`] finds: gemm multiplies the leading `rows x depth` part and the rows past
+/// it are written as zeros. Those rows are +0.0 in the full product only if every element
+/// of `b` they would meet is finite; rather than scanning `b`, the first computed row
+/// tells: each of its elements is a sum of products with a whole column of `b[..depth]`,
+/// so it is finite only if that column is (`0 * inf` is NaN, and an inf or NaN term keeps
+/// the sum non-finite). When one is not (or a finite sum overflowed), the rows are
+/// computed after all.
+///
+/// # Safety
+/// As [`gemm_strided`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_trimmed(
+    (m, n, k): (usize, usize, usize),
+    a: *const f32,
+    (ars, acs): (isize, isize),
+    b: *const f32,
+    (brs, bcs): (isize, isize),
+    c: *mut f32,
+    threads: usize,
+) {
+    let (rows, depth) = trim((m, n, k), a, (ars, acs), b, (brs, bcs));
+    gemm_strided(rows, n, depth, a, (ars, acs), b, (brs, bcs), c, threads);
+    if rows == m {
+        return;
+    }
+    if all((c as *const f32, n, 1), |x: f32| x.is_finite()) {
+        std::ptr::write_bytes(c.add(rows * n), 0, (m - rows) * n);
+    } else {
+        gemm_strided(m, n, depth, a, (ars, acs), b, (brs, bcs), c, threads);
+    }
+}
+
 /// The rows and the depth of one `m x n x k` product (`a` at strides (`ars`, `acs`), `b`
 /// at (`brs`, `bcs`)) that gemm must compute for the full product, every bit of it: the
-/// rows past `rows` are zero (+0.0) in the full product and the terms past `depth` of the
-/// contraction change nothing. `(m, k)` when nothing can be left out.
+/// rows past `rows` are zero (+0.0) in the full product provided `b[..depth]` is finite
+/// (which [`product_trimmed`] checks), and the terms past `depth` of the contraction
+/// change nothing. `(m, k)` when nothing can be left out.
 ///
 /// A mixture of experts' buffers (`MoeDispatch`: each expert's filled rows are a prefix of
 /// its `C` rows, the rest zero) make batched products whose row operand ends in zero rows
@@ -428,9 +459,10 @@ fn matmul_views_here(a: &MatView, b: &MatView, out: &mut [f32]) -> Result<(), St
 /// not from names, so any product with such trailing zeros gains.
 ///
 /// **Exactly the full product.** `0 * x` is ±0 for a finite `x` but NaN for an infinite or
-/// NaN one, so a zero row of `a` is left out only when every element of `b` it would meet
-/// is finite, and a contraction term `p` only when column `p` of `a` is zero and row `p`
-/// of `b` finite, or the other way round. Then each left-out term is a fused multiply-add
+/// NaN one, so a zero row of `a` can be left out only when every element of `b` it would
+/// meet is finite (checked after the product, see [`product_trimmed`]), and a contraction
+/// term `p` only when column `p` of `a` is zero and row `p` of `b` finite, or the other
+/// way round. Then each left-out term is a fused multiply-add
 /// of ±0 into an accumulator that starts at +0 and so is never -0: it changes nothing,
 /// and a zero row's result is +0. gemm's summation order for one element must also stay
 /// the same: gemm 0.19 picks its kernel by the product's size (dot-product kernels below
@@ -443,8 +475,7 @@ fn matmul_views_here(a: &MatView, b: &MatView, out: &mut [f32]) -> Result<(), St
 /// result against the untrimmed gemm call bit for bit.
 ///
 /// Cheap when nothing can be left out: the scans stop at the first nonzero element from
-/// the end (one element for a dense operand), and `b` is checked for non-finite values
-/// only when rows would be left out.
+/// the end (one element for a dense operand).
 ///
 /// # Safety
 /// As [`gemm_strided`] for `a` and `b`.
@@ -485,11 +516,7 @@ unsafe fn trim(
     while r > 0 && all(row_a(r - 1, depth), zero) {
         r -= 1;
     }
-    let mut rows = rows_on_the_same_kernel(m, n, depth, r);
-    if rows < m && !(0..depth).all(|p| all(row_b(p), finite)) {
-        rows = m;
-    }
-    (rows, depth)
+    (rows_on_the_same_kernel(m, n, depth, r), depth)
 }
 
 /// Whether `f` holds for the `len` values at `p`, `p + stride`, ...: a contiguous run in
@@ -828,8 +855,9 @@ mod tests {
                     let want = if !on_blocked_kernel(m, n, k) {
                         Some((m, k))
                     } else if !finite {
-                        // a zero row meets every element of b: none is left out
-                        (f > 0).then_some((m, k))
+                        // rows may be chosen (the product finds b's NaN and computes
+                        // them after all), the contraction is not shortened
+                        (f > 0).then_some((rows_on_the_same_kernel(m, n, k, f), k))
                     } else if f == 0 {
                         // an empty entry: its zero columns shorten the contraction too
                         let d = depth_in_the_same_blocks(m, n, k, 0);
@@ -846,6 +874,20 @@ mod tests {
             }
         }
         assert!(trimmed > 20, "only {trimmed} products trimmed");
+        // one inf in b: the zero rows of the full product are NaN in its column, and so
+        // are the kernel's (it finds the inf in the first computed row)
+        let (m, k, n) = (32, 64, 128);
+        let mut a: Vec<f32> = (0..m * k).map(|_| rng.f()).collect();
+        a[10 * k..].fill(0.0);
+        let mut b: Vec<f32> = (0..k * n).map(|_| rng.f()).collect();
+        b[5 * n + 7] = f32::INFINITY;
+        let (va, vb) = (
+            MatView::contiguous(&a, &[1, m, k]),
+            MatView::contiguous(&b, &[1, k, n]),
+        );
+        let (got, _) = matmul_views(&va, &vb).unwrap();
+        assert!(got[(m - 1) * n + 7].is_nan() && got[(m - 1) * n + 8] == 0.0);
+        same_bits(&got, &untrimmed(&va, &vb), "one inf in b");
     }
 
     /// The contraction: `bufferᵀ @ dY` (`a` a transposed view of `[E, C, H]`, `b` `[E, C,
