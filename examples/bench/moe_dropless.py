@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-TRACE_STEPS = 6
+TRACE_STEPS = 12
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (label, spec): the tiny preset (2 x 16 tokens, hidden 64, 4 experts, top 2) and a wider
