@@ -171,8 +171,14 @@ pub fn filled_fractions(p: &Program) -> Vec<f64> {
             }
             _ => None,
         };
-        if let (Some(f), Some(&v)) = (result, n.outputs.first()) {
-            if f.fraction < 1.0 {
+        // a Split's pieces are all filled like its input; other ops' first result
+        let filled_outputs = if matches!(n.op, Op::Split { .. }) {
+            &n.outputs[..]
+        } else {
+            &n.outputs[..n.outputs.len().min(1)]
+        };
+        if let Some(f) = result.filter(|f| f.fraction < 1.0) {
+            for v in filled_outputs {
                 fill[v.index()] = Some(f);
             }
         }
@@ -204,6 +210,57 @@ fn zero_preserving(u: UnaryOp) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 8 tokens with 2 choices of 4 experts: dropless (capacity 8) fills 4 rows of 8 per
+    /// expert; the fill follows row-wise ops, not ones that are nonzero at zero or add a
+    /// dense value, and a capacity below the tokens is charged whole. The expected
+    /// fractions are written out by hand.
+    #[test]
+    fn the_fill_follows_the_buffer_through_row_wise_ops_only() {
+        let src = r#"
+program "t"
+input %x : f32[8,16]
+input %c : i64[8,2]
+input %bias : f32[4,8,32]
+param %w : f32[4,16,32]
+param %v : f32[4,32,16]
+%d.0, %d.1 = MoeDispatch{experts=4, capacity=8}(%x, %c) : f32[4,8,16], i64[8,2]
+%up = MatMul(%d.0, %w) : f32[4,8,32]
+%act = Silu(%up) : f32[4,8,32]
+%h0, %h1 = Split{axis=2, sizes=[16,16]}(%act) : f32[4,8,16], f32[4,8,16]
+%gated = Mul(%h0, %h1) : f32[4,8,16]
+%cat = Concat{axis=2}(%gated, %h1) : f32[4,8,32]
+%down = MatMul(%cat, %v) : f32[4,8,16]
+%sig = Sigmoid(%d.0) : f32[4,8,16]
+%after_sig = MatMul(%sig, %w) : f32[4,8,32]
+%biased = Add(%up, %bias) : f32[4,8,32]
+%after_bias = MatMul(%biased, %v) : f32[4,8,16]
+%dt = Transpose{perm=[0,2,1]}(%d.0) : f32[4,16,8]
+%dw = MatMul(%dt, %up) : f32[4,16,32]
+%both = MatMul(%dt, %d.0) : f32[4,16,16]
+%e.0, %e.1 = MoeDispatch{experts=4, capacity=6}(%x, %c) : f32[4,6,16], i64[8,2]
+%capped = MatMul(%e.0, %w) : f32[4,6,32]
+"#;
+        let p = hzp_ir::text::parse(src, "t.hzp", &|_| None).unwrap();
+        let f = filled_fractions(&p);
+        let of = |name: &str| {
+            let i = p
+                .nodes
+                .iter()
+                .position(|n| p.value(n.outputs[0]).name == name)
+                .unwrap_or_else(|| panic!("no {name}"));
+            f[i]
+        };
+        assert_eq!(of("up"), 0.5);
+        assert_eq!(of("down"), 0.5);
+        assert_eq!(of("after_sig"), 1.0);
+        assert_eq!(of("after_bias"), 1.0);
+        // the contraction over the buffer's rows
+        assert_eq!(of("dw"), 0.5);
+        assert_eq!(of("both"), 0.5);
+        assert_eq!(of("capped"), 1.0);
+        assert_eq!(of("act"), 1.0);
+    }
 
     #[test]
     fn expected_rows_are_the_balanced_share_when_dropless() {
