@@ -823,3 +823,42 @@ fn dropless_expert_products_cost_top_k_over_experts_of_dense() {
     );
     assert_close!(odd_dropless.1 / odd_dense.0, 25.0 / 100.0);
 }
+
+/// The MoE blocks of the tiny Mixtral's ONNX exports, routed on import (the products on
+/// the stacked weights, row-wise ops between them as the exporter wrote them): every
+/// product batched over the 4 experts, forward and backward, is charged its filled rows,
+/// the balanced share ceil(32 * 2 / 4) = 16 of the buffer's 32 (2 x 16 tokens).
+#[test]
+fn imported_moe_blocks_are_charged_their_filled_rows() {
+    use hzp_frontends::{load_model, npz, LoadOptions};
+    use hzp_passes::cost::moe::filled_fractions;
+    use hzp_passes::train::{gradient_program, LossKind};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/models");
+    let io = npz::read(&dir.join("moe_tiny.io.npz")).unwrap();
+    let ids = io.iter().find(|(k, _)| k == "input_ids").unwrap().1.clone();
+    assert_eq!(ids.shape, vec![2, 16]);
+    for model in ["moe_tiny.legacy.op17.onnx", "moe_tiny.dynamo.op18.onnx"] {
+        let opts = LoadOptions {
+            shapes: [("input_ids".to_string(), ids.shape.clone())].into(),
+            values: [("input_ids".to_string(), ids.clone())].into(),
+            ..Default::default()
+        };
+        let fwd = load_model(dir.join(model).to_str().unwrap(), &opts).unwrap();
+        assert!(fwd.nodes.iter().any(|n| n.op.name() == "MoeDispatch"));
+        let p = gradient_program(&fwd, &LossKind::Lm { labels: None }).unwrap();
+        let frac = filled_fractions(&p);
+        let products: Vec<f64> = p
+            .nodes
+            .iter()
+            .zip(&frac)
+            .filter(|(n, _)| {
+                let out = n.outputs.first().map(|&v| &p.ty(v).shape[..]);
+                n.op == Op::MatMul && matches!(out, Some([4, _, _]))
+            })
+            .map(|(_, &f)| f)
+            .collect();
+        // 2 layers: gate, up and down products, each with its input and weight gradients
+        assert!(products.len() >= 12, "{model}: {} products", products.len());
+        assert!(products.iter().all(|&f| f == 0.5), "{model}: {products:?}");
+    }
+}

@@ -19,13 +19,14 @@
 //! expert does fill them.
 //!
 //! The fill follows the buffers through ops that keep an empty row empty: the
-//! zero-preserving unary ops (not `Sigmoid`, `Exp` or `Cos`, which are nonzero at zero), `Cast`, `Mul` by
-//! anything, `Div` of a filled numerator, `Add`/`Sub`/`Max`/`Min` of two filled values,
-//! `Slice`/`Split`/`Concat` along another axis, `Transpose`, a `Reshape` that keeps the
-//! last two dims, and batched products (a product's result has its row operand's fill);
-//! `MoeCombineGrad`'s expert-output gradient is filled like the buffer. A product is
-//! charged the fraction of its row operand's rows that are filled times the fraction of its
-//! contraction that is (a transposed buffer, or a filled right operand).
+//! zero-preserving unary ops (not `Sigmoid`, `Exp` or `Cos`, which are nonzero at zero),
+//! `Cast`, `Mul` by anything, `Div` of a filled numerator, `Add`/`Sub`/`Max`/`Min` of two
+//! filled values (or of one and zeros), `Slice`/`Split`/`Concat` along another axis (a
+//! `Concat` with zeros too: a `Slice`'s gradient pads with them), `Transpose`, a `Reshape`
+//! that keeps the last two dims, and batched products (a product's result has its row
+//! operand's fill); `MoeCombineGrad`'s expert-output gradient is filled like the buffer. A
+//! product is charged the fraction of its row operand's rows that are filled times the
+//! fraction of its contraction that is (a transposed buffer, or a filled right operand).
 
 use hzp_ir::{BinaryOp, Op, Program, TensorType, UnaryOp};
 
@@ -53,9 +54,15 @@ struct Fill {
 /// from it row by row (see the module docs), 1 for every other node.
 pub fn filled_fractions(p: &Program) -> Vec<f64> {
     let mut fill: Vec<Option<Fill>> = vec![None; p.values.len()];
+    // values that are zero throughout (a zero Fill: the gradient of a Slice pads with one)
+    let mut zero = vec![false; p.values.len()];
     let mut out = vec![1.0; p.nodes.len()];
     for (ni, n) in p.nodes.iter().enumerate() {
+        if let (Op::Fill { value, .. }, Some(&v)) = (&n.op, n.outputs.first()) {
+            zero[v.index()] = *value == 0.0;
+        }
         let get = |i: usize| -> Option<Fill> { n.inputs.get(i).and_then(|v| fill[v.index()]) };
+        let is_zero = |i: usize| n.inputs.get(i).is_some_and(|v| zero[v.index()]);
         let ty = |i: usize| -> Option<&TensorType> { n.inputs.get(i).map(|&v| p.ty(v)) };
         let out_ty = n.outputs.first().map(|&v| p.ty(v));
         let same_shape =
@@ -100,6 +107,9 @@ pub fn filled_fractions(p: &Program) -> Vec<f64> {
                             ..a
                         })
                     }
+                    // with zeros: the filled operand's rows
+                    (Some(f), None) if is_zero(1) && same_shape(0) => Some(f),
+                    (None, Some(f)) if is_zero(0) && same_shape(1) => Some(f),
                     _ => None,
                 }
             }
@@ -112,13 +122,23 @@ pub fn filled_fractions(p: &Program) -> Vec<f64> {
                 get(0).filter(|f| *axis != rank.wrapping_sub(f.from_end))
             }
             Op::Concat { axis } => {
+                // filled pieces (along the same axis) and zero ones
                 let rank = out_ty.map_or(0, |t| t.shape.len());
-                let all: Option<Vec<Fill>> = (0..n.inputs.len()).map(get).collect();
+                let all: Option<Vec<Option<Fill>>> = (0..n.inputs.len())
+                    .map(|i| {
+                        if is_zero(i) {
+                            Some(None)
+                        } else {
+                            get(i).map(Some)
+                        }
+                    })
+                    .collect();
                 all.and_then(|fs| {
-                    let first = *fs.first()?;
+                    let filled: Vec<Fill> = fs.into_iter().flatten().collect();
+                    let first = *filled.first()?;
                     let along = *axis == rank.wrapping_sub(first.from_end);
-                    (!along && fs.iter().all(|f| f.from_end == first.from_end)).then(|| Fill {
-                        fraction: fs.iter().map(|f| f.fraction).fold(0.0, f64::max),
+                    (!along && filled.iter().all(|f| f.from_end == first.from_end)).then(|| Fill {
+                        fraction: filled.iter().map(|f| f.fraction).fold(0.0, f64::max),
                         ..first
                     })
                 })
