@@ -744,8 +744,9 @@ fn moe_ops_and_routed_expert_products() {
     let (flops, _, _) = fb(&Op::MoeCombineGrad, grad_ins);
     assert_eq!(flops, (4 * 6 * 2 * 8) as f64);
 
-    // preset:mixtral-8x7b's experts: with capacity factor 1 their products cost top_k /
-    // experts of the dense form's; dropless (capacity = tokens) costs what dense does.
+    // preset:mixtral-8x7b's experts by shape (one op at a time): with capacity factor 1
+    // their products are top_k / experts of the dense form's; dropless (capacity = tokens)
+    // has the dense form's shapes (its filled rows: the next test).
     let expert_flops = |spec: &str| -> f64 {
         let p = hzp_frontends::presets::parse_preset(spec).unwrap();
         p.nodes
@@ -765,4 +766,99 @@ fn moe_ops_and_routed_expert_products() {
     assert!(dense > 0.0);
     assert_close!(routed / dense, 2.0 / 8.0);
     assert_close!(dropless, dense);
+}
+
+/// The experts' products of `preset:moe` (Mixtral's shapes, one layer) forward and
+/// backward: FLOPs by shape ([`op_flops`]) and FLOPs of the filled rows (times
+/// [`filled_fractions`]). A dropless layer's filled rows are the balanced share `T K / E`
+/// rows per expert, so its products do `top_k / experts` of the dense form's work; the
+/// dense form's FLOPs (every expert on every token, no buffer) are counted by shape only,
+/// with nothing of the fill analysis.
+#[test]
+fn dropless_expert_products_cost_top_k_over_experts_of_dense() {
+    use hzp_passes::cost::moe::filled_fractions;
+    use hzp_passes::train::{gradient_program, LossKind};
+    // (flops by shape, flops of the filled rows) of the expert products of the step
+    let expert_flops = |spec: &str| -> (f64, f64) {
+        let fwd = hzp_frontends::presets::parse_preset(spec).unwrap();
+        let p = gradient_program(&fwd, &LossKind::Lm { labels: None }).unwrap();
+        let frac = filled_fractions(&p);
+        let (mut shaped, mut filled, mut count) = (0.0, 0.0, 0);
+        for (i, n) in p.nodes.iter().enumerate() {
+            // the expert products: a result batched over the 8 experts, whatever the names
+            let ins: Vec<&TensorType> = n.inputs.iter().map(|&v| p.ty(v)).collect();
+            let batched = |t: &TensorType| t.shape.len() == 3 && t.shape[0] == 8;
+            if n.op != Op::MatMul || !batched(p.ty(n.outputs[0])) {
+                continue;
+            }
+            count += 1;
+            let outs: Vec<&TensorType> = n.outputs.iter().map(|&v| p.ty(v)).collect();
+            let f = op_flops(&n.op, &ins, &outs);
+            shaped += f;
+            filled += f * frac[i];
+        }
+        // gate_up and down, forward, input gradient and weight gradient
+        assert_eq!(count, 6, "{spec}");
+        (shaped, filled)
+    };
+    // 256 tokens (one sequence), top 2 of 8 experts
+    let base =
+        "preset:moe,layers=1,seq=256,batch=1,hidden=512,ffn=1024,heads=8,kv_heads=8,vocab=1000";
+    let dense = expert_flops(&format!("{base},dense=true"));
+    let dropless = expert_flops(base);
+    let capacity = expert_flops(&format!("{base},capacity_factor=1.25"));
+    // by shape, dropless is the dense form's work; its filled rows are a quarter of it
+    assert!(dense.0 > 0.0);
+    assert_eq!(dense.1, dense.0);
+    assert_eq!(dropless.0, dense.0);
+    assert_close!(dropless.1 / dense.0, 2.0 / 8.0);
+    // with a capacity factor the capacity is charged: ceil(1.25 * 256 * 2 / 8) = 80 rows
+    assert_eq!(capacity.1, capacity.0);
+    assert_close!(capacity.1 / dense.0, 80.0 / 256.0);
+    // an odd split rounds up: 100 tokens, 2 choices of 8 experts, ceil(200 / 8) = 25 rows
+    let odd = "preset:moe,layers=1,seq=50,batch=2,hidden=64,ffn=128,heads=4,kv_heads=4,vocab=100";
+    let (odd_dense, odd_dropless) = (
+        expert_flops(&format!("{odd},dense=true")),
+        expert_flops(odd),
+    );
+    assert_close!(odd_dropless.1 / odd_dense.0, 25.0 / 100.0);
+}
+
+/// The MoE blocks of the tiny Mixtral's ONNX exports, routed on import (the products on
+/// the stacked weights, row-wise ops between them as the exporter wrote them): every
+/// product batched over the 4 experts, forward and backward, is charged its filled rows,
+/// the balanced share ceil(32 * 2 / 4) = 16 of the buffer's 32 (2 x 16 tokens).
+#[test]
+fn imported_moe_blocks_are_charged_their_filled_rows() {
+    use hzp_frontends::{load_model, npz, LoadOptions};
+    use hzp_passes::cost::moe::filled_fractions;
+    use hzp_passes::train::{gradient_program, LossKind};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/models");
+    let io = npz::read(&dir.join("moe_tiny.io.npz")).unwrap();
+    let ids = io.iter().find(|(k, _)| k == "input_ids").unwrap().1.clone();
+    assert_eq!(ids.shape, vec![2, 16]);
+    for model in ["moe_tiny.legacy.op17.onnx", "moe_tiny.dynamo.op18.onnx"] {
+        let opts = LoadOptions {
+            shapes: [("input_ids".to_string(), ids.shape.clone())].into(),
+            values: [("input_ids".to_string(), ids.clone())].into(),
+            ..Default::default()
+        };
+        let fwd = load_model(dir.join(model).to_str().unwrap(), &opts).unwrap();
+        assert!(fwd.nodes.iter().any(|n| n.op.name() == "MoeDispatch"));
+        let p = gradient_program(&fwd, &LossKind::Lm { labels: None }).unwrap();
+        let frac = filled_fractions(&p);
+        let products: Vec<f64> = p
+            .nodes
+            .iter()
+            .zip(&frac)
+            .filter(|(n, _)| {
+                let out = n.outputs.first().map(|&v| &p.ty(v).shape[..]);
+                n.op == Op::MatMul && matches!(out, Some([4, _, _]))
+            })
+            .map(|(_, &f)| f)
+            .collect();
+        // 2 layers: gate, up and down products, each with its input and weight gradients
+        assert!(products.len() >= 12, "{model}: {} products", products.len());
+        assert!(products.iter().all(|&f| f == 0.5), "{model}: {products:?}");
+    }
 }

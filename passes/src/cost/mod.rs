@@ -54,10 +54,14 @@
 //! output; Free and the event ops touch nothing.
 //!
 //! The experts' products of a routed MoE layer are batched MatMuls over the dispatched
-//! `[E, C, H]` tensor, charged like every MatMul by its shapes: `E C` rows per product, which
-//! is `capacity_factor * T K` rows (about `top_k / experts` of the dense form's `E T`) with a
-//! capacity factor, and `E T` rows (the dense count, most of them zero padding) when the
-//! capacity is dropless (`C = T`). The kernels compute exactly that much (docs/moe.md).
+//! `[E, C, H]` tensor. [`op_flops`] sees one op and its shapes, so it charges `E C` rows per
+//! product: `capacity_factor * T K` rows (about `top_k / experts` of the dense form's `E T`)
+//! with a capacity factor, `E T` (the dense count) when the layer is dropless (`C = T`).
+//! Most of a dropless buffer's rows are zero, and the kernels leave them out; with the
+//! program at hand, [`moe::filled_fractions`] gives each product's share of its FLOPs that
+//! the filled rows take, assuming balanced routing (the balanced share `ceil(T K / E)` rows
+//! per expert; `C` with a capacity factor), and [`Roofline::with_flop_fraction`] applies it.
+//! The simulator charges that (docs/moe.md).
 //!
 //! # Collectives
 //!
@@ -85,6 +89,7 @@
 //! by the number of streams, the latency term stays.
 
 pub mod cluster;
+pub mod moe;
 
 use crate::cost::cluster::{ClusterError, ClusterSpec, Link};
 use hzp_ir::{numel, BinaryOp, DType, Group, Mesh, Op, ReduceOp, TensorType, UnaryOp};
@@ -386,6 +391,32 @@ pub struct Roofline {
     /// `overhead_s + max(compute_s, memory_s)`.
     pub seconds: f64,
     pub bound: Bound,
+}
+
+impl Roofline {
+    /// The roofline of the op doing `fraction` (in `[0, 1]`) of its FLOPs: a product over
+    /// an expert buffer's filled rows ([`moe::filled_fractions`]). The bytes stay (the
+    /// result is written whole). `self` unchanged for a fraction of 1 or one out of range.
+    pub fn with_flop_fraction(self, fraction: f64) -> Roofline {
+        if !(0.0..1.0).contains(&fraction) || self.flops <= 0.0 {
+            return self;
+        }
+        let compute_s = self.compute_s * fraction;
+        let bound = if self.bound == Bound::None {
+            Bound::None
+        } else if compute_s >= self.memory_s {
+            Bound::Compute
+        } else {
+            Bound::Memory
+        };
+        Roofline {
+            flops: self.flops * fraction,
+            compute_s,
+            seconds: self.overhead_s + compute_s.max(self.memory_s),
+            bound,
+            ..self
+        }
+    }
 }
 
 /// Peak FLOP/s of the matrix units for a compute dtype (integers use the fp32 peak).

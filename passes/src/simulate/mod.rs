@@ -16,6 +16,8 @@
 //! - `RecordEvent` completes when every earlier node of its stream has (it takes no time).
 //! - Compute nodes take their roofline time ([`crate::cost::roofline`]) in the dtype of their
 //!   first operand (so a bf16 matmul runs at the bf16 peak); views, frees and events take 0.
+//!   A product over a mixture of experts' buffers is charged its filled rows' share of the
+//!   FLOPs, assuming balanced routing ([`crate::cost::moe::filled_fractions`]).
 //! - Collectives take the alpha-beta time of the cost model ([`crate::cost::collective_time`])
 //!   with the fastest algorithm for their size and group (as the planner assumes), or the one
 //!   given in [`SimOptions::algorithm`]. A collective is a sequence of phases (one per mesh axis
@@ -302,6 +304,8 @@ fn node_costs(
     let mut out = Vec::with_capacity(p.nodes.len());
     // transposed operands are their input's bytes read by the products: nothing runs
     let transposed = hzp_ir::views::transposed_operands(p);
+    // products over expert buffers do only their filled rows' FLOPs (balanced routing)
+    let filled = crate::cost::moe::filled_fractions(p);
     for (i, n) in p.nodes.iter().enumerate() {
         let ins = types(p, &n.inputs);
         let outs = types(p, &n.outputs);
@@ -364,7 +368,9 @@ fn node_costs(
             }
             op => {
                 let dtype = ins.first().map_or(DType::F32, |t| t.dtype);
-                let r = model.roofline(op, &ins, &outs, dtype);
+                let r = model
+                    .roofline(op, &ins, &outs, dtype)
+                    .with_flop_fraction(filled[i]);
                 let s = match op {
                     Op::RecordEvent { .. } => 0.0,
                     _ if transposed[i] => 0.0,
