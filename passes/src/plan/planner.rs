@@ -927,6 +927,9 @@ fn layer_times(
     let mut fwd_s = vec![0.0; nl];
     let mut bwd_s = vec![0.0; nl];
     let (mut other_fwd_s, mut other_bwd_s) = (0.0, 0.0);
+    // a product over a dropless MoE buffer computes its filled rows (as the simulator
+    // charges it)
+    let filled = crate::cost::moe::filled_fractions(p);
     for (i, n) in p.nodes[..timed].iter().enumerate() {
         let ins: Vec<&hzp_ir::TensorType> = n.inputs.iter().map(|&v| p.ty(v)).collect();
         let outs: Vec<&hzp_ir::TensorType> = n.outputs.iter().map(|&v| p.ty(v)).collect();
@@ -944,7 +947,9 @@ fn layer_times(
         let secs = if weight_cast {
             0.0
         } else {
-            roofline(&n.op, &ins, &outs, cluster, dtype).seconds
+            roofline(&n.op, &ins, &outs, cluster, dtype)
+                .with_flop_fraction(filled[i])
+                .seconds
         };
         if i < n_fwd {
             match node_layer[i] {
