@@ -460,7 +460,9 @@ fn choose_expert_parallel(
         return Ok(None);
     }
     let budget = opts.budget.unwrap_or(opts.cluster.device.memory_bytes);
-    let mut tried: Vec<(Option<hzp_ir::Group>, Result<(f64, u64), String>)> = Vec::new();
+    // each choice and its simulated (step time, peak bytes), or why it did not compile
+    type Tried = (Option<hzp_ir::Group>, Result<(f64, u64), String>);
+    let mut tried: Vec<Tried> = Vec::new();
     for choice in std::iter::once(None).chain(options.into_iter().map(Some)) {
         let o = CompileOptions {
             expert_parallel: choice.clone(),
