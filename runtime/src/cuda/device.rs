@@ -254,12 +254,30 @@ fn allocate(low: &LoweredPlan) -> Result<Handles, ExecError> {
     // SAFETY: base..base+alloc_bytes was just allocated.
     unsafe { drv::memset_d8_sync(base, 0, low.alloc_bytes as usize) }
         .map_err(|e| drv_err("clearing the arena", e))?;
+    upload_consts(low, base)?;
     let mut streams = [std::ptr::null_mut(); 3];
     for s in streams.iter_mut() {
         *s = drv::stream::create(drv::stream::StreamKind::NonBlocking)
             .map_err(|e| drv_err("creating a stream", e))?;
     }
     Ok(Handles { streams, base })
+}
+
+/// The lowering's constant tables (the multi-tensor AdamW tables), after the error word.
+fn upload_consts(low: &LoweredPlan, base: sys::CUdeviceptr) -> Result<(), ExecError> {
+    for (off, bytes) in &low.consts {
+        if off + bytes.len() as u64 > low.alloc_bytes {
+            return Err(run_err(format!(
+                "internal: a {}-byte table at {off} is outside the {}-byte allocation",
+                bytes.len(),
+                low.alloc_bytes
+            )));
+        }
+        // SAFETY: inside the allocation (checked above); no stream runs yet.
+        unsafe { drv::memcpy_htod_sync(base + off, bytes) }
+            .map_err(|e| drv_err("copying the AdamW tables to the GPU", e))?;
+    }
+    Ok(())
 }
 
 /// The plan's events, the nodes' timing events, and where each compute-stream wait on a

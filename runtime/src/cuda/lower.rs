@@ -71,6 +71,9 @@ pub struct LowerOptions {
     /// Fuse runs of elementwise nodes into generated kernels ([`super::fuse`];
     /// `HZP_CUDA_FUSE=1`).
     pub fuse: bool,
+    /// One `adamw_f32` launch per AdamW node instead of one multi-tensor launch per group of
+    /// them ([`super::adamw_multi`]; `HZP_CUDA_ADAMW_PER_NODE=1`).
+    pub per_node_adamw: bool,
 }
 
 impl LowerOptions {
@@ -85,6 +88,7 @@ impl LowerOptions {
                 CudaAttention::Off
             },
             fuse: std::env::var("HZP_CUDA_FUSE").is_ok_and(|v| v == "1"),
+            per_node_adamw: std::env::var("HZP_CUDA_ADAMW_PER_NODE").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -142,14 +146,20 @@ pub fn lower_program_with(
     let comms = renumber_comms(&lowering.comm_list, &mut nodes);
     let updates = update_copies(p, &loc)?;
     let err_offset = plan.arena_bytes.div_ceil(256) * 256;
+    let (consts, alloc_bytes) = if opts.per_node_adamw {
+        (Vec::new(), err_offset + 256)
+    } else {
+        super::adamw_multi::apply(p, &loc, &mut nodes, err_offset + 256)?
+    };
     Ok(LoweredPlan {
         rank,
         nodes,
         n_events: event_stream.len(),
         event_stream,
         comms,
-        alloc_bytes: err_offset + 256,
+        alloc_bytes,
         err_offset,
+        consts,
         updates,
         loc,
         fused_source: runs.iter().map(|r| r.source.as_str()).collect(),

@@ -13,6 +13,7 @@
 //! runs its rank of the plan ([`open_process`]); rank 0 creates the NCCL ids and sends them to the
 //! others over TCP.
 
+pub mod adamw_multi;
 pub mod fuse;
 pub mod kernels;
 pub mod lower;

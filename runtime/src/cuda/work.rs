@@ -281,6 +281,9 @@ pub struct LoweredPlan {
     pub alloc_bytes: u64,
     /// Offset of the 4-byte error word (after the arena, aligned).
     pub err_offset: u64,
+    /// Bytes the executor writes once, when it loads the plan, after the error word: the
+    /// multi-tensor AdamW tables ([`super::adamw_multi`]), as (offset, bytes).
+    pub consts: Vec<(u64, Vec<u8>)>,
     /// (value offset, target offset, bytes) per update, in the plan's order.
     pub updates: Vec<(u64, u64, u64)>,
     /// Buffer of each value: (offset, bytes); bytes 0 for empty values.
