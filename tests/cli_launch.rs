@@ -722,6 +722,13 @@ fn attention_kernel_choice_is_checked() {
     let (code, _, err) = hzp(&["run", plan, "--inputs", inputs, "--fuse-elementwise"]);
     assert_ne!(code, 0);
     assert!(err.contains("--fuse-elementwise fuses the CUDA"), "{err}");
+    // and CUDA graphs
+    let (code, _, err) = hzp(&["run", plan, "--inputs", inputs, "--no-cuda-graph"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--no-cuda-graph is an option of --backend cuda"),
+        "{err}"
+    );
     // an unknown choice, named
     let (code, _, err) = hzp(&[
         "run",
