@@ -32,6 +32,12 @@ pub fn from_env() -> bool {
     std::env::var("HZP_CUDA_GRAPH").map_or(true, |v| v != "0")
 }
 
+/// `HZP_CUDA_EXPLAIN=1`: the executor says when it captured a step (and the lowering's
+/// choices elsewhere).
+pub fn explain() -> bool {
+    std::env::var("HZP_CUDA_EXPLAIN").is_ok_and(|v| v == "1")
+}
+
 /// What a graph is bound to: the arena's device address and the allocation's size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fingerprint {

@@ -179,6 +179,15 @@ impl CudaExecutor {
             .collect();
         match self.capture(step) {
             Ok(held) => {
+                if graph::explain() {
+                    let mut n = 0usize;
+                    // SAFETY: a live graph; a null array asks for the count only.
+                    unsafe { sys::cuGraphGetNodes(held.0, std::ptr::null_mut(), &mut n) };
+                    eprintln!(
+                        "hzp: CUDA graph: rank {} captured step {step} ({n} graph nodes); later steps replay it",
+                        self.dist.rank
+                    );
+                }
                 self.graph.held = Some(held);
                 self.graph.policy.captured(Ok(()));
                 self.launch_graph()
