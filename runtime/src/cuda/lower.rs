@@ -145,6 +145,14 @@ pub fn lower_program_with(
     }
     let comms = renumber_comms(&lowering.comm_list, &mut nodes);
     let updates = update_copies(p, &loc)?;
+    if rank == 0 && super::graph::explain() {
+        // the cuBLASLt epilogue each product could take (reported, not used yet)
+        let choices = super::epilogue::choose(p, Some(&loc));
+        eprint!(
+            "hzp: cuBLASLt epilogues (not used yet):\n{}",
+            super::epilogue::report(p, &choices)
+        );
+    }
     let err_offset = plan.arena_bytes.div_ceil(256) * 256;
     let (consts, alloc_bytes) = if opts.per_node_adamw {
         (Vec::new(), err_offset + 256)

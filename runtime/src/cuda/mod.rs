@@ -14,6 +14,7 @@
 //! others over TCP.
 
 pub mod adamw_multi;
+pub mod epilogue;
 pub mod fuse;
 pub mod graph;
 pub mod kernels;
