@@ -190,3 +190,231 @@ fn a_second_reader_keeps_the_neighbour_apart() {
         "{c:?}"
     );
 }
+
+/// The cuBLASLt call of an [`LtGemm`] as cuBLASLt's documentation defines it, on the CPU:
+/// column-major `P = op(A) op(B)` (`m x n`, `A` `m x k`), then the epilogue (bias of `m`
+/// per row of `D`; the auxiliary matrix with `D`'s leading dimension; GELU the tanh form;
+/// BGRADA sums `op(A)` over `k`).
+fn lt_model(arena: &mut [f32], g: &hzp_runtime::cuda::work::LtGemm) {
+    let [c] = g.gemm.cublas_calls()[..] else {
+        panic!("one call")
+    };
+    let at = |off: u64| (off / 4) as usize;
+    let el = |arena: &[f32], base: u64, t: bool, ld: usize, r: usize, k: usize| {
+        // element (r, k) of op(X), X stored column-major with leading dimension ld
+        if t {
+            arena[at(base) + k + r * ld]
+        } else {
+            arena[at(base) + r + k * ld]
+        }
+    };
+    let gelu = |x: f32| 0.5 * x * (1.0 + (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh());
+    let dgelu = |x: f32| {
+        let t = (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh();
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.797_884_6 * (1.0 + 3.0 * 0.044715 * x * x)
+    };
+    let mut p = vec![0f32; c.m * c.n];
+    for j in 0..c.n {
+        for i in 0..c.m {
+            let mut s = 0f64;
+            for k in 0..c.k {
+                s += el(arena, c.x, c.trans_x, c.ldx, i, k) as f64
+                    * el(arena, c.y, c.trans_y, c.ldy, k, j) as f64;
+            }
+            p[i + j * c.m] = s as f32;
+        }
+    }
+    let mut bgrad = vec![0f64; c.m];
+    for j in 0..c.n {
+        for i in 0..c.m {
+            let mut v = p[i + j * c.m];
+            match g.epilogue {
+                Epilogue::Bias => v += arena[at(g.bias.unwrap()) + i],
+                Epilogue::GeluAuxBias => {
+                    let pre = v + arena[at(g.bias.unwrap()) + i];
+                    arena[at(g.aux.unwrap()) + i + j * c.ldc] = pre;
+                    v = gelu(pre);
+                }
+                Epilogue::Dgelu | Epilogue::DgeluBgrad => {
+                    v *= dgelu(arena[at(g.aux.unwrap()) + i + j * c.ldc]);
+                    bgrad[i] += v as f64;
+                }
+                _ => {}
+            }
+            arena[at(c.c) + i + j * c.ldc] = v;
+        }
+    }
+    if g.epilogue == Epilogue::BgradA {
+        for (i, b) in bgrad.iter_mut().enumerate() {
+            *b = (0..c.k)
+                .map(|k| el(arena, c.x, c.trans_x, c.ldx, i, k) as f64)
+                .sum();
+        }
+    }
+    if matches!(g.epilogue, Epilogue::DgeluBgrad | Epilogue::BgradA) {
+        for (i, b) in bgrad.iter().enumerate() {
+            arena[at(g.bias.unwrap()) + i] = *b as f32;
+        }
+    }
+}
+
+/// With `HZP_CUDA_LT=1` the lowering wires the chosen epilogues: each product's work is one
+/// `LtGemm`, the absorbed nodes do no work, and the call, run through a CPU model of
+/// cuBLASLt on an arena laid out as the lowering lays it out, gives what the CPU evaluator
+/// gives running the product and the nodes it absorbs (within 1e-4: the model sums in
+/// another order): that checks the offsets of D, the bias and the pre-activation, the leading
+/// dimensions and which dimension a bias (gradient) runs along.
+#[test]
+fn wired_epilogues_compute_what_the_nodes_they_replace_compute() {
+    use hzp_runtime::cuda::lower::{LowerOptions, Work};
+    let plan = compile_plan("epi-wire", &[]);
+    let p = &plan.program;
+    let opts = LowerOptions {
+        lt_epilogues: true,
+        ..LowerOptions::default()
+    };
+    let low = hzp_runtime::cuda::lower::lower_program_with(&plan, 0, opts).unwrap();
+    let choices = epilogue::choose(p, Some(&low.loc));
+    let mut wired = 0;
+    let mut rng = 0x2545f4914f6cdd1du64;
+    let mut rand = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    };
+    for c in choices.iter().filter(|c| c.epilogue != Epilogue::Default) {
+        let lts: Vec<_> = low.nodes[c.node]
+            .work
+            .iter()
+            .filter_map(|w| match w {
+                Work::LtGemm(g) => Some(g.clone()),
+                _ => None,
+            })
+            .collect();
+        let [g] = &lts[..] else {
+            panic!("`{}`: {lts:?}", p.nodes[c.node].name)
+        };
+        assert_eq!(g.epilogue, c.epilogue);
+        for &a in &c.absorbs {
+            assert!(
+                low.nodes[a].work.is_empty(),
+                "absorbed `{}` still works",
+                p.nodes[a].name
+            );
+        }
+        // the chain's nodes (the product, views between, the absorbed) on the CPU
+        let mut chain: Vec<usize> = vec![c.node];
+        chain.extend(&c.absorbs);
+        let produced = |v: hzp_ir::ValueId, chain: &[usize]| {
+            chain.iter().any(|&i| p.nodes[i].outputs.contains(&v))
+        };
+        // views between the chain's nodes
+        loop {
+            let missing = chain
+                .iter()
+                .flat_map(|&i| p.nodes[i].inputs.clone())
+                .find(|&v| {
+                    !produced(v, &chain)
+                        && p.nodes
+                            .iter()
+                            .position(|n| n.outputs.contains(&v))
+                            .is_some_and(|q| {
+                                matches!(p.nodes[q].op, Op::Reshape { .. })
+                                    && produced(p.nodes[q].inputs[0], &chain)
+                            })
+                });
+            match missing {
+                Some(v) => chain.push(p.nodes.iter().position(|n| n.outputs.contains(&v)).unwrap()),
+                None => break,
+            }
+        }
+        chain.sort();
+        let mut arena = vec![0f32; low.alloc_bytes as usize / 4];
+        let mut vals: std::collections::HashMap<hzp_ir::ValueId, hzp_ir::Tensor> =
+            Default::default();
+        for &i in &chain {
+            for &v in &p.nodes[i].inputs {
+                if produced(v, &chain) || vals.contains_key(&v) {
+                    continue;
+                }
+                // the value, and where it is a view of another its source's bytes too
+                let ty = p.ty(v);
+                let q = p.nodes.iter().position(|n| n.outputs.contains(&v));
+                if let Some(q) = q.filter(|&q| {
+                    matches!(p.nodes[q].op, Op::Transpose { .. })
+                        && low.loc[p.nodes[q].inputs[0].index()].0 == low.loc[v.index()].0
+                }) {
+                    // a transpose kept as a view: the GPU holds its source's bytes
+                    let x = p.nodes[q].inputs[0];
+                    let xt = p.ty(x);
+                    let data: Vec<f64> = (0..xt.numel()).map(|_| rand()).collect();
+                    let xs = hzp_ir::Tensor::from_f64(xt.dtype, xt.shape.clone(), &data);
+                    let o = (low.loc[x.index()].0 / 4) as usize;
+                    for (k, d) in data.iter().enumerate() {
+                        arena[o + k] = *d as f32;
+                    }
+                    let t = hzp_runtime::cpu::eval_op(&p.nodes[q].op, &[&xs]).unwrap();
+                    vals.insert(v, t.into_iter().next().unwrap());
+                    continue;
+                }
+                let data: Vec<f64> = (0..ty.numel()).map(|_| rand()).collect();
+                let t = hzp_ir::Tensor::from_f64(ty.dtype, ty.shape.clone(), &data);
+                let mut src = v;
+                while let Some(q) = p.nodes.iter().position(|n| n.outputs.contains(&src)) {
+                    if !matches!(p.nodes[q].op, Op::Reshape { .. }) {
+                        break;
+                    }
+                    src = p.nodes[q].inputs[0];
+                }
+                for w in [v, src] {
+                    let o = (low.loc[w.index()].0 / 4) as usize;
+                    for (k, x) in data.iter().enumerate() {
+                        arena[o + k] = *x as f32;
+                    }
+                }
+                vals.insert(v, t);
+            }
+        }
+        for &i in &chain {
+            let n = &p.nodes[i];
+            let ins: Vec<&hzp_ir::Tensor> = n.inputs.iter().map(|v| &vals[v]).collect();
+            let out = hzp_runtime::cpu::eval_op(&n.op, &ins).unwrap();
+            for (v, t) in n.outputs.iter().zip(out) {
+                vals.insert(*v, t);
+            }
+        }
+        lt_model(&mut arena, g);
+        // what the call writes: D, the bias gradient, GELU_AUX_BIAS's pre-activation
+        let aux_out = (c.epilogue == Epilogue::GeluAuxBias)
+            .then_some(c.aux)
+            .flatten();
+        for v in [c.d, aux_out, c.bias].into_iter().flatten() {
+            if c.bias == Some(v) && matches!(c.epilogue, Epilogue::Bias | Epilogue::GeluAuxBias) {
+                continue;
+            }
+            let want = vals[&v].to_f64_vec();
+            let o = (low.loc[v.index()].0 / 4) as usize;
+            let scale = want.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+            for (k, w) in want.iter().enumerate() {
+                let got = arena[o + k] as f64;
+                assert!(
+                    (got - w).abs() <= 1e-4 * scale,
+                    "`{}` {}: `{}` element {k}: {got} against the CPU's {w}",
+                    p.nodes[c.node].name,
+                    c.epilogue.name(),
+                    p.value(v).name
+                );
+            }
+        }
+        wired += 1;
+    }
+    assert_eq!(wired, 16, "products wired");
+    // without HZP_CUDA_LT the work is the plain lowering's
+    let plain =
+        hzp_runtime::cuda::lower::lower_program_with(&plan, 0, LowerOptions::default()).unwrap();
+    assert!(plain
+        .nodes
+        .iter()
+        .all(|nw| !nw.work.iter().any(|w| matches!(w, Work::LtGemm(_)))));
+}

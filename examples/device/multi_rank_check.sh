@@ -20,7 +20,9 @@
 # capture (HZP_CUDA_EXPLAIN=1 says it captured) against --no-cuda-graph, bit for bit, also with
 # --comm sync, and gpu=2 with every rank on the GPU (graphs refused: said once, still equal);
 # adamw: every EXPLICIT model with the multi-tensor AdamW (the default) against one AdamW launch
-# per parameter (HZP_CUDA_ADAMW_PER_NODE=1), bit for bit)
+# per parameter (HZP_CUDA_ADAMW_PER_NODE=1), bit for bit; lt: every EXPLICIT model with
+# cuBLASLt epilogues (HZP_CUDA_LT=1) against the default, within 1e-4 (HZP_CUDA_EXPLAIN=1's
+# choice in $W/<model>.lt.y.err))
 # (all by default; gpt2s alone takes the longest;
 # acco: ACCO plans on CUDA against the CPU backend;
 # attn: hzp's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
@@ -376,6 +378,19 @@ if want adamw; then
     timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.m.npz >$f.m.out 2>$f.m.err || el "adamw $stem multi: rc=$?"
     HZP_CUDA_ADAMW_PER_NODE=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.p.npz >$f.p.out 2>$f.p.err || el "adamw $stem per node: rc=$?"
     python3 $D/compare_bitwise.py "adamw $stem multi-tensor vs per node" $f.p.out $f.m.out $f.p.npz $f.m.npz
+  done
+fi
+if want lt; then
+  el "== cuBLASLt epilogues (HZP_CUDA_LT=1: bias, GELU with its pre-activation, DGELU and bias gradients in the products' calls) against the products and kernels apart, within 1e-4, every explicit tiny model"
+  for spec in $EXPLICIT; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    f=$W/$stem.lt
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT lt $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.n.npz >$f.n.out 2>$f.n.err || el "lt $stem without: rc=$?"
+    HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.y.npz >$f.y.out 2>$f.y.err || { el "RESULT lt $stem: FAIL rc=$?"; tail -20 $f.y.err; continue; }
+    el "lt $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $f.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $f.y.err) not wired"
+    TOL=1e-4 python3 $D/compare_ranks.py "lt $stem cuBLASLt epilogues vs apart" $f.n.out $f.y.out $f.n.npz $f.y.npz
   done
 fi
 if want e2e; then

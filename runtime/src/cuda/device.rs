@@ -38,6 +38,8 @@ use std::time::{Duration, Instant};
 #[path = "graph_exec.rs"]
 mod graph_exec;
 use graph_exec::{record_timing, GraphRun};
+#[path = "lt_exec.rs"]
+mod lt_exec;
 
 /// How to run on the GPU.
 #[derive(Clone, Debug)]
@@ -170,6 +172,8 @@ pub struct CudaExecutor {
     report: Option<FlightReport>,
     /// The step's CUDA graph ([`super::graph`]).
     graph: GraphRun,
+    /// cuBLASLt's handle and workspace, for the products with epilogues (`HZP_CUDA_LT=1`).
+    lt: lt_exec::LtRun,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -430,6 +434,7 @@ impl CudaExecutor {
         )?;
         let functions = kernel_functions(module, &low, local.is_some())?;
         let h = allocate(&low)?;
+        let lt = lt_exec::LtRun::new(&low)?;
         let (events, timing, wait_timing) = create_events(&low)?;
         let blas_h = blas::create_handle()
             .map_err(|e| run_err(format!("cuBLAS: creating a handle: {e:?}")))?;
@@ -467,6 +472,7 @@ impl CudaExecutor {
                 .then(OpProfile::default),
             report: None,
             graph: GraphRun::off(),
+            lt,
         };
         ex.calls = (0..ex.low.comms.len()).map(|_| AtomicU64::new(0)).collect();
         if let Some(rv) = rv {
@@ -1077,6 +1083,7 @@ impl CudaExecutor {
                         }
                         Work::Kernel(l) => self.launch(l, stream).map_err(node_err)?,
                         Work::Gemm(g) => self.gemm(g).map_err(node_err)?,
+                        Work::LtGemm(g) => self.lt.run(g, self.h.base, stream).map_err(node_err)?,
                         Work::Collective(c) => {
                             let calls = self
                                 .calls
@@ -1533,6 +1540,7 @@ impl Drop for CudaExecutor {
                 let _ = drv::stream::synchronize(s);
             }
             self.graph.tear_down();
+            self.lt.tear_down();
             if let (Transport::Nccl(comms), false) = (&self.transport, self.failed) {
                 for c in comms.0.iter().flatten() {
                     let _ = nccl::comm_destroy(*c);

@@ -2,8 +2,10 @@
 //! cuBLASLt's `cublasLtMatmul` could compute in the same call, and why not where it cannot.
 //! Pure Rust over the plan's program (no GPU, no `cuda` feature). The choice is reported
 //! (`HZP_CUDA_EXPLAIN=1` prints it when a plan is lowered, `tests/cuda_epilogues.rs` keeps the
-//! tiny GPT-2's as a snapshot); the CUDA backend does not call cuBLASLt yet: every product
-//! still runs as a cuBLAS GEMM and its neighbours as their own kernels.
+//! tiny GPT-2's as a snapshot) and, with `HZP_CUDA_LT=1` (off by default: never run on a
+//! GPU), [`wire`] puts it in the lowered work as `Work::LtGemm`, which the executor runs with
+//! `cublasLtMatmul`; otherwise every product runs as a cuBLAS GEMM and its neighbours as their
+//! own kernels.
 //!
 //! A product `Y[M,N] = A[M,K] B[K,N]` (row-major; cuBLAS computes the column-major `Y^T =
 //! B^T A^T`, so cuBLAS's matrix `D` is `Y^T`, `N` rows, and its `A` operand is the plan's `B`):
@@ -70,6 +72,11 @@ pub struct Choice {
     pub aux: Option<ValueId>,
     /// Why a neighbour was not absorbed (empty when nothing was in reach).
     pub why_not: Vec<String>,
+    /// The value the call's `D` holds (the last absorbed node's result, or the product's).
+    pub d: Option<ValueId>,
+    /// The bias (BIAS, GELU_AUX_BIAS: read) or the bias gradient (DGELU_BGRAD, BGRADA:
+    /// written).
+    pub bias: Option<ValueId>,
 }
 
 /// Readers of each value (node indices, program order) and whether it leaves the program
@@ -201,6 +208,8 @@ pub fn choose(p: &Program, loc: Option<&[(u64, u64)]>) -> Vec<Choice> {
             absorbs: Vec::new(),
             aux: None,
             why_not: Vec::new(),
+            d: None,
+            bias: None,
         };
         let y = node.outputs[0];
         let yt = p.ty(y);
@@ -258,6 +267,8 @@ pub fn choose(p: &Program, loc: Option<&[(u64, u64)]>) -> Vec<Choice> {
                 c.epilogue = Epilogue::Bias;
                 c.absorbs.push(add);
                 absorbed[add] = true;
+                c.d = Some(p.nodes[add].outputs[0]);
+                c.bias = Some(bias);
                 // + GELU, the pre-activation kept as the auxiliary output
                 let z = p.nodes[add].outputs[0];
                 if let Some((zr, _)) = uses_through_views(p, &u, z) {
@@ -301,6 +312,7 @@ pub fn choose(p: &Program, loc: Option<&[(u64, u64)]>) -> Vec<Choice> {
                             c.absorbs.push(gelu[0]);
                             absorbed[gelu[0]] = true;
                             c.aux = Some(z);
+                            c.d = Some(p.nodes[gelu[0]].outputs[0]);
                         }
                     }
                 }
@@ -339,11 +351,13 @@ pub fn choose(p: &Program, loc: Option<&[(u64, u64)]>) -> Vec<Choice> {
                 absorbed[g] = true;
                 c.aux = Some(view_source(p, &producer, pre));
                 let dz = p.nodes[g].outputs[0];
+                c.d = Some(dz);
                 if let Some((dr, _)) = uses_through_views(p, &u, dz) {
                     if let Some(&(r, _)) = dr.iter().find(|&&(r, _)| is_row_sum(p, r, n)) {
                         c.epilogue = Epilogue::DgeluBgrad;
                         c.absorbs.push(r);
                         absorbed[r] = true;
+                        c.bias = Some(p.nodes[r].outputs[0]);
                     }
                 }
             }
@@ -394,12 +408,16 @@ pub fn choose(p: &Program, loc: Option<&[(u64, u64)]>) -> Vec<Choice> {
                             c.epilogue = Epilogue::BgradA;
                             c.absorbs.push(r);
                             absorbed[r] = true;
+                            c.d = Some(y);
+                            c.bias = Some(p.nodes[r].outputs[0]);
                         }
                     }
                 } else {
                     c.epilogue = Epilogue::BgradA;
                     c.absorbs.push(r);
                     absorbed[r] = true;
+                    c.d = Some(y);
+                    c.bias = Some(p.nodes[r].outputs[0]);
                 }
             }
         }
@@ -447,4 +465,168 @@ pub fn report(p: &Program, choices: &[Choice]) -> String {
     let total: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(s, "{} products: {}", choices.len(), total.join(", "));
     s
+}
+
+/// Live range of every value in node positions: (first, last); values no node produces
+/// (inputs, parameters, constants, states) and values that leave the program live throughout.
+fn live_ranges(p: &Program, u: &Uses) -> Vec<(usize, usize)> {
+    let mut r = vec![(0usize, usize::MAX); p.values.len()];
+    for (i, n) in p.nodes.iter().enumerate() {
+        for &v in &n.outputs {
+            let last = if u.escapes[v.index()] {
+                usize::MAX
+            } else {
+                u.readers[v.index()].last().copied().unwrap_or(i)
+            };
+            r[v.index()] = (i, last);
+        }
+    }
+    r
+}
+
+/// Rewrites the lowered work of the chosen products (`HZP_CUDA_LT=1`): the product's `Gemm`
+/// becomes an [`LtGemm`](super::work::LtGemm) that writes `D` where the last absorbed node
+/// wrote its result, the absorbed nodes and the views that only fed them do no work. Wired
+/// only where the lowering can keep the plan's memory: an f32 product of one call, and every
+/// result the call writes earlier than the plan did (`D`, the pre-activation, a bias gradient)
+/// has a buffer no other value holds between the product and the node that wrote it, and no
+/// node it replaces is a member of an elementwise fused run (`fused`, per node). Gives per
+/// chosen product whether it was wired or why not.
+pub fn wire(
+    p: &Program,
+    loc: &[(u64, u64)],
+    choices: &[Choice],
+    fused: &[bool],
+    nodes: &mut [super::work::NodeWork],
+) -> Vec<(usize, Result<(), String>)> {
+    use super::work::{LtGemm, Work};
+    let u = Uses::new(p);
+    let live = live_ranges(p, &u);
+    let mut producer = vec![None; p.values.len()];
+    for (i, n) in p.nodes.iter().enumerate() {
+        for &v in &n.outputs {
+            producer[v.index()] = Some(i);
+        }
+    }
+    let mut out = Vec::new();
+    for c in choices.iter().filter(|c| c.epilogue != Epilogue::Default) {
+        let m = c.node;
+        let r = (|| -> Result<LtGemm, String> {
+            let gemms: Vec<&super::work::Gemm> = nodes[m]
+                .work
+                .iter()
+                .filter_map(|w| match w {
+                    Work::Gemm(g) => Some(g),
+                    _ => None,
+                })
+                .collect();
+            let [g] = gemms[..] else {
+                return Err("not one cuBLAS product".into());
+            };
+            if g.dtype != DType::F32 || g.batch != 1 || g.calls.len() != 1 {
+                return Err(format!(
+                    "wired for one f32 product only ({}, batch {}, {} calls)",
+                    g.dtype,
+                    g.batch,
+                    g.calls.len()
+                ));
+            }
+            // the chain: the product's result, the absorbed results, views that only feed them
+            let mut chain: Vec<ValueId> = p.nodes[m].outputs.clone();
+            for &a in &c.absorbs {
+                chain.extend(&p.nodes[a].outputs);
+            }
+            let dead_views = dead_views(p, &u, m, &c.absorbs);
+            if let Some(&f) = (c.absorbs.iter().chain(&dead_views)).find(|&&a| fused[a]) {
+                return Err(format!("{} is in an elementwise fused run", name(p, f)));
+            }
+            for &v in &dead_views {
+                chain.extend(&p.nodes[v].outputs);
+            }
+            // results written at the product instead of later
+            let early: Vec<ValueId> = [c.d, c.aux, c.bias]
+                .into_iter()
+                .flatten()
+                .filter(|v| producer[v.index()].is_some_and(|q| q > m))
+                .collect();
+            for &o in &early {
+                let q = producer[o.index()].unwrap_or(m);
+                let a = loc[o.index()];
+                for (w, &lw) in live.iter().enumerate() {
+                    let wv = ValueId(w as u32);
+                    if chain.contains(&wv) || !overlap(loc[w], a) {
+                        continue;
+                    }
+                    if lw.0 <= q && lw.1 >= m {
+                        return Err(format!(
+                            "`{}`'s buffer holds `{}` between the product and node {q}",
+                            p.value(o).name,
+                            p.value(wv).name
+                        ));
+                    }
+                }
+            }
+            let mut gemm = g.clone();
+            if let Some(d) = c.d {
+                gemm.calls[0].2 = loc[d.index()].0;
+            }
+            let at = |v: Option<ValueId>| v.map(|v| loc[v.index()].0);
+            let lt = LtGemm {
+                gemm,
+                epilogue: c.epilogue,
+                bias: at(c.bias),
+                aux: at(c.aux),
+            };
+            for &a in c.absorbs.iter().chain(&dead_views) {
+                nodes[a].work.clear();
+            }
+            Ok(lt)
+        })();
+        match r {
+            Ok(lt) => {
+                for w in nodes[m].work.iter_mut() {
+                    if matches!(w, Work::Gemm(_)) {
+                        *w = Work::LtGemm(lt.clone());
+                    }
+                }
+                out.push((m, Ok(())));
+            }
+            Err(e) => out.push((m, Err(e))),
+        }
+    }
+    out
+}
+
+fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// Row views reached from product `m`'s result whose every reader is absorbed or another such
+/// view (their copies would only carry the product's unwritten result).
+fn dead_views(p: &Program, u: &Uses, m: usize, absorbs: &[usize]) -> Vec<usize> {
+    let mut dead: Vec<usize> = Vec::new();
+    let Some((_, views)) = uses_through_views(p, u, p.nodes[m].outputs[0]) else {
+        return dead;
+    };
+    // innermost first: a view is dead when all its readers are absorbed or dead
+    let mut changed = true;
+    while changed {
+        changed = false;
+        for &v in &views {
+            if dead.contains(&v) {
+                continue;
+            }
+            let o = p.nodes[v].outputs[0];
+            let all = !u.escapes[o.index()]
+                && u.readers[o.index()]
+                    .iter()
+                    .all(|r| absorbs.contains(r) || dead.contains(r));
+            if all {
+                dead.push(v);
+                changed = true;
+            }
+        }
+    }
+    dead.sort();
+    dead
 }

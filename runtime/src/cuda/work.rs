@@ -200,6 +200,19 @@ impl Gemm {
     }
 }
 
+/// A product run by `cublasLtMatmul` with an epilogue: `gemm` is one f32 product (batch 1,
+/// one call) whose C offset is where `D` goes (the last absorbed node's result); `bias` the
+/// bias read (BIAS, GELU_AUX_BIAS) or the bias gradient written (DGELU_BGRAD, BGRADA), `aux`
+/// the GELU's pre-activation written (GELU_AUX_BIAS) or read (DGELU_BGRAD), `n` elements a
+/// row (its leading dimension). Byte offsets into the arena.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LtGemm {
+    pub gemm: Gemm,
+    pub epilogue: super::epilogue::Epilogue,
+    pub bias: Option<u64>,
+    pub aux: Option<u64>,
+}
+
 /// A collective on this rank's instance of `group` on `stream`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Collective {
@@ -238,6 +251,8 @@ pub enum Work {
         bytes: u64,
     },
     Gemm(Gemm),
+    /// A product with a cuBLASLt epilogue ([`super::epilogue`], `HZP_CUDA_LT=1`).
+    LtGemm(LtGemm),
     Collective(Collective),
     /// Record plan event number `.0` (dense index) on the node's stream.
     Record(usize),
