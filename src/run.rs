@@ -408,6 +408,11 @@ fn check_backend_flags(args: &RunArgs, cuda: bool) -> Result<()> {
             "--fuse-elementwise fuses the CUDA backend's kernels; the CPU backend runs each node with its own kernel (drop it or use --backend cuda)"
         ));
     }
+    if args.no_cuda_graph {
+        return Err(miette!(
+            "--no-cuda-graph is an option of --backend cuda (the CPU backend captures no graphs)"
+        ));
+    }
     if args.ranks_on_one_gpu {
         return Err(miette!(
             "--ranks-on-one-gpu is an option of --backend cuda (the CPU backend always runs every rank in this process)"
@@ -430,6 +435,7 @@ fn cuda_run_options(
         lower: cuda_lower_options(args.attention.as_deref(), args.fuse_elementwise)?,
         comm,
         timeout,
+        graphs: !args.no_cuda_graph && hzp_runtime::cuda::graph::from_env(),
     }))
 }
 

@@ -86,6 +86,10 @@ pub struct RunArgs {
     /// plan (the same as HZP_CUDA_FUSE=1; off by default until it has run on a GPU).
     #[arg(long)]
     pub fuse_elementwise: bool,
+    /// With --backend cuda, issue every step's kernels one by one instead of capturing a step
+    /// into a CUDA graph after the first and replaying it (the same as HZP_CUDA_GRAPH=0).
+    #[arg(long)]
+    pub no_cuda_graph: bool,
     /// Take the parameters from this .npz (keyed by parameter name) instead of the model.
     #[arg(long, value_name = "P.npz")]
     pub params: Option<PathBuf>,

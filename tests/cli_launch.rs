@@ -617,7 +617,19 @@ fn compiled_plans_lower_to_kernels_that_exist() {
         for rank in 0..plan.mesh.world_size() {
             let low = lower::lower_program(&plan, rank).unwrap_or_else(|e| panic!("{model}: {e}"));
             assert_eq!(low.nodes.len(), plan.program.nodes.len());
-            for (nw, node) in low.nodes.iter().zip(&plan.program.nodes) {
+            // AdamW nodes of a multi-tensor group: the last launches for all of them
+            let mut grouped = vec![false; plan.program.nodes.len()];
+            for g in hzp_runtime::cuda::adamw_multi::groups(&plan.program, &low.loc) {
+                let (&last, rest) = g.split_last().unwrap();
+                assert!(matches!(
+                    low.nodes[last].work.as_slice(),
+                    [lower::Work::Kernel(l)] if l.kernel == "adamw_multi_f32"
+                ));
+                for &ni in rest {
+                    grouped[ni] = true;
+                }
+            }
+            for (ni, (nw, node)) in low.nodes.iter().zip(&plan.program.nodes).enumerate() {
                 let empty = node
                     .outputs
                     .iter()
@@ -637,7 +649,8 @@ fn compiled_plans_lower_to_kernels_that_exist() {
                 if in_place && matches!(node.op, hzp_ir::Op::Transpose { .. }) {
                     n_transposed += 1;
                 }
-                let silent = matches!(node.op, hzp_ir::Op::Free) || empty || in_place;
+                let silent =
+                    matches!(node.op, hzp_ir::Op::Free) || empty || in_place || grouped[ni];
                 assert!(
                     has_work || silent,
                     "{model}: node `{}` ({}) lowers to nothing",
@@ -722,6 +735,13 @@ fn attention_kernel_choice_is_checked() {
     let (code, _, err) = hzp(&["run", plan, "--inputs", inputs, "--fuse-elementwise"]);
     assert_ne!(code, 0);
     assert!(err.contains("--fuse-elementwise fuses the CUDA"), "{err}");
+    // and CUDA graphs
+    let (code, _, err) = hzp(&["run", plan, "--inputs", inputs, "--no-cuda-graph"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--no-cuda-graph is an option of --backend cuda"),
+        "{err}"
+    );
     // an unknown choice, named
     let (code, _, err) = hzp(&[
         "run",

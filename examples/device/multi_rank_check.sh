@@ -16,7 +16,13 @@
 # written out, CUDA vs CPU; explicit-fuse: the same with HZP_CUDA_FUSE=1; explicit-bf16: the
 # same compiled with --precision bf16, within 2e-2; profile: GPT-2 small's GPU time per
 # op kind, HZP_CUDA_PROFILE=1, modes PROFILE_MODES, e.g. "explicit explicit-fuse bf16
-# bf16-fuse")
+# bf16-fuse"); graph: every EXPLICIT model on CUDA with a CUDA graph replayed after the
+# capture (HZP_CUDA_EXPLAIN=1 says it captured) against --no-cuda-graph, bit for bit, also with
+# --comm sync, and gpu=2 with every rank on the GPU (graphs refused: said once, still equal);
+# adamw: every EXPLICIT model with the multi-tensor AdamW (the default) against one AdamW launch
+# per parameter (HZP_CUDA_ADAMW_PER_NODE=1), bit for bit; lt: every EXPLICIT model with
+# cuBLASLt epilogues (HZP_CUDA_LT=1) against the default, within 1e-4 (HZP_CUDA_EXPLAIN=1's
+# choice in $W/<model>.lt.y.err))
 # (all by default; gpt2s alone takes the longest;
 # acco: ACCO plans on CUDA against the CPU backend;
 # attn: hzp's CUDA attention kernels, HZP_CUDA_ATTENTION=1, against the CPU backend;
@@ -374,6 +380,64 @@ on_cpu = sorted(cs) == [3, 4] and d <= 1e-5
 print(f"RESULT ckpt {mesh} cuda resume: {'PASS' if bitwise else 'FAIL'} (steps {sorted(rs)}: {[rs.get(k) for k in (3, 4)]} vs uninterrupted {[tail.get(k) for k in (3, 4)]})")
 print(f"RESULT ckpt {mesh} cuda checkpoint on cpu: {'PASS' if on_cpu else 'FAIL'} (steps {sorted(cs)}, losses within {d:.1e} of the cuda run)")
 PY
+  done
+fi
+# graph_pair TAG PLAN IO RUN-FLAGS...: the plan on CUDA with graphs (HZP_CUDA_EXPLAIN=1) and
+# with --no-cuda-graph; the outputs in $W/TAG.{g,n}.*
+graph_pair() {
+  local tag=$1 plan=$2 io=$3; shift 3
+  local f=$W/$tag
+  HZP_CUDA_EXPLAIN=1 timeout $T $H run $plan --inputs $io --steps $STEPS --backend cuda "$@" --format json --save-params $f.g.npz >$f.g.out 2>$f.g.err || el "$tag with graphs: rc=$?"
+  timeout $T $H run $plan --inputs $io --steps $STEPS --backend cuda --no-cuda-graph "$@" --format json --save-params $f.n.npz >$f.n.out 2>$f.n.err || el "$tag without graphs: rc=$?"
+}
+if want graph; then
+  el "== CUDA graphs: $STEPS steps replayed from the graph captured at step 2 equal the same steps issued one by one, bit for bit (every explicit tiny model; --comm sync; gpu=2 with every rank on the GPU, where graphs are refused)"
+  for spec in $EXPLICIT; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    f=$W/$stem.graph
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT graph $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    graph_pair $stem.graph $f.json $M/$base.io.npz
+    grep -q "captured step 2" $f.g.err || el "RESULT graph $stem capture: FAIL ($(grep -i 'graph' $f.g.err | head -2 | tr '\n' ' '))"
+    python3 $D/compare_bitwise.py "graph $stem" $f.n.out $f.g.out $f.n.npz $f.g.npz
+  done
+  f=$W/gpt2_tiny.legacy.op17.graph
+  if [ -f $f.json ]; then
+    graph_pair graph-sync $f.json $M/gpt2_tiny.io.npz --comm sync
+    grep -q "captured step 2" $W/graph-sync.g.err || el "RESULT graph sync capture: FAIL"
+    python3 $D/compare_bitwise.py "graph gpt2_tiny --comm sync" $W/graph-sync.n.out $W/graph-sync.g.out $W/graph-sync.n.npz $W/graph-sync.g.npz
+  fi
+  g2=$W/graph-gpu2
+  tile $M/gpt2_tiny.io.npz $g2.io.npz 2
+  $H compile --no-fuse-attention $M/gpt2_tiny.legacy.op17.onnx --inputs $g2.io.npz --loss lm --retie --mesh gpu=2 -o $g2.json >/dev/null 2>$g2.cerr || el "RESULT graph gpu=2: FAIL compile"
+  graph_pair graph-gpu2 $g2.json $g2.io.npz --ranks-on-one-gpu
+  n=$(grep -c "CUDA graphs off: every rank on one GPU" $g2.g.err)
+  [ "$n" = 1 ] && el "RESULT graph gpu=2 ranks on one GPU refused: PASS (said once)" || el "RESULT graph gpu=2 ranks on one GPU refused: FAIL (said $n times)"
+  python3 $D/compare_bitwise.py "graph gpu=2 refused, uncaptured" $g2.n.out $g2.g.out $g2.n.npz $g2.g.npz
+fi
+if want adamw; then
+  el "== the multi-tensor AdamW (one launch for every parameter) equals one AdamW launch per parameter (HZP_CUDA_ADAMW_PER_NODE=1), bit for bit, every explicit tiny model"
+  for spec in $EXPLICIT; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    f=$W/$stem.adamw
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT adamw $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.m.npz >$f.m.out 2>$f.m.err || el "adamw $stem multi: rc=$?"
+    HZP_CUDA_ADAMW_PER_NODE=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.p.npz >$f.p.out 2>$f.p.err || el "adamw $stem per node: rc=$?"
+    python3 $D/compare_bitwise.py "adamw $stem multi-tensor vs per node" $f.p.out $f.m.out $f.p.npz $f.m.npz
+  done
+fi
+if want lt; then
+  el "== cuBLASLt epilogues (HZP_CUDA_LT=1: bias, GELU with its pre-activation, DGELU and bias gradients in the products' calls) against the products and kernels apart, within 1e-4, every explicit tiny model"
+  for spec in $EXPLICIT; do
+    IFS=: read -r stem loss extra <<<"$spec"
+    base=${stem%%.*}
+    f=$W/$stem.lt
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT lt $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+    timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.n.npz >$f.n.out 2>$f.n.err || el "lt $stem without: rc=$?"
+    HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.y.npz >$f.y.out 2>$f.y.err || { el "RESULT lt $stem: FAIL rc=$?"; tail -20 $f.y.err; continue; }
+    el "lt $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $f.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $f.y.err) not wired"
+    TOL=1e-4 python3 $D/compare_ranks.py "lt $stem cuBLASLt epilogues vs apart" $f.n.out $f.y.out $f.n.npz $f.y.npz
   done
 fi
 if want e2e; then

@@ -29,7 +29,7 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "run_e2e": print(m["executable"])')
 cp "$e2e" .device/run_e2e; strip .device/run_e2e || true
-cp examples/bench/train_vs_torch.py examples/bench/gpu_vs_torch.py "$here"/multi_rank_check.sh "$here"/compare_ranks.py "$here"/make_gpt2s.py .device/
+cp examples/bench/train_vs_torch.py examples/bench/gpu_vs_torch.py "$here"/multi_rank_check.sh "$here"/compare_ranks.py "$here"/compare_bitwise.py "$here"/make_gpt2s.py .device/
 # the PyTorch-vs-hzp speed bench of ../shared/device (GPT-2 configs), when it is beside us:
 # python3 .device/gpu_bench.py --hzp .device/hzp --work /tmp/bench --out $OUT --configs gpt2s
 shared=$(cd "$here/../.." && pwd)/../shared/device/gpu_bench.py

@@ -126,6 +126,7 @@ fn case() -> impl Strategy<Value = Case> {
                 narrow_grads: None,
                 // (the MLPs here look nothing up)
                 sparse_grads: true,
+                // (no routed layers here)
                 expert_parallel: None,
             },
         );

@@ -132,6 +132,7 @@ impl Default for CudaOneGpu {
                 comm: Default::default(),
                 timeout: crate::watchdog::DEFAULT_TIMEOUT,
                 lower: crate::cuda::lower::LowerOptions::from_env(),
+                graphs: crate::cuda::graph::from_env(),
             },
         }
     }

@@ -35,6 +35,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+#[path = "graph_exec.rs"]
+mod graph_exec;
+use graph_exec::{record_timing, GraphRun};
+#[path = "lt_exec.rs"]
+mod lt_exec;
+
 /// How to run on the GPU.
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
@@ -45,6 +51,9 @@ pub struct CudaOptions {
     pub timeout: Duration,
     /// How the plan is lowered (`--attention`).
     pub lower: super::lower::LowerOptions,
+    /// Capture a step into a CUDA graph and replay it ([`super::graph`]; off with
+    /// `--no-cuda-graph` or `HZP_CUDA_GRAPH=0`).
+    pub graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -53,6 +62,7 @@ impl Default for CudaOptions {
             comm: CommMode::Async,
             timeout: Duration::from_secs(300),
             lower: super::lower::LowerOptions::from_env(),
+            graphs: super::graph::from_env(),
         }
     }
 }
@@ -162,6 +172,10 @@ pub struct CudaExecutor {
     report: Option<FlightReport>,
     /// The attention nodes that run on cuDNN (see `super::cudnn::prepare`).
     attention: Option<super::cudnn::AttentionRunner>,
+    /// The step's CUDA graph ([`super::graph`]).
+    graph: GraphRun,
+    /// cuBLASLt's handle and workspace, for the products with epilogues (`HZP_CUDA_LT=1`).
+    lt: lt_exec::LtRun,
 }
 
 // SAFETY: all raw handles are owned by the executor and used under the rules above.
@@ -256,12 +270,30 @@ fn allocate(low: &LoweredPlan) -> Result<Handles, ExecError> {
     // SAFETY: base..base+alloc_bytes was just allocated.
     unsafe { drv::memset_d8_sync(base, 0, low.alloc_bytes as usize) }
         .map_err(|e| drv_err("clearing the arena", e))?;
+    upload_consts(low, base)?;
     let mut streams = [std::ptr::null_mut(); 3];
     for s in streams.iter_mut() {
         *s = drv::stream::create(drv::stream::StreamKind::NonBlocking)
             .map_err(|e| drv_err("creating a stream", e))?;
     }
     Ok(Handles { streams, base })
+}
+
+/// The lowering's constant tables (the multi-tensor AdamW tables), after the error word.
+fn upload_consts(low: &LoweredPlan, base: sys::CUdeviceptr) -> Result<(), ExecError> {
+    for (off, bytes) in &low.consts {
+        if off + bytes.len() as u64 > low.alloc_bytes {
+            return Err(run_err(format!(
+                "internal: a {}-byte table at {off} is outside the {}-byte allocation",
+                bytes.len(),
+                low.alloc_bytes
+            )));
+        }
+        // SAFETY: inside the allocation (checked above); no stream runs yet.
+        unsafe { drv::memcpy_htod_sync(base + off, bytes) }
+            .map_err(|e| drv_err("copying the AdamW tables to the GPU", e))?;
+    }
+    Ok(())
 }
 
 /// The plan's events, the nodes' timing events, and where each compute-stream wait on a
@@ -414,6 +446,7 @@ impl CudaExecutor {
             .map_err(ExecError::Plan)?;
         // (after cuDNN: a node it cannot run launches hzp's kernels instead)
         let functions = kernel_functions(module, &low, local.is_some())?;
+        let lt = lt_exec::LtRun::new(&low)?;
         let (events, timing, wait_timing) = create_events(&low)?;
         let blas_h = blas::create_handle()
             .map_err(|e| run_err(format!("cuBLAS: creating a handle: {e:?}")))?;
@@ -451,12 +484,15 @@ impl CudaExecutor {
                 .then(OpProfile::default),
             report: None,
             attention,
+            graph: GraphRun::off(),
+            lt,
         };
         ex.calls = (0..ex.low.comms.len()).map(|_| AtomicU64::new(0)).collect();
         if let Some(rv) = rv {
             ex.check_same_plan(rv)?;
             ex.create_comms(rv)?;
         }
+        ex.set_up_graphs()?;
         ex.place(shards)?;
         Ok(ex)
     }
@@ -673,13 +709,28 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Runs one step; every rank must call it.
+    /// Runs one step; every rank must call it. Issued as it is, captured into a CUDA graph
+    /// or as the graph captured before ([`super::graph`], `graph_exec.rs`).
     pub fn step(&mut self) -> Result<StepStats, ExecError> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| drv_err("binding the context", e))?;
         let step = self.steps_run + 1;
         let t0 = Instant::now();
+        let r = match self.issue_graph_step(step) {
+            Ok(()) => self.finish_step(step, t0),
+            Err(e) => {
+                self.fail();
+                Err(e)
+            }
+        };
+        self.graph_step_done(r.is_ok());
+        r
+    }
+
+    /// Issues the step's work to the streams (`capture`: into the capture the streams are in,
+    /// timing events recorded as graph nodes).
+    fn issue_step(&self, step: usize, capture: bool) -> Result<(), ExecError> {
         let issued = Issued {
             stamp: Mutex::new(vec![0; self.low.n_events]),
             cv: Condvar::new(),
@@ -687,14 +738,14 @@ impl CudaExecutor {
         let abort = AtomicBool::new(false);
         let sync = self.opts.comm == CommMode::Sync;
         let threads: Vec<usize> = if sync { vec![0] } else { vec![0, 1, 2] };
-        let this = &*self;
+        let this = self;
         let results: Vec<Result<(), ExecError>> = std::thread::scope(|s| {
             let hs: Vec<_> = threads
                 .iter()
                 .map(|&st| {
                     let (issued, abort) = (&issued, &abort);
                     s.spawn(move || {
-                        let r = this.issue_stream(st, sync, step as u64, issued, abort);
+                        let r = this.issue_stream(st, sync, capture, step as u64, issued, abort);
                         if r.is_err() {
                             abort.store(true, Ordering::SeqCst);
                             issued.cv.notify_all();
@@ -710,12 +761,13 @@ impl CudaExecutor {
                 })
                 .collect()
         });
-        for r in results {
-            if let Err(e) = r {
-                self.fail();
-                return Err(e);
-            }
-        }
+        results.into_iter().collect()
+    }
+
+    /// The step after its work was issued: waits for the streams, checks the error word,
+    /// applies the updates, reads the loss and the timing events.
+    fn finish_step(&mut self, step: usize, t0: Instant) -> Result<StepStats, ExecError> {
+        let sync = self.opts.comm == CommMode::Sync;
         if let Err(e) = self.finish_streams(step, t0) {
             self.fail();
             return Err(e);
@@ -980,6 +1032,7 @@ impl CudaExecutor {
         &self,
         st: usize,
         sync: bool,
+        capture: bool,
         step: u64,
         issued: &Issued,
         abort: &AtomicBool,
@@ -1007,9 +1060,9 @@ impl CudaExecutor {
             // pointer is base + an offset inside the arena, as lowered from the plan.
             unsafe {
                 if let (false, Some((a, _))) = (sync, self.wait_timing[i]) {
-                    drv::event::record(t[a], stream).map_err(|e| drv_err("recording", e))?;
+                    record_timing(t[a], stream, capture)?;
                 }
-                drv::event::record(t[2 * i], stream).map_err(|e| drv_err("recording", e))?;
+                record_timing(t[2 * i], stream, capture)?;
                 for w in &nw.work {
                     match w {
                         Work::Record(e) => {
@@ -1056,6 +1109,7 @@ impl CudaExecutor {
                                 .and_then(|a| a.run(i))
                                 .map_err(node_err)?
                         }
+                        Work::LtGemm(g) => self.lt.run(g, self.h.base, stream).map_err(node_err)?,
                         Work::Collective(c) => {
                             let calls = self
                                 .calls
@@ -1088,9 +1142,9 @@ impl CudaExecutor {
                         }
                     }
                 }
-                drv::event::record(t[2 * i + 1], stream).map_err(|e| drv_err("recording", e))?;
+                record_timing(t[2 * i + 1], stream, capture)?;
                 if let (false, Some((_, b))) = (sync, self.wait_timing[i]) {
-                    drv::event::record(t[b], stream).map_err(|e| drv_err("recording", e))?;
+                    record_timing(t[b], stream, capture)?;
                 }
             }
         }
@@ -1398,6 +1452,7 @@ impl PlanExecutor for CudaExecutor {
         for (v, t) in matched.swap_remove(self.dist.rank) {
             self.write(v, t)?;
         }
+        self.graph_invalidate();
         Ok(())
     }
 
@@ -1510,6 +1565,8 @@ impl Drop for CudaExecutor {
             for &s in &self.h.streams {
                 let _ = drv::stream::synchronize(s);
             }
+            self.graph.tear_down();
+            self.lt.tear_down();
             if let (Transport::Nccl(comms), false) = (&self.transport, self.failed) {
                 for c in comms.0.iter().flatten() {
                     let _ = nccl::comm_destroy(*c);

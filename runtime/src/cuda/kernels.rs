@@ -97,6 +97,7 @@ pub fn kernel_names() -> Vec<String> {
         }
     }
     v.push("adamw_f32".into());
+    v.push("adamw_multi_f32".into());
     // PASA's fp16 forward exists for f16 only
     v.push("attn_fwd_pasa_f16".into());
     // the local device communicator's reductions (see `transport`)

@@ -80,6 +80,12 @@ pub struct LowerOptions {
     /// reason. The executor sets it when libcudnn loads (and `HZP_CUDNN` is not `0`).
     /// [`CudaAttention::Pasa`] keeps every attention node on PASA's kernels.
     pub cudnn: bool,
+    /// One `adamw_f32` launch per AdamW node instead of one multi-tensor launch per group of
+    /// them ([`super::adamw_multi`]; `HZP_CUDA_ADAMW_PER_NODE=1`).
+    pub per_node_adamw: bool,
+    /// Run the products [`super::epilogue`] chooses through cuBLASLt with their epilogues
+    /// (`HZP_CUDA_LT=1`; off by default: never run on a GPU).
+    pub lt_epilogues: bool,
 }
 
 impl LowerOptions {
@@ -95,6 +101,8 @@ impl LowerOptions {
             },
             fuse: std::env::var("HZP_CUDA_FUSE").is_ok_and(|v| v == "1"),
             cudnn: false,
+            per_node_adamw: std::env::var("HZP_CUDA_ADAMW_PER_NODE").is_ok_and(|v| v == "1"),
+            lt_epilogues: std::env::var("HZP_CUDA_LT").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -153,20 +161,70 @@ pub fn lower_program_with(
     let comms = renumber_comms(&lowering.comm_list, &mut nodes);
     let notes = std::mem::take(&mut lowering.notes);
     let updates = update_copies(p, &loc)?;
+    if opts.lt_epilogues || (rank == 0 && super::graph::explain()) {
+        lt_epilogues(p, &loc, &runs, opts.lt_epilogues, rank, &mut nodes);
+    }
     let err_offset = plan.arena_bytes.div_ceil(256) * 256;
+    let (consts, alloc_bytes) = if opts.per_node_adamw {
+        (Vec::new(), err_offset + 256)
+    } else {
+        super::adamw_multi::apply(p, &loc, &mut nodes, err_offset + 256)?
+    };
     Ok(LoweredPlan {
         rank,
         nodes,
         n_events: event_stream.len(),
         event_stream,
         comms,
-        alloc_bytes: err_offset + 256,
+        alloc_bytes,
         err_offset,
+        consts,
         updates,
         loc,
         fused_source: runs.iter().map(|r| r.source.as_str()).collect(),
         notes,
     })
+}
+
+/// The cuBLASLt epilogue each product could take ([`super::epilogue`]): printed with
+/// `HZP_CUDA_EXPLAIN=1` (rank 0), and with `wire` (`HZP_CUDA_LT=1`) put in the lowered work.
+fn lt_epilogues(
+    p: &Program,
+    loc: &[(u64, u64)],
+    runs: &[super::fuse::Run],
+    wire: bool,
+    rank: usize,
+    nodes: &mut [NodeWork],
+) {
+    let choices = super::epilogue::choose(p, Some(loc));
+    let explain = rank == 0 && super::graph::explain();
+    if explain {
+        eprint!(
+            "hzp: cuBLASLt epilogues{}:\n{}",
+            if wire {
+                ""
+            } else {
+                " (not used: HZP_CUDA_LT=1 uses them)"
+            },
+            super::epilogue::report(p, &choices)
+        );
+    }
+    if wire {
+        let mut fused = vec![false; p.nodes.len()];
+        for r in runs {
+            for &ni in &r.nodes {
+                fused[ni] = true;
+            }
+        }
+        for (m, r) in super::epilogue::wire(p, loc, &choices, &fused, nodes) {
+            if let (true, Err(why)) = (explain, r) {
+                eprintln!(
+                    "hzp: cuBLASLt: `{}` stays a cuBLAS product: {why}",
+                    p.nodes[m].name
+                );
+            }
+        }
+    }
 }
 
 /// Every value's (offset, bytes) in the arena: each buffer an aligned range of it, each

@@ -13,7 +13,10 @@
 //! runs its rank of the plan ([`open_process`]); rank 0 creates the NCCL ids and sends them to the
 //! others over TCP.
 
+pub mod adamw_multi;
+pub mod epilogue;
 pub mod fuse;
+pub mod graph;
 pub mod kernels;
 pub mod lower;
 pub mod probe;
@@ -92,6 +95,9 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// How the plan is lowered (`--attention`).
     pub lower: lower::LowerOptions,
+    /// Capture each step into a CUDA graph after a warm-up step and replay it ([`graph`];
+    /// `--no-cuda-graph` turns it off).
+    pub graphs: bool,
 }
 
 /// This process's rank of `plan` on its GPU (`dist.local_rank` modulo the device count),
@@ -130,6 +136,7 @@ fn open_process_built(
         comm: opts.comm,
         timeout: opts.timeout,
         lower: opts.lower,
+        graphs: opts.graphs,
     };
     Ok(Box::new(CudaExecutor::new(
         plan,
@@ -182,6 +189,7 @@ fn open_one_gpu_built(
         comm: opts.comm,
         timeout: opts.timeout,
         lower: opts.lower,
+        graphs: opts.graphs,
     };
     Ok(Box::new(one_gpu::OneGpuExecutor::new(
         plan,

@@ -201,6 +201,19 @@ impl Gemm {
     }
 }
 
+/// A product run by `cublasLtMatmul` with an epilogue: `gemm` is one f32 product (batch 1,
+/// one call) whose C offset is where `D` goes (the last absorbed node's result); `bias` the
+/// bias read (BIAS, GELU_AUX_BIAS) or the bias gradient written (DGELU_BGRAD, BGRADA), `aux`
+/// the GELU's pre-activation written (GELU_AUX_BIAS) or read (DGELU_BGRAD), `n` elements a
+/// row (its leading dimension). Byte offsets into the arena.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LtGemm {
+    pub gemm: Gemm,
+    pub epilogue: super::epilogue::Epilogue,
+    pub bias: Option<u64>,
+    pub aux: Option<u64>,
+}
+
 /// A collective on this rank's instance of `group` on `stream`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Collective {
@@ -239,6 +252,8 @@ pub enum Work {
         bytes: u64,
     },
     Gemm(Gemm),
+    /// A product with a cuBLASLt epilogue ([`super::epilogue`], `HZP_CUDA_LT=1`).
+    LtGemm(LtGemm),
     Collective(Collective),
     /// Record plan event number `.0` (dense index) on the node's stream.
     Record(usize),
@@ -297,6 +312,9 @@ pub struct LoweredPlan {
     pub alloc_bytes: u64,
     /// Offset of the 4-byte error word (after the arena, aligned).
     pub err_offset: u64,
+    /// Bytes the executor writes once, when it loads the plan, after the error word: the
+    /// multi-tensor AdamW tables ([`super::adamw_multi`]), as (offset, bytes).
+    pub consts: Vec<(u64, Vec<u8>)>,
     /// (value offset, target offset, bytes) per update, in the plan's order.
     pub updates: Vec<(u64, u64, u64)>,
     /// Buffer of each value: (offset, bytes); bytes 0 for empty values.

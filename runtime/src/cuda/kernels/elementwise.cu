@@ -268,6 +268,19 @@ __device__ void gelu_tanh_grad_k(i64 n, const T* x, const T* dy, T* y) {
 
 // decay = 1 - lr * weight_decay in double, rounded once (as the CPU kernel and torch do)
 
+// One element's step: the CPU kernel's f32 operations in its order (no contraction: every
+// kernel is compiled with --fmad=false), shared by the per-node and the multi-tensor kernel.
+__device__ __forceinline__ void adamw_elem(float wi, float gi, float mi, float vi, float one_m_b1,
+                                           float b2, float one_m_b2, float eps, float decay,
+                                           float lr, float bc, float* w2, float* m2, float* v2) {
+    float mn = mi + (gi - mi) * one_m_b1;
+    float vn = vi * b2 + gi * gi * one_m_b2;
+    float den = sqrtf(vn) / bc + eps;
+    *w2 = wi * decay - mn / den * lr;
+    *m2 = mn;
+    *v2 = vn;
+}
+
 extern "C" __global__ void adamw_f32(i64 n, float one_m_b1, float b2, float one_m_b2, float eps,
                                      double weight_decay, const float* w, const float* g,
                                      const float* m, const float* v, const float* step_size,
@@ -277,12 +290,49 @@ extern "C" __global__ void adamw_f32(i64 n, float one_m_b1, float b2, float one_
     float decay = (float)(1.0 - (double)*lr_now * weight_decay);
     GRID_LOOP(i, n) {
         float wi = w[i], gi = g[i], mi = m[i], vi = v[i];
-        float mn = mi + (gi - mi) * one_m_b1;
-        float vn = vi * b2 + gi * gi * one_m_b2;
-        float den = sqrtf(vn) / bc + eps;
-        w2[i] = wi * decay - mn / den * lr;
-        m2[i] = mn;
-        v2[i] = vn;
+        adamw_elem(wi, gi, mi, vi, one_m_b1, b2, one_m_b2, eps, decay, lr, bc, &w2[i], &m2[i],
+                   &v2[i]);
+    }
+}
+
+// ---- the multi-tensor AdamW step: one launch for a group of Op::AdamW nodes
+// (runtime/src/cuda/adamw_multi.rs builds the table). Every operand is a byte offset from
+// `base` (the arena), so the table is the same for every run of the plan and is uploaded once.
+// Each block takes one chunk (`chunk` elements) of one tensor, as its entry in `chunks` says;
+// its threads stride through the chunk. Results may be their input's buffer, as above.
+
+struct AdamWTensor {
+    // byte offsets from base: param, grad, m, v, the three scalars, param', m', v'
+    u64 w, g, m, v, step_size, bias2_sqrt, lr, w2, m2, v2;
+    i64 n;
+    float one_m_b1, b2, one_m_b2, eps;
+    double weight_decay;
+};
+static_assert(sizeof(AdamWTensor) == 112, "AdamWTensor is the table's 112-byte entry");
+
+struct AdamWChunk {
+    unsigned int tensor, chunk;
+};
+
+extern "C" __global__ void adamw_multi_f32(char* base, const AdamWTensor* tensors,
+                                           const AdamWChunk* chunks, i64 chunk) {
+    AdamWChunk c = chunks[blockIdx.x];
+    const AdamWTensor& t = tensors[c.tensor];
+    const float* w = (const float*)(base + t.w);
+    const float* g = (const float*)(base + t.g);
+    const float* m = (const float*)(base + t.m);
+    const float* v = (const float*)(base + t.v);
+    float* w2 = (float*)(base + t.w2);
+    float* m2 = (float*)(base + t.m2);
+    float* v2 = (float*)(base + t.v2);
+    float lr = *(const float*)(base + t.step_size), bc = *(const float*)(base + t.bias2_sqrt);
+    float decay = (float)(1.0 - (double)*(const float*)(base + t.lr) * t.weight_decay);
+    i64 start = (i64)c.chunk * chunk;
+    i64 end = start + chunk < t.n ? start + chunk : t.n;
+    for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float wi = w[i], gi = g[i], mi = m[i], vi = v[i];
+        adamw_elem(wi, gi, mi, vi, t.one_m_b1, t.b2, t.one_m_b2, t.eps, decay, lr, bc, &w2[i],
+                   &m2[i], &v2[i]);
     }
 }
 
