@@ -321,16 +321,9 @@ fn random(rng: &mut Rng, dtype: DType, shape: Vec<usize>) -> Tensor {
 
 const OUTPUTS: [&str; 5] = ["%slots", "%buf", "%y", "%dye", "%dw"];
 
-#[test]
-fn moe_kernels_equal_the_cpu_kernels_bit_for_bit() {
-    // CI's machine has a C++ compiler (Rust's linker needs one): there this must run
-    let Some(cxx) = skip::cxx_compiler(
-        "moe_kernels_equal_the_cpu_kernels_bit_for_bit",
-        "emulate the MoE kernels",
-    ) else {
-        return;
-    };
-    let dir = tempdir("cuda-moe");
+/// The programs of [`SHAPES`] on random operands, each with the CPU kernels' bytes of
+/// [`OUTPUTS`], and how many choices were kept, dropped, and tokens chose an expert twice.
+fn random_cases() -> (Vec<Case>, Vec<Vec<Vec<u8>>>, [usize; 3]) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut cases = Vec::new();
     let mut wants = Vec::new();
@@ -400,6 +393,20 @@ output %dw
         ]);
         cases.push(Case::new(&format!("moe{k_case}"), &src, inputs));
     }
+    (cases, wants, [kept, dropped, repeated])
+}
+
+#[test]
+fn moe_kernels_equal_the_cpu_kernels_bit_for_bit() {
+    // CI's machine has a C++ compiler (Rust's linker needs one): there this must run
+    let Some(cxx) = skip::cxx_compiler(
+        "moe_kernels_equal_the_cpu_kernels_bit_for_bit",
+        "emulate the MoE kernels",
+    ) else {
+        return;
+    };
+    let dir = tempdir("cuda-moe");
+    let (cases, wants, [kept, dropped, repeated]) = random_cases();
     let outs: Vec<&[&str]> = cases.iter().map(|_| &OUTPUTS[..]).collect();
     let got = emulate(&cxx, &dir, &cases, &outs);
     let mut checked = 0usize;
@@ -573,4 +580,77 @@ output %dw
             }
         }
     }
+}
+
+/// The programs run on the GPU through the CUDA executor (`hzp run --backend cuda`'s path:
+/// the lowering, NVRTC's build of the sources, the launches): every output equal to the CPU
+/// kernels bit for bit, and a bad expert index refused as a node error naming it. Without a
+/// GPU it says SKIPPED, unless HZP_REQUIRE_GPU is set (the device check,
+/// `examples/device/multi_rank_check.sh` PART=moe, sets it): then it fails.
+#[cfg(feature = "cuda")]
+#[test]
+fn moe_kernels_on_the_gpu_equal_the_cpu_kernels() {
+    use hzp_runtime::cuda::{lower::LowerOptions, open_one_gpu, RunOptions};
+    let opts = RunOptions {
+        comm: hzp_runtime::exec::CommMode::Sync,
+        timeout: std::time::Duration::from_secs(60),
+        lower: LowerOptions::default(),
+    };
+    let (cases, wants, _) = random_cases();
+    for (k_case, (case, want)) in cases.iter().zip(&wants).enumerate() {
+        let mut ex = match open_one_gpu(&case.plan, &[], &opts) {
+            Ok(ex) => ex,
+            Err(e) if k_case == 0 => {
+                skip::skip(
+                    "moe_kernels_on_the_gpu_equal_the_cpu_kernels",
+                    skip::Missing::Gpu,
+                    &format!("no GPU: {e}"),
+                );
+                return;
+            }
+            Err(e) => panic!("{}: {e}", case.name),
+        };
+        let inputs: Vec<(String, Tensor)> = case
+            .inputs
+            .iter()
+            .map(|(n, t)| (n.trim_start_matches('%').to_string(), t.clone()))
+            .collect();
+        ex.set_inputs(&inputs).unwrap();
+        ex.step().unwrap_or_else(|e| panic!("{}: {e}", case.name));
+        for (name, w) in OUTPUTS.iter().zip(want) {
+            let got = ex
+                .value(0, name.trim_start_matches('%'))
+                .unwrap()
+                .unwrap_or_else(|| panic!("{}: no {name}", case.name));
+            let g = bytes_of(&got);
+            assert!(
+                g == *w,
+                "{} {:?}: {name} on the GPU differs from the CPU kernel at byte {:?} of {}",
+                case.name,
+                SHAPES[k_case],
+                g.iter().zip(w).position(|(a, b)| a != b),
+                w.len()
+            );
+        }
+        println!(
+            "RESULT moe kernels {} {:?}: PASS (bitwise)",
+            case.name, SHAPES[k_case]
+        );
+    }
+    // a bad expert index: the step fails naming the node, nothing read out of bounds
+    let bad = &cases[0];
+    let mut ex = open_one_gpu(&bad.plan, &[], &opts).unwrap();
+    let mut inputs: Vec<(String, Tensor)> = bad
+        .inputs
+        .iter()
+        .map(|(n, t)| (n.trim_start_matches('%').to_string(), t.clone()))
+        .collect();
+    let ch = inputs.iter_mut().find(|(n, _)| n == "ch").unwrap();
+    let mut v = ch.1.to_f64_vec();
+    v[1] = 99.0;
+    ch.1 = Tensor::from_f64(ch.1.dtype(), ch.1.shape.clone(), &v);
+    ex.set_inputs(&inputs).unwrap();
+    let e = ex.step().expect_err("a bad expert index").to_string();
+    assert!(e.contains("dispatch") && e.contains("expert index"), "{e}");
+    println!("RESULT moe kernels bad expert index: PASS ({e})");
 }
