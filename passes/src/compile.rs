@@ -251,13 +251,7 @@ pub fn compile_plan(
     on: &mut Events<'_>,
 ) -> Result<Compiled, CompileError> {
     if opts.choose_expert_parallel {
-        let chosen = choose_expert_parallel(fwd, opts, on)?;
-        let opts = CompileOptions {
-            expert_parallel: chosen,
-            choose_expert_parallel: false,
-            ..opts.clone()
-        };
-        return compile_plan(fwd, &opts, on);
+        return compile_with_chosen_experts(fwd, opts, on);
     }
     opts.cluster
         .validate_mesh(&opts.mesh)
@@ -269,16 +263,7 @@ pub fn compile_plan(
         )
         .into());
     }
-    if let Some(ep) = &opts.expert_parallel {
-        if matches!(opts.strategy, Strategy::Acco | Strategy::AsyncMesh) {
-            return Err(format!(
-                "--expert-parallel {ep} with --strategy {} is not built: expert parallelism \
-                 is built into the ZeRO step of the other strategies",
-                opts.strategy
-            )
-            .into());
-        }
-    }
+    check_expert_parallel(opts)?;
     // asyncmesh: the step of one replica is planned and built on the mesh without the slow
     // axis; the sparse averaging across it is added after (see `dist::asyncmesh`)
     let replica_opts = replica_options(opts)?;
@@ -408,6 +393,19 @@ pub fn compile_plan(
     })
 }
 
+/// Expert parallelism is built into the ZeRO step that ACCO and AsyncMesh do not use.
+fn check_expert_parallel(opts: &CompileOptions) -> Result<(), CompileError> {
+    match &opts.expert_parallel {
+        Some(ep) if matches!(opts.strategy, Strategy::Acco | Strategy::AsyncMesh) => Err(format!(
+            "--expert-parallel {ep} with --strategy {} is not built: expert parallelism \
+                 is built into the ZeRO step of the other strategies",
+            opts.strategy
+        )
+        .into()),
+        _ => Ok(()),
+    }
+}
+
 /// The expert-parallel axes worth trying for `fwd` on `mesh`: every set of mesh axes (in
 /// mesh order) of more than one rank whose size divides the expert count of every routed
 /// layer. Empty when the model has no routed layer.
@@ -441,6 +439,20 @@ pub fn expert_parallel_options(fwd: &Program, mesh: &Mesh) -> Vec<hzp_ir::Group>
         .collect()
 }
 
+/// [`compile_plan`] with the expert parallelism [`choose_expert_parallel`] picks.
+fn compile_with_chosen_experts(
+    fwd: &Program,
+    opts: &CompileOptions,
+    on: &mut Events<'_>,
+) -> Result<Compiled, CompileError> {
+    let opts = CompileOptions {
+        expert_parallel: choose_expert_parallel(fwd, opts, on)?,
+        choose_expert_parallel: false,
+        ..opts.clone()
+    };
+    compile_plan(fwd, &opts, on)
+}
+
 /// `--expert-parallel auto`: compiles the plan without expert parallelism and with each of
 /// [`expert_parallel_options`], and keeps the fastest simulated step among those whose
 /// arena fits the budget (the smallest arena when none fits). Says what it weighed in one
@@ -460,7 +472,9 @@ fn choose_expert_parallel(
         return Ok(None);
     }
     let budget = opts.budget.unwrap_or(opts.cluster.device.memory_bytes);
-    let mut tried: Vec<(Option<hzp_ir::Group>, Result<(f64, u64), String>)> = Vec::new();
+    // (choice, its simulated step and arena, or why it did not compile)
+    type Tried = (Option<hzp_ir::Group>, Result<(f64, u64), String>);
+    let mut tried: Vec<Tried> = Vec::new();
     for choice in std::iter::once(None).chain(options.into_iter().map(Some)) {
         let o = CompileOptions {
             expert_parallel: choice.clone(),

@@ -391,19 +391,55 @@ pub fn expert_parallel_forward(
             fwd.name
         )));
     }
+    let expert_params = check_layers(fwd, &users, &mut layers, &group, n)?;
+    let q = rebuild(fwd, mesh, &group, n, &layers, &expert_params)?;
+    let split = ExpertSplit {
+        group,
+        size: n,
+        params: expert_params,
+        layers: layers
+            .iter()
+            .map(|l| fwd.nodes[l.dispatch].name.clone())
+            .collect(),
+    };
+    Ok((q, split))
+}
+
+/// Checks every routed layer (the group divides its experts; its region splits) and
+/// returns the expert weights' full shapes by name.
+fn check_layers(
+    fwd: &Program,
+    users: &[Vec<NodeId>],
+    layers: &mut [Layer],
+    group: &Group,
+    n: usize,
+) -> Result<BTreeMap<String, Vec<usize>>, String> {
     let mut expert_params = BTreeMap::new();
-    for l in &mut layers {
+    for l in layers.iter_mut() {
         if l.experts % n != 0 {
             return Err(refuse(format!(
                 "`{}` has {} experts, which the {n} ranks of {group} do not divide evenly",
                 fwd.nodes[l.dispatch].name, l.experts
             )));
         }
-        check_layer(fwd, &users, l, &mut expert_params)?;
+        check_layer(fwd, users, l, &mut expert_params)?;
     }
     if expert_params.is_empty() {
         return Err(refuse("the experts read no stacked expert weight"));
     }
+    Ok(expert_params)
+}
+
+/// The forward with the expert weights sliced to `[E/n, ...]` and the exchanges around each
+/// layer's region.
+fn rebuild(
+    fwd: &Program,
+    mesh: &Mesh,
+    group: &Group,
+    n: usize,
+    layers: &[Layer],
+    expert_params: &BTreeMap<String, Vec<usize>>,
+) -> Result<Program, String> {
     // Rebuild with the expert weights sliced and the exchanges around each region.
     let mut q = Program::new(fwd.name.clone());
     q.mesh = Some(mesh.clone());
@@ -512,14 +548,5 @@ pub fn expert_parallel_forward(
         }
     }
     q.outputs = fwd.outputs.iter().map(|o| map[o]).collect();
-    let split = ExpertSplit {
-        group,
-        size: n,
-        params: expert_params,
-        layers: layers
-            .iter()
-            .map(|l| fwd.nodes[l.dispatch].name.clone())
-            .collect(),
-    };
-    Ok((q, split))
+    Ok(q)
 }

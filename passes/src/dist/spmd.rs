@@ -645,35 +645,14 @@ pub fn shard_training_step_rewritten(
     }
     // Expert parallelism: each rank's forward holds its slice of the experts, with the
     // exchanges around them.
-    let split_fwd;
-    let (fwd, experts) = match &sched.expert_parallel {
-        Some(group) => {
-            if matches!(opt, train::Optimizer::Muon { .. }) {
-                return Err(err(
-                    "--expert-parallel with the Muon optimizer is not built: Muon \
-                     orthogonalizes whole matrices, and an expert-parallel rank holds a slice \
-                     of each stacked expert weight; use AdamW or SGD",
-                ));
-            }
-            let (p, split) =
-                crate::dist::expert::expert_parallel_forward(fwd, mesh, group).map_err(err)?;
-            split_fwd = p;
-            (&split_fwd, Some(split))
-        }
+    let split = split_experts(fwd, mesh, &opt, sched)?;
+    let (fwd, experts) = match &split {
+        Some((p, x)) => (p, Some(x.clone())),
         None => (fwd, None),
     };
     // Stage 2, group sizes: the nested groups and what each reduction covers.
     let groups = StepGroups::new(fwd, mesh, spec, sched, experts.clone())?;
-    if let (Some(x), Some(_)) = (&groups.experts, cfg.clip_grad_norm) {
-        if !x.split.group.is_subset_of(&groups.spec.optim) {
-            return Err(err(format!(
-                "gradient clipping with --expert-parallel {} needs the expert-parallel axes \
-                 inside the optimizer-state group {} (the global norm sums every rank's \
-                 shards over that group)",
-                x.split.group, groups.spec.optim
-            )));
-        }
-    }
+    groups.check_clipping(cfg)?;
     let m = cfg.micro_batches.max(1);
     let fwd_lp = train::lower_precision_cow(fwd, cfg.compute)?;
     // gradients of loss / (W * M): their sum over ranks and micro-batches is the mean
@@ -779,6 +758,29 @@ pub fn shard_training_step_rewritten(
         row_exchanged,
         experts,
     })
+}
+
+/// The forward of one rank of the expert-parallel group and what it split, under
+/// `sched.expert_parallel` ([`crate::dist::expert`]).
+fn split_experts(
+    fwd: &Program,
+    mesh: &Mesh,
+    opt: &train::Optimizer,
+    sched: &ScheduleOptions,
+) -> Result<Option<(Program, crate::dist::expert::ExpertSplit)>, TrainError> {
+    let Some(group) = &sched.expert_parallel else {
+        return Ok(None);
+    };
+    if matches!(opt, train::Optimizer::Muon { .. }) {
+        return Err(err(
+            "--expert-parallel with the Muon optimizer is not built: Muon orthogonalizes \
+             whole matrices, and an expert-parallel rank holds a slice of each stacked expert \
+             weight; use AdamW or SGD",
+        ));
+    }
+    crate::dist::expert::expert_parallel_forward(fwd, mesh, group)
+        .map(Some)
+        .map_err(err)
 }
 
 /// The groups of a step and their sizes: P ⊆ G ⊆ O nested in mesh order, the narrow
@@ -892,6 +894,22 @@ impl<'m> StepGroups<'m> {
         }
         let nw = self.narrow_grads.as_ref()?;
         nw.params.iter().any(|p| p == name).then_some(&nw.group)
+    }
+
+    /// Global-norm clipping sums every rank's shards over O: an expert weight's shards lie
+    /// over E and O \ E, so E must lie inside O.
+    fn check_clipping(&self, cfg: &TrainConfig) -> Result<(), TrainError> {
+        match (&self.experts, cfg.clip_grad_norm) {
+            (Some(x), Some(_)) if !x.split.group.is_subset_of(&self.spec.optim) => {
+                Err(err(format!(
+                    "gradient clipping with --expert-parallel {} needs the expert-parallel \
+                     axes inside the optimizer-state group {} (the global norm sums every \
+                     rank's shards over that group)",
+                    x.split.group, self.spec.optim
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The groups of parameter `name` when it is an expert weight split by expert

@@ -258,6 +258,27 @@ fn transpose(e: &mut Emitter, a: ValueId, perm: Vec<usize>) -> R<ValueId> {
     e.op(Op::Transpose { perm }, &[a])
 }
 
+/// The exchange run backwards: what rank r sent as chunk i of `split_axis` comes back from
+/// rank i as chunk r of `concat_axis`.
+fn all_to_all_rule(e: &mut Emitter, op: &Op, dy: ValueId) -> R<ValueId> {
+    let Op::AllToAll {
+        group,
+        split_axis,
+        concat_axis,
+    } = op
+    else {
+        return Err("internal: not an AllToAll".to_string());
+    };
+    e.op(
+        Op::AllToAll {
+            group: group.clone(),
+            split_axis: *concat_axis,
+            concat_axis: *split_axis,
+        },
+        &[dy],
+    )
+}
+
 fn where_(e: &mut Emitter, c: ValueId, a: ValueId, b: ValueId) -> R<ValueId> {
     e.op(Op::Where, &[c, a, b])
 }
@@ -329,20 +350,7 @@ fn rule(
         } => {
             vec![Some(e.op(node.op.clone(), &[dy0])?)]
         }
-        // the exchange run backwards: what rank r sent as chunk i of `split_axis` comes back
-        // from rank i as chunk r of `concat_axis`
-        Op::AllToAll {
-            group,
-            split_axis,
-            concat_axis,
-        } => vec![Some(e.op(
-            Op::AllToAll {
-                group: group.clone(),
-                split_axis: *concat_axis,
-                concat_axis: *split_axis,
-            },
-            &[dy0],
-        )?)],
+        Op::AllToAll { .. } => vec![Some(all_to_all_rule(e, &node.op, dy0)?)],
         Op::CumSum {
             axis,
             exclusive,
