@@ -18,6 +18,7 @@ use common::plan_of;
 use hzp_ir::tensor::Data;
 use hzp_ir::{DType, Op, Plan, Tensor};
 use hzp_runtime::cuda::lower::{lower_program, Arg, LoweredPlan, Work};
+use hzp_runtime::executor::PlanExecutor;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -582,6 +583,81 @@ output %dw
     }
 }
 
+/// Opens an executor for a plan, or says why not.
+type OpenExecutor<'a> = dyn Fn(&Plan) -> Result<Box<dyn PlanExecutor>, String> + 'a;
+
+/// Runs every program of [`random_cases`] through executors `open` makes (`Err`: none
+/// here, for the first program: the check is skipped and `false` returned): every output
+/// must equal the CPU kernels bit for bit, and a bad expert index must fail the step
+/// naming the node and the index. Prints a `RESULT` line per program (`what` names the
+/// executor).
+fn check_executor(what: &str, open: &OpenExecutor<'_>) -> Result<(), String> {
+    let (cases, wants, _) = random_cases();
+    let inputs_of = |case: &Case| -> Vec<(String, Tensor)> {
+        case.inputs
+            .iter()
+            .map(|(n, t)| (n.trim_start_matches('%').to_string(), t.clone()))
+            .collect()
+    };
+    for (k_case, (case, want)) in cases.iter().zip(&wants).enumerate() {
+        let mut ex = match open(&case.plan) {
+            Ok(ex) => ex,
+            Err(e) if k_case == 0 => return Err(e),
+            Err(e) => panic!("{what} {}: {e}", case.name),
+        };
+        ex.set_inputs(&inputs_of(case)).unwrap();
+        ex.step()
+            .unwrap_or_else(|e| panic!("{what} {}: {e}", case.name));
+        for (name, w) in OUTPUTS.iter().zip(want) {
+            let got = ex
+                .value(0, name.trim_start_matches('%'))
+                .unwrap()
+                .unwrap_or_else(|| panic!("{what} {}: no {name}", case.name));
+            let g = bytes_of(&got);
+            assert!(
+                g == *w,
+                "{what} {} {:?}: {name} differs from the CPU kernel at byte {:?} of {}",
+                case.name,
+                SHAPES[k_case],
+                g.iter().zip(w).position(|(a, b)| a != b),
+                w.len()
+            );
+        }
+        println!(
+            "RESULT moe kernels {what} {} {:?}: PASS (bitwise)",
+            case.name, SHAPES[k_case]
+        );
+    }
+    // a bad expert index: the step fails naming the node, nothing read out of bounds
+    let bad = &cases[0];
+    let mut ex = open(&bad.plan).unwrap();
+    let mut inputs = inputs_of(bad);
+    let ch = inputs.iter_mut().find(|(n, _)| n == "ch").unwrap();
+    let mut v = ch.1.to_f64_vec();
+    v[1] = 99.0;
+    ch.1 = Tensor::from_f64(ch.1.dtype(), ch.1.shape.clone(), &v);
+    ex.set_inputs(&inputs).unwrap();
+    let e = ex.step().expect_err("a bad expert index").to_string();
+    assert!(
+        e.contains("dispatch") && e.contains("expert index"),
+        "{what}: {e}"
+    );
+    println!("RESULT moe kernels {what} bad expert index: PASS ({e})");
+    Ok(())
+}
+
+/// The harness of the GPU check below, with the CPU executor (`hzp run`'s CPU backend) in
+/// place of the GPU's: the same programs, inputs and reads.
+#[test]
+fn the_cpu_executor_passes_the_gpu_check() {
+    check_executor("cpu", &|plan: &Plan| {
+        let ex = hzp_runtime::exec::Executor::new(plan, &[], Default::default())
+            .map_err(|e| e.to_string())?;
+        Ok(Box::new(ex) as Box<dyn PlanExecutor>)
+    })
+    .unwrap();
+}
+
 /// The programs run on the GPU through the CUDA executor (`hzp run --backend cuda`'s path:
 /// the lowering, NVRTC's build of the sources, the launches): every output equal to the CPU
 /// kernels bit for bit, and a bad expert index refused as a node error naming it. Without a
@@ -596,61 +672,12 @@ fn moe_kernels_on_the_gpu_equal_the_cpu_kernels() {
         timeout: std::time::Duration::from_secs(60),
         lower: LowerOptions::default(),
     };
-    let (cases, wants, _) = random_cases();
-    for (k_case, (case, want)) in cases.iter().zip(&wants).enumerate() {
-        let mut ex = match open_one_gpu(&case.plan, &[], &opts) {
-            Ok(ex) => ex,
-            Err(e) if k_case == 0 => {
-                skip::skip(
-                    "moe_kernels_on_the_gpu_equal_the_cpu_kernels",
-                    skip::Missing::Gpu,
-                    &format!("no GPU: {e}"),
-                );
-                return;
-            }
-            Err(e) => panic!("{}: {e}", case.name),
-        };
-        let inputs: Vec<(String, Tensor)> = case
-            .inputs
-            .iter()
-            .map(|(n, t)| (n.trim_start_matches('%').to_string(), t.clone()))
-            .collect();
-        ex.set_inputs(&inputs).unwrap();
-        ex.step().unwrap_or_else(|e| panic!("{}: {e}", case.name));
-        for (name, w) in OUTPUTS.iter().zip(want) {
-            let got = ex
-                .value(0, name.trim_start_matches('%'))
-                .unwrap()
-                .unwrap_or_else(|| panic!("{}: no {name}", case.name));
-            let g = bytes_of(&got);
-            assert!(
-                g == *w,
-                "{} {:?}: {name} on the GPU differs from the CPU kernel at byte {:?} of {}",
-                case.name,
-                SHAPES[k_case],
-                g.iter().zip(w).position(|(a, b)| a != b),
-                w.len()
-            );
-        }
-        println!(
-            "RESULT moe kernels {} {:?}: PASS (bitwise)",
-            case.name, SHAPES[k_case]
+    let open = |plan: &Plan| open_one_gpu(plan, &[], &opts).map_err(|e| e.to_string());
+    if let Err(e) = check_executor("cuda", &open) {
+        skip::skip(
+            "moe_kernels_on_the_gpu_equal_the_cpu_kernels",
+            skip::Missing::Gpu,
+            &format!("no GPU: {e}"),
         );
     }
-    // a bad expert index: the step fails naming the node, nothing read out of bounds
-    let bad = &cases[0];
-    let mut ex = open_one_gpu(&bad.plan, &[], &opts).unwrap();
-    let mut inputs: Vec<(String, Tensor)> = bad
-        .inputs
-        .iter()
-        .map(|(n, t)| (n.trim_start_matches('%').to_string(), t.clone()))
-        .collect();
-    let ch = inputs.iter_mut().find(|(n, _)| n == "ch").unwrap();
-    let mut v = ch.1.to_f64_vec();
-    v[1] = 99.0;
-    ch.1 = Tensor::from_f64(ch.1.dtype(), ch.1.shape.clone(), &v);
-    ex.set_inputs(&inputs).unwrap();
-    let e = ex.step().expect_err("a bad expert index").to_string();
-    assert!(e.contains("dispatch") && e.contains("expert index"), "{e}");
-    println!("RESULT moe kernels bad expert index: PASS ({e})");
 }
