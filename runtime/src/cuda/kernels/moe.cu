@@ -20,21 +20,29 @@ __device__ __forceinline__ i64 moe_row(i64 at, i64 experts, i64 capacity, i64 h,
 // of every token before column j + 1, tokens in order) and numbers the ones that name e,
 // -1 once `capacity` are taken -- the CPU's `assign_slots` with one counter per thread
 // instead of a shared table, so the result is the same whatever the launch. A warp reads
-// the same choice at the same time (one broadcast load). Thread 0 also marks the choices
-// whose expert is out of range (slot -1) and reports them.
+// the same choice at the same time (one broadcast load), MOE_BATCH tokens' choices loaded
+// before any is numbered so the loads overlap. Thread 0 also marks the choices whose expert
+// is out of range (slot -1) and reports them.
+#define MOE_BATCH 16
 extern "C" __global__ void moe_slots(i64 t, i64 k, i64 experts, i64 capacity, const void* idx,
                                      int idx64, i64* slots, int* err, int code) {
     GRID_LOOP(e, experts) {
         i64 fill = 0;
         for (i64 j = 0; j < k; ++j) {
-            for (i64 tok = 0; tok < t; ++tok) {
-                const i64 at = tok * k + j;
-                const i64 x = load_index(idx, idx64, at);
-                if (x == e) {
-                    slots[at] = fill < capacity ? fill++ : -1;
-                } else if (e == 0 && (x < 0 || x >= experts)) {
-                    fail(err, code);
-                    slots[at] = -1;
+            for (i64 t0 = 0; t0 < t; t0 += MOE_BATCH) {
+                const int m = t - t0 < MOE_BATCH ? (int)(t - t0) : MOE_BATCH;
+                i64 x[MOE_BATCH];
+                for (int q = 0; q < MOE_BATCH; ++q) {
+                    if (q < m) x[q] = load_index(idx, idx64, (t0 + q) * k + j);
+                }
+                for (int q = 0; q < m; ++q) {
+                    const i64 at = (t0 + q) * k + j;
+                    if (x[q] == e) {
+                        slots[at] = fill < capacity ? fill++ : -1;
+                    } else if (e == 0 && (x[q] < 0 || x[q] >= experts)) {
+                        fail(err, code);
+                        slots[at] = -1;
+                    }
                 }
             }
         }
