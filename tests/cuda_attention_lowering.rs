@@ -216,23 +216,67 @@ fn pasa_lowers_fp16_attention_and_refuses_other_precisions() {
     }
 }
 
+/// Routed mixture-of-experts plans lower for the CUDA backend: the preset (f32 and bf16)
+/// and the tiny ONNX MoE model routed on import (both exporters), every node accepted, each
+/// MoE node on the `moe_*` kernels the sources define (what those compute:
+/// `runtime/tests/cuda_moe.rs`).
 #[test]
-fn moe_ops_are_refused_by_name() {
-    // attention written out, so the first node the lowering refuses is the MoE dispatch
-    let plan = compile_with(
-        "preset:moe-tiny",
-        "",
-        "gpu=1",
-        &["--no-fuse-attention", "--precision", "f32"],
-    );
-    assert!(plan
-        .program
-        .nodes
-        .iter()
-        .any(|n| matches!(n.op, Op::MoeDispatch { .. })));
-    let e = lower::lower_program(&plan, 0).unwrap_err();
-    assert!(
-        e.contains("MoeDispatch") && e.contains("no CUDA kernel") && e.contains("dense=true"),
-        "{e}"
-    );
+fn routed_moe_plans_lower_to_the_moe_kernels() {
+    let names = hzp_runtime::cuda::kernels::kernel_names();
+    for (model, shape, extra) in [
+        (
+            "preset:moe-tiny",
+            "",
+            &["--no-fuse-attention", "--precision", "f32"][..],
+        ),
+        (
+            "preset:moe-tiny",
+            "",
+            &["--no-fuse-attention", "--precision", "bf16"][..],
+        ),
+        (
+            "tests/models/moe_tiny.legacy.op17.onnx",
+            "input_ids=4x16",
+            &["--no-fuse-attention"][..],
+        ),
+        (
+            "tests/models/moe_tiny.dynamo.op18.onnx",
+            "input_ids=4x16",
+            &["--no-fuse-attention", "--precision", "bf16"][..],
+        ),
+    ] {
+        let plan = compile_with(model, shape, "gpu=1", extra);
+        let p = &plan.program;
+        let low = lower::lower_program(&plan, 0).unwrap_or_else(|e| panic!("{model}: {e}"));
+        let mut seen = [0usize; 3];
+        for nw in &low.nodes {
+            let which = match &p.nodes[nw.node].op {
+                Op::MoeDispatch { .. } => 0,
+                Op::MoeCombine => 1,
+                Op::MoeCombineGrad => 2,
+                _ => continue,
+            };
+            seen[which] += 1;
+            let kernels: Vec<&str> = nw
+                .work
+                .iter()
+                .map(|w| match w {
+                    Work::Kernel(l) => l.kernel.as_str(),
+                    other => panic!("{model}: node `{}`: {other:?}", nw.name),
+                })
+                .collect();
+            assert!(!kernels.is_empty(), "{model}: node `{}`", nw.name);
+            for k in &kernels {
+                assert!(
+                    k.starts_with("moe_") && names.iter().any(|n| n == k),
+                    "{model}: node `{}` launches {k}",
+                    nw.name
+                );
+            }
+        }
+        assert!(
+            seen.iter().all(|&n| n > 0),
+            "{model}: dispatch, combine, combine-gradient nodes: {seen:?}"
+        );
+    }
 }

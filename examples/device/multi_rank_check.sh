@@ -6,7 +6,7 @@
 # by examples/device/prepare.sh). Run from the repository root:
 #   device run, carry [".device"], timeout_s ~590, command `bash .device/multi_rank_check.sh`
 # Knobs (env): PART=all, or a space-separated list of tiny gpt2s perf nccl1 acco attn pasa
-# explicit explicit-fuse explicit-bf16 profile data ckpt e2e bench (e2e: tests/run_e2e.rs, every
+# moe explicit explicit-fuse explicit-bf16 profile data ckpt e2e bench (e2e: tests/run_e2e.rs, every
 # test model x mesh x strategy through the executor hzp run uses, on the CPU and on the GPU,
 # E2E_S (its time limit, 300); bench: examples/bench/gpu_vs_torch.py,
 # PyTorch eager and torch.compile vs hzp on this card, JSON in $OUT/gpu_vs_torch.json,
@@ -29,6 +29,11 @@
 # cudnn: fused attention on cuDNN (bf16 tiny models, CUDA vs CPU within 2e-2, the run's log
 # must say cuDNN ran every attention node; cuDNN vs hzp's kernels; GPT-2 small bf16 step
 # time, attention on cuDNN vs written out);
+# moe: routed mixture of experts on CUDA: the MoE kernels bit for bit against the CPU
+# kernels (.device/cuda_moe, the test binary of runtime/tests/cuda_moe.rs), moe_tiny routed
+# (MoeDispatch / MoeCombine, the import's default) on CUDA vs the CPU backend (both
+# exporters fp32 within 1e-4, bf16 within 2e-2) and vs its written-out form (--no-fuse-moe)
+# on CUDA;
 # pasa: the PASA fp16 kernel against exact attention (.device/cuda_pasa, the test binary of
 # runtime/tests/cuda_pasa.rs) and an fp16 plan trained with --attention pasa vs flash),
 # MESHES, STRATS, TINY, STEPS (tiny models, 5), GSTEPS (GPT-2 small, 3), RUN_S (per run, 150).
@@ -44,7 +49,7 @@ PART=${PART:-all}
 want() { [[ " $PART " == *" all "* || " $PART " == *" $1 "* ]]; }
 MESHES=${MESHES:-"gpu=2 gpu=4 node=2,gpu=2"}
 STRATS=${STRATS:-"asynchzp zero3 hsdp ddp"}
-TINY=${TINY:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm:--no-fuse-moe bert_tiny.legacy.op17:mean"}
+TINY=${TINY:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm bert_tiny.legacy.op17:mean"}
 EXPLICIT=${EXPLICIT:-"gpt2_tiny.legacy.op17:lm:--retie llama_tiny.legacy.op17:lm moe_tiny.legacy.op17:lm:--no-fuse-moe bert_tiny.legacy.op17:mean gpt2_tiny.dynamo.op18:lm:--retie llama_tiny.dynamo.op18:lm moe_tiny.dynamo.op18:lm:--no-fuse-moe bert_tiny.dynamo.op18:mean"}
 STEPS=${STEPS:-5}; GSTEPS=${GSTEPS:-3}; T=${RUN_S:-150}
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
@@ -245,6 +250,37 @@ print(f"RESULT cudnn perf gpt2s bf16 gpu=1: cuDNN attention {c:.1f} ms, explicit
 PY
   else
     el "cudnn perf: no GPT-2 small export"
+  fi
+fi
+if want moe; then
+  el "== routed mixture of experts on CUDA: the MoE kernels vs the CPU kernels (bitwise); moe_tiny routed, 5 steps of the gpu=1 plan on CUDA vs the CPU backend (fp32 1e-4, bf16 2e-2) and vs the written-out form on CUDA (1e-4)"
+  if [ -x $D/cuda_moe ]; then
+    HZP_REQUIRE_GPU=1 HZP_SKIPS_DIR=$W/skips timeout $T $D/cuda_moe --nocapture --test-threads 1 \
+      moe_kernels_on_the_gpu_equal_the_cpu_kernels >$W/cuda_moe.out 2>&1
+    rc=$?
+    grep '^RESULT' $W/cuda_moe.out
+    if [ $rc = 0 ] && grep -q '1 passed' $W/cuda_moe.out; then el "RESULT moe kernels: PASS"; else el "RESULT moe kernels: FAIL rc=$rc"; tail -30 $W/cuda_moe.out; fi
+  else
+    el "RESULT moe kernels: FAIL no .device/cuda_moe (run examples/device/prepare.sh)"
+  fi
+  for spec in "moe_tiny.legacy.op17 fp32 1e-4 1e-3" "moe_tiny.dynamo.op18 fp32 1e-4 1e-3" "moe_tiny.legacy.op17 bf16 2e-2 5e-2"; do
+    read -r stem prec tol worst <<<"$spec"
+    f=$W/$stem.routed.$prec
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/moe_tiny.io.npz --loss lm --precision $prec --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT moe $stem $prec: FAIL compile"; tail -5 $f.cerr; continue; }
+    grep -q 'MoeDispatch' $f.json || { el "RESULT moe $stem $prec: FAIL the plan is not routed"; continue; }
+    timeout $T $H run $f.json --inputs $M/moe_tiny.io.npz --steps $STEPS --format json --save-params $f.cpu.npz >$f.cpu.out 2>$f.cpu.err || { el "RESULT moe $stem $prec cpu: FAIL"; tail -10 $f.cpu.err; continue; }
+    timeout $T $H run $f.json --inputs $M/moe_tiny.io.npz --steps $STEPS --backend cuda --format json --save-params $f.cuda.npz >$f.cuda.out 2>$f.cuda.err || { el "RESULT moe $stem $prec cuda: FAIL rc=$?"; tail -20 $f.cuda.err; continue; }
+    TOL=$tol WORST=$worst python3 $D/compare_ranks.py moe-routed-cuda-vs-cpu-$prec-$stem $f.cpu.out $f.cuda.out $f.cpu.npz $f.cuda.npz
+  done
+  # the written-out form (each choice's expert weights gathered) on CUDA: the routed layer is
+  # dropless on import, so both compute the same model
+  f=$W/moe_tiny.legacy.op17.routed.fp32; g=$W/moe_tiny.legacy.op17.written
+  if [ -f $f.cuda.npz ] && $H compile --no-fuse-attention --no-fuse-moe $M/moe_tiny.legacy.op17.onnx --inputs $M/moe_tiny.io.npz --loss lm --mesh gpu=1 -o $g.json >/dev/null 2>$g.cerr; then
+    timeout $T $H run $g.json --inputs $M/moe_tiny.io.npz --steps $STEPS --backend cuda --format json --save-params $g.cuda.npz >$g.cuda.out 2>$g.cuda.err \
+      && TOL=1e-4 python3 $D/compare_ranks.py moe-routed-vs-written-cuda $g.cuda.out $f.cuda.out $g.cuda.npz $f.cuda.npz \
+      || { el "RESULT moe-routed-vs-written-cuda: FAIL"; tail -10 $g.cuda.err; }
+  else
+    el "RESULT moe-routed-vs-written-cuda: FAIL (no routed CUDA run, or the written-out compile failed)"
   fi
 fi
 if want pasa; then

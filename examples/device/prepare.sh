@@ -1,7 +1,8 @@
 #!/bin/bash
 # Run in the project's root. Fills .device/ (git-ignored through .git/info/exclude) with what
 # multi_rank_check.sh needs on the device machine: a stripped release hzp built with
-# --features cuda, the PASA kernel check (runtime/tests/cuda_pasa.rs) and the conformance
+# --features cuda, the PASA kernel check (runtime/tests/cuda_pasa.rs), the MoE kernel check
+# (runtime/tests/cuda_moe.rs) and the conformance
 # suite (tests/run_e2e.rs) as test binaries,
 # examples/bench/train_vs_torch.py (GPT-2 small's model and export) and the
 # scripts beside this one. Then: device run, carry [".device"], command
@@ -21,6 +22,13 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_pasa": print(m["executable"])')
 cp "$pasa" .device/cuda_pasa; strip .device/cuda_pasa || true
+# the MoE kernels on the GPU against the CPU kernels (runtime/tests/cuda_moe.rs), likewise
+moe=$(cargo test --release -p hzp-runtime --features cuda --test cuda_moe --no-run --message-format=json \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_moe": print(m["executable"])')
+cp "$moe" .device/cuda_moe; strip .device/cuda_moe || true
 # the conformance suite (tests/run_e2e.rs) with its CUDA leg, run there with HZP_REPO=the
 # checkout, HZP_BIN=.device/hzp and HZP_REQUIRE_GPU=1 (PART=e2e of multi_rank_check.sh)
 e2e=$(cargo test --release --features cuda --test run_e2e --no-run --message-format=json \

@@ -46,8 +46,8 @@ pub trait Backend {
     /// model must be imported with attention written out, `--no-fuse-attention`).
     fn fused_attention(&self) -> bool;
 
-    /// Whether it runs routed mixture-of-experts ops (`MoeDispatch`, `MoeCombine`; a plan
-    /// with them is refused otherwise: import with `--no-fuse-moe`).
+    /// Whether it runs routed mixture-of-experts ops (`MoeDispatch`, `MoeCombine`,
+    /// `MoeCombineGrad`; a plan with them is refused otherwise: import with `--no-fuse-moe`).
     fn routed_moe(&self) -> bool;
 
     /// Loads `plan` for every rank of it, from the full parameters `full_params`.
@@ -165,7 +165,8 @@ impl Backend for CudaOneGpu {
     }
 
     fn routed_moe(&self) -> bool {
-        false
+        // MoeDispatch / MoeCombine / MoeCombineGrad have CUDA kernels (kernels/moe.cu)
+        true
     }
 
     fn open(

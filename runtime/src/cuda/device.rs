@@ -1016,6 +1016,9 @@ impl CudaExecutor {
             "SoftmaxCrossEntropy" | "SoftmaxCrossEntropyGrad" => {
                 "a label is outside the class range 0..classes"
             }
+            "MoeDispatch" | "MoeCombine" | "MoeCombineGrad" => {
+                "an expert index is outside 0..experts, or a slot outside the capacity (or -1)"
+            }
             _ => "an index is out of range",
         };
         Err(ExecError::Node {

@@ -12,12 +12,24 @@ pub const MOVEMENT: &str = include_str!("kernels/movement.cu");
 /// Fused attention: the forward (`attn_fwd`) and the gradient's two kernels (`attn_dq`,
 /// `attn_dkv`), tiled with an online softmax; PASA's fp16 forward (`attn_fwd_pasa_f16`).
 pub const ATTENTION: &str = include_str!("kernels/attention.cu");
+/// Mixture of experts: MoeDispatch's slots and copy (`moe_slots`, `moe_zero_*`,
+/// `moe_dispatch_*`), MoeCombine and MoeCombineGrad (`moe_combine*`).
+pub const MOE: &str = include_str!("kernels/moe.cu");
 /// The local device communicator's reductions (`coll_acc_*`, `coll_scale_*`).
 pub const COLLECTIVE: &str = include_str!("kernels/collective.cu");
 
 /// The whole program NVRTC compiles, in dependency order.
 pub fn source() -> String {
-    [COMMON, ELEMENTWISE, REDUCE, MOVEMENT, ATTENTION, COLLECTIVE].join("\n")
+    [
+        COMMON,
+        ELEMENTWISE,
+        REDUCE,
+        MOVEMENT,
+        ATTENTION,
+        MOE,
+        COLLECTIVE,
+    ]
+    .join("\n")
 }
 
 /// Threads per block of the attention kernels (`AT_WARPS` warps in the source).
@@ -91,11 +103,21 @@ pub fn kernel_names() -> Vec<String> {
         &["copy_nd", "trilu", "gather", "gather_elements", "gather_nd"],
         &["b1", "b2", "b4", "b8"],
     );
+    add(
+        &[
+            "moe_combine",
+            "moe_combine_grad_rows",
+            "moe_combine_grad_weights",
+        ],
+        &FLOATS,
+    );
+    add(&["moe_dispatch", "moe_zero"], &["b2", "b4"]);
     for s in ALL {
         for d in ALL {
             v.push(format!("cast_{s}_{d}"));
         }
     }
+    v.push("moe_slots".into());
     v.push("adamw_f32".into());
     v.push("adamw_multi_f32".into());
     // PASA's fp16 forward exists for f16 only

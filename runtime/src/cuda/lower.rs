@@ -517,13 +517,10 @@ fn lower_compute(op: &Op, c: &NodeCtx) -> Result<Vec<Work>, String> {
     match op {
         Op::Identity | Op::Copy | Op::Reshape { .. } => copy_through(c),
         Op::Free => Ok(Vec::new()),
-        // No CUDA kernels yet: refused by name rather than run some other way.
-        Op::MoeDispatch { .. } | Op::MoeCombine | Op::MoeCombineGrad => Err(format!(
-            "{} (sparse mixture of experts) has no CUDA kernel yet; run this plan on the CPU \
-             backend, or build the model's dense form (an ONNX model imported with --no-fuse-moe, \
-             preset setting `dense=true`)",
-            op.name()
-        )),
+        // (before the empty-output case: a dispatch with H = 0 still assigns the slots)
+        Op::MoeDispatch { experts, capacity } => moe_dispatch(c, *experts, *capacity),
+        Op::MoeCombine => moe_combine(c),
+        Op::MoeCombineGrad => moe_combine_grad(c),
         _ if n == 0 && !matches!(op, Op::Split { .. } | Op::TopK { .. }) => Ok(Vec::new()),
         Op::Unary(u) => unary(c, u),
         Op::Binary(b) => binary(c, b),
@@ -1297,6 +1294,112 @@ fn topk(c: &NodeCtx, axis: &usize, k: &usize, largest: &bool) -> Result<Vec<Work
         ));
     }
     Ok(w)
+}
+
+/// The leading arguments of every `moe_*` kernel but `moe_zero`: (T, K, E, C, H), the
+/// choices (with their width) and the slots.
+fn moe_args(c: &NodeCtx, ye_shape: [usize; 3], slots: u64) -> Vec<Arg> {
+    let (io, it) = c.ins[1];
+    let [e, cap, h] = ye_shape;
+    let mut args: Vec<Arg> = [it.shape[0], it.shape[1], e, cap, h]
+        .iter()
+        .map(|&d| Arg::I64(d as i64))
+        .collect();
+    args.extend(idx_args(io, it));
+    args.push(Arg::Ptr(slots));
+    args
+}
+
+/// The dtype of an MoE node's float data, refused when the kernels have none for it.
+fn moe_float(op: &str, d: DType) -> Result<DType, String> {
+    match d {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(d),
+        _ => Err(format!(
+            "{op}: no CUDA kernel for {d} data (f32, bf16, f16)"
+        )),
+    }
+}
+
+/// Zeroes `n` elements of `dtype` at `y` (`moe_zero_*`).
+fn moe_zero(y: u64, n: usize, dtype: DType) -> Work {
+    elementwise(
+        format!("moe_zero_{}", bsz(dtype)),
+        n,
+        vec![Arg::I64(n as i64), Arg::Ptr(y)],
+    )
+}
+
+/// MoeDispatch: the slots (`moe_slots`, one thread per expert), the buffer zeroed, the kept
+/// rows copied.
+fn moe_dispatch(c: &NodeCtx, experts: usize, capacity: usize) -> Result<Vec<Work>, String> {
+    let (x, xt) = c.x();
+    let (buf, bt) = c.y();
+    let dtype = moe_float("MoeDispatch", xt.dtype)?;
+    let (slots, _) = c.outs[1];
+    let (t, k, h) = (xt.shape[0], c.ins[1].1.shape[1], xt.shape[1]);
+    let args = moe_args(c, [experts, capacity, h], slots);
+    let mut slot_args = args.clone();
+    slot_args.remove(4); // (no H)
+    slot_args.extend(c.err());
+    let mut copy_args = args;
+    copy_args.extend([Arg::Ptr(x), Arg::Ptr(buf)]);
+    Ok(vec![
+        elementwise("moe_slots".into(), experts, slot_args),
+        moe_zero(buf, bt.numel(), dtype),
+        elementwise(format!("moe_dispatch_{}", bsz(dtype)), t * k * h, copy_args),
+    ])
+}
+
+/// MoeCombine: one thread per output element (`moe_combine_*`).
+fn moe_combine(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let [(ye, yet), _, (slots, _), (w, _)] = c.ins[..] else {
+        return Err("internal: MoeCombine takes 4 inputs".into());
+    };
+    let dtype = moe_float("MoeCombine", yet.dtype)?;
+    let (y, yt) = c.y();
+    let dims = [yet.shape[0], yet.shape[1], yet.shape[2]];
+    let mut args = moe_args(c, dims, slots);
+    args.extend([Arg::Ptr(ye), Arg::Ptr(w), Arg::Ptr(y)]);
+    args.extend(c.err());
+    Ok(vec![elementwise(
+        format!("moe_combine_{}", dt(dtype)),
+        yt.numel(),
+        args,
+    )])
+}
+
+/// MoeCombineGrad: d_expert_out zeroed, its kept rows written (`moe_combine_grad_rows_*`),
+/// then d_weights (`moe_combine_grad_weights_*`, one thread per choice).
+fn moe_combine_grad(c: &NodeCtx) -> Result<Vec<Work>, String> {
+    let [(ye, yet), (_, it), (slots, _), (w, _), (dy, _)] = c.ins[..] else {
+        return Err("internal: MoeCombineGrad takes 5 inputs".into());
+    };
+    let [(dye, dyet), (dw, _)] = c.outs[..] else {
+        return Err("internal: MoeCombineGrad has two outputs".into());
+    };
+    let dtype = moe_float("MoeCombineGrad", yet.dtype)?;
+    let dims = [yet.shape[0], yet.shape[1], yet.shape[2]];
+    let choices = it.numel();
+    let args = moe_args(c, dims, slots);
+    let mut rows = args.clone();
+    rows.extend([Arg::Ptr(w), Arg::Ptr(dy), Arg::Ptr(dye)]);
+    rows.extend(c.err());
+    let mut weights = args;
+    weights.extend([Arg::Ptr(ye), Arg::Ptr(dy), Arg::Ptr(dw)]);
+    weights.extend(c.err());
+    Ok(vec![
+        moe_zero(dye, dyet.numel(), dtype),
+        elementwise(
+            format!("moe_combine_grad_rows_{}", dt(dtype)),
+            choices * dims[2],
+            rows,
+        ),
+        elementwise(
+            format!("moe_combine_grad_weights_{}", dt(dtype)),
+            choices,
+            weights,
+        ),
+    ])
 }
 
 fn fill(c: &NodeCtx, value: &f64, dtype: &DType) -> Result<Vec<Work>, String> {
