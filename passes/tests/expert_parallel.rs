@@ -306,3 +306,31 @@ fn experts_over_nodes_outside_the_shard_groups_match_one_rank() {
         rewrite: false,
     });
 }
+
+#[test]
+fn the_cost_model_charges_split_experts_their_filled_rows() {
+    // dropless: each expert's buffer is mostly empty rows; the exchanges move whole rows,
+    // so the products after them are charged the same share of filled rows as one rank's
+    use hzp_passes::cost::moe::filled_fractions;
+    let fwd = moe(2, "");
+    let mesh = Mesh::parse("gpu=4").unwrap();
+    let (split, _) =
+        hzp_passes::dist::expert::expert_parallel_forward(&fwd, &mesh, &g(&["gpu"])).unwrap();
+    let products = |p: &Program| -> Vec<f64> {
+        let f = filled_fractions(p);
+        let mut v: Vec<f64> = p
+            .nodes
+            .iter()
+            .zip(&f)
+            .filter(|(n, _)| matches!(n.op, Op::MatMul))
+            .map(|(_, &x)| x)
+            .filter(|&x| x < 1.0)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let (one, ep) = (products(&fwd), products(&split));
+    // two layers, two expert products each; 32 tokens, top 2 of 4 experts: 16 of 32 rows
+    assert_eq!(one, vec![0.5; 4]);
+    assert_eq!(ep, one);
+}

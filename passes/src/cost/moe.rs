@@ -23,7 +23,8 @@
 //! `Cast`, `Mul` by anything, `Div` of a filled numerator, `Add`/`Sub`/`Max`/`Min` of two
 //! filled values (or of one and zeros), `Slice`/`Split`/`Concat` along another axis (a
 //! `Concat` with zeros too: a `Slice`'s gradient pads with them), `Transpose`, a `Reshape`
-//! that keeps the last two dims, and batched products (a product's result has its row
+//! that keeps the last two dims, an `AllToAll` (expert parallelism's exchanges keep the share
+//! of filled rows), and batched products (a product's result has its row
 //! operand's fill); `MoeCombineGrad`'s expert-output gradient is filled like the buffer. A
 //! product is charged the fraction of its row operand's rows that are filled times the
 //! fraction of its contraction that is (a transposed buffer, or a filled right operand).
@@ -85,6 +86,11 @@ pub fn filled_fractions(p: &Program) -> Vec<f64> {
             }
             Op::Unary(u) if zero_preserving(*u) => get(0),
             Op::Cast { .. } | Op::Identity | Op::Copy => get(0),
+            // expert parallelism's exchanges (`dist::expert`) move whole rows between ranks:
+            // what a rank receives holds the same share of filled rows, one prefix per
+            // sender, which a grouped product leaves out as it does one prefix (the CPU
+            // kernels trim only the last sender's)
+            Op::AllToAll { .. } => get(0),
             Op::Binary(BinaryOp::Mul) => {
                 let from = |i: usize| get(i).filter(|_| same_shape(i));
                 match (from(0), from(1)) {
