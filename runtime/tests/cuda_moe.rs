@@ -671,6 +671,8 @@ fn moe_kernels_on_the_gpu_equal_the_cpu_kernels() {
         comm: hzp_runtime::exec::CommMode::Sync,
         timeout: std::time::Duration::from_secs(60),
         lower: LowerOptions::default(),
+        // (one step each: nothing to capture)
+        graphs: false,
     };
     let open = |plan: &Plan| open_one_gpu(plan, &[], &opts).map_err(|e| e.to_string());
     if let Err(e) = check_executor("cuda", &open) {
