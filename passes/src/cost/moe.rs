@@ -50,6 +50,38 @@ struct Fill {
     fraction: f64,
 }
 
+/// A product's share of its FLOPs that the filled rows take (rows of the row operand times
+/// the filled part of the contraction), and its result's fill: the row operand's rows, or
+/// the right operand's columns.
+fn product_fill(
+    (ta, tb): (Option<&TensorType>, Option<&TensorType>),
+    (a, b): (Option<Fill>, Option<Fill>),
+) -> (f64, Option<Fill>) {
+    let ranks = (
+        ta.map_or(0, |t| t.shape.len()),
+        tb.map_or(0, |t| t.shape.len()),
+    );
+    if ranks.0 < 2 || ranks.1 < 2 {
+        return (1.0, None);
+    }
+    let at = |e: usize| a.filter(|f| f.from_end == e).map(|f| f.fraction);
+    let bt = |e: usize| b.filter(|f| f.from_end == e).map(|f| f.fraction);
+    let rows = at(2).unwrap_or(1.0);
+    let depth = at(1).unwrap_or(1.0).min(bt(2).unwrap_or(1.0));
+    let fill = match (at(2), bt(1)) {
+        (Some(r), _) => Some(Fill {
+            from_end: 2,
+            fraction: r,
+        }),
+        (None, Some(c)) => Some(Fill {
+            from_end: 1,
+            fraction: c,
+        }),
+        _ => None,
+    };
+    (rows * depth, fill)
+}
+
 /// Per node of `p`, the fraction of its [`super::op_flops`] that the filled rows of expert
 /// buffers take: below 1 for a product over a dropless `MoeDispatch` buffer or one derived
 /// from it row by row (see the module docs), 1 for every other node.
@@ -168,32 +200,9 @@ pub fn filled_fractions(p: &Program) -> Vec<f64> {
                     && a.shape[a.shape.len() - 2..] == o.shape[o.shape.len() - 2..]
             }),
             Op::MatMul => {
-                let ranks = (
-                    ty(0).map_or(0, |t| t.shape.len()),
-                    ty(1).map_or(0, |t| t.shape.len()),
-                );
-                if ranks.0 >= 2 && ranks.1 >= 2 {
-                    let (a, b) = (get(0), get(1));
-                    let at = |e: usize| a.filter(|f| f.from_end == e).map(|f| f.fraction);
-                    let bt = |e: usize| b.filter(|f| f.from_end == e).map(|f| f.fraction);
-                    let rows = at(2).unwrap_or(1.0);
-                    let depth = at(1).unwrap_or(1.0).min(bt(2).unwrap_or(1.0));
-                    out[ni] = rows * depth;
-                    // the result's rows are the row operand's; its columns the right's
-                    match (at(2), bt(1)) {
-                        (Some(r), _) => Some(Fill {
-                            from_end: 2,
-                            fraction: r,
-                        }),
-                        (None, Some(c)) => Some(Fill {
-                            from_end: 1,
-                            fraction: c,
-                        }),
-                        _ => None,
-                    }
-                } else {
-                    None
-                }
+                let (frac, f) = product_fill((ty(0), ty(1)), (get(0), get(1)));
+                out[ni] = frac;
+                f
             }
             _ => None,
         };

@@ -225,205 +225,266 @@ pub fn choose(p: &Program, loc: Option<&[(u64, u64)]>) -> Vec<Choice> {
             out.push(c);
             continue;
         };
-        // ---- forward: + bias (+ GELU)
-        let bias_add = readers.iter().find_map(|&(r, via)| match p.nodes[r].op {
-            Op::Binary(BinaryOp::Add) => {
-                let other = p.nodes[r].inputs.iter().copied().find(|&v| v != via)?;
-                let ot = p.ty(other);
-                let per_col = ot.numel() == n
-                    && ot.shape.last() == Some(&n)
-                    && ot.shape.len() <= 2
-                    && p.ty(p.nodes[r].outputs[0]).shape == p.ty(via).shape;
-                per_col.then_some((r, via, other))
-            }
-            _ => None,
-        });
-        if let Some((add, via, bias)) = bias_add {
-            if batched {
-                c.why_not.push(format!(
-                    "a batched product: the bias epilogue of {} takes one matrix",
-                    name(p, add)
-                ));
-            } else if readers.len() > 1 {
-                let other = readers.iter().find(|&&(r, _)| r != add).map(|&(r, _)| r);
-                c.why_not.push(format!(
-                    "its result has another reader than the bias add {}: {}",
-                    name(p, add),
-                    other.map_or("?".into(), |r| name(p, r))
-                ));
-            } else if !ready_at(p, &producer, m, add, &[via]) {
-                c.why_not.push(format!(
-                    "the bias of {} is computed after the product",
-                    name(p, add)
-                ));
-            } else if p.ty(bias).dtype != yt.dtype {
-                c.why_not.push(format!(
-                    "the bias of {} is {}, the product {}",
-                    name(p, add),
-                    p.ty(bias).dtype,
-                    yt.dtype
-                ));
-            } else {
-                c.epilogue = Epilogue::Bias;
-                c.absorbs.push(add);
-                absorbed[add] = true;
-                c.d = Some(p.nodes[add].outputs[0]);
-                c.bias = Some(bias);
-                // + GELU, the pre-activation kept as the auxiliary output
-                let z = p.nodes[add].outputs[0];
-                if let Some((zr, _)) = uses_through_views(p, &u, z) {
-                    let gelu: Vec<usize> = zr
-                        .iter()
-                        .filter(|&&(r, _)| matches!(p.nodes[r].op, Op::Unary(UnaryOp::GeluTanh)))
-                        .map(|&(r, _)| r)
-                        .collect();
-                    let erf = zr
-                        .iter()
-                        .find(|&&(r, _)| matches!(p.nodes[r].op, Op::Unary(UnaryOp::Gelu)));
-                    let grads_of_pre = zr.iter().all(|&(r, via)| {
-                        gelu.contains(&r)
-                            || (matches!(p.nodes[r].op, Op::GeluTanhGrad)
-                                && p.nodes[r].inputs[0] == via)
-                    });
-                    if let Some(&(e, _)) = erf {
-                        c.why_not.push(format!(
-                            "{} is the erf GELU; cuBLASLt's GELU epilogue is the tanh approximation",
-                            name(p, e)
-                        ));
-                    } else if gelu.len() == 1 {
-                        if !grads_of_pre {
-                            let other = zr
-                                .iter()
-                                .find(|&&(r, _)| {
-                                    r != gelu[0] && !matches!(p.nodes[r].op, Op::GeluTanhGrad)
-                                })
-                                .map_or("?".into(), |&(r, _)| name(p, r));
-                            c.why_not.push(format!(
-                                "the pre-activation of {} has another reader: {other}",
-                                name(p, gelu[0])
-                            ));
-                        } else if n % 8 != 0 {
-                            c.why_not.push(format!(
-                                "{}: the pre-activation's leading dimension {n} is not a multiple of 8 (cuBLASLt's auxiliary output)",
-                                name(p, gelu[0])
-                            ));
-                        } else {
-                            c.epilogue = Epilogue::GeluAuxBias;
-                            c.absorbs.push(gelu[0]);
-                            absorbed[gelu[0]] = true;
-                            c.aux = Some(z);
-                            c.d = Some(p.nodes[gelu[0]].outputs[0]);
-                        }
-                    }
-                }
-            }
+        let cx = Cx {
+            p,
+            u: &u,
+            producer: &producer,
+            loc,
+        };
+        let at = At {
+            m,
+            n,
+            batched,
+            readers: &readers,
+        };
+        if forward_bias(&cx, &at, &mut c, &mut absorbed)
+            || backward_dgelu(&cx, &at, &mut c, &mut absorbed)
+        {
             out.push(c);
             continue;
         }
-        // ---- backward: GELU's gradient (+ the bias gradient of the layer below)
-        let dgelu = readers.iter().find(|&&(r, via)| {
-            matches!(p.nodes[r].op, Op::GeluTanhGrad) && p.nodes[r].inputs[1] == via
-        });
-        if let Some(&(g, via)) = dgelu {
-            let pre = p.nodes[g].inputs[0];
-            if batched {
-                c.why_not.push(format!(
-                    "a batched product: {} needs one matrix",
-                    name(p, g)
-                ));
-            } else if readers.len() > 1 {
-                c.why_not
-                    .push(format!("its result has another reader than {}", name(p, g)));
-            } else if !ready_at(p, &producer, m, g, &[via]) {
-                c.why_not.push(format!(
-                    "the pre-activation {} read by {} is computed after the product",
-                    p.value(pre).name,
-                    name(p, g)
-                ));
-            } else if n % 8 != 0 {
-                c.why_not.push(format!(
-                    "{}: the pre-activation's leading dimension {n} is not a multiple of 8",
-                    name(p, g)
-                ));
-            } else {
-                c.epilogue = Epilogue::Dgelu;
-                c.absorbs.push(g);
-                absorbed[g] = true;
-                c.aux = Some(view_source(p, &producer, pre));
-                let dz = p.nodes[g].outputs[0];
-                c.d = Some(dz);
-                if let Some((dr, _)) = uses_through_views(p, &u, dz) {
-                    if let Some(&(r, _)) = dr.iter().find(|&&(r, _)| is_row_sum(p, r, n)) {
-                        c.epilogue = Epilogue::DgeluBgrad;
-                        c.absorbs.push(r);
-                        absorbed[r] = true;
-                        c.bias = Some(p.nodes[r].outputs[0]);
-                    }
-                }
-            }
-            out.push(c);
-            continue;
+        weight_grad_bias(&cx, &at, node, &mut c, &mut absorbed);
+        out.push(c);
+    }
+    out
+}
+
+/// What the choice of one product reads: the program, its uses, each value's producer and
+/// the lowering's buffers.
+#[derive(Clone, Copy)]
+struct Cx<'a> {
+    p: &'a Program,
+    u: &'a Uses,
+    producer: &'a [Option<usize>],
+    loc: Option<&'a [(u64, u64)]>,
+}
+
+/// The product being chosen for: its node, its result's last dim, whether it is batched,
+/// and the readers of its result (through views).
+struct At<'a> {
+    m: usize,
+    n: usize,
+    batched: bool,
+    readers: &'a [(usize, ValueId)],
+}
+
+/// The forward epilogues: `+ bias`, and `+ bias` then GELU with the pre-activation kept.
+/// Whether the product's result goes to a bias add (then the choice is made).
+fn forward_bias(cx: &Cx, at: &At, c: &mut Choice, absorbed: &mut [bool]) -> bool {
+    let (p, u, producer) = (cx.p, cx.u, cx.producer);
+    let (m, n, batched, readers) = (at.m, at.n, at.batched, at.readers);
+    let yt = p.ty(p.nodes[m].outputs[0]);
+    // ---- forward: + bias (+ GELU)
+    let bias_add = readers.iter().find_map(|&(r, via)| match p.nodes[r].op {
+        Op::Binary(BinaryOp::Add) => {
+            let other = p.nodes[r].inputs.iter().copied().find(|&v| v != via)?;
+            let ot = p.ty(other);
+            let per_col = ot.numel() == n
+                && ot.shape.last() == Some(&n)
+                && ot.shape.len() <= 2
+                && p.ty(p.nodes[r].outputs[0]).shape == p.ty(via).shape;
+            per_col.then_some((r, via, other))
         }
-        // ---- a weight gradient X^T dY whose dY is also summed over its rows
-        if !batched {
-            let dy = node.inputs[1];
-            let src = view_source(p, &producer, dy);
-            let sums: Vec<usize> = uses_through_views(p, &u, src)
-                .map(|(rs, _)| {
-                    rs.into_iter()
-                        .map(|(r, _)| r)
-                        .filter(|&r| is_row_sum(p, r, n))
-                        .collect()
-                })
-                .unwrap_or_default();
-            if let Some(&r) = sums.first() {
-                if absorbed[r] {
+        _ => None,
+    });
+    if let Some((add, via, bias)) = bias_add {
+        if batched {
+            c.why_not.push(format!(
+                "a batched product: the bias epilogue of {} takes one matrix",
+                name(p, add)
+            ));
+        } else if readers.len() > 1 {
+            let other = readers.iter().find(|&&(r, _)| r != add).map(|&(r, _)| r);
+            c.why_not.push(format!(
+                "its result has another reader than the bias add {}: {}",
+                name(p, add),
+                other.map_or("?".into(), |r| name(p, r))
+            ));
+        } else if !ready_at(p, &producer, m, add, &[via]) {
+            c.why_not.push(format!(
+                "the bias of {} is computed after the product",
+                name(p, add)
+            ));
+        } else if p.ty(bias).dtype != yt.dtype {
+            c.why_not.push(format!(
+                "the bias of {} is {}, the product {}",
+                name(p, add),
+                p.ty(bias).dtype,
+                yt.dtype
+            ));
+        } else {
+            c.epilogue = Epilogue::Bias;
+            c.absorbs.push(add);
+            absorbed[add] = true;
+            c.d = Some(p.nodes[add].outputs[0]);
+            c.bias = Some(bias);
+            // + GELU, the pre-activation kept as the auxiliary output
+            let z = p.nodes[add].outputs[0];
+            if let Some((zr, _)) = uses_through_views(p, &u, z) {
+                let gelu: Vec<usize> = zr
+                    .iter()
+                    .filter(|&&(r, _)| matches!(p.nodes[r].op, Op::Unary(UnaryOp::GeluTanh)))
+                    .map(|&(r, _)| r)
+                    .collect();
+                let erf = zr
+                    .iter()
+                    .find(|&&(r, _)| matches!(p.nodes[r].op, Op::Unary(UnaryOp::Gelu)));
+                let grads_of_pre = zr.iter().all(|&(r, via)| {
+                    gelu.contains(&r)
+                        || (matches!(p.nodes[r].op, Op::GeluTanhGrad)
+                            && p.nodes[r].inputs[0] == via)
+                });
+                if let Some(&(e, _)) = erf {
                     c.why_not.push(format!(
-                        "the bias gradient {} is taken by an earlier product's epilogue",
-                        name(p, r)
+                        "{} is the erf GELU; cuBLASLt's GELU epilogue is the tanh approximation",
+                        name(p, e)
                     ));
-                } else if r < m {
-                    // its first reader, a view counted unless it shares its input's bytes
-                    // (then the lowering runs nothing for it; a copied view runs where the
-                    // plan put it)
-                    let free = |i: usize| {
-                        loc.is_some_and(|l| {
-                            let n = &p.nodes[i];
-                            l[n.inputs[0].index()].0 == l[n.outputs[0].index()].0
-                        })
-                    };
-                    let first =
-                        uses_through_views(p, &u, p.nodes[r].outputs[0]).and_then(|(rs, views)| {
-                            (rs.iter().map(|&(x, _)| x))
-                                .chain(views.into_iter().filter(|&v| !free(v)))
-                                .min()
-                        });
-                    match first {
-                        Some(x) if x < m => c.why_not.push(format!(
-                            "the bias gradient {} is read by {} before the product runs (node {x} < {m}): the call would have to move ahead of the memory plan's order",
-                            name(p, r),
-                            name(p, x)
-                        )),
-                        _ => {
-                            c.epilogue = Epilogue::BgradA;
-                            c.absorbs.push(r);
-                            absorbed[r] = true;
-                            c.d = Some(y);
-                            c.bias = Some(p.nodes[r].outputs[0]);
-                        }
+                } else if gelu.len() == 1 {
+                    if !grads_of_pre {
+                        let other = zr
+                            .iter()
+                            .find(|&&(r, _)| {
+                                r != gelu[0] && !matches!(p.nodes[r].op, Op::GeluTanhGrad)
+                            })
+                            .map_or("?".into(), |&(r, _)| name(p, r));
+                        c.why_not.push(format!(
+                            "the pre-activation of {} has another reader: {other}",
+                            name(p, gelu[0])
+                        ));
+                    } else if n % 8 != 0 {
+                        c.why_not.push(format!(
+                            "{}: the pre-activation's leading dimension {n} is not a multiple of 8 (cuBLASLt's auxiliary output)",
+                            name(p, gelu[0])
+                        ));
+                    } else {
+                        c.epilogue = Epilogue::GeluAuxBias;
+                        c.absorbs.push(gelu[0]);
+                        absorbed[gelu[0]] = true;
+                        c.aux = Some(z);
+                        c.d = Some(p.nodes[gelu[0]].outputs[0]);
                     }
-                } else {
-                    c.epilogue = Epilogue::BgradA;
+                }
+            }
+        }
+        return true;
+    }
+    false
+}
+
+/// The backward epilogues: GELU's gradient, and with it the bias gradient of the layer below.
+/// Whether the product's result goes to a GELU gradient (then the choice is made).
+fn backward_dgelu(cx: &Cx, at: &At, c: &mut Choice, absorbed: &mut [bool]) -> bool {
+    let (p, u, producer) = (cx.p, cx.u, cx.producer);
+    let (m, n, batched, readers) = (at.m, at.n, at.batched, at.readers);
+    // ---- backward: GELU's gradient (+ the bias gradient of the layer below)
+    let dgelu = readers.iter().find(|&&(r, via)| {
+        matches!(p.nodes[r].op, Op::GeluTanhGrad) && p.nodes[r].inputs[1] == via
+    });
+    if let Some(&(g, via)) = dgelu {
+        let pre = p.nodes[g].inputs[0];
+        if batched {
+            c.why_not.push(format!(
+                "a batched product: {} needs one matrix",
+                name(p, g)
+            ));
+        } else if readers.len() > 1 {
+            c.why_not
+                .push(format!("its result has another reader than {}", name(p, g)));
+        } else if !ready_at(p, &producer, m, g, &[via]) {
+            c.why_not.push(format!(
+                "the pre-activation {} read by {} is computed after the product",
+                p.value(pre).name,
+                name(p, g)
+            ));
+        } else if n % 8 != 0 {
+            c.why_not.push(format!(
+                "{}: the pre-activation's leading dimension {n} is not a multiple of 8",
+                name(p, g)
+            ));
+        } else {
+            c.epilogue = Epilogue::Dgelu;
+            c.absorbs.push(g);
+            absorbed[g] = true;
+            c.aux = Some(view_source(p, &producer, pre));
+            let dz = p.nodes[g].outputs[0];
+            c.d = Some(dz);
+            if let Some((dr, _)) = uses_through_views(p, &u, dz) {
+                if let Some(&(r, _)) = dr.iter().find(|&&(r, _)| is_row_sum(p, r, n)) {
+                    c.epilogue = Epilogue::DgeluBgrad;
                     c.absorbs.push(r);
                     absorbed[r] = true;
-                    c.d = Some(y);
                     c.bias = Some(p.nodes[r].outputs[0]);
                 }
             }
         }
-        out.push(c);
+        return true;
     }
-    out
+    false
+}
+
+/// A weight gradient `Xᵀ dY` whose `dY` is also summed over its rows: the bias gradient as
+/// the product's epilogue.
+fn weight_grad_bias(cx: &Cx, at: &At, node: &hzp_ir::Node, c: &mut Choice, absorbed: &mut [bool]) {
+    let (p, u, producer, loc) = (cx.p, cx.u, cx.producer, cx.loc);
+    let (m, n, batched) = (at.m, at.n, at.batched);
+    let y = node.outputs[0];
+    // ---- a weight gradient X^T dY whose dY is also summed over its rows
+    if !batched {
+        let dy = node.inputs[1];
+        let src = view_source(p, &producer, dy);
+        let sums: Vec<usize> = uses_through_views(p, &u, src)
+            .map(|(rs, _)| {
+                rs.into_iter()
+                    .map(|(r, _)| r)
+                    .filter(|&r| is_row_sum(p, r, n))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(&r) = sums.first() {
+            if absorbed[r] {
+                c.why_not.push(format!(
+                    "the bias gradient {} is taken by an earlier product's epilogue",
+                    name(p, r)
+                ));
+            } else if r < m {
+                // its first reader, a view counted unless it shares its input's bytes
+                // (then the lowering runs nothing for it; a copied view runs where the
+                // plan put it)
+                let free = |i: usize| {
+                    loc.is_some_and(|l| {
+                        let n = &p.nodes[i];
+                        l[n.inputs[0].index()].0 == l[n.outputs[0].index()].0
+                    })
+                };
+                let first =
+                    uses_through_views(p, &u, p.nodes[r].outputs[0]).and_then(|(rs, views)| {
+                        (rs.iter().map(|&(x, _)| x))
+                            .chain(views.into_iter().filter(|&v| !free(v)))
+                            .min()
+                    });
+                match first {
+                    Some(x) if x < m => c.why_not.push(format!(
+                        "the bias gradient {} is read by {} before the product runs (node {x} < {m}): the call would have to move ahead of the memory plan's order",
+                        name(p, r),
+                        name(p, x)
+                    )),
+                    _ => {
+                        c.epilogue = Epilogue::BgradA;
+                        c.absorbs.push(r);
+                        absorbed[r] = true;
+                        c.d = Some(y);
+                        c.bias = Some(p.nodes[r].outputs[0]);
+                    }
+                }
+            } else {
+                c.epilogue = Epilogue::BgradA;
+                c.absorbs.push(r);
+                absorbed[r] = true;
+                c.d = Some(y);
+                c.bias = Some(p.nodes[r].outputs[0]);
+            }
+        }
+    }
 }
 
 /// One line per product: its name, shapes and dtype, the epilogue, what it absorbs, and why
