@@ -300,7 +300,7 @@ fn forward_bias(cx: &Cx, at: &At, c: &mut Choice, absorbed: &mut [bool]) -> bool
                 name(p, add),
                 other.map_or("?".into(), |r| name(p, r))
             ));
-        } else if !ready_at(p, &producer, m, add, &[via]) {
+        } else if !ready_at(p, producer, m, add, &[via]) {
             c.why_not.push(format!(
                 "the bias of {} is computed after the product",
                 name(p, add)
@@ -320,7 +320,7 @@ fn forward_bias(cx: &Cx, at: &At, c: &mut Choice, absorbed: &mut [bool]) -> bool
             c.bias = Some(bias);
             // + GELU, the pre-activation kept as the auxiliary output
             let z = p.nodes[add].outputs[0];
-            if let Some((zr, _)) = uses_through_views(p, &u, z) {
+            if let Some((zr, _)) = uses_through_views(p, u, z) {
                 let gelu: Vec<usize> = zr
                     .iter()
                     .filter(|&&(r, _)| matches!(p.nodes[r].op, Op::Unary(UnaryOp::GeluTanh)))
@@ -390,7 +390,7 @@ fn backward_dgelu(cx: &Cx, at: &At, c: &mut Choice, absorbed: &mut [bool]) -> bo
         } else if readers.len() > 1 {
             c.why_not
                 .push(format!("its result has another reader than {}", name(p, g)));
-        } else if !ready_at(p, &producer, m, g, &[via]) {
+        } else if !ready_at(p, producer, m, g, &[via]) {
             c.why_not.push(format!(
                 "the pre-activation {} read by {} is computed after the product",
                 p.value(pre).name,
@@ -405,10 +405,10 @@ fn backward_dgelu(cx: &Cx, at: &At, c: &mut Choice, absorbed: &mut [bool]) -> bo
             c.epilogue = Epilogue::Dgelu;
             c.absorbs.push(g);
             absorbed[g] = true;
-            c.aux = Some(view_source(p, &producer, pre));
+            c.aux = Some(view_source(p, producer, pre));
             let dz = p.nodes[g].outputs[0];
             c.d = Some(dz);
-            if let Some((dr, _)) = uses_through_views(p, &u, dz) {
+            if let Some((dr, _)) = uses_through_views(p, u, dz) {
                 if let Some(&(r, _)) = dr.iter().find(|&&(r, _)| is_row_sum(p, r, n)) {
                     c.epilogue = Epilogue::DgeluBgrad;
                     c.absorbs.push(r);
@@ -431,8 +431,8 @@ fn weight_grad_bias(cx: &Cx, at: &At, node: &hzp_ir::Node, c: &mut Choice, absor
     // ---- a weight gradient X^T dY whose dY is also summed over its rows
     if !batched {
         let dy = node.inputs[1];
-        let src = view_source(p, &producer, dy);
-        let sums: Vec<usize> = uses_through_views(p, &u, src)
+        let src = view_source(p, producer, dy);
+        let sums: Vec<usize> = uses_through_views(p, u, src)
             .map(|(rs, _)| {
                 rs.into_iter()
                     .map(|(r, _)| r)
@@ -457,7 +457,7 @@ fn weight_grad_bias(cx: &Cx, at: &At, node: &hzp_ir::Node, c: &mut Choice, absor
                     })
                 };
                 let first =
-                    uses_through_views(p, &u, p.nodes[r].outputs[0]).and_then(|(rs, views)| {
+                    uses_through_views(p, u, p.nodes[r].outputs[0]).and_then(|(rs, views)| {
                         (rs.iter().map(|&(x, _)| x))
                             .chain(views.into_iter().filter(|&v| !free(v)))
                             .min()
