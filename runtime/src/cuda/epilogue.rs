@@ -34,31 +34,7 @@
 use hzp_ir::{BinaryOp, DType, Op, Program, ReduceOp, UnaryOp, ValueId};
 use std::fmt::Write as _;
 
-/// What a product's call computes besides the product.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Epilogue {
-    /// The product alone (`CUBLASLT_EPILOGUE_DEFAULT`).
-    Default,
-    Bias,
-    GeluAuxBias,
-    Dgelu,
-    DgeluBgrad,
-    BgradA,
-}
-
-impl Epilogue {
-    /// cuBLASLt's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Epilogue::Default => "DEFAULT",
-            Epilogue::Bias => "BIAS",
-            Epilogue::GeluAuxBias => "GELU_AUX_BIAS",
-            Epilogue::Dgelu => "DGELU",
-            Epilogue::DgeluBgrad => "DGELU_BGRAD",
-            Epilogue::BgradA => "BGRADA",
-        }
-    }
-}
+pub use super::work::Epilogue;
 
 /// The choice for one product.
 #[derive(Clone, Debug, PartialEq)]

@@ -209,7 +209,7 @@ impl Gemm {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LtGemm {
     pub gemm: Gemm,
-    pub epilogue: super::epilogue::Epilogue,
+    pub epilogue: Epilogue,
     pub bias: Option<u64>,
     pub aux: Option<u64>,
 }
@@ -252,7 +252,7 @@ pub enum Work {
         bytes: u64,
     },
     Gemm(Gemm),
-    /// A product with a cuBLASLt epilogue ([`super::epilogue`], `HZP_CUDA_LT=1`).
+    /// A product with a cuBLASLt epilogue (chosen by `cuda::epilogue`, `HZP_CUDA_LT=1`).
     LtGemm(LtGemm),
     Collective(Collective),
     /// Record plan event number `.0` (dense index) on the node's stream.
@@ -419,4 +419,31 @@ pub(super) fn lanes(kernel: String, lanes: usize, args: Vec<Arg>) -> Work {
         block: REDUCE_THREADS,
         args,
     })
+}
+
+/// What a product's cuBLASLt call computes besides the product (the choice is
+/// `cuda::epilogue`'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// The product alone (`CUBLASLT_EPILOGUE_DEFAULT`).
+    Default,
+    Bias,
+    GeluAuxBias,
+    Dgelu,
+    DgeluBgrad,
+    BgradA,
+}
+
+impl Epilogue {
+    /// cuBLASLt's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Epilogue::Default => "DEFAULT",
+            Epilogue::Bias => "BIAS",
+            Epilogue::GeluAuxBias => "GELU_AUX_BIAS",
+            Epilogue::Dgelu => "DGELU",
+            Epilogue::DgeluBgrad => "DGELU_BGRAD",
+            Epilogue::BgradA => "BGRADA",
+        }
+    }
 }
