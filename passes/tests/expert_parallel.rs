@@ -66,6 +66,9 @@ struct Case<'a> {
     sgd: bool,
     clip: Option<f64>,
     rewrite: bool,
+    /// Micro-batches per rank, and the schedule's other knobs.
+    micro: usize,
+    sched: ScheduleOptions,
 }
 
 /// Runs the case for 5 steps on every rank (the lockstep reference runner) and on one rank
@@ -73,15 +76,19 @@ struct Case<'a> {
 fn matches_one_rank(c: &Case) -> hzp_passes::dist::spmd::ShardedStep {
     let mesh = Mesh::parse(c.mesh).unwrap();
     let w = mesh.world_size();
-    let rows = c.per_rank * w;
+    let m = c.micro.max(1);
+    let rows = c.per_rank * w * m;
     let ids: Vec<i64> = (0..rows * 16).map(|i| (i * 37 % 251) as i64).collect();
-    let cfg = cfg(c.sgd, c.clip);
+    let cfg = TrainConfig {
+        micro_batches: m,
+        ..cfg(c.sgd, c.clip)
+    };
     let global = with_optimizer_lr(
         vec![("input_ids".to_string(), Tensor::i64(vec![rows, 16], ids))],
         &cfg,
     );
     let single_cfg = TrainConfig {
-        micro_batches: w,
+        micro_batches: w * m,
         ..cfg.clone()
     };
     let model = |rows: usize| match c.model {
@@ -93,7 +100,7 @@ fn matches_one_rank(c: &Case) -> hzp_passes::dist::spmd::ShardedStep {
     let init = t.parameters();
     let sched = ScheduleOptions {
         expert_parallel: Some(g(c.experts_over)),
-        ..ScheduleOptions::default()
+        ..c.sched.clone()
     };
     let rewrite = h100_rewrite();
     let step = shard_training_step_rewritten(
@@ -145,6 +152,8 @@ fn experts_over_four_gpus_match_one_rank_dropless() {
         sgd: false,
         clip: None,
         rewrite: false,
+        micro: 1,
+        sched: ScheduleOptions::default(),
     });
     let q = &step.program;
     // two routed layers, two exchanges each way in the forward and two in the backward
@@ -187,6 +196,8 @@ fn experts_over_gpu_on_two_nodes_match_one_rank_with_clipping() {
         sgd: false,
         clip: Some(0.05),
         rewrite: false,
+        micro: 1,
+        sched: ScheduleOptions::default(),
     });
 }
 
@@ -207,6 +218,8 @@ fn experts_over_gpu_with_hierarchical_groups_and_rewriting_match_one_rank() {
         sgd: true,
         clip: None,
         rewrite: true,
+        micro: 1,
+        sched: ScheduleOptions::default(),
     });
 }
 
@@ -228,7 +241,37 @@ fn experts_over_both_axes_with_drops_match_one_rank() {
         sgd: true,
         clip: None,
         rewrite: false,
+        micro: 1,
+        sched: ScheduleOptions::default(),
     });
+}
+
+#[test]
+fn experts_split_with_micro_batches_recompute_and_per_step_reduction_match_one_rank() {
+    // two micro-batches per rank: each one's exchanges are its own; the recomputed forward
+    // exchanges again; gradients reduced once per step
+    for (recompute, reduce_grads) in [
+        (true, hzp_passes::dist::spmd::ReduceGrads::PerMicrobatch),
+        (false, hzp_passes::dist::spmd::ReduceGrads::PerStep),
+    ] {
+        matches_one_rank(&Case {
+            model: None,
+            mesh: "node=2,gpu=2",
+            per_rank: 1,
+            spec: zero3(&["node", "gpu"]),
+            experts_over: &["gpu"],
+            extra: "",
+            sgd: false,
+            clip: None,
+            rewrite: false,
+            micro: 2,
+            sched: ScheduleOptions {
+                recompute,
+                reduce_grads,
+                ..ScheduleOptions::default()
+            },
+        });
+    }
 }
 
 #[test]
@@ -247,6 +290,8 @@ fn both_exporters_moe_models_split_their_experts_and_match_one_rank() {
             sgd: false,
             clip: None,
             rewrite: false,
+            micro: 1,
+            sched: ScheduleOptions::default(),
         });
         let split = step.experts.unwrap();
         assert_eq!(split.layers.len(), 2, "{file}: routed layers");
@@ -304,6 +349,8 @@ fn experts_over_nodes_outside_the_shard_groups_match_one_rank() {
         sgd: true,
         clip: None,
         rewrite: false,
+        micro: 1,
+        sched: ScheduleOptions::default(),
     });
 }
 
