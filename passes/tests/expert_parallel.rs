@@ -3,54 +3,17 @@
 //! axes) trains exactly as one rank running the same micro-batches one after another.
 
 mod sharded_common;
-use hzp_frontends::presets::parse_preset;
 use hzp_ir::{Mesh, Op, Program, Tensor};
 use hzp_passes::dist::spmd::{shard_training_step_rewritten, ScheduleOptions, ShardGroups};
-use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
+use hzp_passes::train::{training_step, TrainConfig};
 use hzp_runtime::reference::ReferenceRunner;
 use hzp_runtime::train::Trainer;
 use sharded_common::{g, h100_rewrite, rel, with_optimizer_lr};
 
-/// `preset:moe-tiny` (4 experts, top 2) at `rows` sequences of 16 tokens, with parameters
-/// from a fixed generator (the preset has shapes only).
-fn moe(rows: usize, extra: &str) -> Program {
-    let mut p = parse_preset(&format!("preset:moe-tiny,batch={rows}{extra}")).unwrap();
-    for prm in &mut p.params {
-        let v = &p.values[prm.value.index()];
-        let mut s = v
-            .name
-            .bytes()
-            .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64)
-            | 1;
-        let d = (0..v.ty.numel())
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
-            })
-            .collect();
-        prm.data = Some(Tensor::f32(v.ty.shape.clone(), d));
-    }
-    p
-}
+use sharded_common::seeded_moe_tiny as moe;
 
 fn cfg(sgd: bool, clip: Option<f64>) -> TrainConfig {
-    TrainConfig {
-        loss: LossKind::Lm { labels: None },
-        optimizer: Some(if sgd {
-            Optimizer::Sgd {
-                lr: 0.1,
-                momentum: 0.9,
-                weight_decay: 0.0,
-            }
-        } else {
-            Optimizer::adamw_default()
-        }),
-        clip_grad_norm: clip,
-        micro_batches: 1,
-        compute: hzp_ir::DType::F32,
-    }
+    sharded_common::train_cfg(clip, sgd)
 }
 
 struct Case<'a> {
@@ -132,6 +95,24 @@ fn matches_one_rank(c: &Case) -> hzp_passes::dist::spmd::ShardedStep {
     step
 }
 
+/// A case with the defaults: `preset:moe-tiny` dropless, one sequence and one micro-batch per
+/// rank, AdamW without clipping, no rewriting, the default schedule.
+fn case<'a>(mesh: &'a str, spec: ShardGroups, experts_over: &'a [&'a str]) -> Case<'a> {
+    Case {
+        model: None,
+        mesh,
+        per_rank: 1,
+        spec,
+        experts_over,
+        extra: "",
+        sgd: false,
+        clip: None,
+        rewrite: false,
+        micro: 1,
+        sched: ScheduleOptions::default(),
+    }
+}
+
 fn zero3(axes: &[&str]) -> ShardGroups {
     ShardGroups {
         params: g(axes),
@@ -142,19 +123,7 @@ fn zero3(axes: &[&str]) -> ShardGroups {
 
 #[test]
 fn experts_over_four_gpus_match_one_rank_dropless() {
-    let step = matches_one_rank(&Case {
-        model: None,
-        mesh: "gpu=4",
-        per_rank: 1,
-        spec: zero3(&["gpu"]),
-        experts_over: &["gpu"],
-        extra: "",
-        sgd: false,
-        clip: None,
-        rewrite: false,
-        micro: 1,
-        sched: ScheduleOptions::default(),
-    });
+    let step = matches_one_rank(&case("gpu=4", zero3(&["gpu"]), &["gpu"]));
     let q = &step.program;
     // two routed layers, two exchanges each way in the forward and two in the backward
     let a2a = q
@@ -187,17 +156,8 @@ fn experts_over_four_gpus_match_one_rank_dropless() {
 #[test]
 fn experts_over_gpu_on_two_nodes_match_one_rank_with_clipping() {
     matches_one_rank(&Case {
-        model: None,
-        mesh: "node=2,gpu=2",
-        per_rank: 1,
-        spec: zero3(&["node", "gpu"]),
-        experts_over: &["gpu"],
-        extra: "",
-        sgd: false,
         clip: Some(0.05),
-        rewrite: false,
-        micro: 1,
-        sched: ScheduleOptions::default(),
+        ..case("node=2,gpu=2", zero3(&["node", "gpu"]), &["gpu"])
     });
 }
 
@@ -205,21 +165,18 @@ fn experts_over_gpu_on_two_nodes_match_one_rank_with_clipping() {
 fn experts_over_gpu_with_hierarchical_groups_and_rewriting_match_one_rank() {
     // AsyncHZP's shape: parameters and gradients inside a node, optimizer states over all
     matches_one_rank(&Case {
-        model: None,
-        mesh: "node=2,gpu=2",
         per_rank: 2,
-        spec: ShardGroups {
-            params: g(&["gpu"]),
-            grads: g(&["gpu"]),
-            optim: g(&["node", "gpu"]),
-        },
-        experts_over: &["gpu"],
-        extra: "",
         sgd: true,
-        clip: None,
         rewrite: true,
-        micro: 1,
-        sched: ScheduleOptions::default(),
+        ..case(
+            "node=2,gpu=2",
+            ShardGroups {
+                params: g(&["gpu"]),
+                grads: g(&["gpu"]),
+                optim: g(&["node", "gpu"]),
+            },
+            &["gpu"],
+        )
     });
 }
 
@@ -228,21 +185,17 @@ fn experts_over_both_axes_with_drops_match_one_rank() {
     // a capacity factor drops choices: the drops belong to each rank's micro-batch, so N
     // expert-parallel ranks drop what one rank drops on the same micro-batches
     matches_one_rank(&Case {
-        model: None,
-        mesh: "node=2,gpu=2",
-        per_rank: 1,
-        spec: ShardGroups {
-            params: g(&["gpu"]),
-            grads: g(&["node", "gpu"]),
-            optim: g(&["node", "gpu"]),
-        },
-        experts_over: &["node", "gpu"],
         extra: ",capacity_factor=0.5",
         sgd: true,
-        clip: None,
-        rewrite: false,
-        micro: 1,
-        sched: ScheduleOptions::default(),
+        ..case(
+            "node=2,gpu=2",
+            ShardGroups {
+                params: g(&["gpu"]),
+                grads: g(&["node", "gpu"]),
+                optim: g(&["node", "gpu"]),
+            },
+            &["node", "gpu"],
+        )
     });
 }
 
@@ -255,21 +208,13 @@ fn experts_split_with_micro_batches_recompute_and_per_step_reduction_match_one_r
         (false, hzp_passes::dist::spmd::ReduceGrads::PerStep),
     ] {
         matches_one_rank(&Case {
-            model: None,
-            mesh: "node=2,gpu=2",
-            per_rank: 1,
-            spec: zero3(&["node", "gpu"]),
-            experts_over: &["gpu"],
-            extra: "",
-            sgd: false,
-            clip: None,
-            rewrite: false,
             micro: 2,
             sched: ScheduleOptions {
                 recompute,
                 reduce_grads,
                 ..ScheduleOptions::default()
             },
+            ..case("node=2,gpu=2", zero3(&["node", "gpu"]), &["gpu"])
         });
     }
 }
@@ -282,16 +227,7 @@ fn both_exporters_moe_models_split_their_experts_and_match_one_rank() {
         let imported = |rows: usize| sharded_common::import(file, rows, 16);
         let step = matches_one_rank(&Case {
             model: Some(&imported),
-            mesh: "node=2,gpu=2",
-            per_rank: 1,
-            spec: zero3(&["node", "gpu"]),
-            experts_over: &["gpu"],
-            extra: "",
-            sgd: false,
-            clip: None,
-            rewrite: false,
-            micro: 1,
-            sched: ScheduleOptions::default(),
+            ..case("node=2,gpu=2", zero3(&["node", "gpu"]), &["gpu"])
         });
         let split = step.experts.unwrap();
         assert_eq!(split.layers.len(), 2, "{file}: routed layers");
@@ -340,17 +276,8 @@ fn experts_over_nodes_outside_the_shard_groups_match_one_rank() {
     // ZeRO-3 inside each node, the experts split across nodes: a dense weight's gradient is
     // all-reduced over the nodes, an expert weight's is not (each node holds other experts)
     matches_one_rank(&Case {
-        model: None,
-        mesh: "node=2,gpu=2",
-        per_rank: 1,
-        spec: zero3(&["gpu"]),
-        experts_over: &["node"],
-        extra: "",
         sgd: true,
-        clip: None,
-        rewrite: false,
-        micro: 1,
-        sched: ScheduleOptions::default(),
+        ..case("node=2,gpu=2", zero3(&["gpu"]), &["node"])
     });
 }
 

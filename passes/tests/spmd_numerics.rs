@@ -14,27 +14,12 @@ thread_local! {
     /// Whether `check_with` rewrites collectives (set per test).
     static REWRITE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
-use hzp_passes::train::{training_step, LossKind, Optimizer, TrainConfig};
+use hzp_passes::train::{training_step, Optimizer, TrainConfig};
 use hzp_runtime::reference::ReferenceRunner;
 use hzp_runtime::train::Trainer;
 
 fn cfg(clip: Option<f64>, sgd: bool) -> TrainConfig {
-    TrainConfig {
-        loss: LossKind::Lm { labels: None },
-        // AdamW hardly sees a wrong gradient scale (m / sqrt(v) cancels it); SGD does.
-        optimizer: Some(if sgd {
-            Optimizer::Sgd {
-                lr: 0.1,
-                momentum: 0.9,
-                weight_decay: 0.0,
-            }
-        } else {
-            Optimizer::adamw_default()
-        }),
-        clip_grad_norm: clip,
-        micro_batches: 1,
-        compute: hzp_ir::DType::F32,
-    }
+    sharded_common::train_cfg(clip, sgd)
 }
 
 fn check(file: &str, model: &str, mesh: &str, spec: ShardGroups, clip: Option<f64>, sgd: bool) {
@@ -537,29 +522,7 @@ fn an_untied_embedding_exchanges_its_rows_not_the_table() {
 /// micro-batch, so they do not depend on how many ranks share the batch.
 #[test]
 fn routed_moe_with_drops_matches_one_rank_on_the_same_micro_batches() {
-    use hzp_frontends::presets::parse_preset;
-    let preset = |rows: usize| {
-        let mut p =
-            parse_preset(&format!("preset:moe-tiny,batch={rows},capacity_factor=0.5")).unwrap();
-        for prm in &mut p.params {
-            let v = &p.values[prm.value.index()];
-            let seed = v
-                .name
-                .bytes()
-                .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
-            let mut s = seed | 1;
-            let d = (0..v.ty.numel())
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
-                })
-                .collect();
-            prm.data = Some(hzp_ir::Tensor::f32(v.ty.shape.clone(), d));
-        }
-        p
-    };
+    let preset = |rows: usize| sharded_common::seeded_moe_tiny(rows, ",capacity_factor=0.5");
     let spec = ShardGroups {
         params: g(&["gpu"]),
         grads: g(&["gpu"]),

@@ -171,3 +171,52 @@ pub fn rel_masked(a: &Tensor, b: &Tensor, keep: &[bool]) -> f64 {
 pub fn g(axes: &[&str]) -> hzp_ir::Group {
     hzp_ir::Group::new(axes.iter().copied())
 }
+
+/// An f32 LM training step with SGD (momentum 0.9, lr 0.1) or default AdamW, clipping to
+/// `clip` when given. (AdamW hardly sees a wrong gradient scale, m / sqrt(v) cancels it; SGD
+/// does.)
+pub fn train_cfg(clip: Option<f64>, sgd: bool) -> hzp_passes::train::TrainConfig {
+    use hzp_passes::train::{LossKind, Optimizer, TrainConfig};
+    TrainConfig {
+        loss: LossKind::Lm { labels: None },
+        optimizer: Some(if sgd {
+            Optimizer::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            }
+        } else {
+            Optimizer::adamw_default()
+        }),
+        clip_grad_norm: clip,
+        micro_batches: 1,
+        compute: hzp_ir::DType::F32,
+    }
+}
+
+/// `preset:moe-tiny` (4 experts, top 2) at `rows` sequences of 16 tokens, settings `extra`
+/// (e.g. `,capacity_factor=0.5`) appended, with parameters from a fixed generator seeded by
+/// each parameter's name (the preset has shapes only).
+pub fn seeded_moe_tiny(rows: usize, extra: &str) -> Program {
+    let mut p =
+        hzp_frontends::presets::parse_preset(&format!("preset:moe-tiny,batch={rows}{extra}"))
+            .unwrap();
+    for prm in &mut p.params {
+        let v = &p.values[prm.value.index()];
+        let mut s = v
+            .name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64)
+            | 1;
+        let d = (0..v.ty.numel())
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
+            })
+            .collect();
+        prm.data = Some(Tensor::f32(v.ty.shape.clone(), d));
+    }
+    p
+}
