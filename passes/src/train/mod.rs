@@ -552,28 +552,48 @@ fn lower_precision_owned(fwd: &Program, compute: DType) -> Result<Program, Train
         };
         map.insert(c.value, p.add_const(fwd.value(c.value).name.clone(), data));
     }
+    // Each f32 parameter or input is cast once, just before the first node that reads it;
+    // those read by a product's readers (a bias added to it) before the product, so that a
+    // product-and-bias call finds the bias there, and the bias gradient's cast back to f32
+    // comes after the weight gradient's product.
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); fwd.values.len()];
+    for (i, n) in fwd.nodes.iter().enumerate() {
+        for &v in &n.inputs {
+            readers[v.index()].push(i);
+        }
+    }
+    // (parameters and inputs are in `map` already; other values pass through `map` as they are)
+    let mut cast = |p: &mut Program,
+                    map: &HashMap<ValueId, ValueId>,
+                    v: ValueId|
+     -> Result<Option<ValueId>, TrainError> {
+        if !matches!(fwd.value(v).def, ValueDef::Param | ValueDef::Input) {
+            return Ok(None);
+        }
+        let nv = map[&v];
+        if p.ty(nv).dtype != DType::F32 {
+            return Ok(None);
+        }
+        if let Some(&c) = cast_inputs.get(&nv) {
+            return Ok(Some(c));
+        }
+        let name = names.fresh(&format!("{}:{}", fwd.value(v).name, compute.name()));
+        let c = p
+            .add_node(name.clone(), Op::Cast { to: compute }, vec![nv], vec![name])
+            .map_err(terr)?[0];
+        cast_inputs.insert(nv, c);
+        Ok(Some(c))
+    };
     for n in &fwd.nodes {
         let mut ins = Vec::new();
         for &v in &n.inputs {
-            let nv = map[&v];
-            let def = fwd.value(v).def;
-            let is_f32 = p.ty(nv).dtype == DType::F32;
-            if is_f32 && matches!(def, ValueDef::Param | ValueDef::Input) {
-                let c = match cast_inputs.get(&nv) {
-                    Some(&c) => c,
-                    None => {
-                        let name =
-                            names.fresh(&format!("{}:{}", fwd.value(v).name, compute.name()));
-                        let c = p
-                            .add_node(name.clone(), Op::Cast { to: compute }, vec![nv], vec![name])
-                            .map_err(terr)?[0];
-                        cast_inputs.insert(nv, c);
-                        c
-                    }
-                };
-                ins.push(c);
-            } else {
-                ins.push(nv);
+            ins.push(cast(&mut p, &map, v)?.unwrap_or(map[&v]));
+        }
+        for &o in n.outputs.iter().filter(|_| matches!(n.op, Op::MatMul)) {
+            for &r in &readers[o.index()] {
+                for &v in &fwd.nodes[r].inputs {
+                    cast(&mut p, &map, v)?;
+                }
             }
         }
         let op = match &n.op {

@@ -3,13 +3,15 @@
 use hzp_ir::{BinaryOp, DType, Op, Program, UnaryOp, ValueDef, ValueId};
 
 /// The scalar value of a one-element constant.
-fn scalar(p: &Program, v: ValueId) -> Option<f64> {
-    let t = p.const_data(v)?;
-    (t.numel() == 1).then(|| t.to_f64_vec()[0])
-}
-
-fn near(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-6 * b.abs()
+/// Whether `v` is a one-element constant equal to `c` to 1e-6 relative, or to `c` rounded to
+/// the constant's dtype (a program lowered to bf16 or f16 holds its constants rounded).
+fn is_scalar_near(p: &Program, v: ValueId, c: f64) -> bool {
+    let Some(t) = p.const_data(v).filter(|t| t.numel() == 1) else {
+        return false;
+    };
+    let k = t.to_f64_vec()[0];
+    let rounded = hzp_ir::Tensor::from_f64(t.dtype(), Vec::<usize>::new(), &[c]).to_f64_vec()[0];
+    (k - c).abs() <= 1e-6 * c.abs() || (t.dtype().is_float() && k == rounded)
 }
 
 /// The node producing `v` and its op and inputs.
@@ -28,9 +30,9 @@ fn with_const(p: &Program, v: ValueId, op: BinaryOp, c: f64) -> Option<ValueId> 
     let (_, o, ins) = producer(p, v)?;
     match (o, ins) {
         (Op::Binary(b), [x, y]) if *b == op => {
-            if scalar(p, *y).is_some_and(|k| near(k, c)) {
+            if is_scalar_near(p, *y, c) {
                 Some(*x)
-            } else if scalar(p, *x).is_some_and(|k| near(k, c)) {
+            } else if is_scalar_near(p, *x, c) {
                 Some(*y)
             } else {
                 None
@@ -93,7 +95,7 @@ fn one_plus_tanh_of(p: &Program, v: ValueId) -> Option<ValueId> {
 /// operand order, the half on either factor, `x^3` as `Pow(x, 3)` or products), into one
 /// `GeluTanh(x)` node. The result's node is rewritten in place (its value keeps its name and
 /// readers); the intermediate nodes are left for dead code elimination, and stay where
-/// something else reads them. Constants must match to 1e-6 relative. Returns how many it
+/// something else reads them. Constants must match to 1e-6 relative, or equal the value rounded to their dtype. Returns how many it
 /// rewrote.
 pub fn fuse_gelu_tanh(p: &mut Program) -> usize {
     let mut found: Vec<(usize, ValueId)> = Vec::new();
@@ -274,6 +276,28 @@ mod tests {
                 assert!((a - b).abs() <= 1e-6, "{a} vs {b}");
             }
         }
+    }
+
+    /// A program lowered to bf16 holds its constants rounded (0.044715 is 0.04467773 in bf16,
+    /// sqrt(2/pi) 0.796875): the GELU is still found, and a bf16 constant that is not the
+    /// rounded value (0.05) is not.
+    #[test]
+    fn gelus_with_bf16_rounded_constants_become_one_node() {
+        let form = "%hx = Mul(%x, %h) \"m\"\n%p = Pow(%x, %three) \"p\"\n%k = Mul(%p, %a) \"k\"\n\
+             %s = Add(%x, %k) \"s\"\n%u = Mul(%s, %c) \"u\"\n%t = Tanh(%u) \"t\"\n\
+             %o = Add(%t, %one) \"o\"\n%y = Mul(%hx, %o) \"y\"\n";
+        let bf16 = |a: &str| {
+            let head = HEAD
+                .replace("f32[2,8]", "bf16[2,8]")
+                .replace(": f32[]", ": bf16[]")
+                .replace("[0.044715]", a)
+                .replace("[0.7978846]", "[0.796875]");
+            parse(&format!("{head}{form}output %y\n"), "g.hzp", &|_| None).unwrap()
+        };
+        let mut p = bf16("[0.04467773]");
+        assert_eq!(fuse_gelu_tanh(&mut p), 1, "{}", hzp_ir::text::print(&p));
+        let mut p = bf16("[0.05]");
+        assert_eq!(fuse_gelu_tanh(&mut p), 0);
     }
 
     #[test]
