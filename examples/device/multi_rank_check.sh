@@ -21,7 +21,8 @@
 # --comm sync, and gpu=2 with every rank on the GPU (graphs refused: said once, still equal);
 # adamw: every EXPLICIT model with the multi-tensor AdamW (the default) against one AdamW launch
 # per parameter (HZP_CUDA_ADAMW_PER_NODE=1), bit for bit; lt: every EXPLICIT model with
-# cuBLASLt epilogues (HZP_CUDA_LT=1) against the default, within 1e-4 (HZP_CUDA_EXPLAIN=1's
+# cuBLASLt epilogues (HZP_CUDA_LT=1) against the default, within 1e-4, and in bf16 within
+# 1e-2 (HZP_CUDA_EXPLAIN=1's
 # choice in $W/<model>.lt.y.err))
 # (all by default; gpt2s alone takes the longest;
 # acco: ACCO plans on CUDA against the CPU backend;
@@ -464,7 +465,7 @@ if want adamw; then
   done
 fi
 if want lt; then
-  el "== cuBLASLt epilogues (HZP_CUDA_LT=1: bias, GELU with its pre-activation, DGELU and bias gradients in the products' calls) against the products and kernels apart, within 1e-4, every explicit tiny model"
+  el "== cuBLASLt epilogues (HZP_CUDA_LT=1: bias, GELU with its pre-activation, DGELU and bias gradients in the products' calls) against the products and kernels apart, within 1e-4 (bf16: 1e-2), every explicit tiny model"
   for spec in $EXPLICIT; do
     IFS=: read -r stem loss extra <<<"$spec"
     base=${stem%%.*}
@@ -474,6 +475,13 @@ if want lt; then
     HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.y.npz >$f.y.out 2>$f.y.err || { el "RESULT lt $stem: FAIL rc=$?"; tail -20 $f.y.err; continue; }
     el "lt $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $f.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $f.y.err) not wired"
     TOL=1e-4 python3 $D/compare_ranks.py "lt $stem cuBLASLt epilogues vs apart" $f.n.out $f.y.out $f.n.npz $f.y.npz
+    # bf16: the same products with bf16 operands, D, bias and aux (f32 accumulation)
+    g=$W/$stem.lt16
+    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 --precision bf16 -o $g.json >/dev/null 2>$g.cerr || { el "RESULT lt-bf16 $stem: FAIL compile"; tail -5 $g.cerr; continue; }
+    timeout $T $H run $g.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $g.n.npz >$g.n.out 2>$g.n.err || el "lt-bf16 $stem without: rc=$?"
+    HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $g.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $g.y.npz >$g.y.out 2>$g.y.err || { el "RESULT lt-bf16 $stem: FAIL rc=$?"; tail -20 $g.y.err; continue; }
+    el "lt-bf16 $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $g.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $g.y.err) not wired"
+    TOL=1e-2 python3 $D/compare_ranks.py "lt-bf16 $stem cuBLASLt epilogues vs apart" $g.n.out $g.y.out $g.n.npz $g.y.npz
   done
 fi
 if want e2e; then

@@ -117,6 +117,49 @@ fn accepted_attention_runs_on_cudnn_with_the_plan_operands() {
     assert_eq!(seen, 2);
 }
 
+/// cuDNN's workspace and the backward's row sums live in one region of the arena the
+/// executor allocates: after the plan's buffers and the error word, sized for the largest
+/// node, disjoint from every operand. The backward's bound holds its f32 dQ accumulator and
+/// row sums and, with grouped K/V, bf16 dK and dV partials per query head.
+#[test]
+fn cudnn_attention_workspace_is_a_region_of_the_arena() {
+    let p = plan("bf16", false);
+    let low = lower_program_with(&p, 0, opts(CudaAttention::Flash, true)).unwrap();
+    let (at, bytes) = low.attention_workspace;
+    assert!(at >= low.err_offset + 4 && at % 256 == 0, "{at}");
+    assert_eq!(at + bytes, low.alloc_bytes);
+    for (o, b) in &low.consts {
+        assert!(o + b.len() as u64 <= at);
+    }
+    let graphs: Vec<_> = (low.nodes.iter().flat_map(|nw| &nw.work))
+        .filter_map(|w| match w {
+            Work::Sdpa(sw) => Some(sw.graph.clone()),
+            _ => None,
+        })
+        .collect();
+    let need = graphs.iter().map(|g| g.reserved_bytes()).max().unwrap();
+    assert_eq!(bytes, need);
+    let bwd = graphs
+        .iter()
+        .find(|g| g.kind == SdpaKind::Backward)
+        .unwrap();
+    // q [2,4,32,64], k and v [2,2,32,64], bf16
+    let (b, hq, t, s, d) = (2u64, 4, 32, 32, 64);
+    let floor = 4 * b * hq * t * d + 4 * b * hq * t + 2 * 2 * b * hq * s * d;
+    assert!(bwd.workspace_bound() >= floor, "{}", bwd.workspace_bound());
+    let fwd = graphs.iter().find(|g| g.kind == SdpaKind::Forward).unwrap();
+    assert!(fwd.workspace_bound() < bwd.workspace_bound());
+    // no operand of the plan reaches into it
+    for (off, len) in &low.loc {
+        assert!(*len == 0 || off + len <= p.arena_bytes);
+    }
+    assert!(p.arena_bytes <= at);
+    // without cuDNN there is no region
+    let plain = lower_program_with(&p, 0, opts(CudaAttention::Flash, false)).unwrap();
+    assert_eq!(plain.attention_workspace.1, 0);
+    assert_eq!(plain.alloc_bytes, plain.attention_workspace.0);
+}
+
 #[test]
 fn without_attention_kernels_the_fallback_says_why() {
     let p = plan("f16", false);

@@ -320,8 +320,9 @@ fn operation(op: &SdpaOp, ts: &BTreeMap<i64, Desc>, keep: &mut Vec<Desc>) -> Res
 
 impl Cudnn {
     /// Builds `g` into a finalized execution plan: descriptors, operation graph, heuristics
-    /// (mode A), the first engine configuration whose plan finalizes, its workspace size.
-    pub fn build(&self, g: &SdpaGraph) -> Result<SdpaPlan, String> {
+    /// (mode A, then the fallback list), the first engine configuration whose plan finalizes
+    /// and needs at most `max_workspace` bytes (what the arena reserves), its workspace size.
+    pub fn build(&self, g: &SdpaGraph, max_workspace: u64) -> Result<SdpaPlan, String> {
         let mut parts: Vec<Desc> = Vec::new();
         let mut ts: BTreeMap<i64, Desc> = BTreeMap::new();
         for t in &g.tensors {
@@ -344,7 +345,7 @@ impl Cudnn {
             sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
             sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
         ] {
-            match self.plan_by(&graph, mode) {
+            match self.plan_by(&graph, mode, max_workspace) {
                 Ok((plan, workspace, engine, heur, cfgs)) => {
                     let scalars = g
                         .tensors
@@ -373,13 +374,15 @@ impl Cudnn {
         ))
     }
 
-    /// The first engine configuration of heuristics `mode` whose execution plan finalizes:
-    /// (plan, workspace bytes, engine index, the heuristics and configurations, kept alive).
+    /// The first engine configuration of heuristics `mode` whose execution plan finalizes
+    /// within `max_workspace` bytes of workspace: (plan, workspace bytes, engine index, the
+    /// heuristics and configurations, kept alive).
     #[allow(clippy::type_complexity)]
     fn plan_by(
         &self,
         graph: &Desc,
         mode: sys::cudnnBackendHeurMode_t,
+        max_workspace: u64,
     ) -> Result<(Desc, u64, i64, Desc, Vec<Desc>), String> {
         let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
         heur.descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph])?;
@@ -433,6 +436,11 @@ impl Cudnn {
         let mut errors = Vec::new();
         for cfg in cfgs.iter().take(got.max(0) as usize) {
             match self.plan_of(cfg) {
+                Ok((_, workspace)) if workspace > max_workspace => errors.push(format!(
+                    "engine {} needs {workspace} bytes of workspace, over the {max_workspace} \
+                     the plan's arena reserves for it",
+                    engine_index(cfg).unwrap_or(-1)
+                )),
                 Ok((plan, workspace)) => {
                     let engine = engine_index(cfg).unwrap_or(-1);
                     return Ok((plan, workspace, engine, heur, cfgs));
@@ -648,29 +656,22 @@ pub(super) fn choose(plan: &hzp_ir::Plan, lower: &mut super::lower::LowerOptions
     }
 }
 
-/// The attention nodes of one rank that run on cuDNN: the handle, each node's plan and
-/// variant pack, and the one workspace allocation (the largest plan workspace, then the
-/// largest scratch) they share: nodes run one after another on the compute stream.
+/// The attention nodes of one rank that run on cuDNN: the handle and each node's plan and
+/// variant pack. Their workspace and scratch are the arena's attention region
+/// ([`super::work::LoweredPlan::attention_workspace`]), which they share: nodes run one after
+/// another on the compute stream.
 pub(super) struct AttentionRunner {
     /// Per node index: its plan and variant pack.
     packs: HashMap<usize, (std::sync::Arc<SdpaPlan>, VariantPack)>,
     cudnn: Cudnn,
-    workspace: cudarc::driver::sys::CUdeviceptr,
 }
 
 use std::collections::HashMap;
 
 impl Drop for AttentionRunner {
     fn drop(&mut self) {
-        // the packs and plans before the handle, then the memory they pointed into
+        // the packs and plans before the handle
         self.packs.clear();
-        if self.workspace != 0 {
-            // SAFETY: allocated by malloc_sync in `prepare`, freed once; the context is
-            // current (the executor binds it before tearing down).
-            unsafe {
-                let _ = cudarc::driver::result::free_sync(self.workspace);
-            }
-        }
     }
 }
 
@@ -716,14 +717,15 @@ fn fall_back(low: &mut super::lower::LoweredPlan, i: usize, why: &str) -> Result
 }
 
 /// Builds the cuDNN plans of `low`'s [`super::work::Work::Sdpa`] nodes (once per distinct
-/// graph), allocates the shared workspace, and makes each node's variant pack against the
-/// arena at `base`; a node whose graph cuDNN cannot build (or every node, when cuDNN does not
-/// open) gets its fallback instead. `None` when no node runs on cuDNN. Errors: a node with
-/// neither, a failed allocation.
+/// graph, each within the workspace the lowering reserved for it) and makes each node's
+/// variant pack against the arena at `base`, its workspace and scratch in the arena's
+/// attention region; a node whose graph cuDNN cannot build (or every node, when cuDNN does
+/// not open) gets its fallback instead. `None` when no node runs on cuDNN. Errors: a node
+/// with neither.
 ///
 /// # Safety
 /// libcudnn was probed loadable ([`available`]); the context is current; `stream` is its
-/// compute stream and `base` the arena.
+/// compute stream and `base` the arena (`low.alloc_bytes` bytes).
 pub(super) unsafe fn prepare(
     low: &mut super::lower::LoweredPlan,
     stream: *mut c_void,
@@ -745,6 +747,7 @@ pub(super) unsafe fn prepare(
             return Ok(None);
         }
     };
+    let (region, region_bytes) = low.attention_workspace;
     let mut built: HashMap<String, Result<std::sync::Arc<SdpaPlan>, String>> = HashMap::new();
     let mut chosen = Vec::new();
     for i in sdpa_nodes {
@@ -755,9 +758,20 @@ pub(super) unsafe fn prepare(
         else {
             continue;
         };
+        if sw.graph.reserved_bytes() > region_bytes {
+            let why = format!(
+                "internal: the arena's attention region ({region_bytes} bytes) is smaller \
+                 than this node's {} bytes",
+                sw.graph.reserved_bytes()
+            );
+            fall_back(low, i, &why)?;
+            continue;
+        }
         let r = built
             .entry(sw.graph.key())
-            .or_insert_with(|| cudnn.build(&sw.graph).map(std::sync::Arc::new))
+            .or_insert_with(|| {
+                (cudnn.build(&sw.graph, sw.graph.workspace_bound())).map(std::sync::Arc::new)
+            })
             .clone();
         match r {
             Ok(plan) => chosen.push((i, plan, sw.clone())),
@@ -767,23 +781,9 @@ pub(super) unsafe fn prepare(
     if chosen.is_empty() {
         return Ok(None);
     }
-    let ws = chosen.iter().map(|c| c.1.workspace).max().unwrap_or(0);
-    let ws_aligned = ws.div_ceil(256) * 256;
-    let scratch = chosen
-        .iter()
-        .map(|c| c.2.graph.scratch().iter().map(|s| s.1).sum::<u64>())
-        .max()
-        .unwrap_or(0);
-    let bytes = ws_aligned + scratch;
-    let workspace = if bytes > 0 {
-        cudarc::driver::result::malloc_sync(bytes as usize)
-            .map_err(|e| format!("allocating cuDNN attention's {bytes}-byte workspace: {e:?}"))?
-    } else {
-        0
-    };
     note_once(&format!(
         "cuDNN {} runs {} attention node(s) with {} distinct graph(s) (engines {:?}); \
-         workspace {bytes} bytes, allocated once outside the planned arena",
+         workspace up to {} bytes, in the arena's {region_bytes}-byte attention region",
         cudnn.version,
         chosen.len(),
         built.values().filter(|r| r.is_ok()).count(),
@@ -792,21 +792,22 @@ pub(super) unsafe fn prepare(
             e.sort_unstable();
             e.dedup();
             e
-        }
+        },
+        chosen.iter().map(|c| c.1.workspace).max().unwrap_or(0),
     ));
     let mut runner = AttentionRunner {
         packs: HashMap::new(),
         cudnn,
-        workspace,
     };
     for (i, plan, sw) in chosen {
         let mut ptrs: Vec<(i64, u64)> = sw.operands.iter().map(|&(u, o)| (u, base + o)).collect();
-        let mut at = workspace + ws_aligned;
+        // the workspace first (its reserved bound), then the scratch
+        let mut at = base + region + sw.graph.workspace_bound();
         for (role, b) in sw.graph.scratch() {
             ptrs.push((role.uid(), at));
             at += b;
         }
-        let ws_ptr = if plan.workspace > 0 { workspace } else { 0 };
+        let ws_ptr = if plan.workspace > 0 { base + region } else { 0 };
         match runner.cudnn.variant_pack(&plan, &ptrs, ws_ptr) {
             Ok(pack) => {
                 runner.packs.insert(i, (plan, pack));

@@ -524,11 +524,18 @@ fn live_ranges(p: &Program, u: &Uses) -> Vec<(usize, usize)> {
 /// Rewrites the lowered work of the chosen products (`HZP_CUDA_LT=1`): the product's `Gemm`
 /// becomes an [`LtGemm`](super::work::LtGemm) that writes `D` where the last absorbed node
 /// wrote its result, the absorbed nodes and the views that only fed them do no work. Wired
-/// only where the lowering can keep the plan's memory: an f32 product of one call, and every
-/// result the call writes earlier than the plan did (`D`, the pre-activation, a bias gradient)
-/// has a buffer no other value holds between the product and the node that wrote it, and no
-/// node it replaces is a member of an elementwise fused run (`fused`, per node). Gives per
-/// chosen product whether it was wired or why not.
+/// only where the lowering can keep the plan's memory: an f32, bf16 or f16 product of one
+/// call (operands, `D`, the bias and the auxiliary matrix all of that type, accumulated in
+/// f32), placed where every buffer it touches is its own:
+/// - at the product, when every result the call writes earlier than the plan did (`D`, the
+///   pre-activation, a bias gradient) has a buffer no other value holds between the product
+///   and the node that wrote it;
+/// - otherwise at the first absorbed node, when the product records no event, what the call
+///   reads (its operands, the bias, the pre-activation) keeps its bytes until there, and the
+///   results it writes earlier than planned hold their buffers from there.
+///
+/// No node it replaces may be a member of an elementwise fused run (`fused`, per node) or
+/// record or wait for an event. Gives per chosen product whether it was wired or why not.
 pub fn wire(
     p: &Program,
     loc: &[(u64, u64)],
@@ -536,102 +543,219 @@ pub fn wire(
     fused: &[bool],
     nodes: &mut [super::work::NodeWork],
 ) -> Vec<(usize, Result<(), String>)> {
-    use super::work::{LtGemm, Work};
     let u = Uses::new(p);
-    let live = live_ranges(p, &u);
     let mut producer = vec![None; p.values.len()];
     for (i, n) in p.nodes.iter().enumerate() {
         for &v in &n.outputs {
             producer[v.index()] = Some(i);
         }
     }
+    let w = Wiring {
+        p,
+        loc,
+        live: live_ranges(p, &u),
+        producer,
+        u,
+    };
     let mut out = Vec::new();
     for c in choices.iter().filter(|c| c.epilogue != Epilogue::Default) {
-        let m = c.node;
-        let r = (|| -> Result<LtGemm, String> {
-            let gemms: Vec<&super::work::Gemm> = nodes[m]
-                .work
-                .iter()
-                .filter_map(|w| match w {
-                    Work::Gemm(g) => Some(g),
-                    _ => None,
-                })
-                .collect();
-            let [g] = gemms[..] else {
-                return Err("not one cuBLAS product".into());
-            };
-            if g.dtype != DType::F32 || g.batch != 1 || g.calls.len() != 1 {
-                return Err(format!(
-                    "wired for one f32 product only ({}, batch {}, {} calls)",
-                    g.dtype,
-                    g.batch,
-                    g.calls.len()
-                ));
+        match w.one(c, fused, nodes) {
+            Ok((at, lt, gone)) => {
+                w.apply(c.node, at, lt, &gone, nodes);
+                out.push((c.node, Ok(())));
             }
-            // the chain: the product's result, the absorbed results, views that only feed them
-            let mut chain: Vec<ValueId> = p.nodes[m].outputs.clone();
-            for &a in &c.absorbs {
-                chain.extend(&p.nodes[a].outputs);
-            }
-            let dead_views = dead_views(p, &u, m, &c.absorbs);
-            if let Some(&f) = (c.absorbs.iter().chain(&dead_views)).find(|&&a| fused[a]) {
-                return Err(format!("{} is in an elementwise fused run", name(p, f)));
-            }
-            for &v in &dead_views {
-                chain.extend(&p.nodes[v].outputs);
-            }
-            // results written at the product instead of later
-            let early: Vec<ValueId> = [c.d, c.aux, c.bias]
-                .into_iter()
-                .flatten()
-                .filter(|v| producer[v.index()].is_some_and(|q| q > m))
-                .collect();
-            for &o in &early {
-                let q = producer[o.index()].unwrap_or(m);
-                let a = loc[o.index()];
-                for (w, &lw) in live.iter().enumerate() {
-                    let wv = ValueId(w as u32);
-                    if chain.contains(&wv) || !overlap(loc[w], a) {
-                        continue;
-                    }
-                    if lw.0 <= q && lw.1 >= m {
-                        return Err(format!(
-                            "`{}`'s buffer holds `{}` between the product and node {q}",
-                            p.value(o).name,
-                            p.value(wv).name
-                        ));
-                    }
-                }
-            }
-            let mut gemm = g.clone();
-            if let Some(d) = c.d {
-                gemm.calls[0].2 = loc[d.index()].0;
-            }
-            let at = |v: Option<ValueId>| v.map(|v| loc[v.index()].0);
-            let lt = LtGemm {
-                gemm,
-                epilogue: c.epilogue,
-                bias: at(c.bias),
-                aux: at(c.aux),
-            };
-            for &a in c.absorbs.iter().chain(&dead_views) {
-                nodes[a].work.clear();
-            }
-            Ok(lt)
-        })();
-        match r {
-            Ok(lt) => {
-                for w in nodes[m].work.iter_mut() {
-                    if matches!(w, Work::Gemm(_)) {
-                        *w = Work::LtGemm(lt.clone());
-                    }
-                }
-                out.push((m, Ok(())));
-            }
-            Err(e) => out.push((m, Err(e))),
+            Err(e) => out.push((c.node, Err(e))),
         }
     }
     out
+}
+
+/// What [`wire`] reads of the plan: its program, buffers, each value's live range (program
+/// positions of its definition and last reader) and producer.
+struct Wiring<'a> {
+    p: &'a Program,
+    loc: &'a [(u64, u64)],
+    live: Vec<(usize, usize)>,
+    producer: Vec<Option<usize>>,
+    u: Uses,
+}
+
+fn has_events(nw: &super::work::NodeWork) -> bool {
+    use super::work::Work;
+    nw.work
+        .iter()
+        .any(|w| matches!(w, Work::Record(_) | Work::Wait(_)))
+}
+
+impl Wiring<'_> {
+    /// The call for choice `c`: where it runs (a node), the call, and the nodes whose work
+    /// goes away (absorbed, and the views only they read).
+    fn one(
+        &self,
+        c: &Choice,
+        fused: &[bool],
+        nodes: &[super::work::NodeWork],
+    ) -> Result<(usize, super::work::LtGemm, Vec<usize>), String> {
+        use super::work::{LtGemm, Work};
+        let (p, loc, m) = (self.p, self.loc, c.node);
+        let gemms: Vec<&super::work::Gemm> = (nodes[m].work.iter())
+            .filter_map(|w| match w {
+                Work::Gemm(g) => Some(g),
+                _ => None,
+            })
+            .collect();
+        let [g] = gemms[..] else {
+            return Err("not one cuBLAS product".into());
+        };
+        if !float(g.dtype) || g.batch != 1 || g.calls.len() != 1 {
+            return Err(format!(
+                "wired for one f32, bf16 or f16 product only ({}, batch {}, {} calls)",
+                g.dtype,
+                g.batch,
+                g.calls.len()
+            ));
+        }
+        // the chain: the product's result, the absorbed results, views that only feed them
+        let mut chain: Vec<ValueId> = p.nodes[m].outputs.clone();
+        for &a in &c.absorbs {
+            chain.extend(&p.nodes[a].outputs);
+        }
+        let dead_views = dead_views(p, &self.u, m, &c.absorbs);
+        let gone: Vec<usize> = c.absorbs.iter().chain(&dead_views).copied().collect();
+        if let Some(&f) = gone.iter().find(|&&a| fused[a]) {
+            return Err(format!("{} is in an elementwise fused run", name(p, f)));
+        }
+        for &v in &dead_views {
+            chain.extend(&p.nodes[v].outputs);
+        }
+        let at = match self.writes_from(c, &chain, m) {
+            Ok(()) => m,
+            Err(early) => self.late(c, &chain, nodes).map_err(|late| {
+                format!("at the product: {early}; at the first absorbed node: {late}")
+            })?,
+        };
+        if let Some(&a) = gone.iter().find(|&&a| a != at && has_events(&nodes[a])) {
+            return Err(format!(
+                "{} records or waits for an event another stream depends on",
+                name(p, a)
+            ));
+        }
+        let mut gemm = g.clone();
+        if let Some(d) = c.d {
+            gemm.calls[0].2 = loc[d.index()].0;
+        }
+        let off = |v: Option<ValueId>| v.map(|v| loc[v.index()].0);
+        let lt = LtGemm {
+            gemm,
+            epilogue: c.epilogue,
+            bias: off(c.bias),
+            aux: off(c.aux),
+        };
+        Ok((at, lt, gone))
+    }
+
+    /// Whether every result the call writes earlier than the plan (produced after node `at`)
+    /// has its buffer to itself from `at` to where the plan wrote it.
+    fn writes_from(&self, c: &Choice, chain: &[ValueId], at: usize) -> Result<(), String> {
+        for o in [c.d, c.aux, c.bias].into_iter().flatten() {
+            let Some(q) = self.producer[o.index()].filter(|&q| q > at) else {
+                continue;
+            };
+            if let Some(wv) = self.holder(o, chain, |(def, last)| def <= q && last >= at) {
+                return Err(format!(
+                    "`{}`'s buffer holds `{}` between node {at} and node {q}",
+                    self.p.value(o).name,
+                    self.p.value(wv).name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Another value than `o` and the chain's whose buffer overlaps `o`'s and whose live
+    /// range satisfies `when`.
+    fn holder(
+        &self,
+        o: ValueId,
+        chain: &[ValueId],
+        when: impl Fn((usize, usize)) -> bool,
+    ) -> Option<ValueId> {
+        let a = self.loc[o.index()];
+        (self.live.iter().enumerate())
+            .map(|(w, &lw)| (ValueId(w as u32), lw))
+            .find(|&(wv, lw)| {
+                wv != o && !chain.contains(&wv) && overlap(self.loc[wv.index()], a) && when(lw)
+            })
+            .map(|x| x.0)
+    }
+
+    /// The call at the first absorbed node after the product, where it may run there.
+    fn late(
+        &self,
+        c: &Choice,
+        chain: &[ValueId],
+        nodes: &[super::work::NodeWork],
+    ) -> Result<usize, String> {
+        let (p, m) = (self.p, c.node);
+        let Some(&q0) = c.absorbs.iter().filter(|&&a| a > m).min() else {
+            return Err("nothing absorbed after the product".into());
+        };
+        if has_events(&nodes[m]) {
+            return Err("the product records or waits for an event".into());
+        }
+        let mut reads: Vec<ValueId> = p.nodes[m].inputs.clone();
+        match c.epilogue {
+            Epilogue::Bias | Epilogue::GeluAuxBias => reads.extend(c.bias),
+            Epilogue::Dgelu | Epilogue::DgeluBgrad => reads.extend(c.aux),
+            _ => {}
+        }
+        for &i in &reads {
+            if let Some(wv) = self.holder(i, chain, |(def, _)| def > m && def < q0) {
+                return Err(format!(
+                    "`{}` is overwritten by `{}` before node {q0}",
+                    p.value(i).name,
+                    p.value(wv).name
+                ));
+            }
+        }
+        self.writes_from(c, chain, q0)?;
+        Ok(q0)
+    }
+
+    /// Puts the call in node `at`'s work (in place of the product's `Gemm`, or after the
+    /// absorbed node's waits and before its records) and empties the work of `gone`.
+    fn apply(
+        &self,
+        m: usize,
+        at: usize,
+        lt: super::work::LtGemm,
+        gone: &[usize],
+        nodes: &mut [super::work::NodeWork],
+    ) {
+        use super::work::Work;
+        if at == m {
+            for w in nodes[m].work.iter_mut() {
+                if matches!(w, Work::Gemm(_)) {
+                    *w = Work::LtGemm(lt.clone());
+                }
+            }
+        } else {
+            nodes[m].work.retain(|w| !matches!(w, Work::Gemm(_)));
+        }
+        for &a in gone {
+            if a == at {
+                let old = std::mem::take(&mut nodes[a].work);
+                let waits = old.iter().filter(|w| matches!(w, Work::Wait(_))).cloned();
+                let records = old.iter().filter(|w| matches!(w, Work::Record(_))).cloned();
+                nodes[a].work = waits
+                    .chain(std::iter::once(Work::LtGemm(lt.clone())))
+                    .chain(records)
+                    .collect();
+            } else {
+                nodes[a].work.clear();
+            }
+        }
+    }
 }
 
 fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {

@@ -165,11 +165,22 @@ pub fn lower_program_with(
         lt_epilogues(p, &loc, &runs, opts.lt_epilogues, rank, &mut nodes);
     }
     let err_offset = plan.arena_bytes.div_ceil(256) * 256;
-    let (consts, alloc_bytes) = if opts.per_node_adamw {
+    let (consts, tables_end) = if opts.per_node_adamw {
         (Vec::new(), err_offset + 256)
     } else {
         super::adamw_multi::apply(p, &loc, &mut nodes, err_offset + 256)?
     };
+    let attention_workspace = (
+        tables_end.div_ceil(256) * 256,
+        (nodes.iter().flat_map(|nw| &nw.work))
+            .filter_map(|w| match w {
+                Work::Sdpa(sw) => Some(sw.graph.reserved_bytes()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0),
+    );
+    let alloc_bytes = attention_workspace.0 + attention_workspace.1;
     Ok(LoweredPlan {
         rank,
         nodes,
@@ -179,6 +190,7 @@ pub fn lower_program_with(
         alloc_bytes,
         err_offset,
         consts,
+        attention_workspace,
         updates,
         loc,
         fused_source: runs.iter().map(|r| r.source.as_str()).collect(),

@@ -79,12 +79,20 @@ impl LtRun {
         let err = |what: &str, e: cudarc::cublaslt::result::CublasError| {
             format!("cuBLASLt: {what}: {e:?}")
         };
+        // operands, D, the bias and the auxiliary matrix share the product's type (cuBLASLt's
+        // default for the bias and aux types); f32 accumulation and f32 alpha / beta
         let f32t = lt_sys::cudaDataType::CUDA_R_32F;
+        let elem = match g.gemm.dtype {
+            hzp_ir::DType::F32 => f32t,
+            hzp_ir::DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
+            hzp_ir::DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
+            other => return Err(format!("internal: a cuBLASLt product of {other}")),
+        };
         let desc = lt::create_matmul_desc(lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
             .map_err(|e| err("creating the descriptor", e))?;
         let layout = |t: bool, r: usize, k: usize, ld: usize| {
             let (rr, cc) = if t { (k, r) } else { (r, k) };
-            lt::create_matrix_layout(f32t, rr as u64, cc as u64, ld as i64)
+            lt::create_matrix_layout(elem, rr as u64, cc as u64, ld as i64)
         };
         let a_l = layout(c.trans_x, c.m, c.k, c.ldx).map_err(|e| err("layout of A", e))?;
         let b_l = layout(c.trans_y, c.k, c.n, c.ldy).map_err(|e| err("layout of B", e))?;

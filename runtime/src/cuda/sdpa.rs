@@ -750,6 +750,47 @@ impl SdpaGraph {
             .collect()
     }
 
+    /// Bytes of cuDNN workspace the lowering reserves for this graph in the planned arena:
+    /// cuDNN's fused backward accumulates dQ in f32 (`b*hq*t*d` floats) beside a per-row sum
+    /// (`b*hq*t` floats), and with grouped K/V it keeps per-query-head dK and dV partials in the
+    /// I/O type (`b*hq*s*d` elements each); 1 MiB on top for the engines' own counters and
+    /// alignment. The forward takes the 1 MiB. An engine configuration that asks more is
+    /// passed over ([`super::cudnn::Cudnn::build`]); a graph none fits runs on hzp's kernels,
+    /// saying so.
+    pub fn workspace_bound(&self) -> u64 {
+        let sh = &self.shape;
+        let slack = 1u64 << 20;
+        if self.kind == SdpaKind::Forward {
+            return slack;
+        }
+        let (b, hq, t, s, d) = (
+            sh.b as u64,
+            sh.hq as u64,
+            sh.t as u64,
+            sh.s as u64,
+            sh.d as u64,
+        );
+        let io = match sh.io {
+            SdpaType::F32 | SdpaType::I32 => 4,
+            SdpaType::BF16 | SdpaType::F16 => 2,
+            SdpaType::Bool => 1,
+        };
+        let dq = 4 * b * hq * t * d;
+        let rows = 4 * b * hq * t;
+        let gqa = if sh.hq != sh.hkv {
+            2 * io * b * hq * s * d
+        } else {
+            0
+        };
+        (dq + rows + gqa + slack).div_ceil(256) * 256
+    }
+
+    /// Bytes this graph's node needs in the arena's attention region: its workspace bound,
+    /// then its scratch ([`Self::scratch`]).
+    pub fn reserved_bytes(&self) -> u64 {
+        self.workspace_bound() + self.scratch().iter().map(|s| s.1).sum::<u64>()
+    }
+
     /// A key naming the graph: equal keys, equal graphs (what a cache of built plans is keyed
     /// by).
     pub fn key(&self) -> String {

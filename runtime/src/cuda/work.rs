@@ -308,13 +308,19 @@ pub struct LoweredPlan {
     pub event_stream: Vec<usize>,
     /// The rank's communicators, in the order every rank creates them.
     pub comms: Vec<CommKey>,
-    /// Bytes to allocate: the arena plus the error word.
+    /// Bytes to allocate: the arena, the error word, the AdamW tables and the attention
+    /// workspace.
     pub alloc_bytes: u64,
     /// Offset of the 4-byte error word (after the arena, aligned).
     pub err_offset: u64,
     /// Bytes the executor writes once, when it loads the plan, after the error word: the
     /// multi-tensor AdamW tables ([`super::adamw_multi`]), as (offset, bytes).
     pub consts: Vec<(u64, Vec<u8>)>,
+    /// The region of the arena cuDNN's attention nodes share, one after another on the
+    /// compute stream: (offset, bytes), the largest [`super::sdpa::SdpaGraph::reserved_bytes`]
+    /// of the nodes lowered to [`Work::Sdpa`]; (offset, 0) without such nodes. Part of
+    /// [`Self::alloc_bytes`]: the executor allocates nothing beside the arena for attention.
+    pub attention_workspace: (u64, u64),
     /// (value offset, target offset, bytes) per update, in the plan's order.
     pub updates: Vec<(u64, u64, u64)>,
     /// Buffer of each value: (offset, bytes); bytes 0 for empty values.
