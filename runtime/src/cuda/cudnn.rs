@@ -318,10 +318,14 @@ fn operation(op: &SdpaOp, ts: &BTreeMap<i64, Desc>, keep: &mut Vec<Desc>) -> Res
     }
 }
 
+/// How a plan refused for its workspace says so (and how [`Cudnn::build`] finds it did).
+const OVER_RESERVED: &str = "more than the arena reserves for it";
+
 impl Cudnn {
     /// Builds `g` into a finalized execution plan: descriptors, operation graph, heuristics
     /// (mode A, then the fallback list), the first engine configuration whose plan finalizes
-    /// and needs at most `max_workspace` bytes (what the arena reserves), its workspace size.
+    /// and needs at most `max_workspace` bytes (what the arena reserves), its workspace size;
+    /// where every engine that finalizes asks more, the first of them.
     pub fn build(&self, g: &SdpaGraph, max_workspace: u64) -> Result<SdpaPlan, String> {
         let mut parts: Vec<Desc> = Vec::new();
         let mut ts: BTreeMap<i64, Desc> = BTreeMap::new();
@@ -341,11 +345,21 @@ impl Cudnn {
         graph.finalize("the operation graph")?;
 
         let mut errors = Vec::new();
-        for mode in [
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
-            match self.plan_by(&graph, mode, max_workspace) {
+        // within the reserved workspace first; then, where only that kept every engine out,
+        // whatever the first engine asks (the caller allocates it apart, saying so)
+        let over = |errors: &[String]| errors.iter().any(|e| e.contains(OVER_RESERVED));
+        use sys::cudnnBackendHeurMode_t as Mode;
+        let tries = [
+            (max_workspace, Mode::CUDNN_HEUR_MODE_A),
+            (max_workspace, Mode::CUDNN_HEUR_MODE_FALLBACK),
+            (u64::MAX, Mode::CUDNN_HEUR_MODE_A),
+            (u64::MAX, Mode::CUDNN_HEUR_MODE_FALLBACK),
+        ];
+        for (limit, mode) in tries {
+            if limit == u64::MAX && !over(&errors) {
+                break;
+            }
+            match self.plan_by(&graph, mode, limit) {
                 Ok((plan, workspace, engine, heur, cfgs)) => {
                     let scalars = g
                         .tensors
@@ -437,8 +451,8 @@ impl Cudnn {
         for cfg in cfgs.iter().take(got.max(0) as usize) {
             match self.plan_of(cfg) {
                 Ok((_, workspace)) if workspace > max_workspace => errors.push(format!(
-                    "engine {} needs {workspace} bytes of workspace, over the {max_workspace} \
-                     the plan's arena reserves for it",
+                    "engine {} needs {workspace} bytes of workspace, {OVER_RESERVED} \
+                     ({max_workspace})",
                     engine_index(cfg).unwrap_or(-1)
                 )),
                 Ok((plan, workspace)) => {
@@ -664,14 +678,24 @@ pub(super) struct AttentionRunner {
     /// Per node index: its plan and variant pack.
     packs: HashMap<usize, (std::sync::Arc<SdpaPlan>, VariantPack)>,
     cudnn: Cudnn,
+    /// The workspace of plans whose engine asks more than the region holds (0: none),
+    /// allocated apart at load time.
+    apart: cudarc::driver::sys::CUdeviceptr,
 }
 
 use std::collections::HashMap;
 
 impl Drop for AttentionRunner {
     fn drop(&mut self) {
-        // the packs and plans before the handle
+        // the packs and plans before the handle, then the memory they pointed into
         self.packs.clear();
+        if self.apart != 0 {
+            // SAFETY: allocated by malloc_sync in `prepare`, freed once; the context is
+            // current (the executor binds it before tearing down).
+            unsafe {
+                let _ = cudarc::driver::result::free_sync(self.apart);
+            }
+        }
     }
 }
 
@@ -717,7 +741,8 @@ fn fall_back(low: &mut super::lower::LoweredPlan, i: usize, why: &str) -> Result
 }
 
 /// Builds the cuDNN plans of `low`'s [`super::work::Work::Sdpa`] nodes (once per distinct
-/// graph, each within the workspace the lowering reserved for it) and makes each node's
+/// graph, each within the workspace the lowering reserved for it where an engine fits, else
+/// with its workspace allocated apart, said once) and makes each node's
 /// variant pack against the arena at `base`, its workspace and scratch in the arena's
 /// attention region; a node whose graph cuDNN cannot build (or every node, when cuDNN does
 /// not open) gets its fallback instead. `None` when no node runs on cuDNN. Errors: a node
@@ -795,9 +820,27 @@ pub(super) unsafe fn prepare(
         },
         chosen.iter().map(|c| c.1.workspace).max().unwrap_or(0),
     ));
+    // engines that asked more than the region (only where no engine fit): one allocation
+    let apart_bytes = (chosen.iter())
+        .filter(|c| c.1.workspace > c.2.graph.workspace_bound())
+        .map(|c| c.1.workspace)
+        .max()
+        .unwrap_or(0);
+    let apart = if apart_bytes > 0 {
+        note_once(&format!(
+            "cuDNN: no engine runs some attention graph within the workspace the arena \
+             reserves; {apart_bytes} bytes allocated apart, outside the memory plan"
+        ));
+        cudarc::driver::result::malloc_sync(apart_bytes as usize).map_err(|e| {
+            format!("allocating cuDNN attention's {apart_bytes}-byte workspace: {e:?}")
+        })?
+    } else {
+        0
+    };
     let mut runner = AttentionRunner {
         packs: HashMap::new(),
         cudnn,
+        apart,
     };
     for (i, plan, sw) in chosen {
         let mut ptrs: Vec<(i64, u64)> = sw.operands.iter().map(|&(u, o)| (u, base + o)).collect();
@@ -807,7 +850,11 @@ pub(super) unsafe fn prepare(
             ptrs.push((role.uid(), at));
             at += b;
         }
-        let ws_ptr = if plan.workspace > 0 { base + region } else { 0 };
+        let ws_ptr = match plan.workspace {
+            0 => 0,
+            w if w > sw.graph.workspace_bound() => apart,
+            _ => base + region,
+        };
         match runner.cudnn.variant_pack(&plan, &ptrs, ws_ptr) {
             Ok(pack) => {
                 runner.packs.insert(i, (plan, pack));

@@ -755,8 +755,8 @@ impl SdpaGraph {
     /// (`b*hq*t` floats), and with grouped K/V it keeps per-query-head dK and dV partials in the
     /// I/O type (`b*hq*s*d` elements each); 1 MiB on top for the engines' own counters and
     /// alignment. The forward takes the 1 MiB. An engine configuration that asks more is
-    /// passed over ([`super::cudnn::Cudnn::build`]); a graph none fits runs on hzp's kernels,
-    /// saying so.
+    /// passed over (`cudnn::Cudnn::build`); where every engine asks more, the executor
+    /// allocates the first one's workspace apart, saying so.
     pub fn workspace_bound(&self) -> u64 {
         let sh = &self.shape;
         let slack = 1u64 << 20;
