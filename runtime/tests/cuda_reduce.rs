@@ -30,7 +30,7 @@
 //!
 //! A label outside the classes sets the error word to the node's code, the lane's output
 //! zero and the other lanes as on the CPU (where the step fails). A mutated source (one
-//! `-` of `norm_grad_k` made `+`) must fail the comparison. NVRTC compiles the source in
+//! operation of `norm_grad_k` and one of `xent_k` changed) must fail the comparison. NVRTC compiles the source in
 //! `runtime/tests/cuda_kernels.rs`.
 
 mod common;
