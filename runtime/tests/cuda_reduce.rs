@@ -37,36 +37,12 @@ mod common;
 #[path = "../../tests/common/skip.rs"]
 mod skip;
 
-use common::plan_of;
-use hzp_ir::tensor::Data;
+use common::{bytes_of, plan_of, run_cmd, tempdir, Rng};
 use hzp_ir::{DType, Plan, Tensor};
 use hzp_runtime::cuda::lower::{lower_program, Arg, LoweredPlan, Work};
 use hzp_runtime::executor::PlanExecutor;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-/// Deterministic pseudo-random numbers in [0, 1).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f64 {
-        let s = &mut self.0;
-        *s ^= *s << 13;
-        *s ^= *s >> 7;
-        *s ^= *s << 17;
-        (*s >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-fn bytes_of(t: &Tensor) -> Vec<u8> {
-    match &t.data {
-        Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        Data::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
-    }
-}
+use std::path::Path;
 
 /// The values of `bytes` read as `dtype`, widened to f64.
 fn floats_of(dtype: DType, bytes: &[u8]) -> Vec<f64> {
@@ -368,23 +344,6 @@ int main(int argc, char** argv) {
     return 0;
 }
 "#;
-
-fn run_cmd(c: &mut std::process::Command) -> std::process::Output {
-    let o = c.output().unwrap_or_else(|e| panic!("{c:?}: {e}"));
-    assert!(
-        o.status.success(),
-        "{c:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hzp-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 const CXX_FLAGS: [&str; 5] = [
     "-O1",

@@ -54,3 +54,47 @@ pub fn executor(
     ex.set_inputs(inputs).map_err(|e| e.to_string())?;
     Ok(ex)
 }
+
+// ---- for the tests that run CUDA kernel sources as C++ on the CPU
+
+/// Deterministic pseudo-random numbers in [0, 1).
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> f64 {
+        let s = &mut self.0;
+        *s ^= *s << 13;
+        *s ^= *s >> 7;
+        *s ^= *s << 17;
+        (*s >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+pub fn bytes_of(t: &hzp_ir::Tensor) -> Vec<u8> {
+    match &t.data {
+        hzp_ir::tensor::Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        hzp_ir::tensor::Data::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        hzp_ir::tensor::Data::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        hzp_ir::tensor::Data::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        hzp_ir::tensor::Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        hzp_ir::tensor::Data::Bool(v) => v.iter().map(|&b| b as u8).collect(),
+    }
+}
+
+/// Runs `c`, failing the test with its output when it does not succeed.
+pub fn run_cmd(c: &mut std::process::Command) -> std::process::Output {
+    let o = c.output().unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{c:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// A fresh folder under the system's temporary directory, named for `tag` and this process.
+pub fn tempdir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("hzp-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
