@@ -325,10 +325,41 @@ fn regathered_all(fwd: &Program, cfg: &TrainConfig, recompute: bool) -> HashSet<
             }
         }
     }
+    let layer = |n: usize| fwd_layer[grad.nodes[n].name.as_str()];
     if !recompute {
+        // A value the forward computes from parameters and constants alone (a parameter
+        // cast to the compute dtype), read by the backward and by no forward node of another
+        // layer, is computed again in the backward: its parameters are gathered again.
+        let mut derived: HashSet<hzp_ir::ValueId> = params.clone();
+        for (i, n) in grad.nodes.iter().enumerate() {
+            let from_weights = n.inputs.iter().all(|v| {
+                derived.contains(v) || matches!(grad.value(*v).def, hzp_ir::ValueDef::Const)
+            }) && n.inputs.iter().any(|v| derived.contains(v));
+            let local = n.outputs.iter().all(|o| {
+                !grad.outputs.contains(o)
+                    && users[o.index()]
+                        .iter()
+                        .all(|u| !is_fwd(u.index()) || layer(u.index()) == layer(i))
+            });
+            if is_fwd(i) && from_weights && layer(i).is_some() && local {
+                derived.extend(n.outputs.iter().copied());
+            }
+        }
+        while let Some(v) = wanted.pop() {
+            if params.contains(&v) || !derived.contains(&v) {
+                continue;
+            }
+            let pn = grad.producer(v).unwrap().index();
+            for &x in &grad.nodes[pn].inputs {
+                if params.contains(&x) {
+                    out.insert(grad.value(x).name.clone());
+                } else {
+                    wanted.push(x);
+                }
+            }
+        }
         return out;
     }
-    let layer = |n: usize| fwd_layer[grad.nodes[n].name.as_str()];
     let recomputable = |v: hzp_ir::ValueId| -> bool {
         let Some(pn) = grad.producer(v) else {
             return false;

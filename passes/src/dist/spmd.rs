@@ -456,6 +456,86 @@ fn recompute_closure(
     (need_layer, closure, recomputed)
 }
 
+/// Without recompute but with `reshard_after_forward`: the values the forward computes from
+/// a layer's parameters and constants alone (a parameter cast to the compute dtype, a
+/// transposed or reshaped weight) that the backward reads, recomputed in the backward from
+/// the parameters gathered again for it, as [`recompute_closure`] gives them. Kept from the
+/// forward they would hold the layer's gathered weights (in another form) through the step,
+/// which resharding after the forward is there to avoid; recomputing them costs a cast or a
+/// view. Only parameters that are gathered (`gathered`, per parameter) count: a rank that
+/// holds a whole parameter frees nothing by casting it again. Values of the `kept` layer
+/// (gathered into the backward anyway), values read by a forward node of another layer (a
+/// tied weight) and outputs stay as they are.
+fn weight_closure(
+    micro: &Program,
+    is_fwd: &[bool],
+    node_layer: &[Option<usize>],
+    n_layers: usize,
+    kept: Option<usize>,
+    gathered: &[bool],
+) -> (HashMap<ValueId, usize>, Vec<Vec<usize>>, HashSet<ValueId>) {
+    let users = micro.users();
+    // values computed from gathered parameters and constants alone, by forward nodes
+    let mut weights_only = vec![false; micro.values.len()];
+    for (q, &g) in micro.params.iter().zip(gathered) {
+        weights_only[q.value.index()] = g;
+    }
+    let mut closure = vec![Vec::new(); n_layers];
+    let mut recomputed = HashSet::new();
+    let mut need_layer = HashMap::new();
+    for (i, node) in micro.nodes.iter().enumerate() {
+        let derived = is_fwd[i]
+            && node
+                .inputs
+                .iter()
+                .all(|v| weights_only[v.index()] || matches!(micro.value(*v).def, ValueDef::Const))
+            && node.inputs.iter().any(|v| weights_only[v.index()]);
+        if !derived {
+            continue;
+        }
+        let Some(l) = node_layer[i].filter(|&l| Some(l) != kept) else {
+            continue;
+        };
+        let local = node.outputs.iter().all(|o| {
+            !micro.outputs.contains(o)
+                && users[o.index()]
+                    .iter()
+                    .all(|u| !is_fwd[u.index()] || node_layer[u.index()] == Some(l))
+        });
+        if !local {
+            continue;
+        }
+        for &o in &node.outputs {
+            weights_only[o.index()] = true;
+            recomputed.insert(o);
+            if users[o.index()].iter().any(|u| !is_fwd[u.index()]) {
+                need_layer.insert(o, l);
+            }
+        }
+        closure[l].push(i);
+    }
+    // only the chains some backward read needs
+    let mut needed: HashSet<usize> = HashSet::new();
+    let mut stack: Vec<ValueId> = need_layer.keys().copied().collect();
+    while let Some(v) = stack.pop() {
+        let Some(p) = micro.producer(v).map(|x| x.index()) else {
+            continue;
+        };
+        if recomputed.contains(&v) && needed.insert(p) {
+            stack.extend(micro.nodes[p].inputs.iter().copied());
+        }
+    }
+    for c in closure.iter_mut() {
+        c.retain(|i| needed.contains(i));
+    }
+    recomputed.retain(|v| {
+        micro
+            .producer(*v)
+            .is_some_and(|p| needed.contains(&p.index()))
+    });
+    (need_layer, closure, recomputed)
+}
+
 /// The layer whose parameters stay gathered from the forward into the backward (see
 /// `Analysis::kept`): that of the forward's last read of a parameter or of a value computed
 /// from parameters and constants alone (a transposed or cast weight, read later than the
@@ -487,21 +567,26 @@ fn kept_layer(micro: &Program, is_fwd: &[bool], param_layer: &[usize]) -> Option
 }
 
 impl Analysis {
+    /// `gathered`: per parameter, whether its group gathers it (more than one rank holds a
+    /// shard of it).
     fn new(
         micro: &Program,
         with_loss: &Program,
         sched: &ScheduleOptions,
+        gathered: &[bool],
     ) -> Result<Analysis, TrainError> {
         let grouping = crate::report::layer_of_params(with_loss);
         let (param_layer, param_index, is_fwd, node_layer) =
             node_layers(micro, with_loss, &grouping)?;
         let n_layers = grouping.names.len();
+        let kept = kept_layer(micro, &is_fwd, &param_layer);
         let (need_layer, closure, recomputed) = if sched.recompute {
             recompute_closure(micro, &is_fwd, &node_layer, n_layers)
+        } else if sched.reshard_after_forward {
+            weight_closure(micro, &is_fwd, &node_layer, n_layers, kept, gathered)
         } else {
             (HashMap::new(), vec![Vec::new(); n_layers], HashSet::new())
         };
-        let kept = kept_layer(micro, &is_fwd, &param_layer);
         let mut a = Analysis {
             is_fwd,
             node_layer,
@@ -659,7 +744,14 @@ pub fn shard_training_step_rewritten(
     let micro = train::gradient_program_scaled(&fwd_lp, &cfg.loss, 1.0 / (groups.w * m) as f64)?;
     let an = {
         let with_loss = train::attach_loss(&fwd_lp, &cfg.loss)?;
-        Analysis::new(&micro, &with_loss, sched)?
+        // whether each parameter is gathered (over P, or P \ E for an expert slice)
+        let gathered: Vec<bool> = (micro.params.iter())
+            .map(|q| match groups.expert(&micro.value(q.value).name) {
+                Some(x) => x.p > 1,
+                None => groups.p > 1,
+            })
+            .collect();
+        Analysis::new(&micro, &with_loss, sched, &gathered)?
     };
     drop(fwd_lp);
 
@@ -1504,6 +1596,14 @@ impl StepBuilder<'_> {
         recompute: bool,
     ) -> Result<Vec<ValueId>, String> {
         let node = &self.micro.nodes[i];
+        // a parameter's cast to the compute dtype reads the rank's shard or gathered copy,
+        // already of that dtype: no node, no second copy of the weight
+        if let (Op::Cast { to }, [x], [y]) = (&node.op, &node.inputs[..], &ins[..]) {
+            if self.an.param_index.contains_key(x) && e.p.ty(*y) == self.micro.ty(node.outputs[0]) {
+                debug_assert_eq!(e.p.ty(*y).dtype, *to);
+                return Ok(vec![*y]);
+            }
+        }
         let role = if recompute {
             Role::of(RoleKind::Recompute)
         } else {

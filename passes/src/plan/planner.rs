@@ -2128,10 +2128,14 @@ fn check_options(mesh: &Mesh, opts: &ShardOptions) -> Result<(), ShardPlanError>
     Ok(())
 }
 
-/// Mixed candidates: a plan that fits with G reaching across nodes keeps as many layers'
-/// gradients accumulating inside the node (G ∩ node-local) as the memory left allows:
-/// those cross the node boundary once per step instead of once per micro-batch. The mixed
-/// candidates that fit.
+/// Mixed candidates: a plan that fits with G reaching across nodes keeps layers' gradients
+/// accumulating inside the node (G ∩ node-local): those cross the node boundary once per
+/// step instead of once per micro-batch. As many layers as the memory left allows (taken in
+/// layer order), and, since the narrow layers' reductions across nodes come at the end of
+/// the step where the last layers' backward cannot hide them, also each eighth of those, the
+/// layers whose backward comes first (the last layers) first, unless every layer narrow is
+/// as fast (within [`SAME_SPEED`]).
+/// The mixed candidates that fit.
 fn mixed_candidates(
     ctx: &Ctx,
     cache: &mut CostCache,
@@ -2165,14 +2169,34 @@ fn mixed_candidates(
                 flags[l] = true;
             }
         }
-        // none: nothing to mix; all: that is the candidate with G = the narrow group
-        if !flags.iter().any(|&f| f) || flags.iter().all(|&f| f) {
-            continue;
+        let fit: Vec<usize> = (0..prof.layers).rev().filter(|&l| flags[l]).collect();
+        let mut sets: Vec<Vec<bool>> = vec![flags];
+        // every layer narrow as fast as none: that candidate already sends the fewest bytes
+        let all_narrow_as_fast = candidates.iter().any(|a| {
+            a.fits
+                && a.narrow.is_none()
+                && (&a.params, &a.grads, &a.optim) == (&c.params, &ng, &c.optim)
+                && a.step_s <= c.step_s * (1.0 + SAME_SPEED)
+        });
+        for q in (1..8).filter(|_| !all_narrow_as_fast) {
+            let k = (fit.len() * q).div_ceil(8);
+            let mut part = vec![false; prof.layers];
+            for &l in &fit[..k] {
+                part[l] = true;
+            }
+            sets.push(part);
         }
         let (pg, gg, og) = (c.params.clone(), c.grads.clone(), c.optim.clone());
-        let mixed = evaluate(ctx, cache, &pg, &gg, &og, Some((&ng, &flags)))?;
-        if mixed.fits {
-            out.push(mixed);
+        let mut seen = std::collections::HashSet::new();
+        for set in sets {
+            // none: nothing to mix; all: that is the candidate with G = the narrow group
+            if !set.iter().any(|&f| f) || set.iter().all(|&f| f) || !seen.insert(set.clone()) {
+                continue;
+            }
+            let mixed = evaluate(ctx, cache, &pg, &gg, &og, Some((&ng, &set)))?;
+            if mixed.fits {
+                out.push(mixed);
+            }
         }
     }
     Ok(out)
