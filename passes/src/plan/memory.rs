@@ -888,22 +888,37 @@ pub fn plan_memory(
         .filter(|&i| !lives[i].whole_step && sizes[i] > 0 && !aliased[i])
         .collect();
     let start = |i: usize| lives[i].def.map_or(-1, |d| d as i64);
-    let mut order = transient.clone();
-    order.sort_by_key(|&i| (std::cmp::Reverse(align_up(sizes[i])), start(i), i));
     // First fit: each buffer goes at the lowest offset where it overlaps no placed buffer it
     // conflicts with. A placed buffer `a` conflicts with `b` exactly when the later-issued
     // one's producer lies in the earlier one's window on its stream (see `windows`), or both
     // were produced before the step; `Occupancy` answers that without visiting every placed
     // buffer that may be live together with `b` (saved activations make that set grow with
-    // the layers).
+    // the layers). Two orders, the smaller arena kept (the first on a tie): largest first,
+    // and in the order the buffers are produced (which packs a step whose buffers come in
+    // many sizes, as bf16 activations beside f32 gradients do, more tightly).
     let wins = windows(&hb, &lives);
-    let mut occ = Occupancy::new(stream_lens(&hb));
-    for &b in &order {
-        let need = align_up(sizes[b]);
-        let def = def_slot(&hb, &lives[b]);
-        let at = occ.first_fit(&wins[b], def, base, need);
-        offset[b] = at;
-        occ.insert(&wins[b], def, at, at.saturating_add(need));
+    let place = |order: &[usize]| -> (Vec<(usize, u64)>, u64) {
+        let mut occ = Occupancy::new(stream_lens(&hb));
+        let mut placed = Vec::with_capacity(order.len());
+        let mut top = base;
+        for &b in order {
+            let need = align_up(sizes[b]);
+            let def = def_slot(&hb, &lives[b]);
+            let at = occ.first_fit(&wins[b], def, base, need);
+            occ.insert(&wins[b], def, at, at.saturating_add(need));
+            top = top.max(at.saturating_add(need));
+            placed.push((b, at));
+        }
+        (placed, top)
+    };
+    let mut by_size = transient.clone();
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(align_up(sizes[i])), start(i), i));
+    let mut by_start = transient;
+    by_start.sort_by_key(|&i| (start(i), std::cmp::Reverse(align_up(sizes[i])), i));
+    let (a, top_a) = place(&by_size);
+    let (b, top_b) = place(&by_start);
+    for (i, at) in if top_b < top_a { b } else { a } {
+        offset[i] = at;
     }
     // (persistent roots were placed first, transient ones just now)
     for (i, r) in roots.iter().enumerate() {
