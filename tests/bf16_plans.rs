@@ -1,8 +1,9 @@
 //! What a bf16 sharded plan holds, against the same plan in fp32: parameters are gathered
 //! in bf16 and resharded after the forward like the fp32 plan's, so the bf16 plan's arena is
 //! the smaller one (its activations are half the size). A plan that kept each layer's
-//! gathered bf16 weights (or a copy of them) from the forward to the backward, or that
-//! packed its many-sized buffers loosely, fails this.
+//! gathered bf16 weights (or a copy of them) from the forward to the backward, that copied
+//! the logits in f32 for the loss more than once, or that packed its many-sized buffers
+//! loosely, fails this.
 
 mod common;
 use common::*;
@@ -61,6 +62,23 @@ fn a_bf16_zero3_plan_reshards_like_fp32_and_holds_less() {
         })
         .count();
     assert_eq!(copies, 0);
+    // the loss: the logits cast to f32 once and its gradient, no f32 copy of the logits
+    // shifted by a position or padded back (the shift is taken before the LM head)
+    let vocab_wide_f32 = bf16["program"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| {
+            let l = l.as_str().unwrap_or("");
+            l.split(" : f32[").nth(1).is_some_and(|t| {
+                let dims: Vec<u64> = (t.split(']').next().unwrap_or("").split(','))
+                    .filter_map(|d| d.trim().parse().ok())
+                    .collect();
+                dims.len() == 3 && dims[2] == 128256
+            })
+        })
+        .count();
+    assert_eq!(vocab_wide_f32, 2);
     let arena = |p: &serde_json::Value| p["arena_bytes"].as_u64().unwrap();
     assert!(
         arena(&bf16) < arena(&f32),

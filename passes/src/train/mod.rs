@@ -274,15 +274,17 @@ fn emit_loss(p: &mut Program, y: ValueId, kind: &LossKind) -> Result<ValueId, Tr
                     steps: vec![1],
                 };
                 // The last position predicts nothing: leave it out before the LM head's
-                // product rather than after (the logits are the largest tensor of the step)
+                // product rather than after (the logits are the largest tensor of the step),
+                // else before the logits are cast to f32 for the loss (a bf16 copy, not f32)
                 let lg = match head {
                     Some((h, w)) => {
                         let hs = e.op(shift, &[h])?;
-                        e.op(Op::MatMul, &[hs, w])?
+                        let lg = e.op(Op::MatMul, &[hs, w])?;
+                        to_f32(&mut e, lg)?
                     }
                     None => {
-                        let y = to_f32(&mut e, y)?;
-                        e.op(shift, &[y])?
+                        let ys = e.op(shift, &[y])?;
+                        to_f32(&mut e, ys)?
                     }
                 };
                 let lb = e.op(
@@ -342,7 +344,7 @@ fn emit_loss(p: &mut Program, y: ValueId, kind: &LossKind) -> Result<ValueId, Tr
     })
 }
 
-/// When the logits `y` are an f32 `MatMul(h, w)` of hidden states `h` [batch, seq, hidden]
+/// When the logits `y` are a float `MatMul(h, w)` of hidden states `h` [batch, seq, hidden]
 /// and a matrix `w`, read by nothing else: `(h, w)`. Slicing positions of `h` then gives the
 /// same rows of the product as slicing the logits.
 fn sliceable_head(p: &Program, y: ValueId) -> Option<(ValueId, ValueId)> {
@@ -354,7 +356,7 @@ fn sliceable_head(p: &Program, y: ValueId) -> Option<(ValueId, ValueId)> {
         return None;
     };
     let read_elsewhere = p.nodes.iter().any(|m| m.inputs.contains(&y));
-    let ok = p.ty(y).dtype == DType::F32
+    let ok = p.ty(y).dtype.is_float()
         && p.ty(*h).rank() == 3
         && p.ty(*w).rank() == 2
         && p.ty(*h).shape[..2] == p.ty(y).shape[..2]
