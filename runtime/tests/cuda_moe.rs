@@ -14,7 +14,7 @@ mod common;
 #[path = "../../tests/common/skip.rs"]
 mod skip;
 
-use common::{bytes_of, plan_of, run_cmd, tempdir, Rng};
+use common::{bytes_of, emulation_input, plan_of, run_cmd, tempdir, Rng, EMULATION_MAIN};
 use hzp_ir::{DType, Op, Plan, Tensor};
 use hzp_runtime::cuda::lower::{lower_program, Arg, LoweredPlan, Work};
 use hzp_runtime::executor::PlanExecutor;
@@ -108,15 +108,6 @@ impl Case {
         }
     }
 
-    fn offset(&self, name: &str) -> u64 {
-        let v = self
-            .plan
-            .program
-            .find_value(name.trim_start_matches('%'))
-            .unwrap();
-        self.low.loc[v.index()].0
-    }
-
     /// The C++ function that runs every launch of the lowering in order.
     fn function(&self, k: usize) -> String {
         let mut s = format!("static void case{k}(char* A) {{\n");
@@ -147,49 +138,7 @@ impl Case {
         }
         s + "}\n"
     }
-
-    /// The input file of the emulation: (offset, bytes) of each input, then the (offset,
-    /// length) of each output, the error word last.
-    fn input_file(&self, outputs: &[&str]) -> Vec<u8> {
-        let mut b = Vec::new();
-        b.extend((self.inputs.len() as u64).to_le_bytes());
-        for (name, t) in &self.inputs {
-            let data = bytes_of(t);
-            b.extend(self.offset(name).to_le_bytes());
-            b.extend((data.len() as u64).to_le_bytes());
-            b.extend(data);
-        }
-        b.extend((outputs.len() as u64 + 1).to_le_bytes());
-        for name in outputs {
-            let v = self
-                .plan
-                .program
-                .find_value(name.trim_start_matches('%'))
-                .unwrap();
-            b.extend(self.offset(name).to_le_bytes());
-            b.extend((self.plan.program.ty(v).size_bytes() as u64).to_le_bytes());
-        }
-        b.extend(self.low.err_offset.to_le_bytes());
-        b.extend(4u64.to_le_bytes());
-        b
-    }
 }
-
-const MAIN: &str = r#"
-int main(int argc, char** argv) {
-    long alloc = atol(argv[2]);
-    char* A = (char*)calloc(alloc, 1);
-    size_t n; char* in = read_all(argv[3], &n); size_t at = 0;
-    u64 parts; memcpy(&parts, in, 8); at = 8;
-    for (u64 q = 0; q < parts; ++q) { u64 off, len; memcpy(&off, in + at, 8);
-        memcpy(&len, in + at + 8, 8); memcpy(A + off, in + at + 16, len); at += 16 + len; }
-    run_case(atoi(argv[1]), A);
-    u64 outs; memcpy(&outs, in + at, 8); at += 8;
-    for (u64 q = 0; q < outs; ++q) { u64 off, len; memcpy(&off, in + at, 8);
-        memcpy(&len, in + at + 8, 8); fwrite(A + off, 1, len, stdout); at += 16; }
-    return 0;
-}
-"#;
 
 /// Compiles the cases into one program and runs each: per case, the named outputs' bytes
 /// and the error word.
@@ -203,7 +152,7 @@ fn emulate(cxx: &str, dir: &Path, cases: &[Case], outputs: &[&[&str]]) -> Vec<(V
         src += &format!("    case {k}: case{k}(A); break;\n");
     }
     src += "    }\n}\n";
-    src += MAIN;
+    src += EMULATION_MAIN;
     let cpp = dir.join("moe.cpp");
     let exe = dir.join("moe");
     std::fs::write(&cpp, &src).unwrap();
@@ -225,7 +174,7 @@ fn emulate(cxx: &str, dir: &Path, cases: &[Case], outputs: &[&[&str]]) -> Vec<(V
         .enumerate()
         .map(|(k, (c, outs))| {
             let inp = dir.join(format!("in{k}.bin"));
-            std::fs::write(&inp, c.input_file(outs)).unwrap();
+            std::fs::write(&inp, emulation_input(&c.plan, &c.low, &c.inputs, outs)).unwrap();
             let o = run_cmd(
                 std::process::Command::new(&exe)
                     .arg(k.to_string())

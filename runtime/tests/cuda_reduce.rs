@@ -37,7 +37,7 @@ mod common;
 #[path = "../../tests/common/skip.rs"]
 mod skip;
 
-use common::{bytes_of, plan_of, run_cmd, tempdir, Rng};
+use common::{bytes_of, emulation_input, plan_of, run_cmd, tempdir, Rng, EMULATION_MAIN};
 use hzp_ir::{DType, Plan, Tensor};
 use hzp_runtime::cuda::lower::{lower_program, Arg, LoweredPlan, Work};
 use hzp_runtime::executor::PlanExecutor;
@@ -232,15 +232,6 @@ impl Case {
         }
     }
 
-    fn offset(&self, name: &str) -> u64 {
-        let v = self
-            .plan
-            .program
-            .find_value(name.trim_start_matches('%'))
-            .unwrap();
-        self.low.loc[v.index()].0
-    }
-
     /// The C++ function that runs every launch of the lowering in order; the kernels
     /// launched.
     fn function(&self, k: usize) -> (String, Vec<String>) {
@@ -278,32 +269,6 @@ impl Case {
         (s + "}\n", kernels)
     }
 
-    /// The input file of the emulation: (offset, bytes) of each input, then the (offset,
-    /// length) of each output, the error word last.
-    fn input_file(&self) -> Vec<u8> {
-        let mut b = Vec::new();
-        b.extend((self.inputs.len() as u64).to_le_bytes());
-        for (name, t) in &self.inputs {
-            let data = bytes_of(t);
-            b.extend(self.offset(name).to_le_bytes());
-            b.extend((data.len() as u64).to_le_bytes());
-            b.extend(data);
-        }
-        b.extend((self.outputs.len() as u64 + 1).to_le_bytes());
-        for name in &self.outputs {
-            let v = self
-                .plan
-                .program
-                .find_value(name.trim_start_matches('%'))
-                .unwrap();
-            b.extend(self.offset(name).to_le_bytes());
-            b.extend((self.plan.program.ty(v).size_bytes() as u64).to_le_bytes());
-        }
-        b.extend(self.low.err_offset.to_le_bytes());
-        b.extend(4u64.to_le_bytes());
-        b
-    }
-
     /// The CPU executor's outputs (`Err`: the step's error).
     fn cpu(&self) -> Result<Vec<Tensor>, String> {
         let mut ex: Box<dyn PlanExecutor> = Box::new(
@@ -328,22 +293,6 @@ impl Case {
             .collect())
     }
 }
-
-const MAIN: &str = r#"
-int main(int argc, char** argv) {
-    long alloc = atol(argv[2]);
-    char* A = (char*)calloc(alloc, 1);
-    size_t n; char* in = read_all(argv[3], &n); size_t at = 0;
-    u64 parts; memcpy(&parts, in, 8); at = 8;
-    for (u64 q = 0; q < parts; ++q) { u64 off, len; memcpy(&off, in + at, 8);
-        memcpy(&len, in + at + 8, 8); memcpy(A + off, in + at + 16, len); at += 16 + len; }
-    run_case(atoi(argv[1]), A);
-    u64 outs; memcpy(&outs, in + at, 8); at += 8;
-    for (u64 q = 0; q < outs; ++q) { u64 off, len; memcpy(&off, in + at, 8);
-        memcpy(&len, in + at + 8, 8); fwrite(A + off, 1, len, stdout); at += 16; }
-    return 0;
-}
-"#;
 
 const CXX_FLAGS: [&str; 5] = [
     "-O1",
@@ -402,7 +351,7 @@ fn emulate(
         src += &format!("    case {k}: case{k}(A); break;\n");
     }
     src += "    }\n}\n";
-    src += MAIN;
+    src += EMULATION_MAIN;
     let cpp = dir.join("reduce.cpp");
     let exe = dir.join("reduce");
     std::fs::write(&cpp, &src).unwrap();
@@ -418,7 +367,11 @@ fn emulate(
         .enumerate()
         .map(|(k, c)| {
             let inp = dir.join(format!("in{k}.bin"));
-            std::fs::write(&inp, c.input_file()).unwrap();
+            std::fs::write(
+                &inp,
+                emulation_input(&c.plan, &c.low, &c.inputs, &c.outputs),
+            )
+            .unwrap();
             let o = run_cmd(
                 std::process::Command::new(&exe)
                     .arg(k.to_string())

@@ -98,3 +98,61 @@ pub fn tempdir(tag: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// The `main` of an emulation program: `main CASE ALLOC INPUT` zeroes an arena of ALLOC bytes,
+/// copies in the parts of INPUT ([`emulation_input`]), runs `run_case(CASE, arena)` and
+/// writes the listed ranges of the arena to stdout.
+pub const EMULATION_MAIN: &str = r#"
+int main(int argc, char** argv) {
+    long alloc = atol(argv[2]);
+    char* A = (char*)calloc(alloc, 1);
+    size_t n; char* in = read_all(argv[3], &n); size_t at = 0;
+    u64 parts; memcpy(&parts, in, 8); at = 8;
+    for (u64 q = 0; q < parts; ++q) { u64 off, len; memcpy(&off, in + at, 8);
+        memcpy(&len, in + at + 8, 8); memcpy(A + off, in + at + 16, len); at += 16 + len; }
+    run_case(atoi(argv[1]), A);
+    u64 outs; memcpy(&outs, in + at, 8); at += 8;
+    for (u64 q = 0; q < outs; ++q) { u64 off, len; memcpy(&off, in + at, 8);
+        memcpy(&len, in + at + 8, 8); fwrite(A + off, 1, len, stdout); at += 16; }
+    return 0;
+}
+"#;
+
+/// The arena offset of value `name` (a leading `%` allowed) in `low`, lowered from `plan`.
+pub fn value_offset(plan: &Plan, low: &hzp_runtime::cuda::lower::LoweredPlan, name: &str) -> u64 {
+    let v = plan
+        .program
+        .find_value(name.trim_start_matches('%'))
+        .unwrap_or_else(|| panic!("no value `{name}`"));
+    low.loc[v.index()].0
+}
+
+/// The input file of [`EMULATION_MAIN`]: each input's (offset, bytes, data), then the ranges
+/// to write out: each of `outputs`, then the 4-byte error word.
+pub fn emulation_input(
+    plan: &Plan,
+    low: &hzp_runtime::cuda::lower::LoweredPlan,
+    inputs: &std::collections::HashMap<String, hzp_ir::Tensor>,
+    outputs: &[&str],
+) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend((inputs.len() as u64).to_le_bytes());
+    for (name, t) in inputs {
+        let data = bytes_of(t);
+        b.extend(value_offset(plan, low, name).to_le_bytes());
+        b.extend((data.len() as u64).to_le_bytes());
+        b.extend(data);
+    }
+    b.extend((outputs.len() as u64 + 1).to_le_bytes());
+    for name in outputs {
+        let v = plan
+            .program
+            .find_value(name.trim_start_matches('%'))
+            .unwrap();
+        b.extend(value_offset(plan, low, name).to_le_bytes());
+        b.extend((plan.program.ty(v).size_bytes() as u64).to_le_bytes());
+    }
+    b.extend(low.err_offset.to_le_bytes());
+    b.extend(4u64.to_le_bytes());
+    b
+}
