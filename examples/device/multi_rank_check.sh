@@ -469,19 +469,16 @@ if want lt; then
   for spec in $EXPLICIT; do
     IFS=: read -r stem loss extra <<<"$spec"
     base=${stem%%.*}
-    f=$W/$stem.lt
-    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 -o $f.json >/dev/null 2>$f.cerr || { el "RESULT lt $stem: FAIL compile"; tail -5 $f.cerr; continue; }
-    timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.n.npz >$f.n.out 2>$f.n.err || el "lt $stem without: rc=$?"
-    HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.y.npz >$f.y.out 2>$f.y.err || { el "RESULT lt $stem: FAIL rc=$?"; tail -20 $f.y.err; continue; }
-    el "lt $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $f.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $f.y.err) not wired"
-    TOL=1e-4 python3 $D/compare_ranks.py "lt $stem cuBLASLt epilogues vs apart" $f.n.out $f.y.out $f.n.npz $f.y.npz
-    # bf16: the same products with bf16 operands, D, bias and aux (f32 accumulation)
-    g=$W/$stem.lt16
-    $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 --precision bf16 -o $g.json >/dev/null 2>$g.cerr || { el "RESULT lt-bf16 $stem: FAIL compile"; tail -5 $g.cerr; continue; }
-    timeout $T $H run $g.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $g.n.npz >$g.n.out 2>$g.n.err || el "lt-bf16 $stem without: rc=$?"
-    HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $g.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $g.y.npz >$g.y.out 2>$g.y.err || { el "RESULT lt-bf16 $stem: FAIL rc=$?"; tail -20 $g.y.err; continue; }
-    el "lt-bf16 $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $g.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $g.y.err) not wired"
-    TOL=1e-2 python3 $D/compare_ranks.py "lt-bf16 $stem cuBLASLt epilogues vs apart" $g.n.out $g.y.out $g.n.npz $g.y.npz
+    # fp32, and bf16: the same products with bf16 operands, D, bias and aux (f32 accumulation)
+    for leg in lt:fp32:1e-4 lt-bf16:bf16:1e-2; do
+      IFS=: read -r name prec tol <<<"$leg"
+      f=$W/$stem.$name
+      $H compile --no-fuse-attention $M/$stem.onnx --inputs $M/$base.io.npz --loss $loss $extra --mesh gpu=1 --precision $prec -o $f.json >/dev/null 2>$f.cerr || { el "RESULT $name $stem: FAIL compile"; tail -5 $f.cerr; continue; }
+      timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.n.npz >$f.n.out 2>$f.n.err || el "$name $stem without: rc=$?"
+      HZP_CUDA_LT=1 HZP_CUDA_EXPLAIN=1 timeout $T $H run $f.json --inputs $M/$base.io.npz --steps $STEPS --backend cuda --format json --save-params $f.y.npz >$f.y.out 2>$f.y.err || { el "RESULT $name $stem: FAIL rc=$?"; tail -20 $f.y.err; continue; }
+      el "$name $stem: $(grep -c ': GELU_AUX_BIAS\|: BIAS\|: DGELU\|: BGRADA' $f.y.err) products with an epilogue, $(grep -c 'stays a cuBLAS product' $f.y.err) not wired"
+      TOL=$tol python3 $D/compare_ranks.py "$name $stem cuBLASLt epilogues vs apart" $f.n.out $f.y.out $f.n.npz $f.y.npz
+    done
   done
 fi
 if want e2e; then
