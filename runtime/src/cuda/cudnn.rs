@@ -318,9 +318,6 @@ fn operation(op: &SdpaOp, ts: &BTreeMap<i64, Desc>, keep: &mut Vec<Desc>) -> Res
     }
 }
 
-/// How a plan refused for its workspace says so (and how [`Cudnn::build`] finds it did).
-const OVER_RESERVED: &str = "more than the arena reserves for it";
-
 impl Cudnn {
     /// Builds `g` into a finalized execution plan: descriptors, operation graph, heuristics
     /// (mode A, then the fallback list), the first engine configuration whose plan finalizes
@@ -347,7 +344,7 @@ impl Cudnn {
         let mut errors = Vec::new();
         // within the reserved workspace first; then, where only that kept every engine out,
         // whatever the first engine asks (the caller allocates it apart, saying so)
-        let over = |errors: &[String]| errors.iter().any(|e| e.contains(OVER_RESERVED));
+        let mut over = false;
         use sys::cudnnBackendHeurMode_t as Mode;
         let tries = [
             (max_workspace, Mode::CUDNN_HEUR_MODE_A),
@@ -356,10 +353,10 @@ impl Cudnn {
             (u64::MAX, Mode::CUDNN_HEUR_MODE_FALLBACK),
         ];
         for (limit, mode) in tries {
-            if limit == u64::MAX && !over(&errors) {
+            if limit == u64::MAX && !over {
                 break;
             }
-            match self.plan_by(&graph, mode, limit) {
+            match self.plan_by(&graph, mode, limit, &mut over) {
                 Ok((plan, workspace, engine, heur, cfgs)) => {
                     let scalars = g
                         .tensors
@@ -390,13 +387,15 @@ impl Cudnn {
 
     /// The first engine configuration of heuristics `mode` whose execution plan finalizes
     /// within `max_workspace` bytes of workspace: (plan, workspace bytes, engine index, the
-    /// heuristics and configurations, kept alive).
+    /// heuristics and configurations, kept alive). Sets `over` when a plan finalized but
+    /// asked for more workspace.
     #[allow(clippy::type_complexity)]
     fn plan_by(
         &self,
         graph: &Desc,
         mode: sys::cudnnBackendHeurMode_t,
         max_workspace: u64,
+        over: &mut bool,
     ) -> Result<(Desc, u64, i64, Desc, Vec<Desc>), String> {
         let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
         heur.descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph])?;
@@ -450,11 +449,14 @@ impl Cudnn {
         let mut errors = Vec::new();
         for cfg in cfgs.iter().take(got.max(0) as usize) {
             match self.plan_of(cfg) {
-                Ok((_, workspace)) if workspace > max_workspace => errors.push(format!(
-                    "engine {} needs {workspace} bytes of workspace, {OVER_RESERVED} \
-                     ({max_workspace})",
-                    engine_index(cfg).unwrap_or(-1)
-                )),
+                Ok((_, workspace)) if workspace > max_workspace => {
+                    *over = true;
+                    errors.push(format!(
+                        "engine {} needs {workspace} bytes of workspace, more than the \
+                         {max_workspace} the arena reserves for it",
+                        engine_index(cfg).unwrap_or(-1)
+                    ))
+                }
                 Ok((plan, workspace)) => {
                     let engine = engine_index(cfg).unwrap_or(-1);
                     return Ok((plan, workspace, engine, heur, cfgs));
